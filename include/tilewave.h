@@ -1,0 +1,285 @@
+/*
+ * tilewave.h: the public C API of tilewave.
+ *
+ * tilewave runs the Mixture-of-Experts return path of distributed inference (expert down
+ * projection, then the combine all-to-all) so that the two overlap at tile granularity: a
+ * persistent grouped GEMM publishes each finished tile, and a persistent communication kernel on a
+ * few dedicated SMs forwards finished row bands to the ranks that own the tokens. An analytical
+ * model picks, before each launch, how many SMs the communication side gets.
+ *
+ * Conventions (borrowed from NCCL):
+ *  - every call returns a tw_status; tw_status_string() names the code and tw_last_error() gives
+ *    the detail of the last failure on the calling thread, including what to change;
+ *  - configuration structs start with size, magic and version and are filled by *_INIT macros;
+ *    a NULL config means defaults;
+ *  - handles are opaque; the object that creates a handle owns it until its *_destroy call;
+ *  - the library never owns the caller's ncclComm_t or cudaStream_t;
+ *  - nothing in the library calls exit() or abort().
+ *
+ * The planning half (problems, routings, plans, the resource model) is pure host code and works on
+ * any machine, with or without a GPU.
+ */
+#ifndef TILEWAVE_H
+#define TILEWAVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TW_VERSION_MAJOR 0
+#define TW_VERSION_MINOR 1
+#define TW_VERSION_PATCH 0
+/* Version of the config structs below; bumped whenever any of them changes layout. */
+#define TW_API_VERSION 1
+
+/* -------------------------------------------------------------------------------------------- */
+/* Status codes                                                                                 */
+/* -------------------------------------------------------------------------------------------- */
+
+/* X(name, value, message). One table gives both the enum and the strings. */
+#define TW_STATUS_TABLE(X)                                                                        \
+  X(TW_SUCCESS, 0, "success")                                                                     \
+  X(TW_ERR_NULL_POINTER, 1, "a required pointer argument is NULL")                                \
+  X(TW_ERR_INVALID_SIZE, 2, "a size or count is zero, negative or too large")                     \
+  X(TW_ERR_INVALID_ARGUMENT, 3, "an argument is out of its documented range")                     \
+  X(TW_ERR_CONFIG_VERSION, 4, "a config struct has the wrong size, magic or version")             \
+  X(TW_ERR_INDIVISIBLE, 5, "the expert count is not divisible by the world size")                 \
+  X(TW_ERR_TOPK_RANGE, 6, "top-k is outside 1..experts")                                          \
+  X(TW_ERR_EXPERT_ID, 7, "an expert id is outside 0..experts-1")                                  \
+  X(TW_ERR_DUPLICATE_EXPERT, 8, "a token names the same expert twice")                            \
+  X(TW_ERR_NONFINITE_WEIGHT, 9, "a gate weight is NaN or infinite")                               \
+  X(TW_ERR_CAPACITY, 10, "more tokens than the declared capacity")                                \
+  X(TW_ERR_ALIGNMENT, 11, "a dimension is not a multiple of what the kernels need")               \
+  X(TW_ERR_UNSUPPORTED, 12, "the requested feature or data type is not supported")                \
+  X(TW_ERR_OUT_OF_MEMORY, 13, "host or device memory allocation failed")                          \
+  X(TW_ERR_IO, 14, "a file could not be read, written or parsed")                                 \
+  X(TW_ERR_NO_DEVICE, 15, "no usable CUDA device")                                                \
+  X(TW_ERR_CUDA, 16, "a CUDA runtime or driver call failed")                                      \
+  X(TW_ERR_CUBLAS, 17, "a cuBLAS call failed")                                                    \
+  X(TW_ERR_NCCL, 18, "an NCCL call failed or the NCCL version does not match")                    \
+  X(TW_ERR_TIMEOUT, 19, "a device-side wait exceeded its timeout (TW_TIMEOUT_MS)")                \
+  X(TW_ERR_STATE, 20, "the object is in the wrong state for this call")                           \
+  X(TW_ERR_INTERNAL, 21, "internal error (a bug in tilewave; please report it)")
+
+typedef enum tw_status {
+#define TW__STATUS_ENUM(name, value, msg) name = value,
+  TW_STATUS_TABLE(TW__STATUS_ENUM)
+#undef TW__STATUS_ENUM
+} tw_status;
+
+/* Name and one-line meaning of a status code, e.g. "TW_ERR_TOPK_RANGE: top-k is outside ...".
+ * Never NULL; unknown codes give "TW_ERR_UNKNOWN". */
+const char* tw_status_string(tw_status status);
+
+/* Detail of the last failure on the calling thread (what was wrong and how to fix it), or "" if
+ * no call on this thread has failed. The string stays valid until the next tilewave call on the
+ * same thread. */
+const char* tw_last_error(void);
+
+/* Library version as MAJOR*10000 + MINOR*100 + PATCH. */
+int tw_version(void);
+
+/* -------------------------------------------------------------------------------------------- */
+/* Problem description                                                                          */
+/* -------------------------------------------------------------------------------------------- */
+
+typedef enum tw_dtype { TW_BF16 = 0, TW_FP16 = 1 } tw_dtype;
+
+#define TW_PROBLEM_MAGIC 0x74775062u /* "twPb" */
+
+/* One MoE layer, expert parallel: world_size ranks, one GPU each, experts/world_size local
+ * experts per rank, each token routed to top_k experts. GEMM2 (the down projection) has
+ * K = ffn and N = hidden. */
+typedef struct tw_problem {
+  size_t size;        /* sizeof(tw_problem) */
+  uint32_t magic;     /* TW_PROBLEM_MAGIC */
+  uint32_t version;   /* TW_API_VERSION */
+  int32_t world_size; /* W >= 1 */
+  int32_t hidden;     /* H: model width, GEMM2 N; multiple of 8 */
+  int32_t ffn;        /* F: expert FFN width, GEMM2 K; multiple of 8 */
+  int32_t experts;    /* E_total routed experts over all ranks; multiple of world_size */
+  int32_t top_k;      /* k in 1..experts */
+  int32_t max_tokens; /* capacity: most tokens any rank holds in one call */
+  int32_t tile_m;     /* GEMM2 tile height TM (row band height): 64 or 128; 0 = 128 */
+  int32_t tile_n;     /* GEMM2 tile width TN: 64, 128 or 256; 0 = chosen from hidden */
+  tw_dtype dtype;     /* activations and weights; TW_BF16 */
+} tw_problem;
+
+#define TW_PROBLEM_INIT                                                                           \
+  { sizeof(tw_problem), TW_PROBLEM_MAGIC, TW_API_VERSION, 1, 0, 0, 0, 0, 0, 0, 0, TW_BF16 }
+
+/* Checks a problem; returns the first violation with a message naming the fix. */
+tw_status tw_problem_validate(const tw_problem* problem);
+
+/* Model presets from the papers: name -> hidden, ffn, experts, top_k (tokens are up to you).
+ * Names: "granite-3.1-1b-a400m", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "m-gpt", "m-bert",
+ * "m-trans-xl" (case-insensitive). Leaves world_size, max_tokens and tiles untouched. */
+tw_status tw_problem_preset(const char* name, tw_problem* problem);
+/* Number of presets and the i-th preset's name, for listings. */
+int tw_preset_count(void);
+const char* tw_preset_name(int index);
+
+/* -------------------------------------------------------------------------------------------- */
+/* Routing: for every rank, for every token, top_k expert ids and gate weights                 */
+/* -------------------------------------------------------------------------------------------- */
+
+typedef struct tw_routing* tw_routing_t;
+
+typedef enum tw_router {
+  TW_ROUTER_BALANCED = 0,      /* uniform expert choice */
+  TW_ROUTER_MODERATE_SKEW = 1, /* Zipf expert popularity, exponent TW_ZIPF_MODERATE */
+  TW_ROUTER_STRESS_SKEW = 2,   /* Zipf expert popularity, exponent TW_ZIPF_STRESS */
+  TW_ROUTER_TARGET = 3         /* Zipf exponent solved so that R_expert hits a target */
+} tw_router;
+
+#define TW_ZIPF_MODERATE 0.6
+#define TW_ZIPF_STRESS 1.2
+
+/* Builds a routing from caller arrays (copied; the caller keeps ownership of its arrays).
+ * [in] tokens:     (world_size) tokens held by each rank, 0..max_tokens
+ * [in] expert_ids: (world_size) pointers, each (tokens[r], top_k) int32 expert ids, row-major
+ * [in] weights:    (world_size) pointers, each (tokens[r], top_k) float gate weights
+ * Ids must be in range and distinct within a token; weights must be finite. */
+tw_status tw_routing_create(const tw_problem* problem, const int32_t* tokens,
+                            const int32_t* const* expert_ids, const float* const* weights,
+                            tw_routing_t* routing);
+
+/* Generates a deterministic routing from a seed: every rank holds `tokens_per_rank` tokens.
+ * param: the target R_expert for TW_ROUTER_TARGET (>= 1), ignored otherwise. Weights are a
+ * softmax over the chosen experts' random logits (positive, sum 1 per token). */
+tw_status tw_routing_generate(const tw_problem* problem, tw_router router, double param,
+                              int32_t tokens_per_rank, uint64_t seed, tw_routing_t* routing);
+
+/* Reads / writes a routing file (text format documented in docs/routing-format.md). */
+tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routing_t* routing);
+tw_status tw_routing_write(tw_routing_t routing, const char* path);
+
+typedef struct tw_routing_stats {
+  double r_expert;          /* max_e L_e / (M k / E): 1 is perfectly balanced */
+  int64_t total_tokens;     /* M: tokens over all ranks */
+  int64_t max_expert_load;  /* max_e L_e: assignments to the busiest expert */
+  int64_t min_expert_load;  /* min_e L_e */
+  int64_t max_rank_rows;    /* most (token, k) rows any rank's experts receive */
+} tw_routing_stats;
+
+tw_status tw_routing_stats_get(tw_routing_t routing, tw_routing_stats* stats);
+/* (experts) assignments per expert, written to loads[0..experts-1]. */
+tw_status tw_routing_expert_loads(tw_routing_t routing, int64_t* loads);
+/* Read access to rank r's arrays (owned by the routing; valid until it is destroyed). */
+tw_status tw_routing_rank(tw_routing_t routing, int32_t rank, int32_t* tokens,
+                          const int32_t** expert_ids, const float** weights);
+tw_status tw_routing_destroy(tw_routing_t routing);
+
+/* -------------------------------------------------------------------------------------------- */
+/* Hardware description and calibration                                                         */
+/* -------------------------------------------------------------------------------------------- */
+
+#define TW_HARDWARE_MAGIC 0x74774877u /* "twHw" */
+
+/* What the resource model knows of the machine. tw_hardware_default() gives built-in H200
+ * numbers (measured, see the README); `tilewave calibrate` measures and writes a file that
+ * tw_hardware_read() loads. */
+typedef struct tw_hardware {
+  size_t size;
+  uint32_t magic;
+  uint32_t version;
+  int32_t sm_count;         /* G: SMs available to the operator */
+  int32_t occ_comp;         /* resident producer CTAs per SM */
+  int32_t occ_comm;         /* resident consumer CTAs per SM */
+  int32_t c_max;            /* largest consumer CTA count considered */
+  double tile_tflops;       /* producer throughput per SM in a full wave, TFLOP/s (bf16) */
+  double tile_overhead_us;  /* fixed cost per producer tile (epilogue, signal), us */
+  double link_cta_gbps;     /* NVLink push bandwidth of one consumer CTA, GB/s */
+  double link_peak_gbps;    /* saturated NVLink bandwidth per direction, GB/s */
+  double link_latency_us;   /* fixed cost of one remote segment write + flag, us */
+  double mem_gbps;          /* local device memory bandwidth (read + write), GB/s */
+  double rho_ref;           /* first paper's reference service-rate ratio (eq. 14) */
+} tw_hardware;
+
+tw_status tw_hardware_default(tw_hardware* hw);
+/* Text file of "key = value" lines, '#' comments; keys are the field names above. Missing keys
+ * keep their defaults; unknown keys are an error naming the key. */
+tw_status tw_hardware_read(const char* path, tw_hardware* hw);
+tw_status tw_hardware_write(const tw_hardware* hw, const char* path);
+
+/* -------------------------------------------------------------------------------------------- */
+/* Plans                                                                                        */
+/* -------------------------------------------------------------------------------------------- */
+
+typedef struct tw_plan* tw_plan_t;
+
+#define TW_PLAN_CONFIG_MAGIC 0x7477506cu /* "twPl" */
+
+typedef struct tw_plan_config {
+  size_t size;
+  uint32_t magic;
+  uint32_t version;
+  int32_t comm_ctas;  /* C: consumer CTAs; 0 = chosen by the model; an explicit value wins */
+  int32_t coalesce;   /* mgb: bands per middle segment; 0 = chosen by the model */
+  int32_t use_model;  /* 1 (default): analytical choice; 0: fixed TW_DEFAULT_COMM_CTAS/COALESCE */
+  const tw_hardware* hardware; /* NULL: TW_CALIBRATION file if set, else built-in defaults */
+} tw_plan_config;
+
+#define TW_PLAN_CONFIG_INIT                                                                       \
+  { sizeof(tw_plan_config), TW_PLAN_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 1, NULL }
+
+#define TW_DEFAULT_COMM_CTAS 8
+#define TW_DEFAULT_COALESCE 2
+
+/* Plans rank `rank`'s GEMM2 + combine: the remote-owner-aligned row layout of its local experts,
+ * the remote-first tile schedule, the combine plan (band destinations, offsets, segments) and
+ * the consumer partition (C, mgb). Pure host work; no GPU needed. */
+tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_t rank,
+                         const tw_plan_config* config, tw_plan_t* plan);
+tw_status tw_plan_destroy(tw_plan_t plan);
+
+typedef struct tw_plan_summary {
+  int32_t rank;
+  int32_t comm_ctas;        /* chosen or given C */
+  int32_t coalesce;         /* chosen or given mgb */
+  int64_t rows;             /* rows of the aligned layout, padding included */
+  int64_t padding_rows;     /* zero rows added at owner boundaries */
+  int64_t tiles;            /* producer tiles in the schedule */
+  int64_t remote_tiles;     /* tiles whose band is sent to another rank */
+  int64_t bands;            /* row bands */
+  int64_t segments;         /* transfer segments */
+  int64_t send_bytes;       /* bytes sent to other ranks */
+  double predicted_us;      /* model's T for the chosen partition */
+  double sequential_us;     /* model's GEMM-then-transfer time */
+  double solve_us;          /* time the model took to decide */
+} tw_plan_summary;
+
+tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary);
+
+/* Model prediction for one candidate (C, mgb) of this plan, in microseconds. */
+tw_status tw_plan_predict(tw_plan_t plan, int32_t comm_ctas, int32_t coalesce, double* t_us);
+
+/* -------------------------------------------------------------------------------------------- */
+/* The first paper's model (tensor-parallel GEMM2 + GatherRS), kept exactly                      */
+/* -------------------------------------------------------------------------------------------- */
+
+typedef struct tw_tp_workload {
+  int64_t m;          /* M: global tokens before top-k expansion */
+  int32_t n;          /* N: GEMM2 output width */
+  int32_t k;          /* K: local GEMM2 reduction dimension */
+  int32_t splits;     /* L */
+  int32_t ranks;      /* D */
+  int32_t experts;    /* E: local experts */
+  const int64_t* expert_rows; /* (experts) M_e */
+  int32_t tm, tn;     /* compute tile */
+  int32_t tm_comm, tn_comm; /* communication tile */
+} tw_tp_workload;
+
+/* Evaluates T(C) of equations (2)-(13) for C = 1..hw->c_max (t[C-1] in compute waves) and picks
+ * C* with the eq. (18) tie breaker. t may be NULL. */
+tw_status tw_tp_select(const tw_tp_workload* workload, const tw_hardware* hw, int32_t* best_c,
+                       double* t);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TILEWAVE_H */

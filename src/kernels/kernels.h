@@ -1,0 +1,60 @@
+/*
+ * kernels.h: host-side launchers of tilewave's CUDA kernels (internal). Each launcher validates
+ * its arguments, launches on the given stream and returns a tw_status; none synchronises.
+ */
+#ifndef TW_KERNELS_H
+#define TW_KERNELS_H
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "tilewave.h"
+#include "plan.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef uint16_t tw_bf16_bits; /* bf16 as raw bits on the host side */
+
+/* Fills n bf16 values with `bits` (poisoning outputs before a test run). */
+tw_status tw__fill_bf16(void* dst, size_t n, uint16_t bits, cudaStream_t stream);
+
+/* ---- Producer: persistent grouped GEMM over a tile list ------------------------------------ */
+
+typedef enum tw_signal_scope {
+  TW_SIGNAL_NONE = 0, /* no counters (GEMM1, or GEMM alone) */
+  TW_SIGNAL_GPU = 1,  /* consumer on the same GPU: red.release.gpu */
+  TW_SIGNAL_SYS = 2   /* counters or data read by a peer GPU: red.release.sys */
+} tw_signal_scope;
+
+typedef enum tw_epilogue {
+  TW_EPILOGUE_STORE = 0,  /* C = A B^T */
+  TW_EPILOGUE_SWIGLU = 1  /* GEMM1: B holds [gate | up] (2N rows); C = silu(A Bg^T) * (A Bu^T) */
+} tw_epilogue;
+
+typedef struct tw_gemm_args {
+  const void* a;           /* (rows, k) bf16 row-major: the layout's rows */
+  const void* b;           /* (experts, n_b, k) bf16: nn.Linear weight per expert, n_b = n, or
+                              2n for TW_EPILOGUE_SWIGLU */
+  void* c;                 /* (rows, n) bf16 row-major */
+  int32_t rows, k, n;      /* n: output columns */
+  int32_t experts;
+  const tw_tile* tiles;    /* (num_tiles) device array, execution order */
+  int32_t num_tiles;
+  int32_t tm, tn;          /* tile shape the tiles were planned for */
+  int32_t grid;            /* P: persistent CTAs (CTA j takes tiles j, j+P, ...); 0 = all SMs */
+  tw_signal_scope scope;
+  uint32_t* band_counters; /* (num_bands) device; +1 per finished tile of the band; NULL if none */
+  tw_epilogue epilogue;
+} tw_gemm_args;
+
+/* Launches the producer. Counters are only ever incremented: after epoch e (1-based) band b's
+ * counter reads e * col_tiles. */
+tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TW_KERNELS_H */

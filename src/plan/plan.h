@@ -1,0 +1,129 @@
+/*
+ * plan.h: the planner's data, as plain structs (internal).
+ *
+ * A plan is everything one rank needs to run GEMM2 + combine without a device-to-host sync:
+ * where each (token, k) row sits in the rank's GEMM input, in which order the producer computes
+ * the tiles, and where each finished row band goes. The arrays are flat so that the runtime can
+ * copy them to the device as they are.
+ *
+ * Words used throughout:
+ *   row      one (token, k-slot) assignment, H values wide, or a zero padding row;
+ *   group    the rows of one local expert owned by one rank (contiguous in the layout);
+ *   band     TM consecutive rows of one local expert, starting at a multiple of TM from the
+ *            expert's first row; every band belongs to exactly one group, hence one owner;
+ *   tile     one band x TN columns: the producer's unit of work;
+ *   segment  one or more consecutive bands of one group, sent as one contiguous remote write.
+ */
+#ifndef TW_PLAN_H
+#define TW_PLAN_H
+
+#include <stdint.h>
+
+#include "tilewave.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A routing: for each rank r, tokens[r] tokens, each with top_k (expert id, gate weight). */
+struct tw_routing {
+  tw_problem problem;
+  int32_t* tokens;      /* (W) tokens held by each rank */
+  int32_t** expert_ids; /* (W) -> (tokens[r], top_k) global expert ids */
+  float** weights;      /* (W) -> (tokens[r], top_k) gate weights */
+};
+
+/* Source of one layout row: the token it belongs to, or owner = -1 for a padding row. */
+typedef struct tw_row_src {
+  int32_t owner; /* rank that holds the token; -1 for padding */
+  int32_t token; /* token index on the owner */
+  int32_t slot;  /* which of the token's top_k choices (0..k-1) */
+} tw_row_src;
+
+/* One producer tile; the schedule is an array of these in execution order. */
+typedef struct tw_tile {
+  int32_t row0;   /* first row of the band in the rank's layout */
+  int32_t rows;   /* rows of the band to compute (< TM only in an expert's last band) */
+  int32_t expert; /* local expert index (selects the weight matrix) */
+  int32_t col0;   /* first output column */
+  int32_t band;   /* band index (its counter) */
+  int32_t pad_[3];
+} tw_tile;
+
+/* One row band of the rank's output. */
+typedef struct tw_band {
+  int32_t expert;      /* local expert */
+  int32_t row0;        /* first row in the layout */
+  int32_t rows;        /* rows in the band (TM except an expert's last band) */
+  int32_t valid_rows;  /* rows that carry tokens (the rest are padding, never sent) */
+  int32_t dest;        /* owner rank of every valid row */
+  int32_t segment;     /* segment index, -1 for local bands */
+  int64_t dest_offset; /* byte offset of the band's first valid row in dest's receive buffer;
+                          -1 for local bands */
+} tw_band;
+
+/* One transfer: bands [band0, band0 + nbands) of one group, contiguous at the source and the
+ * destination. */
+typedef struct tw_segment {
+  int32_t band0;
+  int32_t nbands;
+  int32_t dest;
+  int32_t src_row0;    /* first source row in the layout */
+  int32_t valid_rows;  /* rows sent */
+  int32_t ready_tiles; /* tiles that must be published before the segment is sent */
+  int64_t dest_offset; /* bytes, in dest's receive buffer */
+} tw_segment;
+
+struct tw_plan {
+  tw_problem problem;
+  tw_hardware hardware;
+  int32_t rank;
+  int32_t local_experts; /* E = experts / W */
+  int32_t tm, tn;        /* resolved tile shape */
+  int32_t col_tiles;     /* ceil(hidden / tn) */
+
+  /* Layout of this rank's GEMM2 input/output rows. */
+  int32_t rows;                /* total rows, padding included */
+  int32_t* expert_row0;        /* (E) first row of each local expert */
+  int32_t* expert_rows;        /* (E) rows of each local expert, padding included */
+  int32_t* expert_real_rows;   /* (E) M_e: rows that carry tokens */
+  tw_row_src* row_src;         /* (rows) source of each row */
+
+  /* Schedule: remote bands' tiles first, then local ones. */
+  int32_t num_tiles;
+  int32_t num_remote_tiles;    /* tiles[0..num_remote_tiles) are remote */
+  tw_tile* tiles;              /* (num_tiles) */
+  int32_t* expert_order;       /* (E) local experts, descending remote band count */
+
+  /* Combine plan. */
+  int32_t num_bands;
+  tw_band* bands;              /* (num_bands) in schedule order */
+  int32_t coalesce;            /* mgb used to build the segments */
+  int32_t num_segments;
+  tw_segment* segments;        /* (num_segments) in schedule order */
+  int64_t send_bytes;          /* sum of valid rows x row bytes over remote bands */
+
+  /* Receive side of this rank (as owner): where each of its (token, slot) rows lands. */
+  int32_t recv_rows;           /* rows other ranks send here */
+  int32_t* slot_row;           /* (tokens[rank], top_k) row index: < recv_rows is the receive
+                                  buffer, >= recv_rows is row (value - recv_rows) of the
+                                  local layout */
+
+  /* Partition decision. */
+  int32_t comm_ctas;
+  double predicted_us;
+  double sequential_us;
+  double solve_us;
+};
+
+/* Internal helpers shared by plan sources. */
+int32_t tw__resolve_tile_n(const tw_problem* p);
+int32_t tw__resolve_tile_m(const tw_problem* p);
+/* Builds plan->segments for a coalescing factor (replaces any previous ones). */
+tw_status tw__plan_build_segments(struct tw_plan* plan, int32_t coalesce);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TW_PLAN_H */

@@ -1,0 +1,14 @@
+/*
+ * cli.h: what the `tilewave` subcommands share. Each command is `int run(argc, argv)` with
+ * argv[0] the command's name; it returns the process exit code (0 ok, 1 failure, 2 usage error).
+ */
+#ifndef TW_CLI_H
+#define TW_CLI_H
+
+typedef struct tw_cli_command {
+  const char* name;
+  const char* summary;
+  int (*run)(int argc, char** argv);
+} tw_cli_command;
+
+#endif /* TW_CLI_H */
