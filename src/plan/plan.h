@@ -119,8 +119,14 @@ struct tw_plan {
 /* Internal helpers shared by plan sources. */
 int32_t tw__resolve_tile_n(const tw_problem* p);
 int32_t tw__resolve_tile_m(const tw_problem* p);
-/* Builds plan->segments for a coalescing factor (replaces any previous ones). */
+/* Builds plan->segments for a coalescing factor (replaces any previous ones; the array is sized
+ * for the worst case at plan creation, so rebuilding never allocates). Planner (layout.c). */
 tw_status tw__plan_build_segments(struct tw_plan* plan, int32_t coalesce);
+
+/* Chooses the partition: sets plan->comm_ctas, coalesce (rebuilding the segments),
+ * predicted_us, sequential_us and solve_us. An explicit config->comm_ctas / coalesce wins;
+ * config->use_model == 0 gives TW_DEFAULT_COMM_CTAS / TW_DEFAULT_COALESCE. Model (model.c). */
+tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config);
 
 #ifdef __cplusplus
 }
