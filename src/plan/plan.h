@@ -128,6 +128,12 @@ tw_status tw__plan_build_segments(struct tw_plan* plan, int32_t coalesce);
  * config->use_model == 0 gives TW_DEFAULT_COMM_CTAS / TW_DEFAULT_COALESCE. Model (model.c). */
 tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config);
 
+/* Hardware description (hardware.c). validate: checks header and ranges. resolve: copies `given`
+ * when non-NULL (validated), else the TW_CALIBRATION file (read once per process) if set, else
+ * the built-in defaults; a bad calibration file is an error, never a silent fallback. */
+tw_status tw__hardware_validate(const tw_hardware* hw);
+tw_status tw__hardware_resolve(const tw_hardware* given, tw_hardware* out);
+
 #ifdef __cplusplus
 }
 #endif
