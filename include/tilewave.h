@@ -278,6 +278,152 @@ typedef struct tw_tp_workload {
 tw_status tw_tp_select(const tw_tp_workload* workload, const tw_hardware* hw, int32_t* best_c,
                        double* t);
 
+/* -------------------------------------------------------------------------------------------- */
+/* Runtime: contexts, device plans and the overlapped GEMM2 + combine (needs GPUs and NCCL)     */
+/* -------------------------------------------------------------------------------------------- */
+
+/* The caller's NCCL communicator and CUDA stream types, declared exactly as nccl.h and
+ * cuda_runtime.h declare them, so that this header needs neither and both may be included. */
+typedef struct ncclComm* ncclComm_t;
+typedef struct CUstream_st* cudaStream_t;
+
+typedef struct tw_context* tw_context_t;
+typedef struct tw_device_plan* tw_device_plan_t;
+
+#define TW_CONTEXT_CONFIG_MAGIC 0x74774378u /* "twCx" */
+#define TW_DEFAULT_TIMEOUT_MS 5000           /* bound on every device-side wait */
+#define TW_MAX_COMM_CTAS 64                  /* largest consumer CTA count */
+#define TW_MAX_RANKS 64                      /* largest world size of one context */
+
+typedef enum tw_debug_tags {
+  TW_DEBUG_TAGS_OFF = 0,
+  /* Every transfer unit also writes a tag (source rank) and counts its arrival per receive row;
+   * the reduction records, per (token, k), the source and the arrival count it saw and reports
+   * TW_ERR_INTERNAL when a row arrived more or less than once. Slower; for tests and bring-up. */
+  TW_DEBUG_TAGS_CHECK = 1
+} tw_debug_tags;
+
+typedef struct tw_context_config {
+  size_t size;           /* sizeof(tw_context_config) */
+  uint32_t magic;        /* TW_CONTEXT_CONFIG_MAGIC */
+  uint32_t version;      /* TW_API_VERSION */
+  int32_t timeout_ms;    /* bound on every device-side wait, ms; 0 = env TW_TIMEOUT_MS, else
+                            TW_DEFAULT_TIMEOUT_MS */
+  int32_t debug_tags;    /* tw_debug_tags; 0 = env TW_DEBUG_TAGS (0 or 1), else off */
+  int32_t max_comm_ctas; /* most consumer CTAs any call may use, 1..TW_MAX_COMM_CTAS; 0 = 64 */
+  int32_t timing;        /* 1: record CUDA events per phase (tw_context_timings); 0: none */
+} tw_context_config;
+
+#define TW_CONTEXT_CONFIG_INIT                                                                    \
+  { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0 }
+
+/* Creates a context for one rank. COLLECTIVE over `comm`: every rank calls it with the same
+ * problem (problem->world_size must equal the communicator's size) and the same config.
+ * [in]  problem: shapes and capacity (max_tokens) every later call must fit in
+ * [in]  comm:    the caller's communicator; borrowed, never destroyed; it must outlive the
+ *                context, and all ranks must share one NVLink domain (NCCL's LSA team)
+ * [in]  config:  NULL = defaults
+ * [out] ctx
+ * Uses the CUDA device current on the calling thread; every later call on this context sets
+ * that device for its duration and restores the caller's. Allocates the symmetric receive window
+ * (ncclMemAlloc + ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC): max_tokens * top_k rows of
+ * hidden bf16, plus arrival counters and credits), the GEMM output, the device communicator
+ * (ncclDevCommCreate), two internal streams, and launches every kernel once (so that no kernel
+ * is lazily loaded while another spins). Checks that the NCCL library loaded at run time is the
+ * version tilewave was built against (TW_ERR_NCCL otherwise). Synchronises the device. */
+tw_status tw_context_create(const tw_problem* problem, ncclComm_t comm,
+                            const tw_context_config* config, tw_context_t* ctx);
+/* Frees everything the context allocated. COLLECTIVE (deregisters the window); waits for the
+ * context's work to finish first. NULL is a no-op. */
+tw_status tw_context_destroy(tw_context_t ctx);
+
+/* Device copy of one rank's plan plus its gate weights: tiles, bands, segments, slot_row and
+ * weights. Created for a context, sized for the worst case its problem allows (so uploads never
+ * allocate). Not collective. */
+tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* dplan);
+/* Copies `plan` (this rank's plan: plan's rank must be the context's rank) and this rank's gate
+ * weights from `routing` to the device, asynchronously on `stream`. The host objects may be
+ * destroyed as soon as this returns. Calls that use dplan on another stream than `stream` must
+ * be ordered after it by the caller; a call already enqueued on `stream` that uses dplan
+ * finishes before the new contents land. */
+tw_status tw_device_plan_upload(tw_device_plan_t dplan, tw_plan_t plan, tw_routing_t routing,
+                                cudaStream_t stream);
+tw_status tw_device_plan_destroy(tw_device_plan_t dplan);
+
+typedef enum tw_combine_mode {
+  TW_COMBINE_OVERLAP = 0,   /* producer and consumer run concurrently, tile-level signals */
+  TW_COMBINE_UNFUSED = 1,   /* same kernels, consumer starts after the producer has finished */
+  TW_COMBINE_GEMM_ONLY = 2, /* producer alone on P SMs (no transfer, no reduction; out untouched) */
+  TW_COMBINE_COMM_ONLY = 3  /* consumer + reduction alone on the GEMM output of an earlier call */
+} tw_combine_mode;
+
+#define TW_COMBINE_OPTIONS_MAGIC 0x7477436fu /* "twCo" */
+
+typedef struct tw_combine_options {
+  size_t size;
+  uint32_t magic;
+  uint32_t version;
+  tw_combine_mode mode;
+  int32_t comm_ctas; /* C for this call, 1..max_comm_ctas; 0 = the plan's choice */
+} tw_combine_options;
+
+#define TW_COMBINE_OPTIONS_INIT                                                                   \
+  { sizeof(tw_combine_options), TW_COMBINE_OPTIONS_MAGIC, TW_API_VERSION, TW_COMBINE_OVERLAP, 0 }
+
+/* GEMM2 + combine + weighted reduction of one MoE layer. COLLECTIVE: every rank calls it, in the
+ * same order, with its own device plan (all built from one routing).
+ * [in]  dplan:     this rank's uploaded plan
+ * [in]  expert_in: (plan rows, ffn) device bf16: GEMM2 input in the plan's row layout (padding
+ *                  rows must be zero or finite; they are computed, never sent)
+ * [in]  w2:        (local experts, hidden, ffn) device bf16: down-projection weights
+ * [out] out:       (tokens of this rank, hidden) device bf16: out[t] = sum_j w[t][j] *
+ *                  (expert_j(t) output row), accumulated in fp32
+ * [in]  stream:    the caller's stream; all inputs must be ready in its order, and `out` is
+ *                  ready in its order when the call's work completes
+ * Launches the producer (P = SMs - C CTAs) on `stream`, then the consumer (C CTAs) on an internal
+ * stream, then the reduction on `stream`, and makes `stream` wait for the consumer; returns
+ * without synchronising. Device-side failures (a wait that exceeded the timeout) surface as
+ * TW_ERR_TIMEOUT from tw_context_check() or from the next call on this context once this one
+ * has completed; after that every call returns TW_ERR_STATE until tw_context_reset(). */
+tw_status tw_moe_combine(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
+                         const void* w2, void* out, cudaStream_t stream);
+/* As tw_moe_combine, with options (NULL = defaults). */
+tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
+                            const void* w2, void* out, const tw_combine_options* options,
+                            cudaStream_t stream);
+
+/* Waits for this rank's last call and agrees with every rank on whether any device-side wait
+ * failed. COLLECTIVE and blocking. Returns TW_SUCCESS on every rank, or TW_ERR_TIMEOUT on every
+ * rank with a detail (tw_last_error) naming the rank, the wait (band / arrival / credit), the
+ * index and the counter value seen against the target. */
+tw_status tw_context_check(tw_context_t ctx);
+/* Makes a context usable again after a failure. COLLECTIVE and blocking: waits for the
+ * context's kernels to exit (every wait is bounded, so they do), zeroes counters, credits and
+ * the error record on every rank, and restarts the call sequence. */
+tw_status tw_context_reset(tw_context_t ctx);
+
+/* Phase times of the last call in ms, from CUDA events (needs config.timing = 1; blocks until
+ * the call has completed). Phases run concurrently in TW_COMBINE_OVERLAP, so they do not add up
+ * to total_ms there. */
+typedef struct tw_combine_timings {
+  float total_ms;  /* first launch to the end of the last kernel on the caller's stream */
+  float gemm_ms;   /* producer */
+  float comm_ms;   /* consumer */
+  float reduce_ms; /* owner's weighted reduction */
+} tw_combine_timings;
+
+tw_status tw_context_timings(tw_context_t ctx, tw_combine_timings* timings);
+
+/* What the context resolved: rank, world size, SM count, timeout and the window's size. */
+typedef struct tw_context_info {
+  int32_t rank, world_size, device, sm_count;
+  int32_t timeout_ms, debug_tags, max_comm_ctas;
+  int64_t window_bytes; /* symmetric window per rank */
+  int32_t nccl_version; /* ncclGetVersion() at run time */
+} tw_context_info;
+
+tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info);
+
 #ifdef __cplusplus
 }
 #endif
