@@ -1,0 +1,150 @@
+/*
+ * reference.h: CPU references of the MoE layer and a CPU execution of a GEMM2 + combine plan
+ * (internal; usable from C and CUDA tests).
+ *
+ * The references are deliberately plain: double precision, loops in the order the maths is
+ * written, no tiling, so that they can be read and trusted. They accept small shapes that the
+ * kernels would reject (any hidden/ffn >= 1), which lets tests check them by hand.
+ *
+ * tw__plan_exec_cpu() is different: it runs a set of plans (one per simulated rank) the way the
+ * GPU does, with a producer thread per rank walking the tile schedule and publishing band
+ * counters, C consumer threads per rank forwarding segments into other ranks' receive buffers,
+ * and a receiver per rank doing the weighted reduction. It is the host-side proof that every
+ * row of the plan lands where the owner's reduction looks for it, with the same memory-ordering
+ * protocol (release publish, acquire wait, bounded spins) as the kernels.
+ *
+ * Tensor conventions: weights follow nn.Linear, i.e. (out_features, in_features) row-major.
+ *   x      (tokens, H)          token activations of one rank
+ *   router (H, E_total)         router logits = x . router
+ *   w1     (E_total, 2F, H)     rows [0, F) are the gate projection, rows [F, 2F) the up one
+ *   w2     (E_total, H, F)      down projection
+ *   h      (tokens, k, F)       GEMM2 input of each (token, slot) assignment, on the owner rank
+ */
+#ifndef TW_REFERENCE_H
+#define TW_REFERENCE_H
+
+#include <stdint.h>
+
+#include "plan.h"
+#include "tilewave.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* silu(v) = v / (1 + exp(-v)), in double. */
+double tw__ref_silu(double v);
+
+/* bf16 <-> fp32 conversions with round-to-nearest-even (NaN kept quiet), matching the CUDA
+ * intrinsics __float2bfloat16_rn / __bfloat162float, for tests that feed bf16 kernels. */
+uint16_t tw__ref_f32_to_bf16(float v);
+float tw__ref_bf16_to_f32(uint16_t v);
+
+/* Top-k routing of one rank's tokens: logits = x . router in double, the k largest logits
+ * (ties go to the lower expert id) in descending order, gate weights = softmax over the k
+ * chosen logits.
+ * [in]  x       (tokens, hidden)
+ * [in]  router  (hidden, experts)
+ * [out] ids     (tokens, top_k) chosen expert ids
+ * [out] weights (tokens, top_k) gate weights (each token's sum is 1) */
+tw_status tw__ref_route(int32_t hidden, int32_t experts, int32_t top_k, int32_t tokens,
+                        const float* x, const float* router, int32_t* ids, double* weights);
+
+/* GEMM1 -> SwiGLU of one token for one expert, in double.
+ * [in]  x  (hidden)
+ * [in]  w1 (2 ffn, hidden) of this expert: gate rows then up rows
+ * [out] h  (ffn) silu(x . gate^T) * (x . up^T) */
+void tw__ref_expert_gemm1(int32_t hidden, int32_t ffn, const float* x, const float* w1, double* h);
+
+/* GEMM2 of one row in double: out[n] = sum_f h[f] w2[n][f].
+ * [in] h (ffn), w2 (hidden, ffn) of this expert; [out] out (hidden) */
+void tw__ref_expert_gemm2(int32_t hidden, int32_t ffn, const double* h, const float* w2,
+                          double* out);
+
+/* Whole expert FFN of one token: GEMM1 -> SwiGLU -> GEMM2, in double.
+ * [in] x (hidden), w1 (2 ffn, hidden), w2 (hidden, ffn); [out] out (hidden) */
+void tw__ref_expert_ffn(int32_t hidden, int32_t ffn, const float* x, const float* w1,
+                        const float* w2, double* out);
+
+/* The whole MoE layer forward over W simulated ranks, in double: route (top-k over router
+ * logits, or the given routing) -> dispatch every (token, slot) row to the rank of its expert
+ * -> GEMM1 -> SwiGLU -> GEMM2 on that rank -> combine (rows back to the owner) -> weighted sum.
+ * Only world_size, hidden, ffn, experts and top_k of the problem are used (any sizes >= 1;
+ * experts divisible by world_size).
+ * [in]  tokens  (W) tokens per rank; may be NULL when routing is given (its counts are used)
+ * [in]  x       (W) -> (tokens[r], hidden)
+ * [in]  router  (hidden, experts) or NULL: then `routing` gives the ids and gate weights
+ * [in]  routing used when router is NULL (must match the problem's W, experts, top_k)
+ * [in]  w1      (experts, 2 ffn, hidden)
+ * [in]  w2      (experts, hidden, ffn)
+ * [out] out     (W) -> (tokens[r], hidden) */
+tw_status tw__ref_moe_layer(const tw_problem* problem, const int32_t* tokens, const float* const* x,
+                            const float* router, tw_routing_t routing, const float* w1,
+                            const float* w2, double* const* out);
+
+/* GEMM2 + combine + weighted sum from given GEMM2 inputs, in double:
+ * out[r][t][n] = sum_j w[t][j] sum_f h[r][t][j][f] w2[e(t,j)][n][f].
+ * [in]  h   (W) -> (tokens[r], top_k, ffn), indexed by the owner rank
+ * [in]  w2  (experts, hidden, ffn)
+ * [out] out (W) -> (tokens[r], hidden)
+ * [out] mag (W) -> (tokens[r], hidden) or NULL: sum_j |w| sum_f |h w2|, the scale of the
+ *       rounding error of any fp32 evaluation (see tw__ref_fp32_error_bound) */
+tw_status tw__ref_gemm2_combine(tw_routing_t routing, const float* const* h, const float* w2,
+                                double* const* out, double* const* mag);
+
+/* The same in fp32, in the one order the CPU plan execution and the kernels' contract fix:
+ * row[n] = sum over f = 0..F-1 of h[f] * w2[e][n][f] (fp32 accumulator, k order), then
+ * out[n] = sum over j = 0..k-1 of w[j] * row_j[n] (fp32 accumulator, slot order). */
+tw_status tw__ref_gemm2_combine_f32(tw_routing_t routing, const float* const* h, const float* w2,
+                                    float* const* out);
+
+/* A rigorous bound on |fp32 result - exact| for the evaluation above, relative to `mag`:
+ * each fp32 operation adds at most one rounding u = 2^-24 relative to its result; the GEMM2 dot
+ * of F products has error <= gamma_F sum |h w2| and the weighted sum of k rows adds at most
+ * gamma_{k+1} of its absolute sum (with gamma_n = n u / (1 - n u)), so
+ * |err| <= (gamma_F (1 + gamma_{k+1}) + gamma_{k+1}) * mag. Returns the factor. */
+double tw__ref_fp32_error_bound(int32_t ffn, int32_t top_k);
+
+/* ---------------------------------------------------------------------------------------- */
+/* CPU execution of planned GEMM2 + combine                                                  */
+/* ---------------------------------------------------------------------------------------- */
+
+/* Test hooks and limits of tw__plan_exec_cpu. */
+typedef struct tw_plan_exec_options {
+  int64_t timeout_ms; /* bound of every wait; <= 0: TW_TIMEOUT_MS or 10000 */
+  int32_t skip_rank;  /* fault injection: rank whose producer skips one publish; -1 none */
+  int32_t skip_band;  /* band (index into that rank's plan->bands) whose first tile is not
+                         published */
+} tw_plan_exec_options;
+
+#define TW_PLAN_EXEC_OPTIONS_INIT \
+  { 0, -1, -1 }
+
+/* Runs the plans of all W ranks on the CPU, threaded like the GPU, in fp32:
+ *  - one producer thread per rank computes the tiles of plan->tiles in schedule order into the
+ *    rank's layout output (rows, hidden) and release-increments the tile's band counter;
+ *  - plan->comm_ctas consumer threads per rank take the transfer units (one band x one column
+ *    tile, segments in schedule order) round-robin, wait (acquire) until every band of the
+ *    unit's segment is published, copy the band's valid rows x the tile's columns to the
+ *    destination's receive buffer at the band's dest_offset and release-increment the
+ *    destination's arrival counter for this source;
+ *  - one receiver per rank waits for all arrivals and its local bands and computes
+ *    out[t] = sum_j w[t][j] row(slot_row[t k + j]) in fp32, slot order.
+ * The result equals tw__ref_gemm2_combine_f32 bit for bit when the plans are right.
+ * [in]  routing the routing the plans were made from
+ * [in]  plans   (W) plans[r] = tw_plan_create(..., rank r, ...)
+ * [in]  h       (W) -> (tokens[r], top_k, ffn) GEMM2 inputs by owner
+ * [in]  w2      (experts, hidden, ffn)
+ * [out] out     (W) -> (tokens[r], hidden)
+ * [in]  options NULL for defaults
+ * Returns TW_ERR_TIMEOUT (never hangs) when a wait exceeds the timeout, TW_ERR_INTERNAL when
+ * the plans are inconsistent with each other or the routing. */
+tw_status tw__plan_exec_cpu(tw_routing_t routing, const tw_plan_t* plans, const float* const* h,
+                            const float* w2, float* const* out,
+                            const tw_plan_exec_options* options);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TW_REFERENCE_H */
