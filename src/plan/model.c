@@ -2,34 +2,423 @@
  * model.c: the analytical resource manager for the expert-parallel return path.
  *
  * Before each launch it picks how many consumer CTAs (C) forward finished row bands and how many
- * bands a middle segment coalesces (mgb), from the plan's real schedule and segments. An explicit
- * config->comm_ctas / coalesce always wins; config->use_model == 0 restores the fixed defaults.
+ * bands a middle segment coalesces (mgb), from the plan's real schedule and segments. It
+ * generalises the first paper's wave recurrence (model_tp.c) from splits to segments:
+ *
+ *   tau_tile        = 2 TM TN K / (tile_tflops 1e12) + tile_overhead_us   (one producer tile)
+ *   P(C)            = occ_comp (G - ceil(C / occ_comm))                   (producer CTAs)
+ *   A_s(C)          = floor(t_s / P) + 1 waves, t_s = schedule index of segment s's last tile
+ *   q_s(C)          = ceil(U_s / C) tau_unit_s(C) + link_latency_us,  U_s = nbands_s col_tiles
+ *   tau_unit_s(C)   = unit_bytes_s / min(link_cta_gbps, link_peak_gbps / C)
+ *   F_s             = max(A_s tau_tile, F_{s-1}) + q_s,   F_{-1} = 0
+ *   T(C, mgb)       = max(F_last, ceil(num_tiles / P) tau_tile) + reduce_us
+ *
+ * where unit_bytes_s is the segment's bytes over its units (its average unit) and reduce_us is
+ * the owner's weighted reduction (reads every (token, k) row, writes every token) at mem_gbps.
+ *
+ * Evaluating the recurrence segment by segment costs O(S) per candidate. Unrolled, it is
+ *   F_last = max_s (A_s tau_tile + sum_{j >= s} q_j),
+ * and replacing t_s by its running maximum t'_s = max_{j <= s} t_j leaves the maximum unchanged
+ * (a term whose A_s was raised is dominated by the earlier term it was raised to). With t'
+ * non-decreasing, only the first segment of each wave can attain the maximum, so a candidate
+ * costs one term per wave. The sum of q_j splits into one term per distinct unit count u:
+ * sum_j ceil(u_j / C) / u_j bytes_j / bw(C) = sum_u ceil(u / C) / u * suffix_bytes_u(s) / bw(C).
+ * tw__model_choose therefore tabulates, once per candidate mgb and before the decision is timed,
+ * the running last-tile index t'_s, the first segment at or after each tile index, the distinct
+ * unit counts and the per-unit-count suffix byte sums. The decision then evaluates candidates in
+ * O(waves x distinct units) without allocating, and skips those that two lower bounds rule out:
+ * compute end (non-decreasing in C) and A_0 + total transfer at full parallel bandwidth.
  */
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "core.h"
 #include "plan.h"
 
+/* Candidate coalescing factors the model searches when the caller leaves coalesce = 0. */
+static const int32_t tw__mgb_candidates[] = {1, 2, 4};
+#define TW__NUM_MGB_CANDIDATES 3
+/* Candidates plus one explicit coalesce value outside that set. */
+#define TW__MAX_TABLES 4
+/* Distinct unit counts per table for the fast path; more fall back to the plain recurrence. */
+#define TW__MAX_DISTINCT 16
+
+/* The segments of one coalescing factor, in the form the fast evaluation reads. */
+typedef struct tw__seg_table {
+  int32_t mgb;
+  int32_t nseg;       /* S */
+  int32_t ndistinct;  /* distinct unit counts; 0 when the plain recurrence is used */
+  int32_t last_tile;  /* t'_{S-1}: running last-tile index of the last segment; -1 if S = 0 */
+  int32_t* run_last;  /* (S) t'_s, non-decreasing */
+  int32_t* first_seg; /* (last_tile + 1) first s with t'_s >= t */
+  int32_t* seg_units; /* (S) U_s (plain recurrence and tests) */
+  double* seg_bytes;  /* (S) bytes of segment s */
+  int32_t units[TW__MAX_DISTINCT];    /* distinct U values */
+  double inv_units[TW__MAX_DISTINCT]; /* 1 / units[i] */
+  double* suffix;     /* (S + 1, ndistinct) bytes of segments j >= s with U_j = units[i] */
+  double total_bytes; /* sum of seg_bytes */
+} tw__seg_table;
+
+/* Everything the decision reads, built once per plan by tw__model_choose. */
+typedef struct tw__model_tables {
+  tw_hardware hw;
+  int32_t num_tiles;
+  double tau_tile_us; /* one producer tile */
+  double reduce_us;   /* owner's weighted reduction */
+  double send_bytes;  /* plan->send_bytes */
+  int32_t ntables;
+  tw__seg_table t[TW__MAX_TABLES];
+} tw__model_tables;
+
+static void tw__table_free(tw__seg_table* tb) {
+  free(tb->run_last);
+  free(tb->first_seg);
+  free(tb->seg_units);
+  free(tb->seg_bytes);
+  free(tb->suffix);
+  memset(tb, 0, sizeof *tb);
+}
+
+void tw__model_free(struct tw_plan* plan) {
+  if (plan == NULL || plan->model_tables == NULL) return;
+  tw__model_tables* m = (tw__model_tables*)plan->model_tables;
+  for (int32_t i = 0; i < m->ntables; i++) tw__table_free(&m->t[i]);
+  free(m);
+  plan->model_tables = NULL;
+}
+
+static int64_t tw__cdiv(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+static int32_t tw__producers(const tw_hardware* hw, int32_t c) {
+  return hw->occ_comp * (hw->sm_count - (int32_t)tw__cdiv(c, hw->occ_comm));
+}
+
+/* Captures plan->segments (built for plan->coalesce) as a table. band_last: (num_bands) largest
+ * schedule index among each band's tiles. */
+static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band_last,
+                                 tw__seg_table* tb) {
+  memset(tb, 0, sizeof *tb);
+  tb->mgb = plan->coalesce;
+  const int32_t S = plan->num_segments;
+  tb->nseg = S;
+  tb->last_tile = -1;
+  if (S == 0) return TW_SUCCESS;
+  tb->run_last = malloc((size_t)S * sizeof *tb->run_last);
+  tb->seg_units = malloc((size_t)S * sizeof *tb->seg_units);
+  tb->seg_bytes = malloc((size_t)S * sizeof *tb->seg_bytes);
+  if (!tb->run_last || !tb->seg_units || !tb->seg_bytes) goto oom;
+  const double row_bytes = 2.0 * (double)plan->problem.hidden; /* bf16 / fp16 */
+  int32_t run = -1;
+  for (int32_t s = 0; s < S; s++) {
+    const tw_segment* sg = &plan->segments[s];
+    if (sg->nbands < 1 || sg->band0 < 0 || sg->band0 + sg->nbands > plan->num_bands)
+      return tw__fail(TW_ERR_INTERNAL,
+                      "model: segment %d covers bands %d..%d of %d; the planner built an "
+                      "inconsistent combine plan",
+                      s, sg->band0, sg->band0 + sg->nbands - 1, plan->num_bands);
+    for (int32_t b = sg->band0; b < sg->band0 + sg->nbands; b++)
+      if (band_last[b] > run) run = band_last[b];
+    if (run < 0) return tw__fail(TW_ERR_INTERNAL, "model: segment %d has no scheduled tile", s);
+    tb->run_last[s] = run;
+    tb->seg_units[s] = sg->nbands * plan->col_tiles;
+    tb->seg_bytes[s] = (double)sg->valid_rows * row_bytes;
+    tb->total_bytes += tb->seg_bytes[s];
+  }
+  tb->last_tile = run;
+  tb->first_seg = malloc((size_t)(run + 1) * sizeof *tb->first_seg);
+  if (!tb->first_seg) goto oom;
+  for (int32_t t = 0, s = 0; t <= run; t++) {
+    while (tb->run_last[s] < t) s++; /* ends: run_last[S-1] = run >= t */
+    tb->first_seg[t] = s;
+  }
+  /* Distinct unit counts; too many -> plain recurrence (ndistinct = 0). */
+  int32_t d = 0;
+  for (int32_t s = 0; s < S && d <= TW__MAX_DISTINCT; s++) {
+    int32_t i = 0;
+    while (i < d && tb->units[i] != tb->seg_units[s]) i++;
+    if (i == d) {
+      if (d == TW__MAX_DISTINCT) {
+        d = TW__MAX_DISTINCT + 1;
+        break;
+      }
+      tb->units[d++] = tb->seg_units[s];
+    }
+  }
+  if (d > TW__MAX_DISTINCT) return TW_SUCCESS;
+  tb->ndistinct = d;
+  for (int32_t i = 0; i < d; i++) tb->inv_units[i] = 1.0 / (double)tb->units[i];
+  tb->suffix = calloc((size_t)(S + 1) * (size_t)d, sizeof *tb->suffix);
+  if (!tb->suffix) goto oom;
+  for (int32_t s = S - 1; s >= 0; s--) {
+    double* row = tb->suffix + (size_t)s * d;
+    memcpy(row, row + d, (size_t)d * sizeof *row);
+    int32_t i = 0;
+    while (tb->units[i] != tb->seg_units[s]) i++;
+    row[i] += tb->seg_bytes[s];
+  }
+  return TW_SUCCESS;
+oom:
+  return tw__fail(TW_ERR_OUT_OF_MEMORY,
+                  "model: out of host memory for the segment tables of a "
+                  "plan with %d segments",
+                  S);
+}
+
+/* T(C, mgb) of one table, in microseconds (the fast form; identical in value to the plain
+ * recurrence up to floating-point association). */
+static double tw__eval(const tw__model_tables* m, const tw__seg_table* tb, int32_t c) {
+  const tw_hardware* hw = &m->hw;
+  const int32_t p = tw__producers(hw, c);
+  const double tau = m->tau_tile_us;
+  const double comp_end = (double)tw__cdiv(m->num_tiles, p) * tau;
+  double f = 0.0;
+  if (tb->nseg > 0) {
+    /* Per-CTA bandwidth at C pushing CTAs, bytes per microsecond. */
+    const double bw = fmin(hw->link_cta_gbps, hw->link_peak_gbps / (double)c) * 1e3;
+    const double lat = hw->link_latency_us;
+    if (tb->ndistinct > 0) {
+      double coef[TW__MAX_DISTINCT];
+      const int32_t d = tb->ndistinct;
+      for (int32_t i = 0; i < d; i++)
+        coef[i] = (double)tw__cdiv(tb->units[i], c) * tb->inv_units[i] / bw;
+      /* One term per wave: its first ready segment s, A = w tau plus all later service. */
+      int64_t start = 0;
+      for (int64_t w = 1; start <= tb->last_tile; w++, start += p) {
+        const int32_t s = tb->first_seg[start];
+        if (tb->run_last[s] >= start + p) continue; /* nothing becomes ready in wave w */
+        const double* sb = tb->suffix + (size_t)s * d;
+        double term = (double)w * tau + (double)(tb->nseg - s) * lat;
+        for (int32_t i = 0; i < d; i++) term += coef[i] * sb[i];
+        if (term > f) f = term;
+      }
+    } else {
+      for (int32_t s = 0; s < tb->nseg; s++) {
+        const double a = (double)(tb->run_last[s] / p + 1) * tau;
+        const double q = (double)tw__cdiv(tb->seg_units[s], c) * tb->seg_bytes[s] /
+                             ((double)tb->seg_units[s] * bw) +
+                         lat;
+        f = fmax(a, f) + q;
+      }
+    }
+  }
+  return fmax(f, comp_end) + m->reduce_us;
+}
+
+/* Reference: the recurrence segment by segment on the plan's current segments (tests compare
+ * the fast form against it). */
+tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_us) {
+  TW_CHECK_NULL(plan);
+  TW_CHECK_NULL(t_us);
+  const tw__model_tables* m = (const tw__model_tables*)plan->model_tables;
+  if (m == NULL)
+    return tw__fail(TW_ERR_STATE, "model: the plan has no model tables; create it first");
+  const tw_hardware* hw = &m->hw;
+  const int32_t p = tw__producers(hw, c);
+  const double tau = m->tau_tile_us;
+  const double bw = fmin(hw->link_cta_gbps, hw->link_peak_gbps / (double)c) * 1e3;
+  const double row_bytes = 2.0 * (double)plan->problem.hidden;
+  double f = 0.0;
+  for (int32_t s = 0; s < plan->num_segments; s++) {
+    const tw_segment* sg = &plan->segments[s];
+    int32_t last = -1;
+    for (int32_t i = 0; i < plan->num_tiles; i++) {
+      const int32_t b = plan->tiles[i].band;
+      if (b >= sg->band0 && b < sg->band0 + sg->nbands) last = i;
+    }
+    const double a = (double)(last / p + 1) * tau;
+    const int64_t units = (int64_t)sg->nbands * plan->col_tiles;
+    const double unit_bytes = (double)sg->valid_rows * row_bytes / (double)units;
+    const double q = (double)tw__cdiv(units, c) * unit_bytes / bw + hw->link_latency_us;
+    f = fmax(a, f) + q;
+  }
+  *t_us = fmax(f, (double)tw__cdiv(plan->num_tiles, p) * tau) + m->reduce_us;
+  return TW_SUCCESS;
+}
+
+/* Candidate ordering: smaller T; on equal T the smaller C, then the larger mgb. */
+static int tw__better(double t, int32_t c, int32_t mgb, double bt, int32_t bc, int32_t bmgb) {
+  if (bc == 0 || t < bt) return 1;
+  if (t > bt) return 0;
+  return c < bc || (c == bc && mgb > bmgb);
+}
+
+/* The decision: searches C in [c_lo, c_hi] over the tables of `use` (bit i = table i). */
+static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, unsigned use,
+                      int32_t* best_c, int32_t* best_table, double* best_t) {
+  const tw_hardware* hw = &m->hw;
+  double bt = DBL_MAX;
+  int32_t bc = 0, bi = -1, bmgb = 0;
+  /* Seed with the C at which the pushing CTAs first saturate the link: usually near the
+   * optimum, it makes the bounds below prune most of the range. */
+  int32_t seed = (int32_t)ceil(hw->link_peak_gbps / hw->link_cta_gbps);
+  if (seed < c_lo) seed = c_lo;
+  if (seed > c_hi) seed = c_hi;
+  for (int32_t i = 0; i < m->ntables; i++) {
+    if (!(use & (1u << i))) continue;
+    const double t = tw__eval(m, &m->t[i], seed);
+    if (tw__better(t, seed, m->t[i].mgb, bt, bc, bmgb))
+      bt = t, bc = seed, bi = i, bmgb = m->t[i].mgb;
+  }
+  for (int32_t i = 0; i < m->ntables; i++) {
+    if (!(use & (1u << i))) continue;
+    const tw__seg_table* tb = &m->t[i];
+    /* Lower bound of the transfer side: first segment no earlier than wave 1, every byte at
+     * the aggregate bandwidth min(C cta, peak), every segment's latency. Non-increasing in C. */
+    const double fixed =
+        tb->nseg > 0 ? m->tau_tile_us + (double)tb->nseg * hw->link_latency_us + m->reduce_us : 0.0;
+    for (int32_t c = c_lo; c <= c_hi; c++) {
+      if (c == seed) continue;
+      /* A margin keeps candidates whose T may equal the best up to rounding (ties matter). */
+      const double bound = bt * (1.0 + 1e-9);
+      if (tb->nseg > 0) {
+        const double agg = fmin((double)c * hw->link_cta_gbps, hw->link_peak_gbps) * 1e3;
+        if (fixed + tb->total_bytes / agg > bound) continue;
+      }
+      const int32_t p = tw__producers(hw, c);
+      if ((double)tw__cdiv(m->num_tiles, p) * m->tau_tile_us + m->reduce_us > bound)
+        break; /* compute end only grows with C */
+      const double t = tw__eval(m, tb, c);
+      if (tw__better(t, c, tb->mgb, bt, bc, bmgb)) bt = t, bc = c, bi = i, bmgb = tb->mgb;
+    }
+  }
+  *best_c = bc;
+  *best_table = bi;
+  *best_t = bt;
+}
+
+static int32_t tw__find_table(const tw__model_tables* m, int32_t mgb) {
+  for (int32_t i = 0; i < m->ntables; i++)
+    if (m->t[i].mgb == mgb) return i;
+  return -1;
+}
+
+/* Builds the per-plan constants and one table per candidate mgb (rebuilding the plan's
+ * segments for each). Leaves the segments of the last table built. */
+static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
+  tw__model_free(plan);
+  tw__model_tables* m = calloc(1, sizeof *m);
+  if (m == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
+  plan->model_tables = m;
+  m->hw = plan->hardware;
+  m->num_tiles = plan->num_tiles;
+  const double k = (double)plan->problem.ffn;
+  m->tau_tile_us = 2.0 * (double)plan->tm * (double)plan->tn * k / (m->hw.tile_tflops * 1e6) +
+                   m->hw.tile_overhead_us;
+  /* The owner reads each of its (token, k) rows (received or local) and writes each token. */
+  const int64_t top_k = plan->problem.top_k;
+  int64_t own_rows = plan->recv_rows;
+  for (int32_t r = 0; r < plan->rows; r++)
+    if (plan->row_src[r].owner == plan->rank) own_rows++;
+  const double row_bytes = 2.0 * (double)plan->problem.hidden;
+  m->reduce_us = (double)(own_rows + own_rows / top_k) * row_bytes / (m->hw.mem_gbps * 1e3);
+  m->send_bytes = (double)plan->send_bytes;
+
+  int32_t* band_last =
+      malloc((size_t)(plan->num_bands > 0 ? plan->num_bands : 1) * sizeof *band_last);
+  if (band_last == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
+  for (int32_t b = 0; b < plan->num_bands; b++) band_last[b] = -1;
+  for (int32_t i = 0; i < plan->num_tiles; i++) {
+    const int32_t b = plan->tiles[i].band;
+    if (b < 0 || b >= plan->num_bands) {
+      free(band_last);
+      return tw__fail(TW_ERR_INTERNAL, "model: tile %d names band %d of %d", i, b, plan->num_bands);
+    }
+    band_last[b] = i; /* ascending i: the last write is the largest index */
+  }
+  int32_t mgbs[TW__MAX_TABLES], n = 0;
+  for (int32_t i = 0; i < TW__NUM_MGB_CANDIDATES; i++) mgbs[n++] = tw__mgb_candidates[i];
+  if (explicit_mgb > 0 && explicit_mgb != 1 && explicit_mgb != 2 && explicit_mgb != 4)
+    mgbs[n++] = explicit_mgb;
+  tw_status st = TW_SUCCESS;
+  for (int32_t i = 0; i < n && st == TW_SUCCESS; i++) {
+    st = tw__plan_build_segments(plan, mgbs[i]);
+    if (st == TW_SUCCESS) {
+      plan->coalesce = mgbs[i];
+      st = tw__table_build(plan, band_last, &m->t[i]);
+      m->ntables = i + 1;
+    }
+  }
+  free(band_last);
+  return st;
+}
+
 tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
   TW_CHECK_NULL(plan);
-  double t0 = tw__now_seconds();
   TW_TRY(tw__hardware_resolve(config ? config->hardware : NULL, &plan->hardware));
-  int32_t c = TW_DEFAULT_COMM_CTAS, mgb = TW_DEFAULT_COALESCE;
+  const tw_hardware* hw = &plan->hardware;
+  int32_t fixed_c = 0, fixed_mgb = 0, use_model = 1;
   if (config != NULL) {
-    if (config->comm_ctas < 0 || config->comm_ctas > plan->hardware.c_max)
-      return tw__fail(TW_ERR_INVALID_ARGUMENT, "comm_ctas = %d; give 0 (model) or 1..%d",
-                      config->comm_ctas, plan->hardware.c_max);
+    if (config->comm_ctas < 0 || config->comm_ctas > hw->c_max)
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "comm_ctas = %d; give 0 (chosen by the model) or 1..%d (c_max of the "
+                      "hardware description)",
+                      config->comm_ctas, hw->c_max);
     if (config->coalesce < 0)
-      return tw__fail(TW_ERR_INVALID_ARGUMENT, "coalesce = %d; give 0 (model) or >= 1",
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "coalesce = %d; give 0 (chosen by the model) or a band count >= 1",
                       config->coalesce);
-    if (config->comm_ctas > 0) c = config->comm_ctas;
-    if (config->coalesce > 0) mgb = config->coalesce;
+    if (config->use_model != 0 && config->use_model != 1)
+      return tw__fail(TW_ERR_INVALID_ARGUMENT, "use_model = %d; give 1 (model) or 0 (defaults)",
+                      config->use_model);
+    fixed_c = config->comm_ctas;
+    fixed_mgb = config->coalesce;
+    use_model = config->use_model;
   }
-  if (c > plan->hardware.c_max) c = plan->hardware.c_max;
-  TW_TRY(tw__plan_build_segments(plan, mgb));
+  if (!use_model) {
+    /* The selector is off: fixed defaults, unless the caller fixed a value. */
+    if (fixed_c == 0) fixed_c = TW_DEFAULT_COMM_CTAS < hw->c_max ? TW_DEFAULT_COMM_CTAS : hw->c_max;
+    if (fixed_mgb == 0) fixed_mgb = TW_DEFAULT_COALESCE;
+  }
+  TW_TRY(tw__model_prepare(plan, fixed_mgb));
+  const tw__model_tables* m = (const tw__model_tables*)plan->model_tables;
+
+  /* The decision proper: tables are built, nothing is allocated from here on. */
+  const double t0 = tw__now_seconds();
+  unsigned use = 0;
+  for (int32_t i = 0; i < m->ntables; i++)
+    if (fixed_mgb == 0 || m->t[i].mgb == fixed_mgb) use |= 1u << i;
+  const int32_t c_lo = fixed_c ? fixed_c : 1, c_hi = fixed_c ? fixed_c : hw->c_max;
+  int32_t c = 0, ti = -1;
+  double t = 0.0;
+  tw__solve(m, c_lo, c_hi, use, &c, &ti, &t);
+  const double t1 = tw__now_seconds();
+
+  if (c == 0 || ti < 0)
+    return tw__fail(TW_ERR_INTERNAL, "model: no candidate (C in %d..%d) was evaluated", c_lo, c_hi);
+  const int32_t mgb = m->t[ti].mgb;
+  if (plan->coalesce != mgb) TW_TRY(tw__plan_build_segments(plan, mgb));
+  plan->coalesce = mgb;
   plan->comm_ctas = c;
-  plan->predicted_us = 0.0;
-  plan->sequential_us = 0.0;
-  plan->solve_us = 1e6 * (tw__now_seconds() - t0);
+  plan->predicted_us = t;
+  plan->sequential_us =
+      (double)tw__cdiv(m->num_tiles, hw->occ_comp * hw->sm_count) * m->tau_tile_us +
+      m->send_bytes / (hw->link_peak_gbps * 1e3) + m->reduce_us;
+  plan->solve_us = 1e6 * (t1 - t0);
+  return TW_SUCCESS;
+}
+
+tw_status tw_plan_predict(tw_plan_t plan, int32_t comm_ctas, int32_t coalesce, double* t_us) {
+  tw__clear_error();
+  TW_CHECK_NULL(plan);
+  TW_CHECK_NULL(t_us);
+  const tw__model_tables* m = (const tw__model_tables*)plan->model_tables;
+  if (m == NULL)
+    return tw__fail(TW_ERR_STATE,
+                    "tw_plan_predict: the plan has no model tables; pass a plan from "
+                    "tw_plan_create");
+  if (comm_ctas < 1 || comm_ctas > m->hw.c_max)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw_plan_predict: comm_ctas = %d; give 1..%d",
+                    comm_ctas, m->hw.c_max);
+  const int32_t i = tw__find_table(m, coalesce);
+  if (i < 0)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_plan_predict: coalesce = %d; the plan has predictions for 1, 2, 4 and "
+                    "its own coalesce (%d)",
+                    coalesce, plan->coalesce);
+  *t_us = tw__eval(m, &m->t[i], comm_ctas);
   return TW_SUCCESS;
 }

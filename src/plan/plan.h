@@ -114,6 +114,12 @@ struct tw_plan {
   double predicted_us;
   double sequential_us;
   double solve_us;
+
+  /* Resource-model tables (model.c): per candidate coalescing factor, the segments' ready tiles,
+   * unit counts and suffix byte sums, built by tw__model_choose and read by the decision and
+   * tw_plan_predict. Owned by the plan: tw_plan_destroy calls tw__model_free. NULL until the
+   * model runs (the plan must start zeroed). */
+  void* model_tables;
 };
 
 /* Internal helpers shared by plan sources. */
@@ -133,6 +139,11 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config);
  * the built-in defaults; a bad calibration file is an error, never a silent fallback. */
 tw_status tw__hardware_validate(const tw_hardware* hw);
 tw_status tw__hardware_resolve(const tw_hardware* given, tw_hardware* out);
+/* Frees plan->model_tables (model.c); safe on a plan without them. tw_plan_destroy calls it. */
+void tw__model_free(struct tw_plan* plan);
+/* The EP model's recurrence evaluated segment by segment on the plan's current segments, for
+ * tests against the fast form (model.c). tw_plan_predict is also defined in model.c. */
+tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t comm_ctas, double* t_us);
 
 #ifdef __cplusplus
 }
