@@ -108,6 +108,12 @@ struct tw_plan {
   int32_t* slot_row;           /* (tokens[rank], top_k) row index: < recv_rows is the receive
                                   buffer, >= recv_rows is row (value - recv_rows) of the
                                   local layout */
+  int32_t* recv_bands;         /* (W) bands this rank receives from each source per call (0
+                                  for itself) */
+  int32_t* stream_first;       /* (W) schedule index of the first remote band bound for each
+                                  rank, -1 if none (segment building) */
+  int32_t* stream_last;        /* (W) schedule index of the last remote band bound for each
+                                  rank, -1 if none */
 
   /* Partition decision. */
   int32_t comm_ctas;

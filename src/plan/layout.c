@@ -1,0 +1,413 @@
+/*
+ * layout.c: builds one rank's plan from a routing: the remote-owner-aligned row layout of its
+ * local experts, the remote-first tile schedule, the combine plan (band destinations and
+ * receive offsets), the receive-side map of its own tokens, and the transfer segments.
+ *
+ * The rules (second paper, Algorithm 1, with the choices fixed in plan.h and DESIGN.md):
+ *  - layout: expert e's rows are grouped by owner in the order (r+1)%W, ..., (r+W-1)%W, then r
+ *    itself; each remote group is padded with zero rows to a multiple of TM so that every TM-row
+ *    band (counted from the expert's first row) has one owner; the local group is not padded;
+ *    within a group rows are in (token, slot) order; experts follow each other in index order.
+ *    Starting each rank's owner cycle at r+1 spreads the first transfers of different ranks
+ *    over different destinations.
+ *  - schedule: experts sorted by remote band count (descending, ties by index); every remote
+ *    band's column tiles first, expert by expert, then every local band's tiles, same order.
+ *  - receive side at owner o: rows by source rank s (ascending, s != o), then s's local experts
+ *    in index order, then (token, slot) order, dense. Sender and receiver derive the same offsets
+ *    from the same routing, so no metadata exchange is needed.
+ * Everything is O(routed rows + W * E) and allocates once per plan.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "plan.h"
+
+tw_status tw_plan_destroy(tw_plan_t plan) {
+  tw__clear_error();
+  if (plan == NULL) return TW_SUCCESS;
+  free(plan->expert_row0);
+  free(plan->expert_rows);
+  free(plan->expert_real_rows);
+  free(plan->row_src);
+  free(plan->tiles);
+  free(plan->expert_order);
+  free(plan->bands);
+  free(plan->segments);
+  free(plan->slot_row);
+  free(plan->recv_bands);
+  free(plan->stream_first);
+  free(plan->stream_last);
+  free(plan);
+  return TW_SUCCESS;
+}
+
+static int64_t tw__ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+/* Allocation that never returns NULL for a zero count (n == 0 allocates one element). */
+static void* tw__alloc(size_t n, size_t elem) {
+  return malloc((n ? n : 1) * elem);
+}
+
+typedef struct tw__order_key {
+  int32_t remote_bands;
+  int32_t expert;
+} tw__order_key;
+
+static int tw__order_cmp(const void* a, const void* b) {
+  const tw__order_key* x = a;
+  const tw__order_key* y = b;
+  if (x->remote_bands != y->remote_bands) return x->remote_bands > y->remote_bands ? -1 : 1;
+  return (x->expert > y->expert) - (x->expert < y->expert);
+}
+
+/* Scratch arrays of one build. */
+typedef struct tw__scratch {
+  int32_t* cnt;        /* (E, W) rows of local expert e owned by rank o */
+  int32_t* grp_row0;   /* (E, W) first layout row of group (e, o) */
+  int32_t* cursor;     /* (E, W) rows placed so far in group (e, o) */
+  int64_t* dest_row;   /* (E, W) first row of group (e, o) in o's receive buffer */
+  int64_t* before;     /* (W) rows that ranks s < rank (s != o) send to o */
+  int32_t* own;        /* (E_total) this rank's own assignments per global expert */
+  int32_t* recv_base;  /* (E_total) first receive row of the rows expert g returns here */
+  int32_t* own_run;    /* (E_total) rows of expert g placed so far (slot_row pass) */
+  tw__order_key* keys; /* (E) */
+} tw__scratch;
+
+static void tw__scratch_free(tw__scratch* s) {
+  free(s->cnt);
+  free(s->grp_row0);
+  free(s->cursor);
+  free(s->dest_row);
+  free(s->before);
+  free(s->own);
+  free(s->recv_base);
+  free(s->own_run);
+  free(s->keys);
+}
+
+static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt) {
+  const tw_problem* p = &pl->problem;
+  const int32_t W = p->world_size, K = p->top_k, ET = p->experts, rank = pl->rank;
+  const int32_t E = ET / W, TM = pl->tm;
+  const int64_t row_bytes = (int64_t)p->hidden * 2; /* bf16 */
+  tw__scratch sc = {0};
+  tw_status st = TW_SUCCESS;
+  size_t ew = (size_t)E * (size_t)W;
+  sc.cnt = calloc(ew, sizeof(int32_t));
+  sc.grp_row0 = calloc(ew, sizeof(int32_t));
+  sc.cursor = calloc(ew, sizeof(int32_t));
+  sc.dest_row = calloc(ew, sizeof(int64_t));
+  sc.before = calloc((size_t)W, sizeof(int64_t));
+  sc.own = calloc((size_t)ET, sizeof(int32_t));
+  sc.recv_base = calloc((size_t)ET, sizeof(int32_t));
+  sc.own_run = calloc((size_t)ET, sizeof(int32_t));
+  sc.keys = tw__alloc((size_t)E, sizeof(tw__order_key));
+  pl->expert_row0 = tw__alloc((size_t)E, sizeof(int32_t));
+  pl->expert_rows = tw__alloc((size_t)E, sizeof(int32_t));
+  pl->expert_real_rows = tw__alloc((size_t)E, sizeof(int32_t));
+  pl->expert_order = tw__alloc((size_t)E, sizeof(int32_t));
+  pl->recv_bands = tw__alloc((size_t)W, sizeof(int32_t));
+  pl->stream_first = tw__alloc((size_t)W, sizeof(int32_t));
+  pl->stream_last = tw__alloc((size_t)W, sizeof(int32_t));
+  pl->slot_row = tw__alloc((size_t)rt->tokens[rank] * (size_t)K, sizeof(int32_t));
+  if (!sc.cnt || !sc.grp_row0 || !sc.cursor || !sc.dest_row || !sc.before || !sc.own ||
+      !sc.recv_base || !sc.own_run || !sc.keys || !pl->expert_row0 || !pl->expert_rows ||
+      !pl->expert_real_rows || !pl->expert_order || !pl->recv_bands || !pl->stream_first ||
+      !pl->stream_last || !pl->slot_row) {
+    st = tw__fail(TW_ERR_OUT_OF_MEMORY, "plan: out of host memory");
+    goto done;
+  }
+
+  /* Pass 1 over every routed (owner, token, slot): group sizes of this rank's experts, the rows
+   * lower-numbered senders put ahead of ours in each owner's receive buffer, and this rank's own
+   * per-expert counts. */
+  for (int32_t o = 0; o < W; o++) {
+    const int32_t* ids = rt->expert_ids[o];
+    size_t n = (size_t)rt->tokens[o] * (size_t)K;
+    for (size_t i = 0; i < n; i++) {
+      int32_t g = ids[i], s = g / E;
+      if (s == rank) sc.cnt[(size_t)(g % E) * W + o]++;
+      if (s < rank && s != o) sc.before[o]++;
+    }
+  }
+  {
+    const int32_t* ids = rt->expert_ids[rank];
+    size_t n = (size_t)rt->tokens[rank] * (size_t)K;
+    for (size_t i = 0; i < n; i++) sc.own[ids[i]]++;
+  }
+
+  /* Layout: groups of each expert in owner order r+1, ..., r+W-1, r; remote groups padded. */
+  int64_t row = 0;
+  int32_t num_bands = 0, num_remote_bands = 0;
+  for (int32_t e = 0; e < E; e++) {
+    int64_t e_row0 = row, e_real = 0;
+    int32_t remote_bands = 0;
+    for (int32_t q = 1; q <= W; q++) {
+      int32_t o = (rank + q) % W;
+      int32_t c = sc.cnt[(size_t)e * W + o];
+      sc.grp_row0[(size_t)e * W + o] = (int32_t)row;
+      int32_t nb = (int32_t)tw__ceil_div(c, TM);
+      row += o == rank ? c : (int64_t)nb * TM;
+      e_real += c;
+      if (o != rank) remote_bands += nb;
+      num_bands += nb;
+    }
+    if (row > INT32_MAX) {
+      st = tw__fail(TW_ERR_INTERNAL, "plan: layout rows exceed int32 despite validation");
+      goto done;
+    }
+    pl->expert_row0[e] = (int32_t)e_row0;
+    pl->expert_rows[e] = (int32_t)(row - e_row0);
+    pl->expert_real_rows[e] = (int32_t)e_real;
+    sc.keys[e].remote_bands = remote_bands;
+    sc.keys[e].expert = e;
+    num_remote_bands += remote_bands;
+  }
+  pl->rows = (int32_t)row;
+  qsort(sc.keys, (size_t)E, sizeof *sc.keys, tw__order_cmp);
+  for (int32_t i = 0; i < E; i++) pl->expert_order[i] = sc.keys[i].expert;
+
+  /* Row sources: padding everywhere, then pass 2 places every routed row in (token, slot) order
+   * within its group (owners ascending, tokens ascending, slots ascending). */
+  pl->row_src = tw__alloc((size_t)pl->rows, sizeof(tw_row_src));
+  pl->bands = tw__alloc((size_t)num_bands, sizeof(tw_band));
+  pl->segments = tw__alloc((size_t)num_bands, sizeof(tw_segment)); /* worst case: one per band */
+  pl->tiles = tw__alloc((size_t)num_bands * (size_t)pl->col_tiles, sizeof(tw_tile));
+  if (!pl->row_src || !pl->bands || !pl->segments || !pl->tiles) {
+    st = tw__fail(TW_ERR_OUT_OF_MEMORY, "plan: out of host memory (%d rows, %d bands)", pl->rows,
+                  num_bands);
+    goto done;
+  }
+  for (int32_t i = 0; i < pl->rows; i++) pl->row_src[i] = (tw_row_src){-1, -1, -1};
+  for (int32_t o = 0; o < W; o++) {
+    const int32_t* ids = rt->expert_ids[o];
+    for (int32_t t = 0; t < rt->tokens[o]; t++) {
+      for (int32_t j = 0; j < K; j++) {
+        int32_t g = ids[(size_t)t * K + j];
+        if (g / E != rank) continue;
+        size_t gi = (size_t)(g % E) * W + o;
+        int32_t r = sc.grp_row0[gi] + sc.cursor[gi]++;
+        pl->row_src[r] = (tw_row_src){o, t, j};
+      }
+    }
+  }
+
+  /* Where each of our groups lands at its owner: after the rows of lower-numbered senders, then
+   * after our lower-numbered experts' rows for that owner. */
+  for (int32_t o = 0; o < W; o++) {
+    int64_t at = sc.before[o];
+    for (int32_t e = 0; e < E; e++) {
+      sc.dest_row[(size_t)e * W + o] = at;
+      at += sc.cnt[(size_t)e * W + o];
+    }
+  }
+
+  /* Bands in schedule order: remote bands (experts in expert_order, groups in layout order,
+   * bands in row order), then local bands the same way. */
+  int32_t nb = 0;
+  int64_t send_rows = 0;
+  for (int32_t pass = 0; pass < 2; pass++) {
+    for (int32_t i = 0; i < E; i++) {
+      int32_t e = pl->expert_order[i];
+      for (int32_t q = 1; q <= W; q++) {
+        int32_t o = (rank + q) % W;
+        int is_local = o == rank;
+        if (is_local != (pass == 1)) continue;
+        size_t gi = (size_t)e * W + o;
+        int32_t c = sc.cnt[gi];
+        for (int32_t b = 0; (int64_t)b * TM < c; b++) {
+          tw_band* band = &pl->bands[nb++];
+          int32_t valid = c - b * TM < TM ? c - b * TM : TM;
+          band->expert = e;
+          band->row0 = sc.grp_row0[gi] + b * TM;
+          band->rows = is_local ? valid : TM; /* remote groups are whole bands */
+          band->valid_rows = valid;
+          band->dest = o;
+          band->segment = -1;
+          band->dest_offset = is_local ? -1 : (sc.dest_row[gi] + (int64_t)b * TM) * row_bytes;
+          if (!is_local) send_rows += valid;
+        }
+      }
+    }
+  }
+  pl->num_bands = nb;
+  pl->send_bytes = send_rows * row_bytes;
+  for (int32_t d = 0; d < W; d++) pl->stream_first[d] = pl->stream_last[d] = -1;
+  for (int32_t i = 0; i < num_remote_bands; i++) {
+    int32_t d = pl->bands[i].dest;
+    if (pl->stream_first[d] < 0) pl->stream_first[d] = i;
+    pl->stream_last[d] = i;
+  }
+
+  /* Tiles: every column tile of each band, bands in schedule order. */
+  pl->num_tiles = nb * pl->col_tiles;
+  pl->num_remote_tiles = num_remote_bands * pl->col_tiles;
+  for (int32_t i = 0, t = 0; i < nb; i++) {
+    for (int32_t c = 0; c < pl->col_tiles; c++, t++) {
+      tw_tile* tile = &pl->tiles[t];
+      memset(tile, 0, sizeof *tile);
+      tile->row0 = pl->bands[i].row0;
+      tile->rows = pl->bands[i].rows;
+      tile->expert = pl->bands[i].expert;
+      tile->col0 = c * pl->tn;
+      tile->band = i;
+    }
+  }
+
+  /* Receive side: rows others return here, ordered by source rank then its expert index, which
+   * is ascending global expert id with our own experts skipped. */
+  int64_t recv = 0;
+  for (int32_t s = 0; s < W; s++) {
+    pl->recv_bands[s] = 0;
+    if (s == rank) continue;
+    for (int32_t e = 0; e < E; e++) {
+      int32_t g = s * E + e;
+      sc.recv_base[g] = (int32_t)recv;
+      recv += sc.own[g];
+      pl->recv_bands[s] += (int32_t)tw__ceil_div(sc.own[g], TM);
+    }
+  }
+  pl->recv_rows = (int32_t)recv;
+  {
+    const int32_t* ids = rt->expert_ids[rank];
+    size_t n = (size_t)rt->tokens[rank] * (size_t)K;
+    for (size_t i = 0; i < n; i++) {
+      int32_t g = ids[i], s = g / E;
+      if (s != rank) {
+        pl->slot_row[i] = sc.recv_base[g] + sc.own_run[g]++;
+      } else {
+        size_t gi = (size_t)(g % E) * W + rank;
+        pl->slot_row[i] = pl->recv_rows + sc.grp_row0[gi] + sc.own_run[g]++;
+      }
+    }
+  }
+  st = tw__plan_build_segments(pl, TW_DEFAULT_COALESCE);
+done:
+  tw__scratch_free(&sc);
+  return st;
+}
+
+tw_status tw__plan_build_segments(struct tw_plan* plan, int32_t coalesce) {
+  TW_CHECK_NULL(plan);
+  if (coalesce < 1)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "coalesce (%d) must be at least 1 band per segment; pass 0 in the config to "
+                    "let the model choose",
+                    coalesce);
+  /* Every segment is a run of consecutive schedule indices: a group's bands are consecutive in
+   * the schedule and a segment never leaves its group. A new segment starts at a group boundary,
+   * at the first and the last band of a destination's stream, right after the first band (so the
+   * first segment stays one band), and when the open segment holds `coalesce` bands. The one-
+   * band first segment gets the destination going as early as possible; the one-band last
+   * segment keeps the tail transfer, which nothing can hide, short. */
+  const int32_t rank = plan->rank;
+  int32_t nseg = 0;
+  for (int32_t i = 0; i < plan->num_bands; i++) {
+    tw_band* b = &plan->bands[i];
+    if (b->dest == rank) {
+      b->segment = -1;
+      continue;
+    }
+    int32_t d = b->dest;
+    const tw_band* prev = i > 0 ? &plan->bands[i - 1] : NULL;
+    int start = nseg == 0 || prev == NULL || prev->dest != d || prev->expert != b->expert ||
+                i == plan->stream_first[d] || i == plan->stream_last[d] ||
+                i - 1 == plan->stream_first[d] || plan->segments[nseg - 1].nbands >= coalesce;
+    if (start) {
+      tw_segment* s = &plan->segments[nseg++];
+      s->band0 = i;
+      s->nbands = 1;
+      s->dest = d;
+      s->src_row0 = b->row0;
+      s->valid_rows = b->valid_rows;
+      s->ready_tiles = plan->col_tiles;
+      s->dest_offset = b->dest_offset;
+    } else {
+      tw_segment* s = &plan->segments[nseg - 1];
+      s->nbands++;
+      s->valid_rows += b->valid_rows;
+      s->ready_tiles += plan->col_tiles;
+    }
+    b->segment = nseg - 1;
+  }
+  plan->coalesce = coalesce;
+  plan->num_segments = nseg;
+  return TW_SUCCESS;
+}
+
+tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_t rank,
+                         const tw_plan_config* config, tw_plan_t* plan) {
+  tw__clear_error();
+  TW_CHECK_NULL(plan);
+  *plan = NULL;
+  TW_TRY(tw_problem_validate(problem));
+  TW_CHECK_NULL(routing);
+  const tw_problem* p = problem;
+  if (config != NULL) {
+    TW_TRY(tw__check_header("tw_plan_config", config->size, sizeof(tw_plan_config), config->magic,
+                            TW_PLAN_CONFIG_MAGIC, config->version));
+    if (config->comm_ctas < 0 || config->coalesce < 0)
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "config comm_ctas (%d) and coalesce (%d) must be >= 0 (0 = model's choice)",
+                      config->comm_ctas, config->coalesce);
+  }
+  const tw_problem* rp = &routing->problem;
+  if (rp->world_size != p->world_size || rp->experts != p->experts || rp->top_k != p->top_k)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "the routing is for world_size %d, experts %d, top_k %d but the problem has "
+                    "%d, %d, %d; build the routing from the same problem",
+                    rp->world_size, rp->experts, rp->top_k, p->world_size, p->experts, p->top_k);
+  for (int32_t r = 0; r < p->world_size; r++)
+    if (routing->tokens[r] > p->max_tokens)
+      return tw__fail(TW_ERR_CAPACITY,
+                      "routing rank %d holds %d tokens, more than the problem's max_tokens (%d); "
+                      "raise max_tokens",
+                      r, routing->tokens[r], p->max_tokens);
+  if (rank < 0 || rank >= p->world_size)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "rank %d is outside 0..%d (world_size %d)", rank,
+                    p->world_size - 1, p->world_size);
+
+  struct tw_plan* pl = calloc(1, sizeof *pl);
+  if (pl == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "plan: out of host memory");
+  pl->problem = *p;
+  pl->rank = rank;
+  pl->local_experts = p->experts / p->world_size;
+  pl->tm = tw__resolve_tile_m(p);
+  pl->tn = tw__resolve_tile_n(p);
+  pl->col_tiles = (int32_t)tw__ceil_div(p->hidden, pl->tn);
+  tw_status st = tw__plan_build(pl, routing);
+  if (st == TW_SUCCESS) st = tw__model_choose(pl, config);
+  if (st != TW_SUCCESS) {
+    tw_plan_destroy(pl);
+    return st;
+  }
+  *plan = pl;
+  return TW_SUCCESS;
+}
+
+tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary) {
+  tw__clear_error();
+  TW_CHECK_NULL(plan);
+  TW_CHECK_NULL(summary);
+  int64_t real = 0;
+  for (int32_t e = 0; e < plan->local_experts; e++) real += plan->expert_real_rows[e];
+  memset(summary, 0, sizeof *summary);
+  summary->rank = plan->rank;
+  summary->comm_ctas = plan->comm_ctas;
+  summary->coalesce = plan->coalesce;
+  summary->rows = plan->rows;
+  summary->padding_rows = plan->rows - real;
+  summary->tiles = plan->num_tiles;
+  summary->remote_tiles = plan->num_remote_tiles;
+  summary->bands = plan->num_bands;
+  summary->segments = plan->num_segments;
+  summary->send_bytes = plan->send_bytes;
+  summary->predicted_us = plan->predicted_us;
+  summary->sequential_us = plan->sequential_us;
+  summary->solve_us = plan->solve_us;
+  return TW_SUCCESS;
+}

@@ -1,0 +1,684 @@
+/*
+ * test_plan_invariants.c: property tests of the planner over many random routings.
+ *
+ * For every random world it builds the plans of all W ranks and checks, from the routing alone
+ * (never from the planner's own intermediate arrays), that the layout, the schedule, the combine
+ * plan and the segments obey the rules of plan.h: every routed (owner, token, slot) is computed
+ * exactly once; a simulated combine (each remote band's valid rows copied to its destination's
+ * receive buffer at dest_offset, local rows taken in place) hands every owner back exactly its
+ * own rows through slot_row; padding sits only at the tail of remote groups; offsets into one
+ * receive buffer never overlap and cover it exactly; remote tiles come first; experts follow the
+ * documented order; segments follow the first/last/mgb rules. The seed is printed; set
+ * TW_TEST_SEED to replay a run.
+ */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "plan.h"
+#include "tilewave.h"
+#include "tw_test.h"
+
+/* ------------------------------------------------------------------------------------------ */
+/* Test randomness (independent of the library's generator)                                   */
+/* ------------------------------------------------------------------------------------------ */
+
+static uint64_t rng_state;
+
+static uint64_t rnd(void) {
+  uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+/* Uniform in lo..hi inclusive. */
+static int32_t rnd_in(int32_t lo, int32_t hi) {
+  return lo + (int32_t)(rnd() % (uint64_t)(hi - lo + 1));
+}
+
+static double rnd_unit(void) {
+  return (double)(rnd() >> 11) * 0x1.0p-53;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Random routings                                                                            */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef enum {
+  MODE_UNIFORM,    /* distinct uniform experts */
+  MODE_ONE_EXPERT, /* every token's first choice is one expert; the rest fixed too */
+  MODE_ONE_RANK,   /* choices concentrated on one rank's experts where possible */
+  MODE_HOT,        /* a few hot experts take most choices */
+  MODE_GENERATED,  /* the library's generators */
+  MODE_COUNT
+} route_mode;
+
+/* Fills k distinct ids for one token. */
+static void pick_token(route_mode mode, int32_t experts, int32_t k, int32_t hot_rank, int32_t local,
+                       int32_t* perm, int32_t* ids) {
+  switch (mode) {
+    case MODE_ONE_EXPERT:
+      for (int32_t j = 0; j < k; j++) ids[j] = j; /* the same k experts for every token */
+      return;
+    case MODE_ONE_RANK:
+    case MODE_HOT: {
+      /* Prefer a small set (one rank's experts, or experts 0..2), fill the rest uniformly. */
+      int32_t lo = mode == MODE_ONE_RANK ? hot_rank * local : 0;
+      int32_t n = mode == MODE_ONE_RANK ? local : (experts < 3 ? experts : 3);
+      for (int32_t i = 0; i < experts; i++) perm[i] = i;
+      int32_t m = 0;
+      for (int32_t i = 0; i < n && m < k; i++) {
+        if (rnd_unit() < 0.8) {
+          int32_t e = lo + i;
+          int32_t t = perm[m];
+          perm[m] = perm[e];
+          perm[e] = t;
+          m++;
+        }
+      }
+      for (int32_t j = m; j < k; j++) {
+        int32_t x = rnd_in(j, experts - 1);
+        int32_t t = perm[j];
+        perm[j] = perm[x];
+        perm[x] = t;
+      }
+      for (int32_t j = 0; j < k; j++) ids[j] = perm[j];
+      return;
+    }
+    default: {
+      for (int32_t i = 0; i < experts; i++) perm[i] = i;
+      for (int32_t j = 0; j < k; j++) {
+        int32_t x = rnd_in(j, experts - 1);
+        int32_t t = perm[j];
+        perm[j] = perm[x];
+        perm[x] = t;
+        ids[j] = perm[j];
+      }
+      return;
+    }
+  }
+}
+
+/* Builds a routing for p; tokens[r] chosen by the caller. */
+static tw_routing_t make_routing(const tw_problem* p, const int32_t* tokens, route_mode mode) {
+  tw_routing_t rt = NULL;
+  if (mode == MODE_GENERATED) {
+    tw_router router = (tw_router)rnd_in(0, 2);
+    tw_status s = tw_routing_generate(p, router, 0.0, tokens[0], rnd(), &rt);
+    CHECK_OK(s);
+    return rt;
+  }
+  int32_t W = p->world_size, k = p->top_k, local = p->experts / W;
+  int32_t** ids = calloc((size_t)W, sizeof *ids);
+  float** w = calloc((size_t)W, sizeof *w);
+  int32_t* perm = malloc((size_t)p->experts * sizeof *perm);
+  int32_t hot = rnd_in(0, W - 1);
+  for (int32_t r = 0; r < W; r++) {
+    ids[r] = malloc(((size_t)tokens[r] * k + 1) * sizeof(int32_t));
+    w[r] = malloc(((size_t)tokens[r] * k + 1) * sizeof(float));
+    for (int32_t t = 0; t < tokens[r]; t++) {
+      pick_token(mode, p->experts, k, hot, local, perm, ids[r] + (size_t)t * k);
+      for (int32_t j = 0; j < k; j++) w[r][(size_t)t * k + j] = (float)(0.1 + rnd_unit());
+    }
+  }
+  CHECK_OK(tw_routing_create(p, tokens, (const int32_t* const*)ids, (const float* const*)w, &rt));
+  for (int32_t r = 0; r < W; r++) {
+    free(ids[r]);
+    free(w[r]);
+  }
+  free(ids);
+  free(w);
+  free(perm);
+  return rt;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The checks                                                                                 */
+/* ------------------------------------------------------------------------------------------ */
+
+static int64_t cdiv(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
+/* Segment rules for one plan at its current coalesce factor. */
+static void check_segments(const struct tw_plan* pl, int32_t mgb) {
+  int32_t W = pl->problem.world_size;
+  CHECK(pl->coalesce == mgb);
+  int32_t nremote = pl->num_remote_tiles / pl->col_tiles;
+  int32_t* covered = calloc((size_t)pl->num_bands + 1, sizeof *covered);
+  int32_t* first_seg = malloc((size_t)W * sizeof *first_seg);
+  int32_t* last_seg = malloc((size_t)W * sizeof *last_seg);
+  for (int32_t d = 0; d < W; d++) first_seg[d] = last_seg[d] = -1;
+  int32_t prev_band0 = -1;
+  for (int32_t s = 0; s < pl->num_segments; s++) {
+    const tw_segment* sg = &pl->segments[s];
+    CHECKF(sg->band0 > prev_band0, "segments out of order at %d", s);
+    prev_band0 = sg->band0;
+    CHECK(sg->nbands >= 1);
+    CHECK(sg->band0 >= 0 && sg->band0 + sg->nbands <= nremote);
+    if (sg->nbands < 1 || sg->band0 < 0 || sg->band0 + sg->nbands > nremote) continue;
+    const tw_band* b0 = &pl->bands[sg->band0];
+    int32_t valid = 0;
+    for (int32_t i = 0; i < sg->nbands; i++) {
+      const tw_band* b = &pl->bands[sg->band0 + i];
+      covered[sg->band0 + i]++;
+      CHECK(b->segment == s);
+      CHECK(b->dest == sg->dest && b->dest != pl->rank);
+      CHECK(b->expert == b0->expert); /* one group: same expert, same owner */
+      CHECK(b->row0 == b0->row0 + i * pl->tm);
+      /* Contiguous at the destination too: only the last band may be short. */
+      CHECK(b->dest_offset == b0->dest_offset + (int64_t)i * pl->tm * pl->problem.hidden * 2);
+      if (i + 1 < sg->nbands) CHECK(b->valid_rows == pl->tm);
+      valid += b->valid_rows;
+    }
+    CHECK(sg->src_row0 == b0->row0);
+    CHECK(sg->valid_rows == valid);
+    CHECK(sg->ready_tiles == sg->nbands * pl->col_tiles);
+    CHECK(sg->dest_offset == b0->dest_offset);
+    if (first_seg[sg->dest] < 0) first_seg[sg->dest] = s;
+    last_seg[sg->dest] = s;
+  }
+  for (int32_t i = 0; i < nremote; i++)
+    CHECKF(covered[i] == 1, "band %d covered %d", i, covered[i]);
+  for (int32_t i = nremote; i < pl->num_bands; i++) CHECK(pl->bands[i].segment == -1);
+  /* Stream rules: first and last one band; middle ones at most mgb and greedy (a short middle
+   * segment ends at a group boundary or right before the stream's last band). */
+  for (int32_t s = 0; s < pl->num_segments; s++) {
+    const tw_segment* sg = &pl->segments[s];
+    int32_t d = sg->dest;
+    if (s == first_seg[d] || s == last_seg[d]) {
+      CHECKF(sg->nbands == 1, "first/last segment of stream %d has %d bands", d, sg->nbands);
+      continue;
+    }
+    CHECK(sg->nbands <= mgb);
+    if (sg->nbands < mgb) {
+      int32_t next = sg->band0 + sg->nbands;
+      int group_end = next >= nremote || pl->bands[next].dest != d ||
+                      pl->bands[next].expert != pl->bands[sg->band0].expert;
+      int before_last = next < nremote && pl->segments[last_seg[d]].band0 == next;
+      CHECKF(group_end || before_last, "segment %d (%d bands) is shorter than mgb %d for no reason",
+             s, sg->nbands, mgb);
+    }
+  }
+  free(covered);
+  free(first_seg);
+  free(last_seg);
+}
+
+/* All checks of one world: plans[r] for every rank r of routing rt. */
+static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** plans) {
+  const int32_t W = p->world_size, K = p->top_k, E = p->experts / W;
+  const int32_t TM = plans[0]->tm;
+  const int64_t row_bytes = (int64_t)p->hidden * 2;
+  /* seen[o][t*K+j]: how often (o, t, j) appears in some layout. */
+  int32_t** seen = calloc((size_t)W, sizeof *seen);
+  int32_t** recv = calloc((size_t)W, sizeof *recv);     /* (recv_rows) t*K+j, -1 if empty */
+  int32_t** recv_src = calloc((size_t)W, sizeof *recv); /* (recv_rows) sending rank */
+  /* cnt[r][e][o]: rows of owner o for expert r*E+e, from the routing. */
+  int32_t* cnt = calloc((size_t)W * E * W, sizeof *cnt);
+  for (int32_t o = 0; o < W; o++) {
+    int32_t n;
+    const int32_t* ids;
+    CHECK_OK(tw_routing_rank(rt, o, &n, &ids, NULL));
+    seen[o] = calloc((size_t)n * K + 1, sizeof(int32_t));
+    for (int32_t i = 0; i < n * K; i++) cnt[(size_t)ids[i] * W + o]++;
+  }
+  for (int32_t d = 0; d < W; d++) {
+    recv[d] = malloc(((size_t)plans[d]->recv_rows + 1) * sizeof(int32_t));
+    recv_src[d] = malloc(((size_t)plans[d]->recv_rows + 1) * sizeof(int32_t));
+    for (int32_t i = 0; i < plans[d]->recv_rows; i++) recv[d][i] = recv_src[d][i] = -1;
+  }
+
+  for (int32_t r = 0; r < W; r++) {
+    const struct tw_plan* pl = plans[r];
+    CHECK(pl->rank == r && pl->local_experts == E);
+    CHECK(pl->col_tiles == cdiv(p->hidden, pl->tn));
+    /* Layout: experts contiguous in index order; groups r+1, ..., r-1, r; padding at remote
+     * group tails only, < TM per group; rows in (token, slot) order inside each group. */
+    int32_t row = 0;
+    int32_t* remote_bands = calloc((size_t)E, sizeof *remote_bands);
+    for (int32_t e = 0; e < E; e++) {
+      CHECK(pl->expert_row0[e] == row);
+      int32_t real = 0;
+      for (int32_t q = 1; q <= W; q++) {
+        int32_t o = (r + q) % W;
+        int32_t c = cnt[((size_t)r * E + e) * W + o];
+        int32_t prev_key = -1;
+        for (int32_t i = 0; i < c; i++, row++) {
+          const tw_row_src* s = &pl->row_src[row];
+          CHECKF(s->owner == o, "rank %d expert %d row %d: owner %d, expected %d", r, e, row,
+                 s->owner, o);
+          if (s->owner != o) continue;
+          int32_t n;
+          const int32_t* ids;
+          tw_routing_rank(rt, o, &n, &ids, NULL);
+          CHECK(s->token >= 0 && s->token < n && s->slot >= 0 && s->slot < K);
+          if (!(s->token >= 0 && s->token < n && s->slot >= 0 && s->slot < K)) continue;
+          int32_t key = s->token * K + s->slot;
+          CHECK(key > prev_key);
+          prev_key = key;
+          CHECK(ids[key] == r * E + e);
+          seen[o][key]++;
+        }
+        real += c;
+        if (o != r) {
+          int32_t pad = (int32_t)(cdiv(c, TM) * TM - c);
+          CHECK(pad < TM);
+          for (int32_t i = 0; i < pad; i++, row++) CHECK(pl->row_src[row].owner == -1);
+          remote_bands[e] += (int32_t)cdiv(c, TM);
+        }
+      }
+      CHECK(pl->expert_real_rows[e] == real);
+      CHECK(pl->expert_rows[e] == row - pl->expert_row0[e]);
+    }
+    CHECK(pl->rows == row);
+
+    /* Expert order: a permutation sorted by remote bands descending, ties by index. */
+    int32_t* used = calloc((size_t)E, sizeof *used);
+    for (int32_t i = 0; i < E; i++) {
+      int32_t e = pl->expert_order[i];
+      CHECK(e >= 0 && e < E);
+      if (e < 0 || e >= E) continue;
+      used[e]++;
+      if (i > 0) {
+        int32_t a = pl->expert_order[i - 1];
+        CHECK(remote_bands[a] > remote_bands[e] || (remote_bands[a] == remote_bands[e] && a < e));
+      }
+    }
+    for (int32_t e = 0; e < E; e++) CHECK(used[e] == 1);
+
+    /* Bands: in schedule order, one owner each, covering every row of every expert once. */
+    int32_t* band_cover = calloc((size_t)pl->rows + 1, sizeof *band_cover);
+    int32_t expected_bands = 0;
+    for (int32_t e = 0; e < E; e++) expected_bands += (int32_t)cdiv(pl->expert_rows[e], TM);
+    CHECK(pl->num_bands == expected_bands);
+    int32_t nremote = 0;
+    int64_t send_rows = 0;
+    int32_t order_pos = 0, prev_expert = -1, prev_row0 = -1, in_local = 0;
+    for (int32_t i = 0; i < pl->num_bands; i++) {
+      const tw_band* b = &pl->bands[i];
+      int local = b->dest == r;
+      if (!local) {
+        CHECKF(!in_local, "remote band %d after a local band", i);
+        nremote++;
+      } else if (!in_local) {
+        in_local = 1;
+        order_pos = 0;
+        prev_expert = -1;
+      }
+      /* Expert sequence follows expert_order within each half, rows ascending per expert. */
+      if (b->expert != prev_expert) {
+        while (order_pos < E && pl->expert_order[order_pos] != b->expert) order_pos++;
+        CHECKF(order_pos < E, "band %d: expert %d out of order", i, b->expert);
+        order_pos++;
+        prev_expert = b->expert;
+      } else {
+        CHECK(b->row0 > prev_row0);
+      }
+      prev_row0 = b->row0;
+      CHECK(b->expert >= 0 && b->expert < E);
+      if (b->expert < 0 || b->expert >= E) continue;
+      int32_t e0 = pl->expert_row0[b->expert], e_rows = pl->expert_rows[b->expert];
+      CHECK((b->row0 - e0) % TM == 0);
+      CHECK(b->row0 >= e0 && b->row0 + b->rows <= e0 + e_rows);
+      CHECK(b->rows == (e0 + e_rows - b->row0 < TM ? e0 + e_rows - b->row0 : TM));
+      CHECK(b->valid_rows >= 1 && b->valid_rows <= b->rows);
+      for (int32_t x = 0; x < b->rows && b->row0 + x < pl->rows; x++) {
+        band_cover[b->row0 + x]++;
+        int32_t owner = pl->row_src[b->row0 + x].owner;
+        if (x < b->valid_rows)
+          CHECKF(owner == b->dest, "band %d row %d: owner %d, dest %d", i, x, owner, b->dest);
+        else
+          CHECK(owner == -1);
+      }
+      if (local) {
+        CHECK(b->segment == -1 && b->dest_offset == -1 && b->rows == b->valid_rows);
+        continue;
+      }
+      send_rows += b->valid_rows;
+      /* Simulated combine: copy the band's valid row ids to the destination buffer. */
+      int32_t d = b->dest;
+      CHECK(b->dest_offset >= 0 && b->dest_offset % row_bytes == 0);
+      int64_t off = b->dest_offset / row_bytes;
+      CHECKF(off + b->valid_rows <= plans[d]->recv_rows, "rank %d band %d overruns dest %d", r, i,
+             d);
+      if (b->dest_offset < 0 || off + b->valid_rows > plans[d]->recv_rows) continue;
+      for (int32_t x = 0; x < b->valid_rows; x++) {
+        const tw_row_src* s = &pl->row_src[b->row0 + x];
+        CHECKF(recv[d][off + x] == -1, "rank %d band %d overlaps at dest %d row %lld", r, i, d,
+               (long long)(off + x));
+        recv[d][off + x] = s->token * K + s->slot;
+        recv_src[d][off + x] = r;
+      }
+    }
+    for (int32_t i = 0; i < pl->rows; i++) CHECK(band_cover[i] == 1);
+    CHECK(pl->num_tiles == pl->num_bands * pl->col_tiles);
+    CHECK(pl->num_remote_tiles == nremote * pl->col_tiles);
+    CHECK(pl->send_bytes == send_rows * row_bytes);
+    /* Tiles: each band's column tiles together, in band order; remote tiles first. */
+    for (int32_t t = 0; t < pl->num_tiles; t++) {
+      const tw_tile* tl = &pl->tiles[t];
+      const tw_band* b = &pl->bands[t / pl->col_tiles];
+      CHECK(tl->band == t / pl->col_tiles);
+      CHECK(tl->col0 == (t % pl->col_tiles) * pl->tn && tl->col0 < p->hidden);
+      CHECK(tl->row0 == b->row0 && tl->rows == b->rows && tl->expert == b->expert);
+      CHECK((t < pl->num_remote_tiles) == (b->dest != r));
+    }
+    /* Segments at three coalescing factors (the last leaves the plan at mgb 2). */
+    check_segments(pl, pl->coalesce);
+    static const int32_t mgbs[] = {1, 4, 2};
+    for (int i = 0; i < 3; i++) {
+      CHECK_OK(tw__plan_build_segments(plans[r], mgbs[i]));
+      check_segments(pl, mgbs[i]);
+    }
+    free(remote_bands);
+    free(used);
+    free(band_cover);
+  }
+
+  /* Every routed row computed exactly once; the receive buffers exactly covered, by source rank
+   * ascending; slot_row maps every (token, slot) back to itself. */
+  for (int32_t o = 0; o < W; o++) {
+    int32_t n;
+    const int32_t* ids;
+    tw_routing_rank(rt, o, &n, &ids, NULL);
+    for (int32_t i = 0; i < n * K; i++)
+      CHECKF(seen[o][i] == 1, "(%d, %d) seen %d", o, i, seen[o][i]);
+    const struct tw_plan* pl = plans[o];
+    for (int32_t i = 0; i < pl->recv_rows; i++) {
+      CHECKF(recv[o][i] >= 0, "rank %d receive row %d never written", o, i);
+      if (i > 0) CHECK(recv_src[o][i] >= recv_src[o][i - 1]);
+    }
+    for (int32_t s = 0; s < W; s++) {
+      int32_t bands_from_s = 0;
+      for (int32_t i = 0; i < plans[s]->num_bands; i++)
+        bands_from_s += s != o && plans[s]->bands[i].dest == o;
+      CHECK(pl->recv_bands[s] == bands_from_s);
+    }
+    for (int32_t i = 0; i < n * K; i++) {
+      int32_t sr = pl->slot_row[i];
+      if (sr < pl->recv_rows) {
+        CHECK(sr >= 0);
+        if (sr >= 0)
+          CHECKF(recv[o][sr] == i, "rank %d slot %d -> receive row %d holds %d", o, i, sr,
+                 recv[o][sr]);
+        CHECK(ids[i] / E != o);
+      } else {
+        int32_t lr = sr - pl->recv_rows;
+        CHECK(lr < pl->rows);
+        if (lr < pl->rows) {
+          const tw_row_src* s = &pl->row_src[lr];
+          CHECK(s->owner == o && s->token * K + s->slot == i);
+        }
+        CHECK(ids[i] / E == o);
+      }
+    }
+  }
+  for (int32_t r = 0; r < W; r++) {
+    free(seen[r]);
+    free(recv[r]);
+    free(recv_src[r]);
+  }
+  free(seen);
+  free(recv);
+  free(recv_src);
+  free(cnt);
+}
+
+/* Builds all plans of (p, rt) with coalescing mgb, runs check_world, frees. */
+static void plan_and_check(const tw_problem* p, tw_routing_t rt, int32_t mgb) {
+  int32_t W = p->world_size;
+  struct tw_plan** plans = calloc((size_t)W, sizeof *plans);
+  tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  cfg.coalesce = mgb;
+  int ok = 1;
+  for (int32_t r = 0; r < W; r++) {
+    tw_status s = tw_plan_create(p, rt, r, &cfg, &plans[r]);
+    CHECK_OK(s);
+    if (s != TW_SUCCESS) ok = 0;
+  }
+  if (ok) check_world(p, rt, plans);
+  for (int32_t r = 0; r < W; r++) tw_plan_destroy(plans[r]);
+  free(plans);
+}
+
+static void random_problem(tw_problem* p) {
+  *p = (tw_problem)TW_PROBLEM_INIT;
+  p->world_size = rnd_in(1, 8);
+  p->experts = p->world_size * rnd_in(1, 6);
+  p->top_k = rnd_unit() < 0.1 ? p->experts : rnd_in(1, p->experts < 4 ? p->experts : 4);
+  p->hidden = 8 * rnd_in(1, 128);
+  p->ffn = 8 * rnd_in(1, 64);
+  p->max_tokens = 200;
+  p->tile_m = rnd_unit() < 0.5 ? 64 : 128;
+  static const int32_t tns[] = {0, 64, 128, 256};
+  p->tile_n = tns[rnd_in(0, 3)];
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Tests                                                                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+static void test_random_worlds(void) {
+  const int n_worlds = (int)(getenv("TW_TEST_WORLDS") ? atoi(getenv("TW_TEST_WORLDS")) : 2000);
+  for (int it = 0; it < n_worlds; it++) {
+    int before = tw_test_failures_;
+    uint64_t state = rng_state;
+    tw_problem p;
+    random_problem(&p);
+    int32_t* tokens = malloc((size_t)p.world_size * sizeof *tokens);
+    route_mode mode = (route_mode)rnd_in(0, MODE_COUNT - 1);
+    int32_t same = rnd_in(0, 200);
+    for (int32_t r = 0; r < p.world_size; r++)
+      tokens[r] = mode == MODE_GENERATED ? same : (rnd_unit() < 0.15 ? 0 : rnd_in(1, 200));
+    tw_routing_t rt = make_routing(&p, tokens, mode);
+    if (rt) plan_and_check(&p, rt, (int32_t[]){1, 2, 4}[rnd_in(0, 2)]);
+    tw_routing_destroy(rt);
+    free(tokens);
+    if (tw_test_failures_ != before) {
+      fprintf(stderr, "  world %d failed: W %d experts %d k %d tm %d tn %d mode %d (rng 0x%llx)\n",
+              it, p.world_size, p.experts, p.top_k, p.tile_m, p.tile_n, (int)mode,
+              (unsigned long long)state);
+      break; /* one failing world is enough detail */
+    }
+  }
+}
+
+/* Fixed edge cases, each with explicit token counts and routing mode. */
+static void edge(int32_t W, int32_t experts, int32_t k, int32_t tm, const int32_t* tokens,
+                 route_mode mode) {
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = W;
+  p.experts = experts;
+  p.top_k = k;
+  p.hidden = 136; /* not a multiple of any tile width: a short last column tile */
+  p.ffn = 64;
+  p.max_tokens = 1000;
+  p.tile_m = tm;
+  tw_routing_t rt = make_routing(&p, tokens, mode);
+  if (rt) {
+    plan_and_check(&p, rt, 1);
+    plan_and_check(&p, rt, 3);
+  }
+  tw_routing_destroy(rt);
+}
+
+static void test_world_size_one(void) {
+  int32_t tokens[1] = {333};
+  edge(1, 8, 2, 128, tokens, MODE_UNIFORM);
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = 1, p.experts = 4, p.top_k = 2, p.hidden = 64, p.ffn = 64, p.max_tokens = 1000;
+  tw_routing_t rt = make_routing(&p, tokens, MODE_UNIFORM);
+  tw_plan_t pl = NULL;
+  CHECK_OK(tw_plan_create(&p, rt, 0, NULL, &pl));
+  if (pl) {
+    CHECK(pl->num_remote_tiles == 0 && pl->num_segments == 0 && pl->recv_rows == 0);
+    CHECK(pl->send_bytes == 0 && pl->rows == 333 * 2);
+  }
+  tw_plan_destroy(pl);
+  tw_routing_destroy(rt);
+}
+
+static void test_rank_with_zero_tokens(void) {
+  int32_t tokens[4] = {150, 0, 77, 129};
+  edge(4, 8, 2, 64, tokens, MODE_UNIFORM);
+  int32_t none[3] = {0, 0, 0};
+  edge(3, 6, 3, 128, none, MODE_UNIFORM);
+}
+
+static void test_every_token_to_one_expert(void) {
+  int32_t tokens[4] = {300, 1, 129, 64};
+  edge(4, 8, 1, 128, tokens, MODE_ONE_EXPERT); /* experts with zero rows everywhere else */
+  edge(4, 16, 3, 64, tokens, MODE_ONE_EXPERT);
+}
+
+static void test_topk_equals_experts(void) {
+  int32_t tokens[2] = {65, 130};
+  edge(2, 4, 4, 64, tokens, MODE_UNIFORM);
+  int32_t t8[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+  edge(8, 8, 8, 128, t8, MODE_UNIFORM);
+}
+
+static void test_tokens_not_multiple_of_tm(void) {
+  int32_t tokens[3] = {127, 129, 191};
+  edge(3, 3, 1, 128, tokens, MODE_ONE_RANK);
+  edge(3, 9, 2, 64, tokens, MODE_HOT);
+}
+
+/* Hand-checked small case: W 2, 2 local experts, TM 64, exact rows, offsets and segments. */
+static void test_hand_example(void) {
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = 2, p.experts = 4, p.top_k = 1, p.hidden = 64, p.ffn = 64, p.max_tokens = 200;
+  p.tile_m = 64;
+  /* Rank 0: 100 tokens to expert 2 (rank 1's local 0), 10 to expert 0. Rank 1: 5 tokens to
+   * expert 3 (its local 1), 70 to expert 1 (rank 0's local 1). */
+  int32_t tokens[2] = {110, 75};
+  int32_t ids0[110], ids1[75];
+  float w0[110], w1[75];
+  for (int i = 0; i < 110; i++) ids0[i] = i < 100 ? 2 : 0, w0[i] = 1.0f;
+  for (int i = 0; i < 75; i++) ids1[i] = i < 5 ? 3 : 1, w1[i] = 1.0f;
+  const int32_t* ids[2] = {ids0, ids1};
+  const float* ws[2] = {w0, w1};
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_routing_create(&p, tokens, ids, ws, &rt));
+  tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  cfg.coalesce = 4;
+  tw_plan_t p0 = NULL, p1 = NULL;
+  CHECK_OK(tw_plan_create(&p, rt, 0, &cfg, &p0));
+  CHECK_OK(tw_plan_create(&p, rt, 1, &cfg, &p1));
+  if (p0 && p1) {
+    /* Rank 0: expert 0 = 10 local rows; expert 1 = 70 rows from rank 1 padded to 128. */
+    CHECK(p0->expert_row0[0] == 0 && p0->expert_rows[0] == 10);
+    CHECK(p0->expert_row0[1] == 10 && p0->expert_rows[1] == 128);
+    CHECK(p0->rows == 138 && p0->expert_order[0] == 1 && p0->expert_order[1] == 0);
+    CHECK(p0->num_bands == 3 && p0->num_remote_tiles == 2);
+    CHECK(p0->bands[0].row0 == 10 && p0->bands[0].valid_rows == 64 && p0->bands[0].dest == 1);
+    CHECK(p0->bands[1].row0 == 74 && p0->bands[1].valid_rows == 6);
+    CHECK(p0->bands[2].row0 == 0 && p0->bands[2].rows == 10 && p0->bands[2].dest == 0);
+    /* Rank 1 receives from rank 0 only: rows of token 5..74 in order, at offset 0. */
+    CHECK(p0->bands[0].dest_offset == 0 && p0->bands[1].dest_offset == 64 * 128);
+    CHECK(p1->recv_rows == 70 && p1->recv_bands[0] == 2 && p1->recv_bands[1] == 0);
+    /* Stream to rank 1 has two bands: first and last are one-band segments. */
+    CHECK(p0->num_segments == 2 && p0->segments[0].nbands == 1 && p0->segments[1].nbands == 1);
+    CHECK(p0->send_bytes == 70 * 128);
+    CHECK(p1->slot_row[5] == 0 && p1->slot_row[74] == 69);
+    /* Rank 1: expert 0 (global 2) has 100 rows from rank 0 -> 128; expert 1 (global 3) 5 local. */
+    CHECK(p1->expert_rows[0] == 128 && p1->expert_rows[1] == 5 && p1->rows == 133);
+    CHECK(p1->slot_row[0] == p1->recv_rows + 128);
+    tw_plan_summary s;
+    CHECK_OK(tw_plan_summary_get(p1, &s));
+    CHECK(s.rank == 1 && s.rows == 133 && s.padding_rows == 28 && s.bands == 3);
+    CHECK(s.tiles == 3 && s.remote_tiles == 2 && s.segments == 2 && s.send_bytes == 100 * 128);
+    CHECK(s.coalesce == 4);
+  }
+  tw_plan_destroy(p0);
+  tw_plan_destroy(p1);
+  tw_routing_destroy(rt);
+}
+
+/* Ten-band stream with mgb 4: segments 1 | 4 | 4 | 1 for one group. */
+static void test_segment_cuts(void) {
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = 2, p.experts = 2, p.top_k = 1, p.hidden = 64, p.ffn = 64, p.max_tokens = 1000;
+  p.tile_m = 64;
+  int32_t tokens[2] = {0, 10 * 64 - 3};
+  int32_t* ids1 = malloc(sizeof(int32_t) * 637);
+  float* w1 = malloc(sizeof(float) * 637);
+  for (int i = 0; i < 637; i++) ids1[i] = 0, w1[i] = 0.5f;
+  const int32_t* ids[2] = {ids1, ids1};
+  const float* ws[2] = {w1, w1};
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_routing_create(&p, tokens, ids, ws, &rt));
+  tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  cfg.coalesce = 4;
+  tw_plan_t p0 = NULL;
+  CHECK_OK(tw_plan_create(&p, rt, 0, &cfg, &p0));
+  if (p0) {
+    CHECK(p0->num_bands == 10 && p0->num_segments == 4);
+    if (p0->num_segments == 4) {
+      CHECK(p0->segments[0].nbands == 1 && p0->segments[1].nbands == 4);
+      CHECK(p0->segments[2].nbands == 4 && p0->segments[3].nbands == 1);
+      CHECK(p0->segments[3].valid_rows == 61 && p0->segments[2].band0 == 5);
+      CHECK(p0->segments[1].ready_tiles == 4 * p0->col_tiles);
+    }
+    CHECK_OK(tw__plan_build_segments(p0, 100));
+    CHECK(p0->num_segments == 3 && p0->segments[1].nbands == 8);
+    CHECK_OK(tw__plan_build_segments(p0, 1));
+    CHECK(p0->num_segments == 10);
+    CHECK_STATUS(tw__plan_build_segments(p0, 0), TW_ERR_INVALID_ARGUMENT);
+  }
+  tw_plan_destroy(p0);
+  tw_routing_destroy(rt);
+  free(ids1);
+  free(w1);
+}
+
+/* Plan creation must stay O(rows): 2 ranks x 16384 tokens x top-2. */
+static void test_plan_time(void) {
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = 2, p.experts = 64, p.top_k = 2, p.hidden = 4096, p.ffn = 2048;
+  p.max_tokens = 16384;
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_routing_generate(&p, TW_ROUTER_MODERATE_SKEW, 0.0, 16384, rnd(), &rt));
+  double best = 1e9;
+  for (int i = 0; i < 5 && rt; i++) {
+    struct timespec a, b;
+    tw_plan_t pl = NULL;
+    clock_gettime(CLOCK_MONOTONIC, &a);
+    CHECK_OK(tw_plan_create(&p, rt, i % 2, NULL, &pl));
+    clock_gettime(CLOCK_MONOTONIC, &b);
+    double ms = 1e3 * (double)(b.tv_sec - a.tv_sec) + 1e-6 * (double)(b.tv_nsec - a.tv_nsec);
+    if (ms < best) best = ms;
+    tw_plan_destroy(pl);
+  }
+  printf(
+      "  plan_create (2 ranks x 16384 tokens x top-2, 64 experts, H 4096): %.3f ms (best of 5)\n",
+      best);
+  CHECKF(best < 50.0, "plan creation took %.3f ms", best);
+  tw_routing_destroy(rt);
+}
+
+static void seed_tests(void) {
+  const char* s = getenv("TW_TEST_SEED");
+  rng_state = s ? strtoull(s, NULL, 0) : (uint64_t)time(NULL);
+  printf("TW_TEST_SEED=%llu\n", (unsigned long long)rng_state);
+}
+
+int main(void) {
+  seed_tests();
+  static const tw_test_case cases[] = {
+      TW_TEST(test_hand_example),
+      TW_TEST(test_segment_cuts),
+      TW_TEST(test_world_size_one),
+      TW_TEST(test_rank_with_zero_tokens),
+      TW_TEST(test_every_token_to_one_expert),
+      TW_TEST(test_topk_equals_experts),
+      TW_TEST(test_tokens_not_multiple_of_tm),
+      TW_TEST(test_random_worlds),
+      TW_TEST(test_plan_time),
+  };
+  return tw_test_run(cases, (int)(sizeof cases / sizeof cases[0]));
+}
