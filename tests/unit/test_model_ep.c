@@ -1,0 +1,392 @@
+/*
+ * test_model_ep.c: the expert-parallel resource model (model.c). A hand-built plan whose T(C,
+ * mgb) table is computed by hand below; then real plans from the planner: the choice is the
+ * argmin of tw_plan_predict over every candidate, the fast evaluation equals the segment-by-
+ * segment recurrence, explicit settings win, the selector can be switched off, more link
+ * bandwidth never hurts, and a plan with nothing to send costs compute + reduce at the
+ * smallest C.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+
+#include "plan.h"
+#include "tilewave.h"
+#include "tw_test.h"
+
+/* ---- A hand-built plan -------------------------------------------------------------------- */
+/*
+ * Rank 0 of 2, one local expert, TM = TN = 64, hidden 128 (2 column tiles), K = 1000.
+ * Layout: 6 bands of 64 valid rows owned by rank 1 (rows 0..383), then 1 local band (384..447).
+ * Schedule: band i is tiles 2i, 2i+1 (14 tiles; remote ones first).
+ * Segments (planner's rule: the first and last band of a stream alone, middles by mgb):
+ *   mgb 1: {0} {1} {2} {3} {4} {5}   last tiles 1 3 5 7 9 11, 2 units each
+ *   mgb 2: {0} {1,2} {3,4} {5}       last tiles 1 5 9 11,  units 2 4 4 2
+ *   mgb 4: {0} {1,2,3,4} {5}         last tiles 1 9 11,    units 2 8 2
+ * Hardware: G = 5, c_max = 3 -> P(1) = 4, P(2) = 3, P(3) = 2.
+ *   tau_tile = 2*64*64*1000 / (8.192e12) s = 1 us (overhead 0).
+ *   one unit = 64 rows x 64 cols x 2 B = 8192 B; per-CTA bandwidth min(16384, 32768/C) B/us:
+ *   tau_unit(1) = 0.5, tau_unit(2) = 0.5, tau_unit(3) = 8192 / 10922.67 = 0.75 us.
+ *   latency 1 us: q(U) = ceil(U/C) tau_unit + 1:
+ *              U=2    U=4    U=8
+ *     C = 1    2      3      5
+ *     C = 2    1.5    2      3
+ *     C = 3    1.75   2.5    3.25
+ *   reduce: owner rows = recv 128 + local 64 = 192, tokens 96, (192 + 96) x 256 B / 73728 B/us
+ *   = 1 us.
+ * A_s = floor(t_s / P) + 1; F_s = max(A_s, F_{s-1}) + q_s; T = max(F, ceil(14/P)) + 1.
+ *   C=1 (P 4, compute 4):
+ *     mgb 1: A 1 1 2 2 3 3, q 2: F 3 5 7 9 11 13 -> T 14
+ *     mgb 2: A 1 2 3 3, q 2 3 3 2: F 3, 6, 9, 11 -> T 12
+ *     mgb 4: A 1 3 3, q 2 5 2: F 3, 8, 10 -> T 11
+ *   C=2 (P 3, compute 5):
+ *     mgb 1: A 1 2 2 3 4 4, q 1.5: F 2.5 4 5.5 7 8.5 10 -> T 11
+ *     mgb 2: A 1 2 4 4, q 1.5 2 2 1.5: F 2.5, 4.5, 6.5, 8 -> T 9
+ *     mgb 4: A 1 4 4, q 1.5 3 1.5: F 2.5, 7, 8.5 -> T 9.5
+ *   C=3 (P 2, compute 7):
+ *     mgb 1: A 1 2 3 4 5 6, q 1.75: F 2.75 4.5 6.25 8 9.75 11.5 -> T 12.5
+ *     mgb 2: A 1 3 5 6, q 1.75 2.5 2.5 1.75: F 2.75, 5.5, 8, 9.75 -> T 10.75
+ *     mgb 4: A 1 5 6, q 1.75 3.25 1.75: F 2.75, 8.25, 10 -> T 11
+ * Best: C = 2, mgb = 2, T = 9. Sequential: ceil(14/5) = 3 waves + 98304 B / 32768 B/us + 1 = 7.
+ */
+static const double hand_t[3][3] = {{14, 12, 11}, {11, 9, 9.5}, {12.5, 10.75, 11}};
+static const int32_t mgbs[3] = {1, 2, 4};
+
+typedef struct hand_plan {
+  struct tw_plan plan;
+  tw_row_src row_src[448];
+  tw_tile tiles[14];
+  tw_band bands[7];
+  tw_segment segments[7];
+  int32_t stream_first[2], stream_last[2];
+  tw_hardware hw;
+} hand_plan;
+
+static void hand_build(hand_plan* h, int remote) {
+  memset(h, 0, sizeof *h);
+  struct tw_plan* p = &h->plan;
+  tw_problem prob = TW_PROBLEM_INIT;
+  prob.world_size = 2;
+  prob.hidden = 128;
+  prob.ffn = 1000;
+  prob.experts = 2;
+  prob.top_k = 2;
+  prob.max_tokens = 1000;
+  p->problem = prob;
+  p->rank = 0;
+  p->local_experts = 1;
+  p->tm = p->tn = 64;
+  p->col_tiles = 2;
+  p->rows = 448;
+  p->row_src = h->row_src;
+  for (int r = 0; r < 448; r++) {
+    h->row_src[r].owner = (remote && r < 384) ? 1 : 0;
+    h->row_src[r].token = r;
+    h->row_src[r].slot = 0;
+  }
+  p->num_tiles = 14;
+  p->num_remote_tiles = remote ? 12 : 0;
+  p->tiles = h->tiles;
+  for (int i = 0; i < 14; i++) {
+    h->tiles[i].band = i / 2;
+    h->tiles[i].row0 = 64 * (i / 2);
+    h->tiles[i].rows = 64;
+    h->tiles[i].col0 = 64 * (i % 2);
+  }
+  p->num_bands = 7;
+  p->bands = h->bands;
+  for (int b = 0; b < 7; b++) {
+    h->bands[b].row0 = 64 * b;
+    h->bands[b].rows = h->bands[b].valid_rows = 64;
+    h->bands[b].dest = (remote && b < 6) ? 1 : 0;
+    h->bands[b].segment = -1;
+    h->bands[b].dest_offset = h->bands[b].dest == 1 ? 64 * b * 256 : -1;
+  }
+  p->segments = h->segments;
+  h->stream_first[0] = h->stream_last[0] = -1;
+  h->stream_first[1] = remote ? 0 : -1;
+  h->stream_last[1] = remote ? 5 : -1;
+  p->stream_first = h->stream_first;
+  p->stream_last = h->stream_last;
+  p->send_bytes = remote ? 6 * 64 * 256 : 0;
+  p->recv_rows = 128;
+  tw_hardware_default(&h->hw);
+  h->hw.sm_count = 5;
+  h->hw.c_max = 3;
+  h->hw.tile_tflops = 8.192;
+  h->hw.tile_overhead_us = 0.0;
+  h->hw.link_cta_gbps = 16.384;
+  h->hw.link_peak_gbps = 32.768;
+  h->hw.link_latency_us = 1.0;
+  h->hw.mem_gbps = 73.728;
+}
+
+static tw_plan_config hand_config(hand_plan* h, int32_t c, int32_t mgb, int32_t use_model) {
+  tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  cfg.comm_ctas = c;
+  cfg.coalesce = mgb;
+  cfg.use_model = use_model;
+  cfg.hardware = &h->hw;
+  return cfg;
+}
+
+static void test_hand_plan_table(void) {
+  static hand_plan h;
+  hand_build(&h, 1);
+  tw_plan_config cfg = hand_config(&h, 0, 0, 1);
+  CHECK_OK(tw__model_choose(&h.plan, &cfg));
+  for (int c = 1; c <= 3; c++)
+    for (int j = 0; j < 3; j++) {
+      double t = 0;
+      CHECK_OK(tw_plan_predict(&h.plan, c, mgbs[j], &t));
+      CHECKF(fabs(t - hand_t[c - 1][j]) < 1e-9, "T(C=%d, mgb=%d) = %.12g, hand %.12g", c, mgbs[j],
+             t, hand_t[c - 1][j]);
+    }
+  CHECK(h.plan.comm_ctas == 2);
+  CHECK(h.plan.coalesce == 2);
+  CHECK(h.plan.num_segments == 4); /* the plan keeps the chosen mgb's segments */
+  CHECK_NEAR(h.plan.predicted_us, 9.0, 1e-9);
+  CHECK_NEAR(h.plan.sequential_us, 7.0, 1e-9);
+  CHECK(h.plan.solve_us >= 0.0 && h.plan.solve_us < 1e4);
+  /* The segment-by-segment recurrence on the kept segments agrees at every C. */
+  for (int c = 1; c <= 3; c++) {
+    double t = 0;
+    CHECK_OK(tw__model_eval_plain(&h.plan, c, &t));
+    CHECK_NEAR(t, hand_t[c - 1][1], 1e-9);
+  }
+  /* Only tabulated mgb and valid C are predicted. */
+  double t;
+  CHECK_STATUS(tw_plan_predict(&h.plan, 0, 2, &t), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw_plan_predict(&h.plan, 4, 2, &t), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw_plan_predict(&h.plan, 1, 3, &t), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw_plan_predict(&h.plan, 1, 2, NULL), TW_ERR_NULL_POINTER);
+  tw__model_free(&h.plan);
+  CHECK(h.plan.model_tables == NULL);
+  CHECK_STATUS(tw_plan_predict(&h.plan, 1, 2, &t), TW_ERR_STATE);
+}
+
+static void test_hand_plan_explicit_and_defaults(void) {
+  static hand_plan h;
+  hand_build(&h, 1);
+  struct {
+    int32_t c, mgb, use_model, want_c, want_mgb;
+    double want_t;
+  } cases[] = {
+      {3, 0, 1, 3, 2, 10.75}, /* C fixed: best mgb at C = 3 (row 3 of the table) */
+      {0, 4, 1, 2, 4, 9.5},   /* mgb fixed: best C in column mgb = 4 */
+      {1, 1, 1, 1, 1, 14.0},  /* both fixed: the model only predicts */
+      {0, 0, 0, 3, 2, 10.75}, /* selector off: TW_DEFAULT_COMM_CTAS (8) capped at c_max 3, mgb 2 */
+      {1, 0, 0, 1, 2, 12.0},  /* selector off, C given: C 1, default mgb 2 */
+  };
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    tw_plan_config cfg = hand_config(&h, cases[i].c, cases[i].mgb, cases[i].use_model);
+    CHECK_OK(tw__model_choose(&h.plan, &cfg));
+    CHECKF(h.plan.comm_ctas == cases[i].want_c && h.plan.coalesce == cases[i].want_mgb,
+           "case %zu: got C %d mgb %d", i, h.plan.comm_ctas, h.plan.coalesce);
+    CHECK_NEAR(h.plan.predicted_us, cases[i].want_t, 1e-9);
+  }
+  /* An explicit coalesce outside {1, 2, 4} is tabulated and predicted too: mgb 3 gives
+   * {0} {1,2,3} {4} {5}: last tiles 1 7 9 11, units 2 6 2 2. At C = 2 (P 3): A 1 3 4 4,
+   * q 1.5, 3*0.5+1 = 2.5, 1.5, 1.5: F 2.5, 5.5, 7, 8.5 -> T = max(8.5, 5) + 1 = 9.5. */
+  tw_plan_config cfg = hand_config(&h, 2, 3, 1);
+  CHECK_OK(tw__model_choose(&h.plan, &cfg));
+  CHECK(h.plan.coalesce == 3 && h.plan.comm_ctas == 2);
+  CHECK_NEAR(h.plan.predicted_us, 9.5, 1e-9);
+  double t = 0;
+  CHECK_OK(tw_plan_predict(&h.plan, 2, 3, &t));
+  CHECK_NEAR(t, 9.5, 1e-9);
+  /* Out-of-range settings are rejected with a message. */
+  cfg = hand_config(&h, 4, 0, 1);
+  CHECK_STATUS(tw__model_choose(&h.plan, &cfg), TW_ERR_INVALID_ARGUMENT);
+  cfg = hand_config(&h, 0, -1, 1);
+  CHECK_STATUS(tw__model_choose(&h.plan, &cfg), TW_ERR_INVALID_ARGUMENT);
+  cfg = hand_config(&h, 0, 0, 2);
+  CHECK_STATUS(tw__model_choose(&h.plan, &cfg), TW_ERR_INVALID_ARGUMENT);
+  h.hw.c_max = 5; /* leaves the producer no SM */
+  cfg = hand_config(&h, 0, 0, 1);
+  CHECK_STATUS(tw__model_choose(&h.plan, &cfg), TW_ERR_INVALID_ARGUMENT);
+  tw__model_free(&h.plan);
+}
+
+/* Nothing to send: T = compute end + reduce, so the smallest C (most producers) wins, and every
+ * mgb ties (-> the largest, 4).
+ *   own rows = all 448 local + 128 received = 576, tokens 288: (576 + 288) x 256 B / 73728 B/us
+ *   = 3 us. Compute: C=1 ceil(14/4) = 4, C=2 ceil(14/3) = 5, C=3 ceil(14/2) = 7. T = 7, 8, 10. */
+static void test_hand_plan_no_remote(void) {
+  static hand_plan h;
+  hand_build(&h, 0);
+  tw_plan_config cfg = hand_config(&h, 0, 0, 1);
+  CHECK_OK(tw__model_choose(&h.plan, &cfg));
+  CHECK(h.plan.num_segments == 0);
+  CHECK(h.plan.comm_ctas == 1);
+  CHECK(h.plan.coalesce == 4);
+  CHECK_NEAR(h.plan.predicted_us, 7.0, 1e-9);
+  const double want[3] = {7, 8, 10};
+  for (int c = 1; c <= 3; c++)
+    for (int j = 0; j < 3; j++) {
+      double t = 0;
+      CHECK_OK(tw_plan_predict(&h.plan, c, mgbs[j], &t));
+      CHECK_NEAR(t, want[c - 1], 1e-9);
+    }
+  /* Sequential: ceil(14/5) = 3 waves + 0 bytes + 3 = 6. */
+  CHECK_NEAR(h.plan.sequential_us, 6.0, 1e-9);
+  tw__model_free(&h.plan);
+}
+
+/* ---- Real plans --------------------------------------------------------------------------- */
+
+static tw_status make_plan(const char* preset, int32_t world, int32_t tokens, tw_router router,
+                           uint64_t seed, int32_t rank, const tw_plan_config* cfg,
+                           tw_plan_t* plan) {
+  tw_problem prob = TW_PROBLEM_INIT;
+  tw_status st = tw_problem_preset(preset, &prob);
+  if (st != TW_SUCCESS) return st;
+  prob.world_size = world;
+  prob.max_tokens = tokens;
+  tw_routing_t rt = NULL;
+  st = tw_routing_generate(&prob, router, 0.0, tokens, seed, &rt);
+  if (st != TW_SUCCESS) return st;
+  st = tw_plan_create(&prob, rt, rank, cfg, plan);
+  tw_routing_destroy(rt);
+  return st;
+}
+
+/* Checks that the plan's choice is the argmin over every candidate of tw_plan_predict, with
+ * ties to the smaller C, then the larger mgb; and that the fast form equals the recurrence. */
+static void check_choice_is_argmin(tw_plan_t plan, const char* what) {
+  tw_plan_summary s;
+  CHECK_OK(tw_plan_summary_get(plan, &s));
+  double bt = 0;
+  int32_t bc = 0, bm = 0;
+  for (int32_t c = 1; c <= plan->hardware.c_max; c++)
+    for (int j = 0; j < 3; j++) {
+      double t = 0;
+      CHECK_OK(tw_plan_predict(plan, c, mgbs[j], &t));
+      if (bc == 0 || t < bt || (t == bt && (c < bc || (c == bc && mgbs[j] > bm)))) {
+        bt = t;
+        bc = c;
+        bm = mgbs[j];
+      }
+    }
+  CHECKF(s.comm_ctas == bc && s.coalesce == bm && s.predicted_us == bt,
+         "%s: chose C %d mgb %d T %.9g; argmin is C %d mgb %d T %.9g", what, s.comm_ctas,
+         s.coalesce, s.predicted_us, bc, bm, bt);
+  for (int32_t c = 1; c <= plan->hardware.c_max; c++) {
+    double fast = 0, plain = 0;
+    CHECK_OK(tw_plan_predict(plan, c, s.coalesce, &fast));
+    CHECK_OK(tw__model_eval_plain(plan, c, &plain));
+    CHECKF(fabs(fast - plain) <= 1e-9 * plain, "%s C %d: fast %.12g, recurrence %.12g", what, c,
+           fast, plain);
+  }
+  CHECK(s.sequential_us > 0.0 && s.predicted_us > 0.0);
+}
+
+static void test_real_plans_argmin(void) {
+  const tw_router routers[3] = {TW_ROUTER_BALANCED, TW_ROUTER_MODERATE_SKEW, TW_ROUTER_STRESS_SKEW};
+  /* Fresh routings every run; the seed is printed so that a failure can be replayed. */
+  const uint64_t seed = (uint64_t)time(NULL);
+  printf("  routing seed %llu\n", (unsigned long long)seed);
+  int checked = 0;
+  for (int p = 0; p < tw_preset_count(); p++)
+    for (int w = 2; w <= 4; w += 2)
+      for (int r = 0; r < 3; r++) {
+        tw_plan_t plan = NULL;
+        const int32_t tokens = 512 + 1024 * ((p + r) % 3);
+        tw_status st = make_plan(tw_preset_name(p), w, tokens, routers[r], seed + p * 31 + r, w - 1,
+                                 NULL, &plan);
+        if (st == TW_ERR_INDIVISIBLE) continue; /* e.g. 60 experts on 4 ranks */
+        CHECK_OK(st);
+        if (plan == NULL) continue;
+        char what[128];
+        snprintf(what, sizeof what, "%s W %d router %d", tw_preset_name(p), w, r);
+        check_choice_is_argmin(plan, what);
+        tw_plan_destroy(plan);
+        checked++;
+      }
+  CHECKF(checked >= 2 * tw_preset_count(), "only %d plans were checked", checked);
+}
+
+static void test_real_plans_explicit_and_off(void) {
+  tw_plan_t plan = NULL;
+  tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  cfg.comm_ctas = 5;
+  cfg.coalesce = 1;
+  CHECK_OK(make_plan("qwen1.5-moe-a2.7b", 2, 4096, TW_ROUTER_BALANCED, 11, 0, &cfg, &plan));
+  if (plan) {
+    CHECK(plan->comm_ctas == 5 && plan->coalesce == 1);
+    double t = 0;
+    CHECK_OK(tw_plan_predict(plan, 5, 1, &t));
+    CHECK(t == plan->predicted_us);
+    tw_plan_destroy(plan);
+  }
+  cfg = (tw_plan_config)TW_PLAN_CONFIG_INIT;
+  cfg.use_model = 0;
+  plan = NULL;
+  CHECK_OK(make_plan("qwen1.5-moe-a2.7b", 2, 4096, TW_ROUTER_BALANCED, 11, 0, &cfg, &plan));
+  if (plan) {
+    CHECK(plan->comm_ctas == TW_DEFAULT_COMM_CTAS && plan->coalesce == TW_DEFAULT_COALESCE);
+    tw_plan_destroy(plan);
+  }
+  /* NULL config = the model with the built-in (or TW_CALIBRATION) hardware. */
+  plan = NULL;
+  CHECK_OK(make_plan("qwen1.5-moe-a2.7b", 2, 4096, TW_ROUTER_BALANCED, 11, 0, NULL, &plan));
+  if (plan) {
+    check_choice_is_argmin(plan, "NULL config");
+    tw_plan_destroy(plan);
+  }
+}
+
+/* More link bandwidth (or less latency) never increases any candidate's T. */
+static void test_monotonic_in_link(void) {
+  tw_hardware base, fast;
+  CHECK_OK(tw_hardware_default(&base));
+  for (int v = 0; v < 3; v++) {
+    fast = base;
+    if (v == 0) fast.link_cta_gbps *= 1.7;
+    if (v == 1) fast.link_peak_gbps *= 2.5;
+    if (v == 2) fast.link_latency_us *= 0.25;
+    tw_plan_config c1 = TW_PLAN_CONFIG_INIT, c2 = TW_PLAN_CONFIG_INIT;
+    c1.hardware = &base;
+    c2.hardware = &fast;
+    tw_plan_t p1 = NULL, p2 = NULL;
+    CHECK_OK(make_plan("deepseek-v2-lite", 2, 4096, TW_ROUTER_MODERATE_SKEW, 77 + v, 1, &c1, &p1));
+    CHECK_OK(make_plan("deepseek-v2-lite", 2, 4096, TW_ROUTER_MODERATE_SKEW, 77 + v, 1, &c2, &p2));
+    if (p1 && p2) {
+      for (int32_t c = 1; c <= base.c_max; c++)
+        for (int j = 0; j < 3; j++) {
+          double t1 = 0, t2 = 0;
+          CHECK_OK(tw_plan_predict(p1, c, mgbs[j], &t1));
+          CHECK_OK(tw_plan_predict(p2, c, mgbs[j], &t2));
+          CHECKF(t2 <= t1 * (1 + 1e-12), "variant %d C %d mgb %d: %.9g > %.9g", v, c, mgbs[j], t2,
+                 t1);
+        }
+      CHECK(p2->predicted_us <= p1->predicted_us * (1 + 1e-12));
+    }
+    tw_plan_destroy(p1);
+    tw_plan_destroy(p2);
+  }
+}
+
+/* One rank: nothing is remote, so T = ceil(tiles / (G - 1)) tau + reduce at C = 1. */
+static void test_real_plan_no_remote(void) {
+  tw_plan_t plan = NULL;
+  const int32_t tokens = 3000;
+  CHECK_OK(make_plan("m-gpt", 1, tokens, TW_ROUTER_STRESS_SKEW, 5, 0, NULL, &plan));
+  if (plan == NULL) return;
+  const tw_hardware* hw = &plan->hardware;
+  CHECK(plan->num_segments == 0 && plan->send_bytes == 0);
+  CHECK(plan->comm_ctas == 1);
+  const double tau = 2.0 * plan->tm * plan->tn * plan->problem.ffn / (hw->tile_tflops * 1e6) +
+                     hw->tile_overhead_us;
+  const int32_t p = hw->occ_comp * (hw->sm_count - 1);
+  const double reduce =
+      (double)tokens * (plan->problem.top_k + 1) * plan->problem.hidden * 2 / (hw->mem_gbps * 1e3);
+  const double want = (double)((plan->num_tiles + p - 1) / p) * tau + reduce;
+  CHECK_NEAR(plan->predicted_us, want, 1e-9 * want);
+  tw_plan_destroy(plan);
+}
+
+TW_TEST_MAIN(TW_TEST(test_hand_plan_table), TW_TEST(test_hand_plan_explicit_and_defaults),
+             TW_TEST(test_hand_plan_no_remote), TW_TEST(test_real_plans_argmin),
+             TW_TEST(test_real_plans_explicit_and_off), TW_TEST(test_monotonic_in_link),
+             TW_TEST(test_real_plan_no_remote))
