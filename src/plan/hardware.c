@@ -195,7 +195,12 @@ tw_status tw_hardware_read(const char* path, tw_hardware* hw) {
   fclose(f);
   TW_TRY(st);
   tw_status v = tw__hardware_validate(&out);
-  if (v != TW_SUCCESS) return tw__fail(v, "tw_hardware_read: %s: %s", path, tw_last_error());
+  if (v != TW_SUCCESS) {
+    /* tw__fail writes the thread's message buffer: copy the detail out of it first. */
+    char detail[600];
+    snprintf(detail, sizeof detail, "%s", tw_last_error());
+    return tw__fail(v, "tw_hardware_read: %s: %s", path, detail);
+  }
   *hw = out;
   return TW_SUCCESS;
 }
