@@ -24,9 +24,9 @@
 #include "core.h"
 #include "plan.h"
 
-tw_status tw_plan_destroy(tw_plan_t plan) {
-  tw__clear_error();
-  if (plan == NULL) return TW_SUCCESS;
+/* Frees a plan, possibly partly built; keeps the thread's last error (failure paths use it). */
+static void tw__plan_free(struct tw_plan* plan) {
+  if (plan == NULL) return;
   free(plan->expert_row0);
   free(plan->expert_rows);
   free(plan->expert_real_rows);
@@ -40,6 +40,11 @@ tw_status tw_plan_destroy(tw_plan_t plan) {
   free(plan->stream_first);
   free(plan->stream_last);
   free(plan);
+}
+
+tw_status tw_plan_destroy(tw_plan_t plan) {
+  tw__clear_error();
+  tw__plan_free(plan);
   return TW_SUCCESS;
 }
 
@@ -382,7 +387,7 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
   tw_status st = tw__plan_build(pl, routing);
   if (st == TW_SUCCESS) st = tw__model_choose(pl, config);
   if (st != TW_SUCCESS) {
-    tw_plan_destroy(pl);
+    tw__plan_free(pl);
     return st;
   }
   *plan = pl;

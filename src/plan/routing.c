@@ -83,9 +83,9 @@ static double tw__rng_normal(tw__rng* r) {
 /* Allocation and validation                                                                  */
 /* ------------------------------------------------------------------------------------------ */
 
-tw_status tw_routing_destroy(tw_routing_t routing) {
-  tw__clear_error();
-  if (routing == NULL) return TW_SUCCESS;
+/* Frees a routing, possibly partly built; keeps the thread's last error (failure paths use it). */
+static void tw__routing_free(struct tw_routing* routing) {
+  if (routing == NULL) return;
   int32_t w = routing->problem.world_size;
   for (int32_t r = 0; r < w; r++) {
     if (routing->expert_ids) free(routing->expert_ids[r]);
@@ -95,6 +95,11 @@ tw_status tw_routing_destroy(tw_routing_t routing) {
   free(routing->weights);
   free(routing->tokens);
   free(routing);
+}
+
+tw_status tw_routing_destroy(tw_routing_t routing) {
+  tw__clear_error();
+  tw__routing_free(routing);
   return TW_SUCCESS;
 }
 
@@ -109,7 +114,7 @@ static tw_status tw__routing_alloc(const tw_problem* p, const int32_t* tokens,
   rt->expert_ids = calloc(w, sizeof *rt->expert_ids);
   rt->weights = calloc(w, sizeof *rt->weights);
   if (rt->tokens == NULL || rt->expert_ids == NULL || rt->weights == NULL) {
-    tw_routing_destroy(rt);
+    tw__routing_free(rt);
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "routing: out of host memory");
   }
   for (size_t r = 0; r < w; r++) {
@@ -119,7 +124,7 @@ static tw_status tw__routing_alloc(const tw_problem* p, const int32_t* tokens,
     rt->expert_ids[r] = malloc(n * sizeof(int32_t));
     rt->weights[r] = malloc(n * sizeof(float));
     if (rt->expert_ids[r] == NULL || rt->weights[r] == NULL) {
-      tw_routing_destroy(rt);
+      tw__routing_free(rt);
       return tw__fail(TW_ERR_OUT_OF_MEMORY, "routing: out of host memory for rank %zu", r);
     }
   }
@@ -474,7 +479,7 @@ done:
   free(g.cum);
   free(g.stamp);
   free(loads);
-  if (rt) tw_routing_destroy(rt);
+  tw__routing_free(rt);
   return st;
 }
 
@@ -596,7 +601,7 @@ tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routin
     st = tw__fail(TW_ERR_IO,
                   "%s:%ld: empty file; expected the header \"tilewave-routing 1 "
                   "world_size W experts E top_k K\"",
-                  path, rd.line);
+                  path, rd.line + 1);
     goto done;
   }
   s = rd.buf;
@@ -686,7 +691,7 @@ tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routin
   *routing = rt;
   rt = NULL;
 done:
-  if (rt) tw_routing_destroy(rt);
+  tw__routing_free(rt);
   free(zero);
   free(stamp);
   free(rd.buf);
