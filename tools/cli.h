@@ -11,4 +11,7 @@ typedef struct tw_cli_command {
   int (*run)(int argc, char** argv);
 } tw_cli_command;
 
+/* `tilewave plan`: planner and resource model, no GPU needed (tools/cmd_plan.c). */
+int tw_cli_plan(int argc, char** argv);
+
 #endif /* TW_CLI_H */

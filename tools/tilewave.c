@@ -18,6 +18,7 @@ static int cmd_version(int argc, char** argv) {
 
 static const tw_cli_command commands[] = {
     {"version", "print the library version", cmd_version},
+    {"plan", "plan a rank and show the model's choice of C and mgb (no GPU)", tw_cli_plan},
 };
 
 static void usage(FILE* f) {

@@ -27,6 +27,7 @@
 /* Frees a plan, possibly partly built; keeps the thread's last error (failure paths use it). */
 static void tw__plan_free(struct tw_plan* plan) {
   if (plan == NULL) return;
+  tw__model_free(plan); /* the model's tables (model.c) */
   free(plan->expert_row0);
   free(plan->expert_rows);
   free(plan->expert_real_rows);
