@@ -17,7 +17,8 @@
  *                unit's segment, copies the band's valid rows x the tile's columns into the
  *                destination's receive buffer at the band's dest_offset and release-increments
  *                the destination's arrivals[r];
- *   receiver  1: waits (acquire) for every arrival and for its own local bands, then computes
+ *   receiver  1: waits (acquire) for plan->recv_bands[s] x col_tiles arrivals from every
+ *                source s and for its own local bands, then computes
  *                out[t] = sum_j w[t][j] * row(slot_row[t k + j]) in fp32, slot order.
  * Before any thread starts, the plans are cross-checked against each other and the routing
  * (every assignment computed exactly once on the right expert, every receive row filled by
@@ -372,6 +373,15 @@ static tw_status check_plans(exec_ctx* ctx, const tw_plan_t* plans) {
     for (int32_t b = 0; b < p->num_bands; b++)
       if (p->bands[b].dest != r) ctx->ranks[p->bands[b].dest].expect_units[r] += ctx->col_tiles;
   }
+  /* The receiver waits for what its own plan says it receives (on the GPU it cannot see the
+   * senders' plans); that must agree with what the senders' plans send. */
+  for (int32_t r = 0; r < W; r++)
+    for (int32_t s = 0; s < W; s++) {
+      int64_t own = (int64_t)plans[r]->recv_bands[s] * ctx->col_tiles;
+      if ((s == r && plans[r]->recv_bands[s] != 0) || own != ctx->ranks[r].expect_units[s])
+        BAD("plan exec: rank %d expects %d bands from rank %d, whose plan sends it %d", r,
+            plans[r]->recv_bands[s], s, ctx->ranks[r].expect_units[s] / ctx->col_tiles);
+    }
 
   /* Receive side: every receive row is read by exactly one (token, slot); local rows point at
    * the assignment they hold. */
