@@ -9,12 +9,15 @@
  *   P(C)            = occ_comp (G - ceil(C / occ_comm))                   (producer CTAs)
  *   A_s(C)          = floor(t_s / P) + 1 waves, t_s = schedule index of segment s's last tile
  *   q_s(C)          = ceil(U_s / C) tau_unit_s(C) + link_latency_us,  U_s = nbands_s col_tiles
- *   tau_unit_s(C)   = unit_bytes_s / min(link_cta_gbps, link_peak_gbps / C)
+ *   tau_unit_s(C)   = unit_bytes_s / min(link_cta_gbps, link_peak_gbps / min(C, U_s))
  *   F_s             = max(A_s tau_tile, F_{s-1}) + q_s,   F_{-1} = 0
  *   T(C, mgb)       = max(F_last, ceil(num_tiles / P) tau_tile) + reduce_us
  *
  * where unit_bytes_s is the segment's bytes over its units (its average unit) and reduce_us is
  * the owner's weighted reduction (reads every (token, k) row, writes every token) at mem_gbps.
+ * The link is shared by the CTAs that have a unit of the segment, min(C, U_s) of them: a CTA
+ * left without a unit does not load the link (charging it would make T grow linearly with C
+ * for segments narrower than C, which the measured store bandwidth does not do).
  *
  * Evaluating the recurrence segment by segment costs O(S) per candidate. Unrolled, it is
  *   F_last = max_s (A_s tau_tile + sum_{j >= s} q_j),
@@ -97,6 +100,13 @@ static int32_t tw__producers(const tw_hardware* hw, int32_t c) {
   return hw->occ_comp * (hw->sm_count - (int32_t)tw__cdiv(c, hw->occ_comm));
 }
 
+/* Bandwidth of one pushing CTA, bytes per microsecond, when the min(C, units) CTAs that got a
+ * unit of the segment share the link. */
+static double tw__cta_bw(const tw_hardware* hw, int32_t c, int32_t units) {
+  const int32_t active = units < c ? units : c;
+  return fmin(hw->link_cta_gbps, hw->link_peak_gbps / (double)active) * 1e3;
+}
+
 /* Captures plan->segments (built for plan->coalesce) as a table. band_last: (num_bands) largest
  * schedule index among each band's tiles. */
 static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band_last,
@@ -177,14 +187,13 @@ static double tw__eval(const tw__model_tables* m, const tw__seg_table* tb, int32
   const double comp_end = (double)tw__cdiv(m->num_tiles, p) * tau;
   double f = 0.0;
   if (tb->nseg > 0) {
-    /* Per-CTA bandwidth at C pushing CTAs, bytes per microsecond. */
-    const double bw = fmin(hw->link_cta_gbps, hw->link_peak_gbps / (double)c) * 1e3;
     const double lat = hw->link_latency_us;
     if (tb->ndistinct > 0) {
       double coef[TW__MAX_DISTINCT];
       const int32_t d = tb->ndistinct;
       for (int32_t i = 0; i < d; i++)
-        coef[i] = (double)tw__cdiv(tb->units[i], c) * tb->inv_units[i] / bw;
+        coef[i] =
+            (double)tw__cdiv(tb->units[i], c) * tb->inv_units[i] / tw__cta_bw(hw, c, tb->units[i]);
       /* One term per wave: its first ready segment s, A = w tau plus all later service. */
       int64_t start = 0;
       for (int64_t w = 1; start <= tb->last_tile; w++, start += p) {
@@ -199,7 +208,7 @@ static double tw__eval(const tw__model_tables* m, const tw__seg_table* tb, int32
       for (int32_t s = 0; s < tb->nseg; s++) {
         const double a = (double)(tb->run_last[s] / p + 1) * tau;
         const double q = (double)tw__cdiv(tb->seg_units[s], c) * tb->seg_bytes[s] /
-                             ((double)tb->seg_units[s] * bw) +
+                             ((double)tb->seg_units[s] * tw__cta_bw(hw, c, tb->seg_units[s])) +
                          lat;
         f = fmax(a, f) + q;
       }
@@ -219,7 +228,6 @@ tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_
   const tw_hardware* hw = &m->hw;
   const int32_t p = tw__producers(hw, c);
   const double tau = m->tau_tile_us;
-  const double bw = fmin(hw->link_cta_gbps, hw->link_peak_gbps / (double)c) * 1e3;
   const double row_bytes = 2.0 * (double)plan->problem.hidden;
   double f = 0.0;
   for (int32_t s = 0; s < plan->num_segments; s++) {
@@ -232,6 +240,8 @@ tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_
     const double a = (double)(last / p + 1) * tau;
     const int64_t units = (int64_t)sg->nbands * plan->col_tiles;
     const double unit_bytes = (double)sg->valid_rows * row_bytes / (double)units;
+    const int64_t active = units < c ? units : c; /* CTAs that get a unit */
+    const double bw = fmin(hw->link_cta_gbps, hw->link_peak_gbps / (double)active) * 1e3;
     const double q = (double)tw__cdiv(units, c) * unit_bytes / bw + hw->link_latency_us;
     f = fmax(a, f) + q;
   }
@@ -267,7 +277,9 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
     if (!(use & (1u << i))) continue;
     const tw__seg_table* tb = &m->t[i];
     /* Lower bound of the transfer side: first segment no earlier than wave 1, every byte at
-     * the aggregate bandwidth min(C cta, peak), every segment's latency. Non-increasing in C. */
+     * the aggregate bandwidth min(C cta, peak), every segment's latency. Non-increasing in C.
+     * (q_s >= bytes_s / min(C cta, peak): with U_s >= C the ceiling only adds; with U_s < C one
+     * round of U_s CTAs moves the segment at min(U_s cta, peak) <= min(C cta, peak).) */
     const double fixed =
         tb->nseg > 0 ? m->tau_tile_us + (double)tb->nseg * hw->link_latency_us + m->reduce_us : 0.0;
     for (int32_t c = c_lo; c <= c_hi; c++) {

@@ -25,13 +25,13 @@
  *   mgb 4: {0} {1,2,3,4} {5}         last tiles 1 9 11,    units 2 8 2
  * Hardware: G = 5, c_max = 3 -> P(1) = 4, P(2) = 3, P(3) = 2.
  *   tau_tile = 2*64*64*1000 / (8.192e12) s = 1 us (overhead 0).
- *   one unit = 64 rows x 64 cols x 2 B = 8192 B; per-CTA bandwidth min(16384, 32768/C) B/us:
- *   tau_unit(1) = 0.5, tau_unit(2) = 0.5, tau_unit(3) = 8192 / 10922.67 = 0.75 us.
- *   latency 1 us: q(U) = ceil(U/C) tau_unit + 1:
- *              U=2    U=4    U=8
- *     C = 1    2      3      5
- *     C = 2    1.5    2      3
- *     C = 3    1.75   2.5    3.25
+ *   one unit = 64 rows x 64 cols x 2 B = 8192 B; per-CTA bandwidth min(16384, 32768/a) B/us
+ *   with a = min(C, U) CTAs holding a unit: a = 1, 2 -> 16384 (0.5 us a unit), a = 3 -> 10922.67
+ *   (0.75 us a unit). latency 1 us: q(U) = ceil(U/C) tau_unit + 1:
+ *              U=2              U=4              U=8
+ *     C = 1    2*0.5+1 = 2      4*0.5+1 = 3      8*0.5+1 = 5
+ *     C = 2    1*0.5+1 = 1.5    2*0.5+1 = 2      4*0.5+1 = 3
+ *     C = 3    1*0.5+1 = 1.5    2*0.75+1 = 2.5   3*0.75+1 = 3.25   (U=2: only 2 CTAs push)
  *   reduce: owner rows = recv 128 + local 64 = 192, tokens 96, (192 + 96) x 256 B / 73728 B/us
  *   = 1 us.
  * A_s = floor(t_s / P) + 1; F_s = max(A_s, F_{s-1}) + q_s; T = max(F, ceil(14/P)) + 1.
@@ -44,12 +44,12 @@
  *     mgb 2: A 1 2 4 4, q 1.5 2 2 1.5: F 2.5, 4.5, 6.5, 8 -> T 9
  *     mgb 4: A 1 4 4, q 1.5 3 1.5: F 2.5, 7, 8.5 -> T 9.5
  *   C=3 (P 2, compute 7):
- *     mgb 1: A 1 2 3 4 5 6, q 1.75: F 2.75 4.5 6.25 8 9.75 11.5 -> T 12.5
- *     mgb 2: A 1 3 5 6, q 1.75 2.5 2.5 1.75: F 2.75, 5.5, 8, 9.75 -> T 10.75
- *     mgb 4: A 1 5 6, q 1.75 3.25 1.75: F 2.75, 8.25, 10 -> T 11
+ *     mgb 1: A 1 2 3 4 5 6, q 1.5: F 2.5 4 5.5 7 8.5 10 -> T 11
+ *     mgb 2: A 1 3 5 6, q 1.5 2.5 2.5 1.5: F 2.5, 5.5, 8, 9.5 -> T 10.5
+ *     mgb 4: A 1 5 6, q 1.5 3.25 1.5: F 2.5, 8.25, 9.75 -> T 10.75
  * Best: C = 2, mgb = 2, T = 9. Sequential: ceil(14/5) = 3 waves + 98304 B / 32768 B/us + 1 = 7.
  */
-static const double hand_t[3][3] = {{14, 12, 11}, {11, 9, 9.5}, {12.5, 10.75, 11}};
+static const double hand_t[3][3] = {{14, 12, 11}, {11, 9, 9.5}, {11, 10.5, 10.75}};
 static const int32_t mgbs[3] = {1, 2, 4};
 
 typedef struct hand_plan {
@@ -172,11 +172,11 @@ static void test_hand_plan_explicit_and_defaults(void) {
     int32_t c, mgb, use_model, want_c, want_mgb;
     double want_t;
   } cases[] = {
-      {3, 0, 1, 3, 2, 10.75}, /* C fixed: best mgb at C = 3 (row 3 of the table) */
-      {0, 4, 1, 2, 4, 9.5},   /* mgb fixed: best C in column mgb = 4 */
-      {1, 1, 1, 1, 1, 14.0},  /* both fixed: the model only predicts */
-      {0, 0, 0, 3, 2, 10.75}, /* selector off: TW_DEFAULT_COMM_CTAS (8) capped at c_max 3, mgb 2 */
-      {1, 0, 0, 1, 2, 12.0},  /* selector off, C given: C 1, default mgb 2 */
+      {3, 0, 1, 3, 2, 10.5}, /* C fixed: best mgb at C = 3 (row 3 of the table) */
+      {0, 4, 1, 2, 4, 9.5},  /* mgb fixed: best C in column mgb = 4 */
+      {1, 1, 1, 1, 1, 14.0}, /* both fixed: the model only predicts */
+      {0, 0, 0, 3, 2, 10.5}, /* selector off: TW_DEFAULT_COMM_CTAS (8) capped at c_max 3, mgb 2 */
+      {1, 0, 0, 1, 2, 12.0}, /* selector off, C given: C 1, default mgb 2 */
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     tw_plan_config cfg = hand_config(&h, cases[i].c, cases[i].mgb, cases[i].use_model);

@@ -1,0 +1,553 @@
+/*
+ * cmd_plan.c: `tilewave plan`, the planner and resource model from the command line. It needs no
+ * GPU: it builds (or replays) a routing, plans one rank or every rank, and shows the layout cost
+ * (padding), the model's choice of consumer CTAs C and coalescing mgb, the predicted time of
+ * every candidate, the sequential estimate and the time the decision took. --bench-solve times
+ * the decision alone, for the expert-parallel model and for the first paper's tensor-parallel
+ * form. Only the public API (tilewave.h) is used, as an application would.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <errno.h>
+#include <stdarg.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <time.h>
+
+#include "cli.h"
+#include "tilewave.h"
+
+#define PLAN_MAX_MGB 4
+
+typedef struct plan_opts {
+  const char* model;
+  int32_t hidden, ffn, experts, topk;
+  int32_t tokens, gpus, rank, all_ranks;
+  tw_router router;
+  double router_param;
+  const char* router_name;
+  uint64_t seed;
+  int32_t tile_m, tile_n, comm_ctas, coalesce;
+  const char* calibration;
+  const char* routing_file;
+  int json;
+  int bench_solve; /* repetitions, 0 = off */
+} plan_opts;
+
+static void plan_usage(FILE* f) {
+  fprintf(f,
+          "usage: tilewave plan [options]\n"
+          "  --model NAME          preset (see --list-models), or give the shape with:\n"
+          "  --hidden H --ffn F --experts E --topk K\n"
+          "  --tokens N            tokens per rank (default 8192)\n"
+          "  --gpus W              ranks (default 2)\n"
+          "  --router R            balanced | moderate_skew | stress_skew | target:RATIO "
+          "(default balanced)\n"
+          "  --seed S              routing seed (default 1)\n"
+          "  --routing FILE        replay a routing file instead of generating one\n"
+          "  --rank R              rank to show (default 0); --all-ranks shows every rank\n"
+          "  --tile-m TM --tile-n TN   GEMM2 tile (default 128 x chosen from H)\n"
+          "  --comm-ctas C --coalesce MGB   fix the partition instead of the model's choice\n"
+          "  --calibration FILE    hardware description (default: TW_CALIBRATION, else H200)\n"
+          "  --json                machine-readable output\n"
+          "  --bench-solve [N]     time the decision N times (default 200): median, p99\n"
+          "  --list-models         list the presets\n");
+}
+
+/* Usage errors: say what is wrong and what to pass, exit code 2. */
+static int plan_bad(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+static int plan_bad(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  fprintf(stderr, "tilewave plan: ");
+  vfprintf(stderr, fmt, ap);
+  fprintf(stderr, "\n(tilewave plan --help lists the options)\n");
+  va_end(ap);
+  return 2;
+}
+
+/* A JSON string value (or null). */
+static void json_str(const char* s) {
+  if (s == NULL) {
+    printf("null");
+    return;
+  }
+  putchar('"');
+  for (; *s; s++) {
+    unsigned char ch = (unsigned char)*s;
+    if (ch == '"' || ch == '\\')
+      printf("\\%c", ch);
+    else if (ch < 0x20)
+      printf("\\u%04x", ch);
+    else
+      putchar(ch);
+  }
+  putchar('"');
+}
+
+static int parse_i32(const char* s, int32_t lo, int32_t hi, int32_t* out) {
+  char* end = NULL;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (s[0] == '\0' || *end != '\0' || errno != 0 || v < lo || v > hi) return 0;
+  *out = (int32_t)v;
+  return 1;
+}
+
+static int parse_args(int argc, char** argv, plan_opts* o) {
+  memset(o, 0, sizeof *o);
+  o->tokens = 8192;
+  o->gpus = 2;
+  o->router = TW_ROUTER_BALANCED;
+  o->router_name = "balanced";
+  o->seed = 1;
+  for (int i = 1; i < argc; i++) {
+    const char* a = argv[i];
+    const char* v = i + 1 < argc ? argv[i + 1] : NULL;
+#define NEED_VALUE                                         \
+  do {                                                     \
+    if (v == NULL) return plan_bad("%s needs a value", a); \
+    i++;                                                   \
+  } while (0)
+#define INT_FLAG(name, field, lo, hi)                                            \
+  if (strcmp(a, name) == 0) {                                                    \
+    NEED_VALUE;                                                                  \
+    if (!parse_i32(v, lo, hi, &o->field))                                        \
+      return plan_bad("%s: give an integer in %d..%d (got '%s')", a, lo, hi, v); \
+    continue;                                                                    \
+  }
+    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+      plan_usage(stdout);
+      return 1;
+    }
+    if (strcmp(a, "--list-models") == 0) {
+      for (int p = 0; p < tw_preset_count(); p++) {
+        tw_problem pr = TW_PROBLEM_INIT;
+        if (tw_problem_preset(tw_preset_name(p), &pr) != TW_SUCCESS) continue;
+        printf("%-22s hidden %5d  ffn %5d  experts %3d  top-k %d\n", tw_preset_name(p), pr.hidden,
+               pr.ffn, pr.experts, pr.top_k);
+      }
+      return 1;
+    }
+    if (strcmp(a, "--json") == 0) {
+      o->json = 1;
+      continue;
+    }
+    if (strcmp(a, "--all-ranks") == 0) {
+      o->all_ranks = 1;
+      continue;
+    }
+    if (strcmp(a, "--bench-solve") == 0) {
+      o->bench_solve = 200;
+      if (v != NULL && v[0] != '-') {
+        i++;
+        if (!parse_i32(v, 1, 1000000, &o->bench_solve))
+          return plan_bad("--bench-solve: give a repetition count in 1..1000000 (got '%s')", v);
+      }
+      continue;
+    }
+    if (strcmp(a, "--model") == 0) {
+      NEED_VALUE;
+      o->model = v;
+      continue;
+    }
+    if (strcmp(a, "--calibration") == 0) {
+      NEED_VALUE;
+      o->calibration = v;
+      continue;
+    }
+    if (strcmp(a, "--routing") == 0) {
+      NEED_VALUE;
+      o->routing_file = v;
+      continue;
+    }
+    if (strcmp(a, "--seed") == 0) {
+      NEED_VALUE;
+      char* end = NULL;
+      errno = 0;
+      unsigned long long s = strtoull(v, &end, 0);
+      if (v[0] == '\0' || v[0] == '-' || *end != '\0' || errno != 0)
+        return plan_bad("--seed: give a non-negative integer (got '%s')", v);
+      o->seed = (uint64_t)s;
+      continue;
+    }
+    if (strcmp(a, "--router") == 0) {
+      NEED_VALUE;
+      o->router_name = v;
+      if (strcasecmp(v, "balanced") == 0)
+        o->router = TW_ROUTER_BALANCED;
+      else if (strcasecmp(v, "moderate_skew") == 0)
+        o->router = TW_ROUTER_MODERATE_SKEW;
+      else if (strcasecmp(v, "stress_skew") == 0)
+        o->router = TW_ROUTER_STRESS_SKEW;
+      else if (strncasecmp(v, "target:", 7) == 0) {
+        char* end = NULL;
+        double r = strtod(v + 7, &end);
+        if (v[7] == '\0' || *end != '\0' || !(r >= 1.0) || !isfinite(r))
+          return plan_bad("--router target:R needs R >= 1, the target R_expert (got '%s')", v);
+        o->router = TW_ROUTER_TARGET;
+        o->router_param = r;
+      } else
+        return plan_bad(
+            "--router: '%s' is not a router; use balanced, moderate_skew, stress_skew or "
+            "target:R",
+            v);
+      continue;
+    }
+    INT_FLAG("--hidden", hidden, 1, 1 << 20)
+    INT_FLAG("--ffn", ffn, 1, 1 << 20)
+    INT_FLAG("--experts", experts, 1, 1 << 16)
+    INT_FLAG("--topk", topk, 1, 1 << 16)
+    INT_FLAG("--tokens", tokens, 1, 1 << 26)
+    INT_FLAG("--gpus", gpus, 1, 1024)
+    INT_FLAG("--rank", rank, 0, 1023)
+    INT_FLAG("--tile-m", tile_m, 1, 1024)
+    INT_FLAG("--tile-n", tile_n, 1, 1024)
+    INT_FLAG("--comm-ctas", comm_ctas, 1, 1 << 16)
+    INT_FLAG("--coalesce", coalesce, 1, 1 << 16)
+#undef INT_FLAG
+#undef NEED_VALUE
+    return plan_bad("unknown option '%s'", a);
+  }
+  if (o->model == NULL && (o->hidden == 0 || o->ffn == 0 || o->experts == 0 || o->topk == 0))
+    return plan_bad(
+        "no problem shape: give --model NAME, or all of --hidden, --ffn, --experts "
+        "and --topk");
+  if (o->rank >= o->gpus)
+    return plan_bad("--rank %d must be below --gpus %d (ranks are 0..W-1)", o->rank, o->gpus);
+  return 0;
+}
+
+/* A tilewave failure: name the status and the library's detail (which says what to change). */
+static int plan_fail(const char* what, tw_status st) {
+  fprintf(stderr, "tilewave plan: %s: %s\n  %s\n", what, tw_status_string(st), tw_last_error());
+  return st == TW_ERR_NULL_POINTER || st == TW_ERR_OUT_OF_MEMORY || st == TW_ERR_IO ||
+                 st == TW_ERR_INTERNAL
+             ? 1
+             : 2;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void* a, const void* b) {
+  double x = *(const double*)a, y = *(const double*)b;
+  return (x > y) - (x < y);
+}
+
+/* Median and 99th percentile (nearest rank) of n samples; sorts them. */
+static void med_p99(double* v, int n, double* med, double* p99) {
+  qsort(v, (size_t)n, sizeof *v, cmp_double);
+  *med = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  int k = (int)ceil(0.99 * n) - 1;
+  *p99 = v[k < 0 ? 0 : k];
+}
+
+typedef struct rank_result {
+  tw_plan_summary s;
+  int ncol;
+  int32_t mgbs[PLAN_MAX_MGB];
+  double* table; /* (c_max, ncol) predicted us */
+} rank_result;
+
+static tw_status plan_rank(const tw_problem* prob, tw_routing_t rt, int32_t rank,
+                           const tw_plan_config* cfg, int32_t c_max, rank_result* out) {
+  tw_plan_t plan = NULL;
+  tw_status st = tw_plan_create(prob, rt, rank, cfg, &plan);
+  if (st != TW_SUCCESS) return st;
+  st = tw_plan_summary_get(plan, &out->s);
+  out->ncol = 0;
+  const int32_t base[3] = {1, 2, 4};
+  for (int i = 0; i < 3; i++) out->mgbs[out->ncol++] = base[i];
+  if (out->s.coalesce != 1 && out->s.coalesce != 2 && out->s.coalesce != 4)
+    out->mgbs[out->ncol++] = out->s.coalesce;
+  out->table = malloc((size_t)c_max * (size_t)out->ncol * sizeof *out->table);
+  if (out->table == NULL) st = TW_ERR_OUT_OF_MEMORY;
+  for (int32_t c = 1; st == TW_SUCCESS && c <= c_max; c++)
+    for (int j = 0; st == TW_SUCCESS && j < out->ncol; j++)
+      st = tw_plan_predict(plan, c, out->mgbs[j], &out->table[(size_t)(c - 1) * out->ncol + j]);
+  tw_plan_destroy(plan);
+  return st;
+}
+
+/* Times the EP decision: each tw_plan_create runs it once and records its own duration. */
+static tw_status bench_ep(const tw_problem* prob, tw_routing_t rt, int32_t rank,
+                          const tw_plan_config* cfg, int n, double* med, double* p99) {
+  double* v = malloc((size_t)n * sizeof *v);
+  if (v == NULL) return TW_ERR_OUT_OF_MEMORY;
+  tw_status st = TW_SUCCESS;
+  for (int i = 0; i < n && st == TW_SUCCESS; i++) {
+    tw_plan_t plan = NULL;
+    tw_plan_summary s;
+    st = tw_plan_create(prob, rt, rank, cfg, &plan);
+    if (st == TW_SUCCESS) st = tw_plan_summary_get(plan, &s);
+    if (st == TW_SUCCESS) v[i] = s.solve_us;
+    tw_plan_destroy(plan);
+  }
+  if (st == TW_SUCCESS) med_p99(v, n, med, p99);
+  free(v);
+  return st;
+}
+
+/* Times the first paper's selection (16 candidates) for the tensor-parallel form of the same
+ * layer: M = all tokens, N = H, K = F / W (the TP shard), L = 2 splits, D = W ranks, every
+ * expert local with its routed load. Calls are timed in batches of 64 so that the clock's own
+ * cost (tens of ns) does not dominate; median and p99 are over batches. */
+static tw_status bench_tp(const tw_problem* prob, tw_routing_t rt, const tw_hardware* hw0, int n,
+                          double* med, double* p99, int32_t* best_c) {
+  int64_t* loads = malloc((size_t)prob->experts * sizeof *loads);
+  double* v = malloc((size_t)n * sizeof *v);
+  tw_status st = (loads && v) ? TW_SUCCESS : TW_ERR_OUT_OF_MEMORY;
+  tw_routing_stats rs;
+  if (st == TW_SUCCESS) st = tw_routing_expert_loads(rt, loads);
+  if (st == TW_SUCCESS) st = tw_routing_stats_get(rt, &rs);
+  tw_hardware hw = *hw0;
+  hw.c_max = 16;
+  tw_tp_workload w = {0};
+  w.m = rs.total_tokens > 0 ? rs.total_tokens : 1;
+  w.n = prob->hidden;
+  w.k = prob->ffn / prob->world_size > 0 ? prob->ffn / prob->world_size : 1;
+  w.splits = 2;
+  w.ranks = prob->world_size;
+  w.experts = prob->experts;
+  w.expert_rows = loads;
+  w.tm = w.tn = w.tm_comm = w.tn_comm = 128;
+  enum { BATCH = 64 };
+  for (int i = 0; i < n && st == TW_SUCCESS; i++) {
+    double t0 = now_s();
+    for (int b = 0; b < BATCH && st == TW_SUCCESS; b++) st = tw_tp_select(&w, &hw, best_c, NULL);
+    v[i] = 1e6 * (now_s() - t0) / BATCH;
+  }
+  if (st == TW_SUCCESS) med_p99(v, n, med, p99);
+  free(v);
+  free(loads);
+  return st;
+}
+
+static void print_problem(const plan_opts* o, const tw_problem* p) {
+  printf("problem: %s: H %d, F %d, %d experts, top-%d; %d ranks; ", o->model ? o->model : "custom",
+         p->hidden, p->ffn, p->experts, p->top_k, p->world_size);
+  if (o->routing_file)
+    printf("routing replayed from %s", o->routing_file);
+  else
+    printf("%d tokens/rank, router %s, seed %llu", o->tokens, o->router_name,
+           (unsigned long long)o->seed);
+  printf("; tile %d x ", p->tile_m ? p->tile_m : 128);
+  if (p->tile_n)
+    printf("%d\n", p->tile_n);
+  else
+    printf("auto (%d)\n", p->hidden >= 2048 ? 256 : 128);
+}
+
+int tw_cli_plan(int argc, char** argv) {
+  plan_opts o;
+  int rc = parse_args(argc, argv, &o);
+  if (rc != 0) return rc == 1 ? 0 : rc;
+
+  tw_problem prob = TW_PROBLEM_INIT;
+  tw_status st;
+  if (o.model != NULL) {
+    st = tw_problem_preset(o.model, &prob);
+    if (st != TW_SUCCESS)
+      return plan_bad("--model: '%s' is not a preset; tilewave plan --list-models lists them",
+                      o.model);
+  }
+  if (o.hidden) prob.hidden = o.hidden;
+  if (o.ffn) prob.ffn = o.ffn;
+  if (o.experts) prob.experts = o.experts;
+  if (o.topk) prob.top_k = o.topk;
+  prob.world_size = o.gpus;
+  prob.max_tokens = o.tokens;
+  prob.tile_m = o.tile_m;
+  prob.tile_n = o.tile_n;
+  st = tw_problem_validate(&prob);
+  if (st != TW_SUCCESS) return plan_fail("invalid problem", st);
+
+  /* The hardware the plans use, resolved here so that the table spans its c_max. */
+  tw_hardware hw;
+  const char* calib = o.calibration ? o.calibration : getenv("TW_CALIBRATION");
+  if (calib != NULL && calib[0] != '\0') {
+    st = tw_hardware_read(calib, &hw);
+    if (st != TW_SUCCESS) return plan_fail("reading the hardware description", st);
+  } else {
+    tw_hardware_default(&hw);
+  }
+  tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  cfg.hardware = &hw;
+  cfg.comm_ctas = o.comm_ctas;
+  cfg.coalesce = o.coalesce;
+  if (o.comm_ctas > hw.c_max) {
+    fprintf(stderr,
+            "tilewave plan: --comm-ctas %d exceeds the hardware's c_max %d; pass 1..%d or a "
+            "calibration with a larger c_max\n",
+            o.comm_ctas, hw.c_max, hw.c_max);
+    return 2;
+  }
+
+  tw_routing_t rt = NULL;
+  if (o.routing_file)
+    st = tw_routing_read(&prob, o.routing_file, &rt);
+  else
+    st = tw_routing_generate(&prob, o.router, o.router_param, o.tokens, o.seed, &rt);
+  if (st != TW_SUCCESS) return plan_fail("building the routing", st);
+  tw_routing_stats rs;
+  int64_t* loads = malloc((size_t)prob.experts * sizeof *loads);
+  if (loads == NULL) {
+    tw_routing_destroy(rt);
+    return plan_fail("routing loads", TW_ERR_OUT_OF_MEMORY);
+  }
+  st = tw_routing_stats_get(rt, &rs);
+  if (st == TW_SUCCESS) st = tw_routing_expert_loads(rt, loads);
+  if (st != TW_SUCCESS) {
+    free(loads);
+    tw_routing_destroy(rt);
+    return plan_fail("routing statistics", st);
+  }
+  /* Expert e lives on rank e / (experts / W). */
+  const int32_t el = prob.experts / prob.world_size;
+  int64_t* rank_rows = calloc((size_t)prob.world_size, sizeof *rank_rows);
+  if (rank_rows == NULL) {
+    free(loads);
+    tw_routing_destroy(rt);
+    return plan_fail("routing loads", TW_ERR_OUT_OF_MEMORY);
+  }
+  for (int32_t e = 0; e < prob.experts; e++) rank_rows[e / el] += loads[e];
+
+  const int32_t r0 = o.all_ranks ? 0 : o.rank;
+  const int32_t r1 = o.all_ranks ? prob.world_size - 1 : o.rank;
+  const int32_t nr = r1 - r0 + 1;
+  rank_result* res = calloc((size_t)nr, sizeof *res);
+  st = res ? TW_SUCCESS : TW_ERR_OUT_OF_MEMORY;
+  for (int32_t r = r0; st == TW_SUCCESS && r <= r1; r++)
+    st = plan_rank(&prob, rt, r, &cfg, hw.c_max, &res[r - r0]);
+  double ep_med = 0, ep_p99 = 0, tp_med = 0, tp_p99 = 0;
+  int32_t tp_c = 0;
+  if (st == TW_SUCCESS && o.bench_solve > 0) {
+    st = bench_ep(&prob, rt, r0, &cfg, o.bench_solve, &ep_med, &ep_p99);
+    if (st == TW_SUCCESS) st = bench_tp(&prob, rt, &hw, o.bench_solve, &tp_med, &tp_p99, &tp_c);
+  }
+  if (st != TW_SUCCESS) {
+    rc = plan_fail("planning", st);
+    goto done;
+  }
+
+  if (o.json) {
+    printf(
+        "{\"problem\": {\"model\": \"%s\", \"hidden\": %d, \"ffn\": %d, \"experts\": %d, "
+        "\"top_k\": %d, \"world_size\": %d, \"tokens_per_rank\": %d, \"router\": ",
+        o.model ? o.model : "custom", prob.hidden, prob.ffn, prob.experts, prob.top_k,
+        prob.world_size, o.tokens);
+    json_str(o.router_name);
+    printf(", \"routing_file\": ");
+    json_str(o.routing_file);
+    printf(", \"seed\": %llu},\n", (unsigned long long)o.seed);
+    printf(
+        " \"routing\": {\"r_expert\": %.6f, \"total_tokens\": %lld, \"max_expert_load\": %lld, "
+        "\"min_expert_load\": %lld, \"rows_per_rank\": [",
+        rs.r_expert, (long long)rs.total_tokens, (long long)rs.max_expert_load,
+        (long long)rs.min_expert_load);
+    for (int32_t r = 0; r < prob.world_size; r++)
+      printf("%s%lld", r ? ", " : "", (long long)rank_rows[r]);
+    printf("]},\n \"hardware\": {\"sm_count\": %d, \"c_max\": %d, \"calibration\": ", hw.sm_count,
+           hw.c_max);
+    json_str(calib);
+    printf("},\n");
+    printf(" \"ranks\": [");
+    for (int32_t i = 0; i < nr; i++) {
+      const rank_result* x = &res[i];
+      const tw_plan_summary* s = &x->s;
+      const int64_t real = s->rows - s->padding_rows;
+      printf(
+          "%s\n  {\"rank\": %d, \"rows\": %lld, \"padding_rows\": %lld, \"padding_pct\": %.4f, "
+          "\"tiles\": %lld, \"remote_tiles\": %lld, \"bands\": %lld, \"segments\": %lld, "
+          "\"send_bytes\": %lld, \"comm_ctas\": %d, \"coalesce\": %d, \"predicted_us\": %.6f, "
+          "\"sequential_us\": %.6f, \"speedup\": %.6f, \"solve_us\": %.6f,\n   \"mgb\": [",
+          i ? "," : "", s->rank, (long long)s->rows, (long long)s->padding_rows,
+          real > 0 ? 100.0 * (double)s->padding_rows / (double)real : 0.0, (long long)s->tiles,
+          (long long)s->remote_tiles, (long long)s->bands, (long long)s->segments,
+          (long long)s->send_bytes, s->comm_ctas, s->coalesce, s->predicted_us, s->sequential_us,
+          s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0, s->solve_us);
+      for (int j = 0; j < x->ncol; j++) printf("%s%d", j ? ", " : "", x->mgbs[j]);
+      printf("], \"predicted_us_by_c\": [");
+      for (int32_t c = 0; c < hw.c_max; c++) {
+        printf("%s[", c ? ", " : "");
+        for (int j = 0; j < x->ncol; j++)
+          printf("%s%.6f", j ? ", " : "", x->table[(size_t)c * x->ncol + j]);
+        printf("]");
+      }
+      printf("]}");
+    }
+    printf("]");
+    if (o.bench_solve > 0)
+      printf(
+          ",\n \"bench_solve\": {\"repetitions\": %d, \"ep_median_us\": %.6f, \"ep_p99_us\": "
+          "%.6f, \"tp_candidates\": 16, \"tp_median_us\": %.6f, \"tp_p99_us\": %.6f, "
+          "\"tp_choice\": %d}",
+          o.bench_solve, ep_med, ep_p99, tp_med, tp_p99, tp_c);
+    printf("}\n");
+    goto done;
+  }
+
+  print_problem(&o, &prob);
+  printf("routing: R_expert %.3f, expert load max %lld min %lld (fair %.1f), rows per rank:",
+         rs.r_expert, (long long)rs.max_expert_load, (long long)rs.min_expert_load,
+         (double)rs.total_tokens * prob.top_k / prob.experts);
+  for (int32_t r = 0; r < prob.world_size && r < 16; r++) printf(" %lld", (long long)rank_rows[r]);
+  printf("%s\n", prob.world_size > 16 ? " ..." : "");
+  printf("hardware: %s (G %d, c_max %d)\n", calib ? calib : "built-in H200", hw.sm_count, hw.c_max);
+  for (int32_t i = 0; i < nr; i++) {
+    const rank_result* x = &res[i];
+    const tw_plan_summary* s = &x->s;
+    const int64_t real = s->rows - s->padding_rows;
+    printf(
+        "\nrank %d: rows %lld (padding %lld, %.2f%% over %lld routed), tiles %lld (%lld "
+        "remote), bands %lld, segments %lld, sends %.3f MB\n",
+        s->rank, (long long)s->rows, (long long)s->padding_rows,
+        real > 0 ? 100.0 * (double)s->padding_rows / (double)real : 0.0, (long long)real,
+        (long long)s->tiles, (long long)s->remote_tiles, (long long)s->bands,
+        (long long)s->segments, (double)s->send_bytes / 1e6);
+    printf(
+        "choice: C = %d consumer CTAs, mgb = %d%s; predicted %.2f us, sequential %.2f us, "
+        "speedup %.3fx; decided in %.3f us\n",
+        s->comm_ctas, s->coalesce,
+        (o.comm_ctas || o.coalesce) ? " (partly or fully fixed by flags)" : "", s->predicted_us,
+        s->sequential_us, s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0,
+        s->solve_us);
+    if (o.all_ranks && nr > 1 && i + 1 < nr) continue; /* one table: the last rank shown */
+    printf("predicted T (us), C rows x mgb columns, * = choice:\n    C");
+    for (int j = 0; j < x->ncol; j++) printf("     mgb %-3d", x->mgbs[j]);
+    printf("\n");
+    for (int32_t c = 1; c <= hw.c_max; c++) {
+      printf("  %3d", c);
+      for (int j = 0; j < x->ncol; j++) {
+        int mark = c == s->comm_ctas && x->mgbs[j] == s->coalesce;
+        printf("  %10.2f%c", x->table[(size_t)(c - 1) * x->ncol + j], mark ? '*' : ' ');
+      }
+      printf("\n");
+    }
+  }
+  if (o.bench_solve > 0) {
+    printf("\nsolve time per decision, %d repetitions:\n", o.bench_solve);
+    printf("  EP model (rank %d, C 1..%d x mgb {1,2,4}): median %.3f us, p99 %.3f us\n", r0,
+           hw.c_max, ep_med, ep_p99);
+    printf(
+        "  TP model (first paper, 16 candidates, L 2): median %.3f us, p99 %.3f us (C* %d; "
+        "batches of 64 calls)\n",
+        tp_med, tp_p99, tp_c);
+  }
+  rc = 0;
+done:
+  if (res)
+    for (int32_t i = 0; i < nr; i++) free(res[i].table);
+  free(res);
+  free(rank_rows);
+  free(loads);
+  tw_routing_destroy(rt);
+  return rc;
+}
