@@ -11,7 +11,15 @@ typedef struct tw_cli_command {
   int (*run)(int argc, char** argv);
 } tw_cli_command;
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+/* `tilewave bench gemm`: the producer GEMM against cuBLAS (tools/bench_gemm.cu). */
+int tw_cli_bench_gemm(int argc, char** argv);
 /* `tilewave plan`: planner and resource model, no GPU needed (tools/cmd_plan.c). */
 int tw_cli_plan(int argc, char** argv);
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* TW_CLI_H */

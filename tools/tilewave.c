@@ -19,6 +19,7 @@ static int cmd_version(int argc, char** argv) {
 static const tw_cli_command commands[] = {
     {"version", "print the library version", cmd_version},
     {"plan", "plan a rank and show the model's choice of C and mgb (no GPU)", tw_cli_plan},
+    {"bench-gemm", "producer GEMM vs cuBLAS (TFLOP/s, signal cost)", tw_cli_bench_gemm},
 };
 
 static void usage(FILE* f) {

@@ -47,6 +47,8 @@ typedef struct tw_gemm_args {
   tw_signal_scope scope;
   uint32_t* band_counters; /* (num_bands) device; +1 per finished tile of the band; NULL if none */
   tw_epilogue epilogue;
+  int32_t variant;         /* kernel version: 0 = default (fastest validated), 1 = simple
+                              (WMMA, any supported shape), 2 = TMA + wgmma; for tests/benches */
 } tw_gemm_args;
 
 /* Launches the producer. Counters are only ever incremented: after epoch e (1-based) band b's

@@ -8,11 +8,13 @@
  * release reduction, so a consumer that acquires the counter and sees col_tiles x epoch may read
  * the whole band.
  *
- * This file holds the simple, portable version (v1: warp-level bf16 tensor-core MMA through WMMA,
- * shared-memory tiles loaded with ordinary loads, st.global epilogue). The lab in dev/gemm/ grows
- * the TMA + wgmma version; it replaces this kernel behind the same launcher once it is faster and
- * passes the same tests.
+ * Versions (tw_gemm_args.variant; dev/gemm/NOTES.md has each one's measurements):
+ *   1  simple: WMMA bf16 MMA, smem tiles from ordinary loads, st.global epilogue. Any supported
+ *      shape; kept as the reference implementation and fallback.
+ *   2  TMA + wgmma, warp-specialised (1 producer + 2 consumer warpgroups), persistent, st.global
+ *      epilogue straight from registers. The default.
  */
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
@@ -27,6 +29,9 @@ namespace {
 /* v1 geometry: a CTA of 8 warps computes a 128 x 128 sub-tile per pass (a 4 x 2 grid of warps,
  * each 32 x 64 = 2 x 4 WMMA fragments); a tn = 256 tile is two passes, a tm = 64 tile masks the
  * lower half. K advances 32 at a time. */
+/* Kernel used for variant 0 where it covers the shape. */
+constexpr int kDefaultVariant = 2;
+
 constexpr int kV1Threads = 256;
 constexpr int kV1BM = 128;
 constexpr int kV1BN = 128;
@@ -192,6 +197,430 @@ __global__ void __launch_bounds__(kV1Threads) tw_gemm_v1_kernel(tw_gemm_args arg
   }
 }
 
+/* D (64 x 64, fp32, 32 registers per thread) += A (64 x 16) * B (64 x 16)^T, both K-major
+ * in 128B-swizzled shared memory. */
+__device__ __forceinline__ void tw__wgmma_m64n64k16(float* d, uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+/* D (64 x 128, fp32, 64 registers per thread) += A (64 x 16) * B (128 x 16)^T, both K-major
+ * in 128B-swizzled shared memory. */
+__device__ __forceinline__ void tw__wgmma_m64n128k16(float* d, uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+      "%56, %57, %58, %59, %60, %61, %62, %63}, "
+      "%64, %65, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+/* D (64 x 256, fp32, 128 registers per thread) += A (64 x 16) * B (256 x 16)^T, both K-major
+ * in 128B-swizzled shared memory. */
+__device__ __forceinline__ void tw__wgmma_m64n256k16(float* d, uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, "
+      "%38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, "
+      "%56, %57, %58, %59, %60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, "
+      "%74, %75, %76, %77, %78, %79, %80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, "
+      "%92, %93, %94, %95, %96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "
+      "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, "
+      "%123, %124, %125, %126, %127}, "
+      "%128, %129, p, 1, 1, 0, 0;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
+        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+}
+
+/* ---- v2: TMA + wgmma, warp-specialised, persistent --------------------------------------------
+ *
+ * NOTES (structure): 3 warpgroups. Warpgroup 0 is the producer: one thread streams 64-wide K
+ * slices of A (BM rows of the band) and B (BN rows = output columns of the expert) into a ring
+ * of STAGES shared-memory stages with TMA, each stage guarded by a "full" mbarrier (TMA
+ * transaction bytes) and an "empty" mbarrier (one arrival per consumer warp). Warpgroups 1
+ * and 2 are consumers: for BM = 128 each computes 64 rows x BN columns, for BM = 64 each computes
+ * 64 rows x BN/2 columns, with wgmma m64nNk16 reading both operands from 128B-swizzled shared
+ * memory, fp32 accumulators in registers. The epilogue converts to bf16 and stores straight
+ * from registers with st.global (masked by tile.rows and n), so rows past tile.rows, which may
+ * belong to the next expert, are never written. The producer runs ahead into the next tile
+ * while the consumers store, so loads of tile i+1 overlap the epilogue of tile i.
+ *
+ * Shared memory layout (dynamic, 1024-byte aligned base, per stage s):
+ *   [s * STAGE_BYTES,                 + BM * 128)       A slice: BM rows x 64 bf16, 128B swizzle
+ *   [s * STAGE_BYTES + BM * 128,      + B_ROWS * 128)   B slice: B_ROWS rows x 64 bf16, swizzled
+ * then 2 * STAGES mbarriers (8 bytes each): full[0..STAGES), empty[0..STAGES).
+ * B_ROWS = BN, or 2 * BN for SwiGLU (gate rows, then up rows).
+ */
+
+__device__ __forceinline__ uint32_t tw__smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void tw__mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(tw__smem_u32(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void tw__mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(tw__smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void tw__mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(tw__smem_u32(bar)) : "memory");
+}
+
+__device__ __forceinline__ void tw__mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "TW_WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra TW_WAIT_%=;\n"
+      "}\n" ::"r"(tw__smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+/* 2D TMA load of one box at (x = inner K offset, y = row) into shared memory, completing
+ * transaction bytes on `bar`. */
+__device__ __forceinline__ void tw__tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                                int32_t x, int32_t y) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];" ::"r"(tw__smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(tw__smem_u32(bar)), "r"(x), "r"(y)
+      : "memory");
+}
+
+/* wgmma shared-memory matrix descriptor for a K-major operand in 128B swizzle: start address
+ * >> 4 (bits 0-13), leading byte offset unused for this layout (1), stride byte offset 1024 B
+ * between 8-row groups (bits 32-45, in 16-byte units), swizzle mode 128B (bits 62-63 = 1). */
+__device__ __forceinline__ uint64_t tw__wgmma_desc(const void* smem) {
+  const uint64_t addr = (tw__smem_u32(smem) & 0x3FFFF) >> 4;
+  return addr | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void tw__wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void tw__wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int kPending>
+__device__ __forceinline__ void tw__wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+}
+/* Makes the accumulator registers opaque to the compiler across async wgmma groups. */
+__device__ __forceinline__ void tw__fence_regs(float& r) {
+  asm volatile("" : "+f"(r)::"memory");
+}
+
+template <int kRegs>
+__device__ __forceinline__ void tw__setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void tw__setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+}
+
+template <int N>
+__device__ __forceinline__ void tw__wgmma(float* d, uint64_t da, uint64_t db) {
+  if constexpr (N == 64) tw__wgmma_m64n64k16(d, da, db);
+  if constexpr (N == 128) tw__wgmma_m64n128k16(d, da, db);
+  if constexpr (N == 256) tw__wgmma_m64n256k16(d, da, db);
+}
+
+template <int BM, int BN, int STAGES, bool SWIGLU>
+struct V2Config {
+  static constexpr int kBRows = SWIGLU ? 2 * BN : BN;          /* B rows loaded per stage */
+  static constexpr int kWgN = BM == 128 ? kBRows : kBRows / 2; /* wgmma N of one consumer */
+  static constexpr int kAcc = kWgN / 2;                        /* fp32 accumulators per thread */
+  static constexpr int kABytes = BM * 128;
+  static constexpr int kBBytes = kBRows * 128;
+  static constexpr int kStageBytes = kABytes + kBBytes;
+  static constexpr int kSmemBytes = STAGES * kStageBytes + 2 * STAGES * 8 + 1024; /* + align */
+  static constexpr int kThreads = 384;
+  static_assert(BM == 64 || BM == 128, "BM");
+  static_assert(!SWIGLU || BM == 128, "SwiGLU needs BM = 128");
+  static_assert(kWgN == 64 || kWgN == 128 || kWgN == 256, "wgmma N");
+};
+
+/* Named barrier 1 among the 256 consumer threads (barrier 0 is __syncthreads). */
+__device__ __forceinline__ void tw__consumer_bar() {
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+}
+
+template <int BM, int BN, int STAGES, bool SWIGLU>
+__global__ void __launch_bounds__(384, 1)
+    tw_gemm_v2_kernel(const __grid_constant__ CUtensorMap map_a,
+                      const __grid_constant__ CUtensorMap map_b, const tw_gemm_args args) {
+  using Cfg = V2Config<BM, BN, STAGES, SWIGLU>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~static_cast<uintptr_t>(1023));
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * Cfg::kStageBytes);
+  uint64_t* empty = full + STAGES;
+  const int wg = threadIdx.x / 128;
+  const int nk = args.k / 64;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; s++) {
+      tw__mbar_init(&full[s], 1);  /* the producer's arrive.expect_tx */
+      tw__mbar_init(&empty[s], 8); /* one arrival per consumer warp */
+    }
+    /* Make the initialised barriers visible to the async proxy (TMA completes on them). */
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    /* ---- producer warpgroup: one thread issues every TMA load ---- */
+    tw__setmaxnreg_dec<40>();
+    if (threadIdx.x == 0) {
+      const int64_t n_b = SWIGLU ? 2 * (int64_t)args.n : args.n;
+      int stage = 0;
+      uint32_t phase = 0;
+      for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
+        const tw_tile tile = args.tiles[t];
+        const int32_t brow = (int32_t)(tile.expert * n_b + tile.col0);
+        for (int kb = 0; kb < nk; kb++) {
+          /* Wait until both consumers released this stage (a fresh barrier passes parity 1). */
+          tw__mbar_wait(&empty[stage], phase ^ 1);
+          uint8_t* sa = smem + stage * Cfg::kStageBytes;
+          uint8_t* sb = sa + Cfg::kABytes;
+          tw__mbar_expect_tx(&full[stage], Cfg::kStageBytes);
+          tw__tma_load_2d(sa, &map_a, &full[stage], kb * 64, tile.row0);
+          if (SWIGLU) {
+            tw__tma_load_2d(sb, &map_b, &full[stage], kb * 64, brow);
+            tw__tma_load_2d(sb + BN * 128, &map_b, &full[stage], kb * 64, brow + args.n);
+          } else {
+            tw__tma_load_2d(sb, &map_b, &full[stage], kb * 64, brow);
+          }
+          if (++stage == STAGES) {
+            stage = 0;
+            phase ^= 1;
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  /* ---- consumer warpgroups ---- */
+  tw__setmaxnreg_inc<232>();
+  const int cw = wg - 1;                   /* consumer index 0/1 */
+  const int warp = (threadIdx.x / 32) % 4; /* warp within the warpgroup */
+  const int lane = threadIdx.x % 32;
+  /* This consumer's part of the tile: BM = 128: rows cw*64.., all columns; BM = 64: all 64
+   * rows, columns cw*kWgN... */
+  const int a_off = BM == 128 ? cw * 64 * 128 : 0;
+  const int b_off = BM == 128 ? 0 : cw * Cfg::kWgN * 128;
+  const int row_base = BM == 128 ? cw * 64 : 0;
+  const int col_base = BM == 128 ? 0 : cw * Cfg::kWgN;
+  const bool signal = args.band_counters != NULL && args.scope != TW_SIGNAL_NONE;
+  __nv_bfloat16* C = static_cast<__nv_bfloat16*>(args.c);
+  int stage = 0;
+  uint32_t phase = 0;
+  float acc[Cfg::kAcc];
+
+  for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
+    const tw_tile tile = args.tiles[t];
+#pragma unroll
+    for (int i = 0; i < Cfg::kAcc; i++) acc[i] = 0.f;
+    int prev_stage = -1;
+    for (int kb = 0; kb < nk; kb++) {
+      tw__mbar_wait(&full[stage], phase);
+      const uint8_t* sa = smem + stage * Cfg::kStageBytes + a_off;
+      const uint8_t* sb = smem + stage * Cfg::kStageBytes + Cfg::kABytes + b_off;
+      const uint64_t da = tw__wgmma_desc(sa), db = tw__wgmma_desc(sb);
+#pragma unroll
+      for (int i = 0; i < Cfg::kAcc; i++) tw__fence_regs(acc[i]);
+      tw__wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; kk++) /* 16 bf16 = 32 bytes = 2 descriptor units per step */
+        tw__wgmma<Cfg::kWgN>(acc, da + 2 * kk, db + 2 * kk);
+      tw__wgmma_commit();
+#pragma unroll
+      for (int i = 0; i < Cfg::kAcc; i++) tw__fence_regs(acc[i]);
+      /* Keep one group in flight: once the previous slice's group is complete (this warp's view:
+       * every warp arrives, the barrier counts 8) its stage can be refilled. */
+      tw__wgmma_wait<1>();
+      if (prev_stage >= 0 && lane == 0) tw__mbar_arrive(&empty[prev_stage]);
+      prev_stage = stage;
+      if (++stage == STAGES) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+    tw__wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < Cfg::kAcc; i++) tw__fence_regs(acc[i]);
+    if (prev_stage >= 0 && lane == 0) tw__mbar_arrive(&empty[prev_stage]);
+
+    /* Epilogue: accumulator (warp, lane, j, i) holds row warp*16 + lane/4 (+8 for i >= 2),
+     * columns j*8 + (lane%4)*2 + {0, 1}. Stores are masked by tile.rows and n. */
+    const int rows = min(tile.rows, BM);
+    const int r0 = row_base + warp * 16 + lane / 4;
+    const int c0 = tile.col0 + col_base + (lane % 4) * 2;
+    constexpr int kOutChunks = SWIGLU ? Cfg::kWgN / 16 : Cfg::kWgN / 8;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+      const int r = r0 + h * 8;
+      if (r < rows) {
+        __nv_bfloat16* crow = C + ((int64_t)tile.row0 + r) * args.n;
+#pragma unroll
+        for (int j = 0; j < kOutChunks; j++) {
+          const int col = c0 + j * 8;
+          float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
+          if (SWIGLU) { /* the up value of the same element sits kOutChunks chunks later */
+            v0 = tw__silu(v0) * acc[(j + kOutChunks) * 4 + h * 2];
+            v1 = tw__silu(v1) * acc[(j + kOutChunks) * 4 + h * 2 + 1];
+          }
+          if (col < args.n) /* n even: the pair is all in or all out */
+            *reinterpret_cast<__nv_bfloat162*>(crow + col) = __floats2bfloat162_rn(v0, v1);
+        }
+      }
+    }
+    if (signal) {
+      /* NOTES: both consumer warpgroups (every thread that stored part of this tile) pass this
+       * named barrier before one thread publishes; bar.sync orders their st.global before that
+       * thread's release reduction (cumulativity), so a consumer that acquires the counter and
+       * sees the increment also sees the whole tile. */
+      tw__consumer_bar();
+      if (threadIdx.x == 128) {
+        if (args.scope == TW_SIGNAL_SYS)
+          tw_red_release_sys(args.band_counters + tile.band, 1u);
+        else
+          tw_red_release_gpu(args.band_counters + tile.band, 1u);
+      }
+    }
+  }
+}
+
+/* ---- v2 host side: tensor maps and launch ---------------------------------------------------- */
+
+/* cuTensorMapEncodeTiled through the runtime's driver entry point, so that nothing has to link
+ * libcuda directly. Resolved once per process. */
+typedef CUresult (*tw__encode_tiled_fn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                        const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                        const cuuint32_t*, CUtensorMapInterleave,
+                                        CUtensorMapSwizzle, CUtensorMapL2promotion,
+                                        CUtensorMapFloatOOBfill);
+
+tw_status tw__get_encode_fn(tw__encode_tiled_fn* fn) {
+  static tw__encode_tiled_fn cached = NULL;
+  if (cached == NULL) {
+    void* p = NULL;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    cudaError_t e = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                     cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || p == NULL)
+      return tw__fail(TW_ERR_CUDA,
+                      "tw__gemm_launch: cuTensorMapEncodeTiled not found in the driver (%s); "
+                      "a driver for CUDA 12.0 or newer is required",
+                      cudaGetErrorString(e));
+    cached = reinterpret_cast<tw__encode_tiled_fn>(p);
+  }
+  *fn = cached;
+  return TW_SUCCESS;
+}
+
+/* A 2D bf16 tensor map over a row-major (rows, k) matrix with a (64, box_rows) box in 128B
+ * swizzle; reads outside the matrix fill zeros. */
+tw_status tw__make_map(CUtensorMap* map, const void* base, int64_t rows, int64_t k, int box_rows) {
+  tw__encode_tiled_fn encode = NULL;
+  TW_TRY(tw__get_encode_fn(&encode));
+  const cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)k * 2}; /* bytes between rows */
+  const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  CUresult r =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return tw__fail(TW_ERR_CUDA,
+                    "tw__gemm_launch: cuTensorMapEncodeTiled failed (%d) for a (%lld, %lld) "
+                    "matrix with %d-row boxes",
+                    (int)r, (long long)rows, (long long)k, box_rows);
+  return TW_SUCCESS;
+}
+
+template <int BM, int BN, int STAGES, bool SWIGLU>
+tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream) {
+  using Cfg = V2Config<BM, BN, STAGES, SWIGLU>;
+  auto kernel = tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU>;
+  /* The opt-in shared memory size is a per-device function attribute: set once per device. */
+  static bool attr_set[64];
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess && (dev >= 64 || !attr_set[dev])) {
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    if (e == cudaSuccess && dev < 64) attr_set[dev] = true;
+  }
+  if (e != cudaSuccess)
+    return tw__fail(TW_ERR_CUDA, "tw__gemm_launch: cannot enable %d bytes of shared memory: %s",
+                    Cfg::kSmemBytes, cudaGetErrorString(e));
+  CUtensorMap map_a, map_b;
+  const int64_t n_b = SWIGLU ? 2 * (int64_t)args->n : args->n;
+  TW_TRY(tw__make_map(&map_a, args->a, args->rows, args->k, BM));
+  TW_TRY(tw__make_map(&map_b, args->b, (int64_t)args->experts * n_b, args->k, SWIGLU ? BN : BN));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_a, map_b, *args);
+  e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return tw__fail(TW_ERR_CUDA, "tw__gemm_launch: launch failed: %s", cudaGetErrorString(e));
+  return TW_SUCCESS;
+}
+
 /* SM count of the current device, cached per device (the launcher runs on every call). */
 int tw__sm_count(int* out) {
   static int cached[64];
@@ -255,7 +684,28 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
                       cudaGetErrorString((cudaError_t)e));
   }
   if (grid > args->num_tiles) grid = args->num_tiles;
-  if (args->epilogue == TW_EPILOGUE_SWIGLU)
+  const bool swiglu = args->epilogue == TW_EPILOGUE_SWIGLU;
+  /* v2 covers every shape except SwiGLU with tm != 128 or tn != 128. */
+  const bool v2_ok = !swiglu || (args->tm == 128 && args->tn == 128);
+  int variant = args->variant;
+  if (variant == 0) variant = v2_ok ? kDefaultVariant : 1;
+  if (variant == 2) {
+    if (!v2_ok)
+      return tw__fail(TW_ERR_UNSUPPORTED,
+                      "tw__gemm_launch: the wgmma kernel runs SwiGLU only with tm = tn = 128 "
+                      "(got %d x %d); use variant 0 or 1",
+                      args->tm, args->tn);
+    if (swiglu) return tw__launch_v2<128, 128, 4, true>(args, grid, stream);
+    if (args->tm == 128 && args->tn == 256)
+      return tw__launch_v2<128, 256, 4, false>(args, grid, stream);
+    if (args->tm == 128) return tw__launch_v2<128, 128, 6, false>(args, grid, stream);
+    if (args->tn == 256) return tw__launch_v2<64, 256, 5, false>(args, grid, stream);
+    return tw__launch_v2<64, 128, 8, false>(args, grid, stream);
+  }
+  if (variant != 1)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__gemm_launch: variant = %d; use 0, 1 or 2",
+                    args->variant);
+  if (swiglu)
     tw_gemm_v1_kernel<true><<<grid, kV1Threads, 0, stream>>>(*args);
   else
     tw_gemm_v1_kernel<false><<<grid, kV1Threads, 0, stream>>>(*args);

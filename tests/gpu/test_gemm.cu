@@ -146,7 +146,8 @@ bool upload(const Problem& p, Device& d) {
   return true;
 }
 
-tw_gemm_args make_args(const Problem& p, const Device& d, int grid, tw_signal_scope scope) {
+tw_gemm_args make_args(const Problem& p, const Device& d, int grid, tw_signal_scope scope,
+                       int variant = 0) {
   tw_gemm_args g;
   memset(&g, 0, sizeof g);
   g.a = d.a;
@@ -164,6 +165,7 @@ tw_gemm_args make_args(const Problem& p, const Device& d, int grid, tw_signal_sc
   g.scope = scope;
   g.band_counters = scope == TW_SIGNAL_NONE ? nullptr : d.counters;
   g.epilogue = p.swiglu ? TW_EPILOGUE_SWIGLU : TW_EPILOGUE_STORE;
+  g.variant = variant;
   return g;
 }
 
@@ -254,32 +256,40 @@ int64_t check_output(const Problem& p, const std::vector<uint16_t>& out, const R
   return bad;
 }
 
-/* Runs the kernel `epochs` times with poisoned output before each run, checks the output and
- * the counters after each. */
+/* Kernel versions every shape runs through: the simple one and the TMA + wgmma one (the
+ * default, variant 0, is one of them). */
+const int kVariants[] = {1, 2};
+
+/* Runs each kernel version `epochs` times with poisoned output before each run, checks the
+ * output and the counters after each. */
 template <typename RefT>
 void run_and_check(const Problem& p, Device& d, const RefT* ref, int grid, tw_signal_scope scope,
                    int epochs) {
   const size_t elems = (size_t)p.rows * p.n;
   std::vector<uint16_t> out(elems);
   std::vector<uint32_t> cnt(p.num_bands + 1);
-  char what[160];
-  snprintf(what, sizeof what, "E=%d k=%d n=%d tm=%d tn=%d grid=%d scope=%d%s", p.experts, p.k, p.n,
-           p.tm, p.tn, grid, (int)scope, p.swiglu ? " swiglu" : "");
-  CHECK_CUDA(cudaMemset(d.counters, 0, ((size_t)p.num_bands + 1) * 4));
-  for (int ep = 1; ep <= epochs; ep++) {
-    CHECK_OK(tw__fill_bf16(d.c, elems, kPoison, 0));
-    tw_gemm_args g = make_args(p, d, grid, scope);
-    CHECK_OK(tw__gemm_launch(&g, 0));
-    CHECK_CUDA(cudaDeviceSynchronize());
-    CHECK_CUDA(cudaMemcpy(out.data(), d.c, elems * 2, cudaMemcpyDeviceToHost));
-    const int64_t bad = check_output(p, out, ref, what);
-    CHECKF(bad == 0, "%s epoch %d: %lld wrong elements", what, ep, (long long)bad);
-    CHECK_CUDA(cudaMemcpy(cnt.data(), d.counters, cnt.size() * 4, cudaMemcpyDeviceToHost));
-    const uint32_t want = scope == TW_SIGNAL_NONE ? 0u : (uint32_t)(ep * p.col_tiles);
-    int wrong = 0;
-    for (int b = 0; b < p.num_bands; b++) wrong += cnt[b] != want;
-    CHECKF(wrong == 0, "%s epoch %d: %d band counters != %u", what, ep, wrong, want);
-    CHECKF(cnt[p.num_bands] == 0, "%s: counter past the last band written", what);
+  for (int variant : kVariants) {
+    char what[192];
+    snprintf(what, sizeof what, "v%d E=%d rows=%d k=%d n=%d tm=%d tn=%d grid=%d scope=%d%s",
+             variant, p.experts, p.rows, p.k, p.n, p.tm, p.tn, grid, (int)scope,
+             p.swiglu ? " swiglu" : "");
+    CHECK_CUDA(cudaMemset(d.counters, 0, ((size_t)p.num_bands + 1) * 4));
+    for (int ep = 1; ep <= epochs; ep++) {
+      CHECK_OK(tw__fill_bf16(d.c, elems, kPoison, 0));
+      tw_gemm_args g = make_args(p, d, grid, scope, variant);
+      CHECK_OK(tw__gemm_launch(&g, 0));
+      CHECK_CUDA(cudaDeviceSynchronize());
+      CHECK_CUDA(cudaMemcpy(out.data(), d.c, elems * 2, cudaMemcpyDeviceToHost));
+      const int64_t bad = check_output(p, out, ref, what);
+      CHECKF(bad == 0, "%s epoch %d: %lld wrong elements", what, ep, (long long)bad);
+      CHECK_CUDA(cudaMemcpy(cnt.data(), d.counters, cnt.size() * 4, cudaMemcpyDeviceToHost));
+      const uint32_t want = scope == TW_SIGNAL_NONE ? 0u : (uint32_t)(ep * p.col_tiles);
+      int wrong = 0;
+      for (int b = 0; b < p.num_bands; b++) wrong += cnt[b] != want;
+      CHECKF(wrong == 0, "%s epoch %d: %d band counters != %u", what, ep, wrong, want);
+      CHECKF(cnt[p.num_bands] == 0, "%s: counter past the last band written", what);
+    }
+    printf("  checked %s: %lld elements x %d epochs\n", what, (long long)elems, epochs);
   }
 }
 
@@ -306,6 +316,10 @@ void small_shape(const std::vector<int>& m, int k, int n, int tm, int tn, int ga
 void test_small_tm128(void) {
   g_rng = 0x1234567ull;
   /* Zero-row experts, partial last bands, 1-row experts, back to back (gap 0). */
+  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) { /* one shape: enough for the sanitizers */
+    small_shape({300, 0, 129, 1, 77}, 256, 512, 128, 256, 0, false, {7});
+    return;
+  }
   small_shape({300, 0, 129, 1, 128, 77}, 512, 1024, 128, 128, 0, false, {1, 7, 0});
   small_shape({300, 0, 129, 1, 128, 77}, 512, 1024, 128, 256, 3, false, {7, 132});
   /* N not a multiple of tn: the last column tile reads the next expert's B rows. */
@@ -314,12 +328,14 @@ void test_small_tm128(void) {
 }
 
 void test_small_tm64(void) {
+  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) return;
   g_rng = 0x7654321ull;
   small_shape({65, 0, 200, 64, 3}, 512, 1024, 64, 128, 0, false, {1, 0});
   small_shape({65, 0, 200, 64, 3}, 512, 1000, 64, 256, 2, false, {7});
 }
 
 void test_small_swiglu(void) {
+  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) return;
   g_rng = 0xABCDEFull;
   small_shape({130, 0, 77}, 512, 512, 128, 128, 0, true, {1, 0});
   small_shape({130, 0, 77}, 512, 520, 128, 128, 4, true, {5});
@@ -339,6 +355,11 @@ void large_shape(const std::vector<int>& m, int k, int n, int tn, const std::vec
 }
 
 void test_large(void) {
+  /* TW_GEMM_TEST_QUICK=1 (used under compute-sanitizer, which is ~100x slower) skips these. */
+  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) {
+    printf("  large shapes skipped (TW_GEMM_TEST_QUICK)\n");
+    return;
+  }
   g_rng = 0x5151ull;
   large_shape(random_m(8, 0, 1000), 2048, 4096, 256, {0, 124});
   large_shape(random_m(4, 300, 2000), 4096, 8192, 256, {132});
@@ -387,6 +408,14 @@ void test_validation(void) {
   x = g;
   x.scope = (tw_signal_scope)7;
   CHECK_STATUS(tw__gemm_launch(&x, 0), TW_ERR_INVALID_ARGUMENT);
+  x = g;
+  x.variant = 9;
+  CHECK_STATUS(tw__gemm_launch(&x, 0), TW_ERR_INVALID_ARGUMENT);
+  x = g;
+  x.epilogue = TW_EPILOGUE_SWIGLU;
+  x.tn = 256;
+  x.variant = 2;
+  CHECK_STATUS(tw__gemm_launch(&x, 0), TW_ERR_UNSUPPORTED);
   x = g;
   x.num_tiles = 0;
   CHECK_OK(tw__gemm_launch(&x, 0));

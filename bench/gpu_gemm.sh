@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# gpu_gemm.sh: build, test, sanitize and benchmark the producer GEMM on a GPU machine, in one go.
+# Run from the repository root; logs and tables go to $OUT (default ./gemm-out).
+#   bench/gpu_gemm.sh [all|test|bench]     (default all)
+# Env: GEMM_VARIANTS (kernel versions to benchmark, default "2"), BENCH_ARGS (extra options for
+# `bench gemm`, e.g. "--reps 10"). Builds with nvcc directly (only the files this needs), so it
+# does not depend on the rest of the tree building.
+set -uo pipefail
+OUT=${OUT:-./gemm-out}
+MODE=${1:-all}
+mkdir -p "$OUT"
+B=$(mktemp -d)
+NVCC="nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo -Iinclude -Isrc/core -Isrc/plan -Isrc/kernels -Itools -Itests"
+S="$OUT/summary.txt"
+echo "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo none)" | tee "$S"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee -a "$S"
+# Compile each translation unit once, in parallel, then link.
+$NVCC -Xptxas -v -c src/kernels/sm90_gemm.cu -o "$B/sm90.o" > "$OUT/ptxas.txt" 2>&1 &
+$NVCC -c src/kernels/fill.cu -o "$B/fill.o" &
+$NVCC -c src/core/status.c -o "$B/status.o" &
+$NVCC -c tests/gpu/test_gemm.cu -o "$B/test.o" &
+$NVCC -c tools/bench_gemm.cu -o "$B/bench.o" &
+$NVCC -c dev/gemm/gemm_lab.cu -o "$B/lab.o" &
+wait
+awk '/Compiling entry/ {match($0, /kernel(ILi[0-9]+ELi[0-9]+ELi[0-9]+ELb[01]E|ILb[01]E)/); k=substr($0, RSTART, RLENGTH)}
+     /spill/ {sp=$0; sub(/^ +/, "", sp)} /Used/ {u=$0; sub(/.*: /, "", u); print k ": " u "; " sp}' "$OUT/ptxas.txt" | tee -a "$S"
+$NVCC "$B/test.o" "$B/sm90.o" "$B/fill.o" "$B/status.o" -lcublas -o "$B/test_gemm" || exit 1
+$NVCC "$B/lab.o" "$B/bench.o" "$B/sm90.o" "$B/fill.o" "$B/status.o" -lcublas -o "$B/gemm_lab" || exit 1
+echo "built $(date -u +%T)" | tee -a "$S"
+if [ "$MODE" = all ] || [ "$MODE" = test ]; then
+  timeout 150 "$B/test_gemm" > "$OUT/test_gemm.txt" 2>&1; rc=$?; echo "test_gemm rc=$rc" | tee -a "$S"
+  tail -3 "$OUT/test_gemm.txt" | tee -a "$S"
+  if [ $rc = 124 ]; then echo "test_gemm hung: stopping here" | tee -a "$S"; exit 1; fi
+  grep -E "passed|FAIL|CHECK failed|wrong|error" "$OUT/test_gemm.txt" | head -20 | tee -a "$S"
+  for tool in memcheck racecheck; do
+    TW_GEMM_TEST_QUICK=1 timeout 90 compute-sanitizer --tool $tool --error-exitcode 9 "$B/test_gemm" \
+      > "$OUT/sanitizer_$tool.txt" 2>&1
+    echo "sanitizer $tool rc=$?: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed' "$OUT/sanitizer_$tool.txt" | tr '\n' ' ')" | tee -a "$S"
+  done
+fi
+if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
+  for v in ${GEMM_VARIANTS:-2}; do
+    timeout 120 "$B/gemm_lab" $v ${BENCH_ARGS:-} > "$OUT/bench_v$v.md" 2>&1; echo "bench v$v rc=$?" | tee -a "$S"
+    cat "$OUT/bench_v$v.md" | tee -a "$S"
+  done
+fi
+echo "done $(date -u +%T)" | tee -a "$S"

@@ -1,0 +1,369 @@
+/*
+ * bench_gemm.cu: `tilewave bench gemm`, the producer GEMM against cuBLAS on one GPU.
+ *
+ * Per shape (rows per rank, K, N, local experts E, balanced routing), in the same process and on
+ * the same inputs: our grouped GEMM with band signals on and off; cuBLAS per expert in a loop
+ * (cublasGemmEx); cublasGemmGroupedBatchedEx; and one cuBLAS GEMM over all rows concatenated
+ * against a single weight matrix (the envelope a grouped GEMM can at best reach). Times are the
+ * median of --reps CUDA-event timed runs after --warmup runs; TFLOP/s count 2 x rows x N x K.
+ * Every run's output is checked against the cuBLAS per-expert output (a "#wrong" column, as
+ * nccl-tests does), so a fast wrong kernel cannot pass unnoticed.
+ */
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cli.h"
+#include "core.h"
+#include "kernels.h"
+
+namespace {
+
+struct BenchOpts {
+  int rows = 0, k = 0, n = 0, experts = 0; /* one shape; 0 = the default grid */
+  int tm = 128, tn = 0;                    /* tn 0: 256 where n % 256 == 0, else 128 */
+  int grid = 0;
+  int variant = 0;
+  int reps = 20, warmup = 3;
+  int check = 1;
+};
+
+struct Shape {
+  int rows, k, n, experts;
+};
+
+#define BENCH_CUDA(expr)                                                             \
+  do {                                                                               \
+    cudaError_t e_ = (expr);                                                         \
+    if (e_ != cudaSuccess) {                                                         \
+      fprintf(stderr, "bench gemm: %s failed: %s\n", #expr, cudaGetErrorString(e_)); \
+      return -1;                                                                     \
+    }                                                                                \
+  } while (0)
+
+/* Fills n bf16 values with a cheap hash of the index, in [-1, 1): nonzero, deterministic. */
+__global__ void bench_fill_random(__nv_bfloat16* p, size_t n, uint32_t seed) {
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    uint32_t x = (uint32_t)i * 2654435761u ^ seed;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    p[i] = __float2bfloat16((float)(x & 0xFFFF) / 32768.0f - 1.0f);
+  }
+}
+
+/* Counts elements of a (bf16) that differ from b by more than bf16 rounding of both plus a
+ * small absolute term. */
+__global__ void bench_compare(const __nv_bfloat16* a, const __nv_bfloat16* b, size_t n,
+                              float abs_tol, unsigned long long* wrong) {
+  unsigned long long local = 0;
+  for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+       i += (size_t)gridDim.x * blockDim.x) {
+    const float x = __bfloat162float(a[i]), y = __bfloat162float(b[i]);
+    if (!(fabsf(x - y) <= (fabsf(y) + fabsf(x)) * (1.0f / 128) + abs_tol)) local++;
+  }
+  if (local) atomicAdd(wrong, local);
+}
+
+double median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : (double)v[v.size() / 2];
+}
+
+/* Times `fn` (returns 0 on success): median microseconds over reps after warmup. */
+template <typename F>
+double time_us(F fn, int warmup, int reps, cudaStream_t s) {
+  for (int i = 0; i < warmup; i++)
+    if (fn() != 0) return -1;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  std::vector<float> ms;
+  for (int i = 0; i < reps; i++) {
+    cudaEventRecord(a, s);
+    if (fn() != 0) return -1;
+    cudaEventRecord(b, s);
+    cudaEventSynchronize(b);
+    float t = 0;
+    cudaEventElapsedTime(&t, a, b);
+    ms.push_back(t);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(ms) * 1000.0;
+}
+
+int bench_shape(const Shape& sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) {
+  const int tn = o.tn ? o.tn : (sh.n % 256 == 0 ? 256 : 128);
+  const int tm = o.tm;
+  /* Balanced layout: expert e gets rows/E rows (the first rows % E experts one more), back to
+   * back; the schedule walks experts in order, band by band, all column tiles of a band
+   * together (the local part of the remote-first schedule). */
+  std::vector<int> m(sh.experts), row0(sh.experts);
+  std::vector<tw_tile> tiles;
+  int r = 0, bands = 0;
+  const int col_tiles = (sh.n + tn - 1) / tn;
+  for (int e = 0; e < sh.experts; e++) {
+    m[e] = sh.rows / sh.experts + (e < sh.rows % sh.experts);
+    row0[e] = r;
+    for (int i = 0; i < m[e]; i += tm, bands++)
+      for (int c = 0; c < col_tiles; c++) {
+        tw_tile t;
+        memset(&t, 0, sizeof t);
+        t.row0 = r + i;
+        t.rows = std::min(tm, m[e] - i);
+        t.expert = e;
+        t.col0 = c * tn;
+        t.band = bands;
+        tiles.push_back(t);
+      }
+    r += m[e];
+  }
+  const size_t a_elems = (size_t)sh.rows * sh.k, b_elems = (size_t)sh.experts * sh.n * sh.k;
+  const size_t c_elems = (size_t)sh.rows * sh.n;
+  __nv_bfloat16 *A = nullptr, *B = nullptr, *C = nullptr, *Cref = nullptr;
+  tw_tile* dtiles = nullptr;
+  uint32_t* counters = nullptr;
+  unsigned long long* wrong = nullptr;
+  void** ptrs = nullptr; /* device pointer arrays for the grouped cuBLAS call */
+  BENCH_CUDA(cudaMalloc(&A, a_elems * 2));
+  BENCH_CUDA(cudaMalloc(&B, b_elems * 2));
+  BENCH_CUDA(cudaMalloc(&C, c_elems * 2));
+  BENCH_CUDA(cudaMalloc(&Cref, c_elems * 2));
+  BENCH_CUDA(cudaMalloc(&dtiles, tiles.size() * sizeof(tw_tile)));
+  BENCH_CUDA(cudaMalloc(&counters, (size_t)bands * 4));
+  BENCH_CUDA(cudaMalloc(&wrong, 8));
+  BENCH_CUDA(cudaMalloc(&ptrs, 3 * (size_t)sh.experts * sizeof(void*)));
+  BENCH_CUDA(
+      cudaMemcpy(dtiles, tiles.data(), tiles.size() * sizeof(tw_tile), cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemset(counters, 0, (size_t)bands * 4));
+  bench_fill_random<<<1024, 256, 0, s>>>(A, a_elems, 1234u);
+  bench_fill_random<<<1024, 256, 0, s>>>(B, b_elems, 98765u);
+  BENCH_CUDA(cudaGetLastError());
+
+  tw_gemm_args g;
+  memset(&g, 0, sizeof g);
+  g.a = A;
+  g.b = B;
+  g.c = C;
+  g.rows = sh.rows;
+  g.k = sh.k;
+  g.n = sh.n;
+  g.experts = sh.experts;
+  g.tiles = dtiles;
+  g.num_tiles = (int)tiles.size();
+  g.tm = tm;
+  g.tn = tn;
+  g.grid = o.grid;
+  g.variant = o.variant;
+  g.epilogue = TW_EPILOGUE_STORE;
+  tw_gemm_args g_sig = g;
+  g_sig.scope = TW_SIGNAL_GPU;
+  g_sig.band_counters = counters;
+
+  const float one = 1.f, zero = 0.f;
+  auto loop = [&]() -> int {
+    for (int e = 0; e < sh.experts; e++) {
+      if (m[e] == 0) continue;
+      if (cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, sh.n, m[e], sh.k, &one,
+                       B + (size_t)e * sh.n * sh.k, CUDA_R_16BF, sh.k, A + (size_t)row0[e] * sh.k,
+                       CUDA_R_16BF, sh.k, &zero, Cref + (size_t)row0[e] * sh.n, CUDA_R_16BF, sh.n,
+                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) != CUBLAS_STATUS_SUCCESS)
+        return -1;
+    }
+    return 0;
+  };
+  /* Grouped: one group per non-empty expert. */
+  std::vector<cublasOperation_t> ta, tb;
+  std::vector<int> gm, gn, gk, lda, ldb, ldc, gsize;
+  std::vector<float> alphas, betas;
+  std::vector<void*> hp;
+  for (int e = 0; e < sh.experts; e++) {
+    if (m[e] == 0) continue;
+    ta.push_back(CUBLAS_OP_T);
+    tb.push_back(CUBLAS_OP_N);
+    gm.push_back(sh.n);
+    gn.push_back(m[e]);
+    gk.push_back(sh.k);
+    lda.push_back(sh.k);
+    ldb.push_back(sh.k);
+    ldc.push_back(sh.n);
+    gsize.push_back(1);
+    alphas.push_back(1.f);
+    betas.push_back(0.f);
+  }
+  const int groups = (int)gm.size();
+  for (int e = 0; e < sh.experts; e++)
+    if (m[e]) hp.push_back(B + (size_t)e * sh.n * sh.k);
+  for (int e = 0; e < sh.experts; e++)
+    if (m[e]) hp.push_back(A + (size_t)row0[e] * sh.k);
+  for (int e = 0; e < sh.experts; e++)
+    if (m[e]) hp.push_back(C + (size_t)row0[e] * sh.n);
+  BENCH_CUDA(cudaMemcpy(ptrs, hp.data(), hp.size() * sizeof(void*), cudaMemcpyHostToDevice));
+  auto grouped = [&]() -> int {
+    return cublasGemmGroupedBatchedEx(h, ta.data(), tb.data(), gm.data(), gn.data(), gk.data(),
+                                      alphas.data(), (const void* const*)ptrs, CUDA_R_16BF,
+                                      lda.data(), (const void* const*)(ptrs + groups), CUDA_R_16BF,
+                                      ldb.data(), betas.data(), (void* const*)(ptrs + 2 * groups),
+                                      CUDA_R_16BF, ldc.data(), groups, gsize.data(),
+                                      CUBLAS_COMPUTE_32F) == CUBLAS_STATUS_SUCCESS
+               ? 0
+               : -1;
+  };
+  auto concat = [&]() -> int {
+    return cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, sh.n, sh.rows, sh.k, &one, B, CUDA_R_16BF,
+                        sh.k, A, CUDA_R_16BF, sh.k, &zero, C, CUDA_R_16BF, sh.n, CUBLAS_COMPUTE_32F,
+                        CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS
+               ? 0
+               : -1;
+  };
+  auto ours = [&]() -> int { return tw__gemm_launch(&g, s) == TW_SUCCESS ? 0 : -1; };
+  auto ours_sig = [&]() -> int { return tw__gemm_launch(&g_sig, s) == TW_SUCCESS ? 0 : -1; };
+
+  /* Correctness of this very configuration: ours vs the per-expert loop. */
+  unsigned long long nwrong = 0;
+  if (o.check) {
+    if (loop() != 0 || ours() != 0) {
+      fprintf(stderr, "bench gemm: reference or kernel failed: %s\n", tw_last_error());
+      return -1;
+    }
+    BENCH_CUDA(cudaMemset(wrong, 0, 8));
+    bench_compare<<<1024, 256, 0, s>>>(C, Cref, c_elems, 1e-2f, wrong);
+    BENCH_CUDA(cudaMemcpy(&nwrong, wrong, 8, cudaMemcpyDeviceToHost));
+  }
+  /* ABBA-style interleave of ours with and without signals, so that clock drift hits both. */
+  const double t_ours1 = time_us(ours, o.warmup, o.reps, s);
+  const double t_sig1 = time_us(ours_sig, o.warmup, o.reps, s);
+  const double t_sig2 = time_us(ours_sig, 0, o.reps, s);
+  const double t_ours2 = time_us(ours, 0, o.reps, s);
+  const double t_ours = std::min(t_ours1, t_ours2), t_sig = std::min(t_sig1, t_sig2);
+  const double t_loop = time_us(loop, o.warmup, o.reps, s);
+  const double t_grp = time_us(grouped, o.warmup, o.reps, s);
+  const double t_cat = time_us(concat, o.warmup, o.reps, s);
+  BENCH_CUDA(cudaStreamSynchronize(s));
+  const double flop = 2.0 * sh.rows * (double)sh.n * sh.k;
+  auto tf = [&](double us) { return us > 0 ? flop / us * 1e-6 : 0.0; };
+  printf(
+      "| %5d | %4d | %4d | %2d | %3d | %7.1f %5.0f | %7.1f %+5.1f%% | %7.1f %5.0f | %7.1f %5.0f "
+      "| %7.1f %5.0f | %5.2f | %5.2f | %llu |\n",
+      sh.rows, sh.k, sh.n, sh.experts, tn, t_ours, tf(t_ours), t_sig,
+      100.0 * (t_sig - t_ours) / t_ours, t_loop, tf(t_loop), t_grp, tf(t_grp), t_cat, tf(t_cat),
+      t_cat / t_ours, t_loop / t_ours, nwrong);
+  fflush(stdout);
+  cudaFree(A);
+  cudaFree(B);
+  cudaFree(C);
+  cudaFree(Cref);
+  cudaFree(dtiles);
+  cudaFree(counters);
+  cudaFree(wrong);
+  cudaFree(ptrs);
+  return nwrong == 0 ? 0 : 1;
+}
+
+void usage(FILE* f) {
+  fprintf(f,
+          "usage: tilewave bench gemm [--rows R --k K --n N --experts E] [--tm 128] [--tn 0]\n"
+          "                           [--grid P] [--variant V] [--reps 20] [--warmup 3] "
+          "[--no-check]\n"
+          "Without a shape, runs the default grid: rows 16384 and 32768, K 2048, N 4096 and\n"
+          "8192, E 4..64, and rows 8192, K 1408, N 2048, E 30.\n");
+}
+
+}  // namespace
+
+extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
+  BenchOpts o;
+  for (int i = 1; i < argc; i++) {
+    const char* a = argv[i];
+    const bool has = i + 1 < argc;
+    int* dst = nullptr;
+    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+      usage(stdout);
+      return 0;
+    } else if (!strcmp(a, "--no-check")) {
+      o.check = 0;
+      continue;
+    } else if (!strcmp(a, "--rows")) {
+      dst = &o.rows;
+    } else if (!strcmp(a, "--k")) {
+      dst = &o.k;
+    } else if (!strcmp(a, "--n")) {
+      dst = &o.n;
+    } else if (!strcmp(a, "--experts")) {
+      dst = &o.experts;
+    } else if (!strcmp(a, "--tm")) {
+      dst = &o.tm;
+    } else if (!strcmp(a, "--tn")) {
+      dst = &o.tn;
+    } else if (!strcmp(a, "--grid")) {
+      dst = &o.grid;
+    } else if (!strcmp(a, "--variant")) {
+      dst = &o.variant;
+    } else if (!strcmp(a, "--reps")) {
+      dst = &o.reps;
+    } else if (!strcmp(a, "--warmup")) {
+      dst = &o.warmup;
+    }
+    if (dst == nullptr || !has) {
+      fprintf(stderr, "bench gemm: unknown or incomplete option '%s'\n", a);
+      usage(stderr);
+      return 2;
+    }
+    *dst = atoi(argv[++i]);
+  }
+  std::vector<Shape> shapes;
+  if (o.rows || o.k || o.n || o.experts) {
+    if (o.rows <= 0 || o.k <= 0 || o.n <= 0 || o.experts <= 0) {
+      fprintf(stderr, "bench gemm: give all of --rows, --k, --n, --experts (> 0)\n");
+      return 2;
+    }
+    shapes.push_back({o.rows, o.k, o.n, o.experts});
+  } else {
+    for (int rows : {16384, 32768})
+      for (int n : {4096, 8192})
+        for (int e : {4, 8, 16, 32, 64}) shapes.push_back({rows, 2048, n, e});
+    shapes.push_back({8192, 1408, 2048, 30});
+  }
+  if (o.reps < 1) o.reps = 1;
+  int dev = 0;
+  cudaDeviceProp prop;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
+    fprintf(stderr, "bench gemm: no usable CUDA device\n");
+    return 1;
+  }
+  cublasHandle_t h;
+  cudaStream_t s;
+  if (cudaStreamCreate(&s) != cudaSuccess || cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
+    fprintf(stderr, "bench gemm: cannot create a stream or cuBLAS handle\n");
+    return 1;
+  }
+  cublasSetStream(h, s);
+  printf("# bench gemm on %s (%d SMs), grid %d, variant %d, tm %d, median of %d reps\n", prop.name,
+         prop.multiProcessorCount, o.grid, o.variant, o.tm, o.reps);
+  printf(
+      "| rows | K | N | E | tn | ours us TF/s | +signals us, cost | cuBLAS loop us TF/s | "
+      "cuBLAS grouped us TF/s | cuBLAS concat us TF/s | ours/concat | speedup vs loop | "
+      "#wrong |\n");
+  printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+  int rc = 0;
+  for (const Shape& sh : shapes) {
+    int r = bench_shape(sh, o, h, s);
+    if (r < 0) {
+      rc = 1;
+      (void)cudaGetLastError();
+    }
+    if (r > 0) rc = 1;
+  }
+  cublasDestroy(h);
+  cudaStreamDestroy(s);
+  return rc;
+}
