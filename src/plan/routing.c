@@ -627,12 +627,10 @@ tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routin
                   path, rd.line, w, e, k, p->world_size, p->experts, p->top_k);
     goto done;
   }
-  /* The arrays are sized by max_tokens first and the counts set as each rank is read, so the
-   * file is read once. */
-  for (int32_t r = 0; r < w; r++) zero[r] = p->max_tokens;
+  /* Every rank starts empty; its arrays grow to its declared count when its line is read, so
+   * the file is read once and memory follows the file, not the capacity. */
   st = tw__routing_alloc(p, zero, &rt);
   if (st != TW_SUCCESS) goto done;
-  for (int32_t r = 0; r < w; r++) rt->tokens[r] = 0;
   int64_t mark = 0;
   for (int32_t r = 0; r < w; r++) {
     int32_t rank = -1, n = -1;
@@ -654,6 +652,18 @@ tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routin
       snprintf(msg, sizeof msg, "%s", tw_last_error());
       st = tw__fail(st, "%s:%ld: %s", path, rd.line, msg);
       goto done;
+    }
+    if (n > 0) {
+      size_t cnt = (size_t)n * (size_t)k;
+      int32_t* grown_ids = realloc(rt->expert_ids[r], cnt * sizeof(int32_t));
+      if (grown_ids != NULL) rt->expert_ids[r] = grown_ids;
+      float* grown_w = realloc(rt->weights[r], cnt * sizeof(float));
+      if (grown_w != NULL) rt->weights[r] = grown_w;
+      if (grown_ids == NULL || grown_w == NULL) {
+        st = tw__fail(TW_ERR_OUT_OF_MEMORY, "%s:%ld: out of host memory for %d tokens", path,
+                      rd.line, n);
+        goto done;
+      }
     }
     for (int32_t t = 0; t < n; t++) {
       if (!tw__next_line(&rd)) {
