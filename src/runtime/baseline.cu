@@ -38,7 +38,7 @@ typedef struct tw__bl_range {
 typedef struct tw__bl_ipc {
   cudaIpcMemHandle_t handle; /* of the receive buffer */
   uint64_t ptr;              /* its address in the owning process */
-  int64_t pid; /* owning process: same process means no IPC, use ptr */
+  int64_t pid;               /* owning process: same process means no IPC, use ptr */
   int32_t device;
   char pad_[256 - sizeof(cudaIpcMemHandle_t) - 8 - 8 - 4];
 } tw__bl_ipc;
@@ -55,70 +55,69 @@ struct tw_baseline {
   ncclComm_t comm;  /* not owned */
   cublasHandle_t cublas;
 
-  int32_t *expert_row0; /* (E) host */
-  int32_t *expert_rows; /* (E) host */
+  int32_t* expert_row0; /* (E) host */
+  int32_t* expert_rows; /* (E) host */
 
-  tw__bl_range *sends; /* (num_sends) merged remote transfers of this rank,
+  tw__bl_range* sends; /* (num_sends) merged remote transfers of this rank,
                           schedule order */
   int32_t num_sends;
-  tw__bl_range *recvs; /* (num_recvs) merged transfers to this rank, by source,
+  tw__bl_range* recvs; /* (num_recvs) merged transfers to this rank, by source,
                           its order */
   int32_t num_recvs;
-  tw__bl_range *remote_bands; /* (num_remote_bands) this rank's remote bands,
+  tw__bl_range* remote_bands; /* (num_remote_bands) this rank's remote bands,
                                  schedule order */
   int32_t num_remote_bands;
-  tw__bl_range *local_gemms; /* (num_local_gemms) merged local row ranges */
+  tw__bl_range* local_gemms; /* (num_local_gemms) merged local row ranges */
   int32_t num_local_gemms;
 
   /* Chunk plan for the chunked baseline, rebuilt when chunk_rows changes. */
   int32_t chunk_rows;
   int32_t num_chunks;
-  int32_t *chunk_gemm0; /* (num_remote_bands + 1) first GEMM range of chunk c in
-                           chunk_gemms */
-  int32_t *chunk_copy0; /* (num_remote_bands + 1) first copy of chunk c in
-                           chunk_copies */
-  tw__bl_range *chunk_gemms;  /* (num_remote_bands) */
-  tw__bl_range *chunk_copies; /* (num_remote_bands) */
+  int32_t* chunk_gemm0;       /* (num_remote_bands + 1) first GEMM range of chunk c in
+                                 chunk_gemms */
+  int32_t* chunk_copy0;       /* (num_remote_bands + 1) first copy of chunk c in
+                                 chunk_copies */
+  tw__bl_range* chunk_gemms;  /* (num_remote_bands) */
+  tw__bl_range* chunk_copies; /* (num_remote_bands) */
 
-  void *c;    /* (rows, H) bf16 device: GEMM output */
-  void *recv; /* (recv_rows, H) bf16 device, cudaMalloc (IPC-exportable) */
-  void **
-      peer_recv; /* (world) peers' receive buffers mapped here; [rank] unused */
-  int32_t *peer_opened; /* (world) 1 where peer_recv came from
+  void* c;              /* (rows, H) bf16 device: GEMM output */
+  void* recv;           /* (recv_rows, H) bf16 device, cudaMalloc (IPC-exportable) */
+  void** peer_recv;     /* (world) peers' receive buffers mapped here; [rank] unused */
+  int32_t* peer_opened; /* (world) 1 where peer_recv came from
                            cudaIpcOpenMemHandle */
-  int32_t *slot_row;    /* (tokens, k) device */
-  float *weights;       /* (tokens, k) device */
-  int32_t *fence;       /* (1) device: payload of the cross-rank fence */
+  int32_t* slot_row;    /* (tokens, k) device */
+  float* weights;       /* (tokens, k) device */
+  int32_t* fence;       /* (1) device: payload of the cross-rank fence */
   cudaStream_t copy_stream;
-  cudaEvent_t *chunk_events; /* (num_remote_bands + 1) */
+  cudaEvent_t* chunk_events; /* (num_remote_bands + 1) */
   cudaEvent_t copies_done;
 };
 
 /* ---- error helpers
  * ------------------------------------------------------------------------ */
 
-#define TW__BL_CUDA(expr)                                                      \
-  do {                                                                         \
-    cudaError_t tw__e = (expr);                                                \
-    if (tw__e != cudaSuccess)                                                  \
-      return tw__fail(TW_ERR_CUDA, "%s: %s failed: %s", __func__, #expr,       \
-                      cudaGetErrorString(tw__e));                              \
+#define TW__BL_CUDA(expr)                                                \
+  do {                                                                   \
+    cudaError_t tw__e = (expr);                                          \
+    if (tw__e != cudaSuccess)                                            \
+      return tw__fail(TW_ERR_CUDA, "%s: %s failed: %s", __func__, #expr, \
+                      cudaGetErrorString(tw__e));                        \
   } while (0)
 
-#define TW__BL_NCCL(expr)                                                      \
-  do {                                                                         \
-    ncclResult_t tw__r = (expr);                                               \
-    if (tw__r != ncclSuccess)                                                  \
-      return tw__fail(TW_ERR_NCCL, "%s: %s failed: %s (%s)", __func__, #expr,  \
-                      ncclGetErrorString(tw__r), ncclGetLastError(NULL));      \
+#define TW__BL_NCCL(expr)                                                     \
+  do {                                                                        \
+    ncclResult_t tw__r = (expr);                                              \
+    if (tw__r != ncclSuccess)                                                 \
+      return tw__fail(TW_ERR_NCCL, "%s: %s failed: %s (%s)", __func__, #expr, \
+                      ncclGetErrorString(tw__r), ncclGetLastError(NULL));     \
   } while (0)
 
-#define TW__BL_CUBLAS(expr)                                                    \
-  do {                                                                         \
-    cublasStatus_t tw__c = (expr);                                             \
-    if (tw__c != CUBLAS_STATUS_SUCCESS)                                        \
-      return tw__fail(TW_ERR_CUBLAS, "%s: %s failed: %s", __func__, #expr,     \
-                      cublasGetStatusString(tw__c));                           \
+#define TW__BL_CUBLAS(expr)                                                \
+  do {                                                                     \
+    cublasStatus_t tw__c = (expr);                                         \
+    if (tw__c != CUBLAS_STATUS_SUCCESS)                                    \
+      return tw__fail(TW_ERR_CUBLAS, "%s: %s failed: %s", __func__, #expr, \
+                      cublasGetStatusString(tw__c));                       \
   } while (0)
 
 /* ---- kernels
@@ -128,41 +127,34 @@ struct tw_baseline {
 /* out[t, :] = sum_j w[t, j] * row(slot_row[t, j]); 8 columns (16 bytes) per
  * thread, fp32 sums in slot order. grid.x walks tokens, grid.y column blocks.
  */
-__global__ void tw__bl_reduce_kernel(const __nv_bfloat16 *__restrict__ local,
-                                     const __nv_bfloat16 *__restrict__ recv,
-                                     const int32_t *__restrict__ slot_row,
-                                     const float *__restrict__ weights,
-                                     __nv_bfloat16 *out, int32_t tokens,
-                                     int32_t k, int32_t hidden,
-                                     int32_t recv_rows) {
+__global__ void tw__bl_reduce_kernel(const __nv_bfloat16* __restrict__ local,
+                                     const __nv_bfloat16* __restrict__ recv,
+                                     const int32_t* __restrict__ slot_row,
+                                     const float* __restrict__ weights, __nv_bfloat16* out,
+                                     int32_t tokens, int32_t k, int32_t hidden, int32_t recv_rows) {
   const int32_t vecs = hidden / 8;
   for (int32_t t = blockIdx.x; t < tokens; t += gridDim.x) {
-    for (int32_t v = blockIdx.y * blockDim.x + threadIdx.x; v < vecs;
-         v += gridDim.y * blockDim.x) {
+    for (int32_t v = blockIdx.y * blockDim.x + threadIdx.x; v < vecs; v += gridDim.y * blockDim.x) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
       for (int32_t j = 0; j < k; j++) {
         const int32_t r = slot_row[(int64_t)t * k + j];
         const float w = weights[(int64_t)t * k + j];
-        const __nv_bfloat16 *row =
-            r < recv_rows ? recv + (int64_t)r * hidden
-                          : local + (int64_t)(r - recv_rows) * hidden;
-        const uint4 raw = reinterpret_cast<const uint4 *>(row)[v];
-        const __nv_bfloat162 *h2 =
-            reinterpret_cast<const __nv_bfloat162 *>(&raw);
+        const __nv_bfloat16* row =
+            r < recv_rows ? recv + (int64_t)r * hidden : local + (int64_t)(r - recv_rows) * hidden;
+        const uint4 raw = reinterpret_cast<const uint4*>(row)[v];
+        const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
           const float2 f = __bfloat1622float2(h2[i]);
-          acc[2 * i] = fmaf(
-              w, f.x, acc[2 * i]); /* the runtime's reduction's exact order */
+          acc[2 * i] = fmaf(w, f.x, acc[2 * i]); /* the runtime's reduction's exact order */
           acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
         }
       }
       uint4 o;
-      __nv_bfloat162 *o2 = reinterpret_cast<__nv_bfloat162 *>(&o);
+      __nv_bfloat162* o2 = reinterpret_cast<__nv_bfloat162*>(&o);
 #pragma unroll
-      for (int i = 0; i < 4; i++)
-        o2[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-      reinterpret_cast<uint4 *>(out + (int64_t)t * hidden)[v] = o;
+      for (int i = 0; i < 4; i++) o2[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
+      reinterpret_cast<uint4*>(out + (int64_t)t * hidden)[v] = o;
     }
   }
 }
@@ -170,17 +162,15 @@ __global__ void tw__bl_reduce_kernel(const __nv_bfloat16 *__restrict__ local,
 /* scratch[0] = max |x - ref| bits, scratch[1] = max |ref| bits. Non-negative
  * floats order like their bit patterns, so atomicMax on the bits is a float
  * max; a non-finite x or ref stores +Inf. */
-__global__ void tw__bl_diff_kernel(const __nv_bfloat16 *__restrict__ x,
-                                   const __nv_bfloat16 *__restrict__ ref,
-                                   size_t n, uint32_t *scratch) {
+__global__ void tw__bl_diff_kernel(const __nv_bfloat16* __restrict__ x,
+                                   const __nv_bfloat16* __restrict__ ref, size_t n,
+                                   uint32_t* scratch) {
   float dmax = 0.f, rmax = 0.f;
   const size_t stride = (size_t)gridDim.x * blockDim.x;
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
     const float a = __bfloat162float(x[i]), b = __bfloat162float(ref[i]);
     float d = fabsf(a - b);
-    if (!isfinite(a) || !isfinite(b))
-      d = INFINITY;
+    if (!isfinite(a) || !isfinite(b)) d = INFINITY;
     dmax = fmaxf(dmax, d);
     rmax = fmaxf(rmax, fabsf(b));
   }
@@ -202,11 +192,9 @@ __device__ __forceinline__ uint64_t tw__bl_mix(uint64_t z) {
 }
 
 /* Value i depends only on (seed, i): the same buffer comes out for any grid. */
-__global__ void tw__bl_fill_kernel(__nv_bfloat16 *dst, size_t n, uint64_t seed,
-                                   float scale) {
+__global__ void tw__bl_fill_kernel(__nv_bfloat16* dst, size_t n, uint64_t seed, float scale) {
   const size_t stride = (size_t)gridDim.x * blockDim.x;
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-       i += stride) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
     const uint64_t h = tw__bl_mix(seed * 0x632BE59BD9B4E019ull + i);
     const float u = (float)(h >> 40) * (1.0f / 16777216.0f); /* [0, 1) */
     dst[i] = __float2bfloat16_rn((2.f * u - 1.f) * scale);
@@ -220,18 +208,16 @@ __global__ void tw__bl_fill_kernel(__nv_bfloat16 *dst, size_t n, uint64_t seed,
  * when it continues that range at both ends (same expert and owner, the last
  * range fully valid so far, rows and destination offsets contiguous). Returns
  * the new count. */
-static int32_t tw__bl_append(tw__bl_range *list, int32_t n, const tw_band *b,
-                             size_t row_bytes, int merge_dest) {
+static int32_t tw__bl_append(tw__bl_range* list, int32_t n, const tw_band* b, size_t row_bytes,
+                             int merge_dest) {
   if (n > 0) {
-    tw__bl_range *last = &list[n - 1];
-    const int contiguous_rows = last->row0 + last->rows == b->row0 &&
-                                last->expert == b->expert &&
-                                last->peer == b->dest;
+    tw__bl_range* last = &list[n - 1];
+    const int contiguous_rows =
+        last->row0 + last->rows == b->row0 && last->expert == b->expert && last->peer == b->dest;
     const int contiguous_dest =
         !merge_dest ||
         (last->valid_rows == last->rows &&
-         last->dest_offset + (int64_t)last->valid_rows * (int64_t)row_bytes ==
-             b->dest_offset);
+         last->dest_offset + (int64_t)last->valid_rows * (int64_t)row_bytes == b->dest_offset);
     if (contiguous_rows && contiguous_dest) {
       last->rows += b->rows;
       last->valid_rows += b->valid_rows;
@@ -253,13 +239,12 @@ static int32_t tw__bl_append(tw__bl_range *list, int32_t n, const tw_band *b,
 /* The transfers of `plan`'s rank to rank `dest`: its bands bound there (with
  * valid rows), in band order, merged. Sender and receiver both call this on the
  * sender's plan. Returns the count. */
-static int32_t tw__bl_collect(const struct tw_plan *plan, int32_t dest,
-                              tw__bl_range *list, size_t row_bytes) {
+static int32_t tw__bl_collect(const struct tw_plan* plan, int32_t dest, tw__bl_range* list,
+                              size_t row_bytes) {
   int32_t n = 0;
   for (int32_t i = 0; i < plan->num_bands; i++) {
-    const tw_band *band = &plan->bands[i];
-    if (band->dest == dest && band->valid_rows > 0)
-      n = tw__bl_append(list, n, band, row_bytes, 1);
+    const tw_band* band = &plan->bands[i];
+    if (band->dest == dest && band->valid_rows > 0) n = tw__bl_append(list, n, band, row_bytes, 1);
   }
   return n;
 }
@@ -270,7 +255,7 @@ static int32_t tw__bl_collect(const struct tw_plan *plan, int32_t dest,
 static void tw__bl_build_chunks(tw_baseline_t b, int32_t chunk_rows) {
   int32_t nc = 0, ng = 0, ncp = 0, acc = 0;
   for (int32_t i = 0; i < b->num_remote_bands; i++) {
-    const tw__bl_range *rb = &b->remote_bands[i];
+    const tw__bl_range* rb = &b->remote_bands[i];
     if (acc == 0) {
       b->chunk_gemm0[nc] = ng;
       b->chunk_copy0[nc] = ncp;
@@ -286,13 +271,10 @@ static void tw__bl_build_chunks(tw_baseline_t b, int32_t chunk_rows) {
     band.dest_offset = rb->dest_offset;
     /* A new chunk starts new lists, so ranges never span chunks. */
     const int32_t g0 = b->chunk_gemm0[nc - 1], c0 = b->chunk_copy0[nc - 1];
-    ng = g0 +
-         tw__bl_append(b->chunk_gemms + g0, ng - g0, &band, b->row_bytes, 0);
-    ncp = c0 +
-          tw__bl_append(b->chunk_copies + c0, ncp - c0, &band, b->row_bytes, 1);
+    ng = g0 + tw__bl_append(b->chunk_gemms + g0, ng - g0, &band, b->row_bytes, 0);
+    ncp = c0 + tw__bl_append(b->chunk_copies + c0, ncp - c0, &band, b->row_bytes, 1);
     acc += rb->rows;
-    if (acc >= chunk_rows)
-      acc = 0;
+    if (acc >= chunk_rows) acc = 0;
   }
   b->chunk_gemm0[nc] = ng;
   b->chunk_copy0[nc] = ncp;
@@ -303,20 +285,17 @@ static void tw__bl_build_chunks(tw_baseline_t b, int32_t chunk_rows) {
 /* ---- create / destroy
  * --------------------------------------------------------------------- */
 
-static tw_status tw__bl_alloc_host(void **p, size_t bytes) {
+static tw_status tw__bl_alloc_host(void** p, size_t bytes) {
   *p = calloc(1, bytes ? bytes : 1);
   if (*p == NULL)
-    return tw__fail(TW_ERR_OUT_OF_MEMORY,
-                    "baseline: host allocation of %zu bytes failed", bytes);
+    return tw__fail(TW_ERR_OUT_OF_MEMORY, "baseline: host allocation of %zu bytes failed", bytes);
   return TW_SUCCESS;
 }
 
-static tw_status tw__bl_create(tw_baseline_t b,
-                               const struct tw_plan *const *plans,
-                               int32_t world, int32_t rank,
-                               tw_routing_t routing, ncclComm_t comm) {
-  const struct tw_plan *plan = plans[rank];
-  const tw_problem *p = &plan->problem;
+static tw_status tw__bl_create(tw_baseline_t b, const struct tw_plan* const* plans, int32_t world,
+                               int32_t rank, tw_routing_t routing, ncclComm_t comm) {
+  const struct tw_plan* plan = plans[rank];
+  const tw_problem* p = &plan->problem;
   b->rank = rank;
   b->world = world;
   b->experts = plan->local_experts;
@@ -330,59 +309,48 @@ static tw_status tw__bl_create(tw_baseline_t b,
   b->comm = comm;
   b->chunk_rows = -1;
 
-  const int32_t *ids = NULL;
-  const float *gate = NULL;
+  const int32_t* ids = NULL;
+  const float* gate = NULL;
   TW_TRY(tw_routing_rank(routing, rank, &b->tokens, &ids, &gate));
   (void)ids;
 
   const int32_t E = b->experts, nb = plan->num_bands;
-  TW_TRY(tw__bl_alloc_host((void **)&b->expert_row0, sizeof(int32_t) * E));
-  TW_TRY(tw__bl_alloc_host((void **)&b->expert_rows, sizeof(int32_t) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->expert_row0, sizeof(int32_t) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->expert_rows, sizeof(int32_t) * E));
   memcpy(b->expert_row0, plan->expert_row0, sizeof(int32_t) * E);
   memcpy(b->expert_rows, plan->expert_rows, sizeof(int32_t) * E);
 
   /* This rank's side: remote bands (schedule order), local GEMM ranges, and the
    * sends, collected per destination exactly as that destination collects its
    * receives from us. */
-  TW_TRY(
-      tw__bl_alloc_host((void **)&b->remote_bands, sizeof(tw__bl_range) * nb));
-  TW_TRY(tw__bl_alloc_host((void **)&b->sends, sizeof(tw__bl_range) * nb));
-  TW_TRY(
-      tw__bl_alloc_host((void **)&b->local_gemms, sizeof(tw__bl_range) * nb));
+  TW_TRY(tw__bl_alloc_host((void**)&b->remote_bands, sizeof(tw__bl_range) * nb));
+  TW_TRY(tw__bl_alloc_host((void**)&b->sends, sizeof(tw__bl_range) * nb));
+  TW_TRY(tw__bl_alloc_host((void**)&b->local_gemms, sizeof(tw__bl_range) * nb));
   for (int32_t i = 0; i < nb; i++) {
-    const tw_band *band = &plan->bands[i];
-    if (band->rows <= 0)
-      continue;
+    const tw_band* band = &plan->bands[i];
+    if (band->rows <= 0) continue;
     if (band->dest != rank) {
       if (band->dest < 0 || band->dest >= world || band->dest_offset < 0)
-        return tw__fail(TW_ERR_INTERNAL,
-                        "baseline: band %d has destination %d, offset %lld", i,
+        return tw__fail(TW_ERR_INTERNAL, "baseline: band %d has destination %d, offset %lld", i,
                         band->dest, (long long)band->dest_offset);
-      tw__bl_range r = {band->expert,     band->row0, band->rows,
-                        band->valid_rows, band->dest, 0,
-                        band->dest_offset};
+      tw__bl_range r = {band->expert, band->row0, band->rows,       band->valid_rows,
+                        band->dest,   0,          band->dest_offset};
       b->remote_bands[b->num_remote_bands++] = r;
     } else {
-      b->num_local_gemms = tw__bl_append(b->local_gemms, b->num_local_gemms,
-                                         band, b->row_bytes, 0);
+      b->num_local_gemms = tw__bl_append(b->local_gemms, b->num_local_gemms, band, b->row_bytes, 0);
     }
   }
   for (int32_t d = 0; d < world; d++)
-    if (d != rank)
-      b->num_sends +=
-          tw__bl_collect(plan, d, b->sends + b->num_sends, b->row_bytes);
+    if (d != rank) b->num_sends += tw__bl_collect(plan, d, b->sends + b->num_sends, b->row_bytes);
 
   /* Receive side: every other rank's bands bound here, in that rank's order. */
   int64_t max_recv = 0;
   for (int32_t s = 0; s < world; s++)
-    if (s != rank)
-      max_recv += plans[s]->num_bands;
-  TW_TRY(tw__bl_alloc_host((void **)&b->recvs,
-                           sizeof(tw__bl_range) * (size_t)max_recv));
+    if (s != rank) max_recv += plans[s]->num_bands;
+  TW_TRY(tw__bl_alloc_host((void**)&b->recvs, sizeof(tw__bl_range) * (size_t)max_recv));
   int64_t recv_valid = 0;
   for (int32_t s = 0; s < world; s++) {
-    if (s == rank)
-      continue;
+    if (s == rank) continue;
     if (plans[s]->problem.hidden != p->hidden || plans[s]->rank != s)
       return tw__fail(TW_ERR_INVALID_ARGUMENT,
                       "tw__baseline_create: plans[%d] is not rank %d's plan of "
@@ -390,55 +358,44 @@ static tw_status tw__bl_create(tw_baseline_t b,
                       "pass every rank's plan in rank order",
                       s, s);
     const int32_t first = b->num_recvs;
-    b->num_recvs +=
-        tw__bl_collect(plans[s], rank, b->recvs + first, b->row_bytes);
+    b->num_recvs += tw__bl_collect(plans[s], rank, b->recvs + first, b->row_bytes);
     for (int32_t i = first; i < b->num_recvs; i++) {
       b->recvs[i].peer = s; /* the source, for ncclRecv */
       recv_valid += b->recvs[i].valid_rows;
     }
   }
   if (recv_valid != b->recv_rows)
-    return tw__fail(
-        TW_ERR_INTERNAL,
-        "baseline: peers' plans send %lld rows here but this plan expects %d",
-        (long long)recv_valid, b->recv_rows);
+    return tw__fail(TW_ERR_INTERNAL,
+                    "baseline: peers' plans send %lld rows here but this plan expects %d",
+                    (long long)recv_valid, b->recv_rows);
 
   /* Chunk plan storage. */
   const int32_t nrb = b->num_remote_bands;
-  TW_TRY(
-      tw__bl_alloc_host((void **)&b->chunk_gemm0, sizeof(int32_t) * (nrb + 1)));
-  TW_TRY(
-      tw__bl_alloc_host((void **)&b->chunk_copy0, sizeof(int32_t) * (nrb + 1)));
-  TW_TRY(tw__bl_alloc_host((void **)&b->chunk_gemms,
-                           sizeof(tw__bl_range) * (nrb + 1)));
-  TW_TRY(tw__bl_alloc_host((void **)&b->chunk_copies,
-                           sizeof(tw__bl_range) * (nrb + 1)));
-  TW_TRY(tw__bl_alloc_host((void **)&b->chunk_events,
-                           sizeof(cudaEvent_t) * (nrb + 1)));
-  TW_TRY(tw__bl_alloc_host((void **)&b->peer_recv, sizeof(void *) * world));
-  TW_TRY(tw__bl_alloc_host((void **)&b->peer_opened, sizeof(int32_t) * world));
+  TW_TRY(tw__bl_alloc_host((void**)&b->chunk_gemm0, sizeof(int32_t) * (nrb + 1)));
+  TW_TRY(tw__bl_alloc_host((void**)&b->chunk_copy0, sizeof(int32_t) * (nrb + 1)));
+  TW_TRY(tw__bl_alloc_host((void**)&b->chunk_gemms, sizeof(tw__bl_range) * (nrb + 1)));
+  TW_TRY(tw__bl_alloc_host((void**)&b->chunk_copies, sizeof(tw__bl_range) * (nrb + 1)));
+  TW_TRY(tw__bl_alloc_host((void**)&b->chunk_events, sizeof(cudaEvent_t) * (nrb + 1)));
+  TW_TRY(tw__bl_alloc_host((void**)&b->peer_recv, sizeof(void*) * world));
+  TW_TRY(tw__bl_alloc_host((void**)&b->peer_opened, sizeof(int32_t) * world));
 
   /* Device state. */
   TW__BL_CUDA(cudaMalloc(&b->c, (size_t)b->rows * b->row_bytes + 256));
   TW__BL_CUDA(cudaMalloc(&b->recv, (size_t)b->recv_rows * b->row_bytes + 256));
   const size_t nslots = (size_t)b->tokens * (size_t)b->top_k;
-  TW__BL_CUDA(cudaMalloc((void **)&b->slot_row, sizeof(int32_t) * nslots + 16));
-  TW__BL_CUDA(cudaMalloc((void **)&b->weights, sizeof(float) * nslots + 16));
-  TW__BL_CUDA(cudaMalloc((void **)&b->fence, 256));
+  TW__BL_CUDA(cudaMalloc((void**)&b->slot_row, sizeof(int32_t) * nslots + 16));
+  TW__BL_CUDA(cudaMalloc((void**)&b->weights, sizeof(float) * nslots + 16));
+  TW__BL_CUDA(cudaMalloc((void**)&b->fence, 256));
   if (nslots > 0) {
-    TW__BL_CUDA(cudaMemcpy(b->slot_row, plan->slot_row,
-                           sizeof(int32_t) * nslots, cudaMemcpyHostToDevice));
-    TW__BL_CUDA(cudaMemcpy(b->weights, gate, sizeof(float) * nslots,
-                           cudaMemcpyHostToDevice));
+    TW__BL_CUDA(
+        cudaMemcpy(b->slot_row, plan->slot_row, sizeof(int32_t) * nslots, cudaMemcpyHostToDevice));
+    TW__BL_CUDA(cudaMemcpy(b->weights, gate, sizeof(float) * nslots, cudaMemcpyHostToDevice));
   }
   TW__BL_CUDA(cudaMemset(b->fence, 0, 256));
-  TW__BL_CUDA(
-      cudaStreamCreateWithFlags(&b->copy_stream, cudaStreamNonBlocking));
+  TW__BL_CUDA(cudaStreamCreateWithFlags(&b->copy_stream, cudaStreamNonBlocking));
   for (int32_t i = 0; i <= nrb; i++)
-    TW__BL_CUDA(
-        cudaEventCreateWithFlags(&b->chunk_events[i], cudaEventDisableTiming));
-  TW__BL_CUDA(
-      cudaEventCreateWithFlags(&b->copies_done, cudaEventDisableTiming));
+    TW__BL_CUDA(cudaEventCreateWithFlags(&b->chunk_events[i], cudaEventDisableTiming));
+  TW__BL_CUDA(cudaEventCreateWithFlags(&b->copies_done, cudaEventDisableTiming));
   TW__BL_CUBLAS(cublasCreate(&b->cublas));
 
   /* Exchange receive buffers: IPC handles where ranks are processes, raw
@@ -451,39 +408,32 @@ static tw_status tw__bl_create(tw_baseline_t b,
   mine.ptr = (uint64_t)(uintptr_t)b->recv;
   mine.pid = (int64_t)getpid();
   mine.device = device;
-  tw__bl_ipc *all = NULL;
-  TW_TRY(tw__bl_alloc_host((void **)&all, sizeof(tw__bl_ipc) * world));
-  void *dev_ipc = NULL;
+  tw__bl_ipc* all = NULL;
+  TW_TRY(tw__bl_alloc_host((void**)&all, sizeof(tw__bl_ipc) * world));
+  void* dev_ipc = NULL;
   tw_status st = TW_SUCCESS;
   if (cudaMalloc(&dev_ipc, sizeof(tw__bl_ipc) * (world + 1)) != cudaSuccess) {
     free(all);
-    return tw__fail(TW_ERR_OUT_OF_MEMORY,
-                    "baseline: cudaMalloc of the IPC exchange failed");
+    return tw__fail(TW_ERR_OUT_OF_MEMORY, "baseline: cudaMalloc of the IPC exchange failed");
   }
   cudaStream_t s0 = NULL;
-  cudaError_t ce =
-      cudaMemcpy(dev_ipc, &mine, sizeof mine, cudaMemcpyHostToDevice);
+  cudaError_t ce = cudaMemcpy(dev_ipc, &mine, sizeof mine, cudaMemcpyHostToDevice);
   ncclResult_t nr = ncclSuccess;
   if (ce == cudaSuccess) {
-    nr = ncclAllGather(dev_ipc, (char *)dev_ipc + sizeof mine, sizeof mine,
-                       ncclUint8, comm, s0);
-    if (nr == ncclSuccess)
-      ce = cudaStreamSynchronize(s0);
+    nr = ncclAllGather(dev_ipc, (char*)dev_ipc + sizeof mine, sizeof mine, ncclUint8, comm, s0);
+    if (nr == ncclSuccess) ce = cudaStreamSynchronize(s0);
     if (nr == ncclSuccess && ce == cudaSuccess)
-      ce = cudaMemcpy(all, (char *)dev_ipc + sizeof mine,
-                      sizeof(tw__bl_ipc) * world, cudaMemcpyDeviceToHost);
+      ce = cudaMemcpy(all, (char*)dev_ipc + sizeof mine, sizeof(tw__bl_ipc) * world,
+                      cudaMemcpyDeviceToHost);
   }
   cudaFree(dev_ipc);
   if (nr != ncclSuccess)
-    st = tw__fail(TW_ERR_NCCL,
-                  "baseline: allgather of receive-buffer handles failed: %s",
+    st = tw__fail(TW_ERR_NCCL, "baseline: allgather of receive-buffer handles failed: %s",
                   ncclGetErrorString(nr));
   else if (ce != cudaSuccess)
-    st = tw__fail(TW_ERR_CUDA, "baseline: handle exchange failed: %s",
-                  cudaGetErrorString(ce));
+    st = tw__fail(TW_ERR_CUDA, "baseline: handle exchange failed: %s", cudaGetErrorString(ce));
   for (int32_t r = 0; st == TW_SUCCESS && r < world; r++) {
-    if (r == rank)
-      continue;
+    if (r == rank) continue;
     if (all[r].pid == mine.pid) {
       ce = cudaDeviceEnablePeerAccess(all[r].device, 0);
       if (ce == cudaErrorPeerAccessAlreadyEnabled) {
@@ -491,13 +441,11 @@ static tw_status tw__bl_create(tw_baseline_t b,
         ce = cudaSuccess;
       }
       if (ce != cudaSuccess && all[r].device != device)
-        st = tw__fail(TW_ERR_CUDA,
-                      "baseline: peer access to device %d failed: %s",
-                      all[r].device, cudaGetErrorString(ce));
-      b->peer_recv[r] = (void *)(uintptr_t)all[r].ptr;
+        st = tw__fail(TW_ERR_CUDA, "baseline: peer access to device %d failed: %s", all[r].device,
+                      cudaGetErrorString(ce));
+      b->peer_recv[r] = (void*)(uintptr_t)all[r].ptr;
     } else {
-      ce = cudaIpcOpenMemHandle(&b->peer_recv[r], all[r].handle,
-                                cudaIpcMemLazyEnablePeerAccess);
+      ce = cudaIpcOpenMemHandle(&b->peer_recv[r], all[r].handle, cudaIpcMemLazyEnablePeerAccess);
       if (ce != cudaSuccess)
         st = tw__fail(TW_ERR_CUDA,
                       "baseline: cudaIpcOpenMemHandle of rank %d's receive "
@@ -512,33 +460,27 @@ static tw_status tw__bl_create(tw_baseline_t b,
   return st;
 }
 
-extern "C" tw_status tw__baseline_create(const struct tw_plan *const *plans,
-                                         int32_t world, int32_t rank,
-                                         tw_routing_t routing, ncclComm_t comm,
-                                         tw_baseline_t *baseline) {
+extern "C" tw_status tw__baseline_create(const struct tw_plan* const* plans, int32_t world,
+                                         int32_t rank, tw_routing_t routing, ncclComm_t comm,
+                                         tw_baseline_t* baseline) {
   TW_CHECK_NULL(plans);
   TW_CHECK_NULL(routing);
   TW_CHECK_NULL(baseline);
   *baseline = NULL;
   if (world < 1 || rank < 0 || rank >= world)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw__baseline_create: rank %d of world %d", rank, world);
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__baseline_create: rank %d of world %d", rank,
+                    world);
   for (int32_t r = 0; r < world; r++)
     if (plans[r] == NULL)
-      return tw__fail(TW_ERR_NULL_POINTER,
-                      "tw__baseline_create: plans[%d] is NULL", r);
+      return tw__fail(TW_ERR_NULL_POINTER, "tw__baseline_create: plans[%d] is NULL", r);
   if (plans[rank]->problem.world_size != world)
-    return tw__fail(
-        TW_ERR_INVALID_ARGUMENT,
-        "tw__baseline_create: the plan is for %d ranks, the call says %d",
-        plans[rank]->problem.world_size, world);
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw__baseline_create: the plan is for %d ranks, the call says %d",
+                    plans[rank]->problem.world_size, world);
   if (plans[rank]->problem.dtype != TW_BF16)
-    return tw__fail(TW_ERR_UNSUPPORTED,
-                    "tw__baseline_create: only bf16 is supported");
+    return tw__fail(TW_ERR_UNSUPPORTED, "tw__baseline_create: only bf16 is supported");
   tw_baseline_t b = (tw_baseline_t)calloc(1, sizeof(struct tw_baseline));
-  if (b == NULL)
-    return tw__fail(TW_ERR_OUT_OF_MEMORY,
-                    "tw__baseline_create: out of host memory");
+  if (b == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw__baseline_create: out of host memory");
   tw_status st = tw__bl_create(b, plans, world, rank, routing, comm);
   if (st != TW_SUCCESS) {
     char saved[1024];
@@ -551,22 +493,16 @@ extern "C" tw_status tw__baseline_create(const struct tw_plan *const *plans,
 }
 
 extern "C" tw_status tw__baseline_destroy(tw_baseline_t b) {
-  if (b == NULL)
-    return TW_SUCCESS;
+  if (b == NULL) return TW_SUCCESS;
   if (b->peer_recv && b->peer_opened)
     for (int32_t r = 0; r < b->world; r++)
-      if (b->peer_opened[r])
-        cudaIpcCloseMemHandle(b->peer_recv[r]);
-  if (b->cublas)
-    cublasDestroy(b->cublas);
+      if (b->peer_opened[r]) cudaIpcCloseMemHandle(b->peer_recv[r]);
+  if (b->cublas) cublasDestroy(b->cublas);
   if (b->chunk_events)
     for (int32_t i = 0; i <= b->num_remote_bands; i++)
-      if (b->chunk_events[i])
-        cudaEventDestroy(b->chunk_events[i]);
-  if (b->copies_done)
-    cudaEventDestroy(b->copies_done);
-  if (b->copy_stream)
-    cudaStreamDestroy(b->copy_stream);
+      if (b->chunk_events[i]) cudaEventDestroy(b->chunk_events[i]);
+  if (b->copies_done) cudaEventDestroy(b->copies_done);
+  if (b->copy_stream) cudaStreamDestroy(b->copy_stream);
   cudaFree(b->c);
   cudaFree(b->recv);
   cudaFree(b->slot_row);
@@ -597,33 +533,28 @@ extern "C" tw_status tw__baseline_destroy(tw_baseline_t b) {
  * F) x (H, F)^T is, column-major, C^T (H x rows) = W_e^T-view ... i.e. op(W) =
  * T on the (F x H) column-major view of W_e, op(A) = N on the (F x rows) view
  * of A. */
-static tw_status tw__bl_gemm_range(tw_baseline_t b, const void *a,
-                                   const void *w, int32_t expert, int32_t row0,
-                                   int32_t rows) {
-  if (rows <= 0)
-    return TW_SUCCESS;
+static tw_status tw__bl_gemm_range(tw_baseline_t b, const void* a, const void* w, int32_t expert,
+                                   int32_t row0, int32_t rows) {
+  if (rows <= 0) return TW_SUCCESS;
   const float alpha = 1.f, beta = 0.f;
-  const char *wa = (const char *)w + (size_t)expert * b->hidden * b->ffn * 2;
-  const char *aa = (const char *)a + (size_t)row0 * b->ffn * 2;
-  char *cc = (char *)b->c + (size_t)row0 * b->row_bytes;
-  TW__BL_CUBLAS(cublasGemmEx(
-      b->cublas, CUBLAS_OP_T, CUBLAS_OP_N, b->hidden, rows, b->ffn, &alpha, wa,
-      CUDA_R_16BF, b->ffn, aa, CUDA_R_16BF, b->ffn, &beta, cc, CUDA_R_16BF,
-      b->hidden, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  const char* wa = (const char*)w + (size_t)expert * b->hidden * b->ffn * 2;
+  const char* aa = (const char*)a + (size_t)row0 * b->ffn * 2;
+  char* cc = (char*)b->c + (size_t)row0 * b->row_bytes;
+  TW__BL_CUBLAS(cublasGemmEx(b->cublas, CUBLAS_OP_T, CUBLAS_OP_N, b->hidden, rows, b->ffn, &alpha,
+                             wa, CUDA_R_16BF, b->ffn, aa, CUDA_R_16BF, b->ffn, &beta, cc,
+                             CUDA_R_16BF, b->hidden, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return TW_SUCCESS;
 }
 
-static tw_status tw__bl_check_io(tw_baseline_t b, const void *a, const void *w,
-                                 const void *out) {
+static tw_status tw__bl_check_io(tw_baseline_t b, const void* a, const void* w, const void* out) {
   TW_CHECK_NULL(b);
   if (a == NULL || w == NULL || (out == NULL && b->tokens > 0))
-    return tw__fail(TW_ERR_NULL_POINTER,
-                    "baseline: a, w and out must be device pointers");
+    return tw__fail(TW_ERR_NULL_POINTER, "baseline: a, w and out must be device pointers");
   return TW_SUCCESS;
 }
 
-extern "C" tw_status tw__baseline_gemm(tw_baseline_t b, const void *a,
-                                       const void *w, cudaStream_t stream) {
+extern "C" tw_status tw__baseline_gemm(tw_baseline_t b, const void* a, const void* w,
+                                       cudaStream_t stream) {
   TW_TRY(tw__bl_check_io(b, a, w, b ? b->c : NULL));
   TW__BL_CUBLAS(cublasSetStream(b->cublas, stream));
   for (int32_t e = 0; e < b->experts; e++)
@@ -631,66 +562,57 @@ extern "C" tw_status tw__baseline_gemm(tw_baseline_t b, const void *a,
   return TW_SUCCESS;
 }
 
-extern "C" tw_status tw__baseline_exchange(tw_baseline_t b,
-                                           cudaStream_t stream) {
+extern "C" tw_status tw__baseline_exchange(tw_baseline_t b, cudaStream_t stream) {
   TW_CHECK_NULL(b);
-  if (b->world == 1)
-    return TW_SUCCESS;
+  if (b->world == 1) return TW_SUCCESS;
   /* One group: NCCL matches the sends and receives of one peer pair in posting
    * order, which is the sender's band order on both sides (see the file
    * comment). */
   TW__BL_NCCL(ncclGroupStart());
   for (int32_t i = 0; i < b->num_sends; i++) {
-    const tw__bl_range *s = &b->sends[i];
+    const tw__bl_range* s = &b->sends[i];
     ncclResult_t r =
-        ncclSend((const char *)b->c + (size_t)s->row0 * b->row_bytes,
-                 (size_t)s->valid_rows * b->row_bytes, ncclUint8, s->peer,
-                 b->comm, stream);
+        ncclSend((const char*)b->c + (size_t)s->row0 * b->row_bytes,
+                 (size_t)s->valid_rows * b->row_bytes, ncclUint8, s->peer, b->comm, stream);
     if (r != ncclSuccess) {
       ncclGroupEnd();
-      return tw__fail(TW_ERR_NCCL, "baseline: ncclSend to %d failed: %s",
-                      s->peer, ncclGetErrorString(r));
+      return tw__fail(TW_ERR_NCCL, "baseline: ncclSend to %d failed: %s", s->peer,
+                      ncclGetErrorString(r));
     }
   }
   for (int32_t i = 0; i < b->num_recvs; i++) {
-    const tw__bl_range *s = &b->recvs[i];
-    ncclResult_t r = ncclRecv((char *)b->recv + s->dest_offset,
-                              (size_t)s->valid_rows * b->row_bytes, ncclUint8,
-                              s->peer, b->comm, stream);
+    const tw__bl_range* s = &b->recvs[i];
+    ncclResult_t r = ncclRecv((char*)b->recv + s->dest_offset, (size_t)s->valid_rows * b->row_bytes,
+                              ncclUint8, s->peer, b->comm, stream);
     if (r != ncclSuccess) {
       ncclGroupEnd();
-      return tw__fail(TW_ERR_NCCL, "baseline: ncclRecv from %d failed: %s",
-                      s->peer, ncclGetErrorString(r));
+      return tw__fail(TW_ERR_NCCL, "baseline: ncclRecv from %d failed: %s", s->peer,
+                      ncclGetErrorString(r));
     }
   }
   TW__BL_NCCL(ncclGroupEnd());
   return TW_SUCCESS;
 }
 
-extern "C" tw_status tw__baseline_reduce(tw_baseline_t b, const void *local,
-                                         const void *recv, void *out,
-                                         cudaStream_t stream) {
+extern "C" tw_status tw__baseline_reduce(tw_baseline_t b, const void* local, const void* recv,
+                                         void* out, cudaStream_t stream) {
   TW_CHECK_NULL(b);
-  if (b->tokens == 0)
-    return TW_SUCCESS;
+  if (b->tokens == 0) return TW_SUCCESS;
   if (local == NULL || recv == NULL || out == NULL)
-    return tw__fail(TW_ERR_NULL_POINTER,
-                    "tw__baseline_reduce: local, recv and out are required");
+    return tw__fail(TW_ERR_NULL_POINTER, "tw__baseline_reduce: local, recv and out are required");
   const int32_t vecs = b->hidden / 8;
   const int threads = vecs < 128 ? 32 * ((vecs + 31) / 32) : 128;
   const dim3 grid((unsigned)(b->tokens < (1 << 24) ? b->tokens : (1 << 24)),
                   (unsigned)((vecs + threads - 1) / threads));
   tw__bl_reduce_kernel<<<grid, threads, 0, stream>>>(
-      (const __nv_bfloat16 *)local, (const __nv_bfloat16 *)recv, b->slot_row,
-      b->weights, (__nv_bfloat16 *)out, b->tokens, b->top_k, b->hidden,
-      b->recv_rows);
+      (const __nv_bfloat16*)local, (const __nv_bfloat16*)recv, b->slot_row, b->weights,
+      (__nv_bfloat16*)out, b->tokens, b->top_k, b->hidden, b->recv_rows);
   TW__BL_CUDA(cudaGetLastError());
   return TW_SUCCESS;
 }
 
-extern "C" tw_status tw__baseline_sequential(tw_baseline_t b, const void *a,
-                                             const void *w, void *out,
-                                             cudaStream_t stream) {
+extern "C" tw_status tw__baseline_sequential(tw_baseline_t b, const void* a, const void* w,
+                                             void* out, cudaStream_t stream) {
   TW_TRY(tw__bl_check_io(b, a, w, out));
   TW_TRY(tw__baseline_gemm(b, a, w, stream));
   TW_TRY(tw__baseline_exchange(b, stream));
@@ -702,48 +624,39 @@ extern "C" tw_status tw__baseline_sequential(tw_baseline_t b, const void *a,
  * copy-engine writes into this rank's receive buffer (joined into their streams
  * before the fence) have completed. */
 static tw_status tw__bl_fence(tw_baseline_t b, cudaStream_t stream) {
-  if (b->world == 1)
-    return TW_SUCCESS;
-  TW__BL_NCCL(ncclAllReduce(b->fence, b->fence + 1, 1, ncclInt32, ncclSum,
-                            b->comm, stream));
+  if (b->world == 1) return TW_SUCCESS;
+  TW__BL_NCCL(ncclAllReduce(b->fence, b->fence + 1, 1, ncclInt32, ncclSum, b->comm, stream));
   return TW_SUCCESS;
 }
 
-static tw_status tw__bl_copy_ranges(tw_baseline_t b, const tw__bl_range *list,
-                                    int32_t n, cudaStream_t stream) {
+static tw_status tw__bl_copy_ranges(tw_baseline_t b, const tw__bl_range* list, int32_t n,
+                                    cudaStream_t stream) {
   for (int32_t i = 0; i < n; i++) {
-    const tw__bl_range *r = &list[i];
-    if (r->valid_rows <= 0)
-      continue;
-    TW__BL_CUDA(
-        cudaMemcpyAsync((char *)b->peer_recv[r->peer] + r->dest_offset,
-                        (const char *)b->c + (size_t)r->row0 * b->row_bytes,
-                        (size_t)r->valid_rows * b->row_bytes,
-                        cudaMemcpyDeviceToDevice, stream));
+    const tw__bl_range* r = &list[i];
+    if (r->valid_rows <= 0) continue;
+    TW__BL_CUDA(cudaMemcpyAsync((char*)b->peer_recv[r->peer] + r->dest_offset,
+                                (const char*)b->c + (size_t)r->row0 * b->row_bytes,
+                                (size_t)r->valid_rows * b->row_bytes, cudaMemcpyDeviceToDevice,
+                                stream));
   }
   return TW_SUCCESS;
 }
 
-extern "C" tw_status tw__baseline_chunked(tw_baseline_t b, const void *a,
-                                          const void *w, void *out,
-                                          int32_t chunk_rows,
-                                          cudaStream_t stream) {
+extern "C" tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const void* w, void* out,
+                                          int32_t chunk_rows, cudaStream_t stream) {
   TW_TRY(tw__bl_check_io(b, a, w, out));
   if (chunk_rows < 1)
-    return tw__fail(TW_ERR_INVALID_SIZE,
-                    "tw__baseline_chunked: chunk_rows %d must be >= 1",
+    return tw__fail(TW_ERR_INVALID_SIZE, "tw__baseline_chunked: chunk_rows %d must be >= 1",
                     chunk_rows);
-  if (chunk_rows != b->chunk_rows)
-    tw__bl_build_chunks(b, chunk_rows);
+  if (chunk_rows != b->chunk_rows) tw__bl_build_chunks(b, chunk_rows);
   TW__BL_CUBLAS(cublasSetStream(b->cublas, stream));
   /* The copy stream must not run ahead of anything the caller queued before
    * this call. */
   TW__BL_CUDA(cudaEventRecord(b->chunk_events[b->num_chunks], stream));
-  TW__BL_CUDA(
-      cudaStreamWaitEvent(b->copy_stream, b->chunk_events[b->num_chunks], 0));
+  TW__BL_CUDA(cudaStreamWaitEvent(b->copy_stream, b->chunk_events[b->num_chunks], 0));
   for (int32_t c = 0; c < b->num_chunks; c++) {
     for (int32_t g = b->chunk_gemm0[c]; g < b->chunk_gemm0[c + 1]; g++) {
-      const tw__bl_range *r = &b->chunk_gemms[g];
+      const tw__bl_range* r = &b->chunk_gemms[g];
       TW_TRY(tw__bl_gemm_range(b, a, w, r->expert, r->row0, r->rows));
     }
     /* The chunk's rows are final once the GEMMs queued before this event have
@@ -751,11 +664,10 @@ extern "C" tw_status tw__baseline_chunked(tw_baseline_t b, const void *a,
     TW__BL_CUDA(cudaEventRecord(b->chunk_events[c], stream));
     TW__BL_CUDA(cudaStreamWaitEvent(b->copy_stream, b->chunk_events[c], 0));
     TW_TRY(tw__bl_copy_ranges(b, b->chunk_copies + b->chunk_copy0[c],
-                              b->chunk_copy0[c + 1] - b->chunk_copy0[c],
-                              b->copy_stream));
+                              b->chunk_copy0[c + 1] - b->chunk_copy0[c], b->copy_stream));
   }
   for (int32_t g = 0; g < b->num_local_gemms; g++) {
-    const tw__bl_range *r = &b->local_gemms[g];
+    const tw__bl_range* r = &b->local_gemms[g];
     TW_TRY(tw__bl_gemm_range(b, a, w, r->expert, r->row0, r->rows));
   }
   TW__BL_CUDA(cudaEventRecord(b->copies_done, b->copy_stream));
@@ -770,34 +682,31 @@ extern "C" tw_status tw__baseline_copy(tw_baseline_t b, cudaStream_t stream) {
   return tw__bl_fence(b, stream);
 }
 
-extern "C" void *tw__baseline_gemm_out(tw_baseline_t b) {
+extern "C" void* tw__baseline_gemm_out(tw_baseline_t b) {
   return b ? b->c : NULL;
 }
-extern "C" void *tw__baseline_recv(tw_baseline_t b) {
+extern "C" void* tw__baseline_recv(tw_baseline_t b) {
   return b ? b->recv : NULL;
 }
 
 /* ---- checks and inputs
  * -------------------------------------------------------------------- */
 
-extern "C" tw_status tw__baseline_rel_diff(const void *x, const void *ref,
-                                           size_t n, uint32_t *scratch,
-                                           cudaStream_t stream, double *rel) {
+extern "C" tw_status tw__baseline_rel_diff(const void* x, const void* ref, size_t n,
+                                           uint32_t* scratch, cudaStream_t stream, double* rel) {
   TW_CHECK_NULL(rel);
   *rel = 0.0;
-  if (n == 0)
-    return TW_SUCCESS;
+  if (n == 0) return TW_SUCCESS;
   TW_CHECK_NULL(x);
   TW_CHECK_NULL(ref);
   TW_CHECK_NULL(scratch);
   TW__BL_CUDA(cudaMemsetAsync(scratch, 0, 2 * sizeof(uint32_t), stream));
   const size_t blocks = (n + 255) / 256 < 2048 ? (n + 255) / 256 : 2048;
-  tw__bl_diff_kernel<<<(unsigned)blocks, 256, 0, stream>>>(
-      (const __nv_bfloat16 *)x, (const __nv_bfloat16 *)ref, n, scratch);
+  tw__bl_diff_kernel<<<(unsigned)blocks, 256, 0, stream>>>((const __nv_bfloat16*)x,
+                                                           (const __nv_bfloat16*)ref, n, scratch);
   TW__BL_CUDA(cudaGetLastError());
   uint32_t h[2] = {0, 0};
-  TW__BL_CUDA(
-      cudaMemcpyAsync(h, scratch, sizeof h, cudaMemcpyDeviceToHost, stream));
+  TW__BL_CUDA(cudaMemcpyAsync(h, scratch, sizeof h, cudaMemcpyDeviceToHost, stream));
   TW__BL_CUDA(cudaStreamSynchronize(stream));
   float d, r;
   memcpy(&d, &h[0], sizeof d);
@@ -806,15 +715,12 @@ extern "C" tw_status tw__baseline_rel_diff(const void *x, const void *ref,
   return TW_SUCCESS;
 }
 
-extern "C" tw_status tw__baseline_fill_random(void *dst, size_t n,
-                                              uint64_t seed, float scale,
+extern "C" tw_status tw__baseline_fill_random(void* dst, size_t n, uint64_t seed, float scale,
                                               cudaStream_t stream) {
-  if (n == 0)
-    return TW_SUCCESS;
+  if (n == 0) return TW_SUCCESS;
   TW_CHECK_NULL(dst);
   const size_t blocks = (n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096;
-  tw__bl_fill_kernel<<<(unsigned)blocks, 256, 0, stream>>>((__nv_bfloat16 *)dst,
-                                                           n, seed, scale);
+  tw__bl_fill_kernel<<<(unsigned)blocks, 256, 0, stream>>>((__nv_bfloat16*)dst, n, seed, scale);
   TW__BL_CUDA(cudaGetLastError());
   return TW_SUCCESS;
 }

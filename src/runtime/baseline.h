@@ -38,7 +38,7 @@
 extern "C" {
 #endif
 
-typedef struct tw_baseline *tw_baseline_t;
+typedef struct tw_baseline* tw_baseline_t;
 
 /* Creates rank `rank`'s baselines. Collective over `comm` (exchanges
  * receive-buffer IPC handles). [in] plans:   (world) every rank's plan of the
@@ -47,9 +47,8 @@ typedef struct tw_baseline *tw_baseline_t;
  * built from (this rank's gate weights). [in] comm:    this rank's communicator
  * (rank `rank` of `world`); not owned. The current CUDA device must be this
  * rank's GPU. */
-tw_status tw__baseline_create(const struct tw_plan *const *plans, int32_t world,
-                              int32_t rank, tw_routing_t routing,
-                              ncclComm_t comm, tw_baseline_t *baseline);
+tw_status tw__baseline_create(const struct tw_plan* const* plans, int32_t world, int32_t rank,
+                              tw_routing_t routing, ncclComm_t comm, tw_baseline_t* baseline);
 tw_status tw__baseline_destroy(tw_baseline_t baseline);
 
 /* Sequential baseline on `stream`: GEMM, NCCL exchange, reduction.
@@ -57,20 +56,18 @@ tw_status tw__baseline_destroy(tw_baseline_t baseline);
  * [in]  w:   (E, H, F) bf16, nn.Linear weight of each local expert
  * [out] out: (tokens, H) bf16, this rank's tokens, sum over k of gate weight x
  * expert row */
-tw_status tw__baseline_sequential(tw_baseline_t b, const void *a, const void *w,
-                                  void *out, cudaStream_t stream);
+tw_status tw__baseline_sequential(tw_baseline_t b, const void* a, const void* w, void* out,
+                                  cudaStream_t stream);
 /* Its phases alone: the per-expert cuBLAS GEMMs, and the NCCL exchange of the
  * last GEMM output. */
-tw_status tw__baseline_gemm(tw_baseline_t b, const void *a, const void *w,
-                            cudaStream_t stream);
+tw_status tw__baseline_gemm(tw_baseline_t b, const void* a, const void* w, cudaStream_t stream);
 tw_status tw__baseline_exchange(tw_baseline_t b, cudaStream_t stream);
 
 /* Chunked copy-engine pipeline with `chunk_rows` rows per chunk (a multiple of
  * the tile height rounds up to whole bands). Same arguments and output as
  * tw__baseline_sequential. */
-tw_status tw__baseline_chunked(tw_baseline_t b, const void *a, const void *w,
-                               void *out, int32_t chunk_rows,
-                               cudaStream_t stream);
+tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const void* w, void* out,
+                               int32_t chunk_rows, cudaStream_t stream);
 /* The copy-engine transfer of every remote row alone (no GEMM), with the same
  * fence. */
 tw_status tw__baseline_copy(tw_baseline_t b, cudaStream_t stream);
@@ -80,24 +77,23 @@ tw_status tw__baseline_copy(tw_baseline_t b, cudaStream_t stream);
  * recv_rows from `recv`, the others from `local` (plan.h, tw_plan.slot_row),
  * fp32 accumulation in slot order, bf16 result. [in]  local: (plan rows, H)
  * bf16;  recv: (recv_rows, H) bf16;  [out] out: (tokens, H) bf16 */
-tw_status tw__baseline_reduce(tw_baseline_t b, const void *local,
-                              const void *recv, void *out, cudaStream_t stream);
+tw_status tw__baseline_reduce(tw_baseline_t b, const void* local, const void* recv, void* out,
+                              cudaStream_t stream);
 
 /* This baseline's buffers (for tests and for comparing partial results). */
-void *tw__baseline_gemm_out(tw_baseline_t b); /* (rows, H) bf16 */
-void *tw__baseline_recv(tw_baseline_t b);     /* (recv_rows, H) bf16 */
+void* tw__baseline_gemm_out(tw_baseline_t b); /* (rows, H) bf16 */
+void* tw__baseline_recv(tw_baseline_t b);     /* (recv_rows, H) bf16 */
 
 /* Normwise relative difference max|x - ref| / max|ref| over n bf16 values, NaN
  * or Inf anywhere in x giving +Inf. Synchronises `stream`. `scratch` is 2 x
  * uint32 of device memory. */
-tw_status tw__baseline_rel_diff(const void *x, const void *ref, size_t n,
-                                uint32_t *scratch, cudaStream_t stream,
-                                double *rel);
+tw_status tw__baseline_rel_diff(const void* x, const void* ref, size_t n, uint32_t* scratch,
+                                cudaStream_t stream, double* rel);
 
 /* Fills n bf16 values with uniform random values in [-scale, scale) from `seed`
  * (deterministic, independent of the launch shape). */
-tw_status tw__baseline_fill_random(void *dst, size_t n, uint64_t seed,
-                                   float scale, cudaStream_t stream);
+tw_status tw__baseline_fill_random(void* dst, size_t n, uint64_t seed, float scale,
+                                   cudaStream_t stream);
 
 #ifdef __cplusplus
 }
