@@ -9,7 +9,7 @@
  * own rows through slot_row; padding sits only at the tail of remote groups; offsets into one
  * receive buffer never overlap and cover it exactly; remote tiles come first; experts follow the
  * documented order; segments follow the first/last/mgb rules. The seed is printed; set
- * TW_TEST_SEED to replay a run.
+ * TW_TEST_SEED to replay a run and TW_TEST_WORLDS to change the number of random worlds (5000).
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <stdint.h>
@@ -449,7 +449,11 @@ static void random_problem(tw_problem* p) {
   *p = (tw_problem)TW_PROBLEM_INIT;
   p->world_size = rnd_in(1, 8);
   p->experts = p->world_size * rnd_in(1, 6);
-  p->top_k = rnd_unit() < 0.1 ? p->experts : rnd_in(1, p->experts < 4 ? p->experts : 4);
+  /* Mostly small k as in real models; sometimes any k, sometimes every expert. */
+  double u = rnd_unit();
+  p->top_k = u < 0.1   ? p->experts
+             : u < 0.3 ? rnd_in(1, p->experts)
+                       : rnd_in(1, p->experts < 4 ? p->experts : 4);
   p->hidden = 8 * rnd_in(1, 128);
   p->ffn = 8 * rnd_in(1, 64);
   p->max_tokens = 200;
@@ -463,7 +467,7 @@ static void random_problem(tw_problem* p) {
 /* ------------------------------------------------------------------------------------------ */
 
 static void test_random_worlds(void) {
-  const int n_worlds = (int)(getenv("TW_TEST_WORLDS") ? atoi(getenv("TW_TEST_WORLDS")) : 2000);
+  const int n_worlds = (int)(getenv("TW_TEST_WORLDS") ? atoi(getenv("TW_TEST_WORLDS")) : 5000);
   for (int it = 0; it < n_worlds; it++) {
     int before = tw_test_failures_;
     uint64_t state = rng_state;
