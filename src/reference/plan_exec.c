@@ -62,7 +62,7 @@ typedef struct exec_ctx {
   int64_t row_bytes; /* bytes of one row in a receive buffer (dtype width x H) */
   double timeout_s;
   tw_plan_exec_options opt;
-  float* zeros; /* (F) the input of padding rows */
+  float* pad_input; /* (F) the input of padding rows: options->padding_value, 0 by default */
   exec_rank* ranks;
   atomic_int abort_flag; /* set by the first failing thread so that all others stop */
   pthread_mutex_t err_lock;
@@ -122,7 +122,7 @@ static void* producer_main(void* arg) {
     for (int32_t row = tile->row0; row < tile->row0 + tile->rows; row++) {
       const tw_row_src* src = &plan->row_src[row];
       const float* in = src->owner < 0
-                            ? ctx->zeros
+                            ? ctx->pad_input
                             : ctx->h[src->owner] + ((size_t)src->token * K + src->slot) * F;
       float* o = rk->layout + (size_t)row * H;
       for (int32_t n = tile->col0; n < c1; n++) {
@@ -518,9 +518,11 @@ tw_status tw__plan_exec_cpu(tw_routing_t routing, const tw_plan_t* plans, const 
                     ctx.tn, ctx.col_tiles, ctx.H);
 
   tw_status st = TW_SUCCESS;
-  ctx.zeros = (float*)calloc((size_t)ctx.F, sizeof(float));
+  ctx.pad_input = (float*)calloc((size_t)ctx.F, sizeof(float));
+  for (int32_t f = 0; ctx.pad_input != NULL && f < ctx.F; f++)
+    ctx.pad_input[f] = ctx.opt.padding_value;
   ctx.ranks = (exec_rank*)calloc((size_t)ctx.W, sizeof(exec_rank));
-  if (ctx.zeros == NULL || ctx.ranks == NULL) {
+  if (ctx.pad_input == NULL || ctx.ranks == NULL) {
     st = tw__fail(TW_ERR_OUT_OF_MEMORY, "%s: context", __func__);
     goto done;
   }
@@ -574,6 +576,6 @@ tw_status tw__plan_exec_cpu(tw_routing_t routing, const tw_plan_t* plans, const 
     }
 done:
   free_ranks(&ctx);
-  free(ctx.zeros);
+  free(ctx.pad_input);
   return st;
 }

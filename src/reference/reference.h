@@ -111,14 +111,17 @@ double tw__ref_fp32_error_bound(int32_t ffn, int32_t top_k);
 
 /* Test hooks and limits of tw__plan_exec_cpu. */
 typedef struct tw_plan_exec_options {
-  int64_t timeout_ms; /* bound of every wait; <= 0: TW_TIMEOUT_MS or 10000 */
-  int32_t skip_rank;  /* fault injection: rank whose producer skips one publish; -1 none */
-  int32_t skip_band;  /* band (index into that rank's plan->bands) whose first tile is not
-                         published */
+  int64_t timeout_ms;  /* bound of every wait; <= 0: TW_TIMEOUT_MS or 10000 */
+  int32_t skip_rank;   /* fault injection: rank whose producer skips one publish; -1 none */
+  int32_t skip_band;   /* band (index into that rank's plan->bands) whose first tile is not
+                          published */
+  float padding_value; /* every input value of padding rows: 0 like the runtime's zeroed rows;
+                          any finite value must leave the result unchanged, since padding rows
+                          are computed but never sent or read */
 } tw_plan_exec_options;
 
 #define TW_PLAN_EXEC_OPTIONS_INIT \
-  { 0, -1, -1 }
+  { 0, -1, -1, 0.0f }
 
 /* Runs the plans of all W ranks on the CPU, threaded like the GPU, in fp32:
  *  - one producer thread per rank computes the tiles of plan->tiles in schedule order into the
