@@ -61,6 +61,7 @@ typedef struct tw__seg_table {
   int32_t units[TW__MAX_DISTINCT];    /* distinct U values */
   double inv_units[TW__MAX_DISTINCT]; /* 1 / units[i] */
   double* suffix;     /* (S + 1, ndistinct) bytes of segments j >= s with U_j = units[i] */
+  double* coef;       /* (c_max + 1, ndistinct) ceil(U / C) / U / per-CTA bytes per us */
   double total_bytes; /* sum of seg_bytes */
 } tw__seg_table;
 
@@ -71,6 +72,11 @@ typedef struct tw__model_tables {
   double tau_tile_us; /* one producer tile */
   double reduce_us;   /* owner's weighted reduction */
   double send_bytes;  /* plan->send_bytes */
+  /* Per candidate C (index C, 0 unused): constants of the hardware and the tile count. */
+  int32_t c_max;
+  int32_t* prod;   /* (c_max + 1) P(C) */
+  double* comp_us; /* (c_max + 1) ceil(num_tiles / P(C)) tau_tile */
+  double* inv_agg; /* (c_max + 1) 1 / aggregate link bytes per us, min(C cta, peak) */
   int32_t ntables;
   tw__seg_table t[TW__MAX_TABLES];
 } tw__model_tables;
@@ -81,6 +87,7 @@ static void tw__table_free(tw__seg_table* tb) {
   free(tb->seg_units);
   free(tb->seg_bytes);
   free(tb->suffix);
+  free(tb->coef);
   memset(tb, 0, sizeof *tb);
 }
 
@@ -88,6 +95,9 @@ void tw__model_free(struct tw_plan* plan) {
   if (plan == NULL || plan->model_tables == NULL) return;
   tw__model_tables* m = (tw__model_tables*)plan->model_tables;
   for (int32_t i = 0; i < m->ntables; i++) tw__table_free(&m->t[i]);
+  free(m->prod);
+  free(m->comp_us);
+  free(m->inv_agg);
   free(m);
   plan->model_tables = NULL;
 }
@@ -110,7 +120,7 @@ static double tw__cta_bw(const tw_hardware* hw, int32_t c, int32_t units) {
 /* Captures plan->segments (built for plan->coalesce) as a table. band_last: (num_bands) largest
  * schedule index among each band's tiles. */
 static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band_last,
-                                 tw__seg_table* tb) {
+                                 const tw_hardware* hw, tw__seg_table* tb) {
   memset(tb, 0, sizeof *tb);
   tb->mgb = plan->coalesce;
   const int32_t S = plan->num_segments;
@@ -170,6 +180,12 @@ static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band
     while (tb->units[i] != tb->seg_units[s]) i++;
     row[i] += tb->seg_bytes[s];
   }
+  tb->coef = malloc((size_t)(hw->c_max + 1) * (size_t)d * sizeof *tb->coef);
+  if (!tb->coef) goto oom;
+  for (int32_t c = 1; c <= hw->c_max; c++)
+    for (int32_t i = 0; i < d; i++)
+      tb->coef[(size_t)c * d + i] =
+          (double)tw__cdiv(tb->units[i], c) * tb->inv_units[i] / tw__cta_bw(hw, c, tb->units[i]);
   return TW_SUCCESS;
 oom:
   return tw__fail(TW_ERR_OUT_OF_MEMORY,
@@ -182,18 +198,15 @@ oom:
  * recurrence up to floating-point association). */
 static double tw__eval(const tw__model_tables* m, const tw__seg_table* tb, int32_t c) {
   const tw_hardware* hw = &m->hw;
-  const int32_t p = tw__producers(hw, c);
+  const int32_t p = m->prod[c];
   const double tau = m->tau_tile_us;
-  const double comp_end = (double)tw__cdiv(m->num_tiles, p) * tau;
+  const double comp_end = m->comp_us[c];
   double f = 0.0;
   if (tb->nseg > 0) {
     const double lat = hw->link_latency_us;
     if (tb->ndistinct > 0) {
-      double coef[TW__MAX_DISTINCT];
       const int32_t d = tb->ndistinct;
-      for (int32_t i = 0; i < d; i++)
-        coef[i] =
-            (double)tw__cdiv(tb->units[i], c) * tb->inv_units[i] / tw__cta_bw(hw, c, tb->units[i]);
+      const double* coef = tb->coef + (size_t)c * d;
       /* One term per wave: its first ready segment s, A = w tau plus all later service. */
       int64_t start = 0;
       for (int64_t w = 1; start <= tb->last_tile; w++, start += p) {
@@ -256,43 +269,63 @@ static int tw__better(double t, int32_t c, int32_t mgb, double bt, int32_t bc, i
   return c < bc || (c == bc && mgb > bmgb);
 }
 
-/* The decision: searches C in [c_lo, c_hi] over the tables of `use` (bit i = table i). */
+/* Lower bound of T(C) for one table: the first wave's term of the unrolled recurrence with its
+ * wave taken as 1 (every segment's service after time tau_tile), or the compute end. */
+static double tw__lower_bound(const tw__model_tables* m, const tw__seg_table* tb, int32_t c) {
+  double lb = m->comp_us[c];
+  if (tb->nseg > 0) {
+    double comm = m->tau_tile_us + (double)tb->nseg * m->hw.link_latency_us;
+    if (tb->ndistinct > 0) {
+      const double* coef = tb->coef + (size_t)c * tb->ndistinct;
+      for (int32_t i = 0; i < tb->ndistinct; i++) comm += coef[i] * tb->suffix[i];
+    } else {
+      comm += tb->total_bytes * m->inv_agg[c];
+    }
+    if (comm > lb) lb = comm;
+  }
+  return lb + m->reduce_us;
+}
+
+/* The decision: searches C in [c_lo, c_hi] over the tables of `use` (bit i = table i).
+ *
+ * Two bounds prune it: the compute end, non-decreasing in C, and the transfer side at the
+ * aggregate bandwidth, fixed + bytes / min(C cta, peak), non-increasing in C (q_s >= bytes_s /
+ * min(C cta, peak): with U_s >= C the ceiling only adds, with U_s < C one round of U_s CTAs
+ * moves the segment at min(U_s cta, peak)). Candidates are seeded where the larger of the two
+ * bounds is smallest, so the first exact values are already close to the optimum. */
 static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, unsigned use,
                       int32_t* best_c, int32_t* best_table, double* best_t) {
   const tw_hardware* hw = &m->hw;
   double bt = DBL_MAX;
   int32_t bc = 0, bi = -1, bmgb = 0;
-  /* Seed with the C at which the pushing CTAs first saturate the link: usually near the
-   * optimum, it makes the bounds below prune most of the range. */
-  int32_t seed = (int32_t)ceil(hw->link_peak_gbps / hw->link_cta_gbps);
-  if (seed < c_lo) seed = c_lo;
-  if (seed > c_hi) seed = c_hi;
-  for (int32_t i = 0; i < m->ntables; i++) {
-    if (!(use & (1u << i))) continue;
-    const double t = tw__eval(m, &m->t[i], seed);
-    if (tw__better(t, seed, m->t[i].mgb, bt, bc, bmgb))
-      bt = t, bc = seed, bi = i, bmgb = m->t[i].mgb;
-  }
-  for (int32_t i = 0; i < m->ntables; i++) {
+  /* Tables from the largest mgb down: fewer segments usually means less fixed latency, so the
+   * first table tends to give the tightest bound. */
+  for (int32_t k = m->ntables - 1; k >= 0; k--) {
+    const int32_t i = k; /* tables are built in ascending mgb order (explicit one last) */
     if (!(use & (1u << i))) continue;
     const tw__seg_table* tb = &m->t[i];
-    /* Lower bound of the transfer side: first segment no earlier than wave 1, every byte at
-     * the aggregate bandwidth min(C cta, peak), every segment's latency. Non-increasing in C.
-     * (q_s >= bytes_s / min(C cta, peak): with U_s >= C the ceiling only adds; with U_s < C one
-     * round of U_s CTAs moves the segment at min(U_s cta, peak) <= min(C cta, peak).) */
     const double fixed =
         tb->nseg > 0 ? m->tau_tile_us + (double)tb->nseg * hw->link_latency_us + m->reduce_us : 0.0;
+    /* Seed: the C whose cheap bound max(compute end, transfer bound) is smallest. */
+    int32_t seed = c_lo;
+    double seed_lb = DBL_MAX;
+    for (int32_t c = c_lo; c <= c_hi; c++) {
+      double lb = m->comp_us[c] + m->reduce_us;
+      if (tb->nseg > 0) {
+        const double comm = fixed + tb->total_bytes * m->inv_agg[c];
+        if (comm > lb) lb = comm;
+      }
+      if (lb < seed_lb) seed_lb = lb, seed = c;
+    }
+    const double ts = tw__eval(m, tb, seed);
+    if (tw__better(ts, seed, tb->mgb, bt, bc, bmgb)) bt = ts, bc = seed, bi = i, bmgb = tb->mgb;
     for (int32_t c = c_lo; c <= c_hi; c++) {
       if (c == seed) continue;
       /* A margin keeps candidates whose T may equal the best up to rounding (ties matter). */
       const double bound = bt * (1.0 + 1e-9);
-      if (tb->nseg > 0) {
-        const double agg = fmin((double)c * hw->link_cta_gbps, hw->link_peak_gbps) * 1e3;
-        if (fixed + tb->total_bytes / agg > bound) continue;
-      }
-      const int32_t p = tw__producers(hw, c);
-      if ((double)tw__cdiv(m->num_tiles, p) * m->tau_tile_us + m->reduce_us > bound)
-        break; /* compute end only grows with C */
+      if (tb->nseg > 0 && fixed + tb->total_bytes * m->inv_agg[c] > bound) continue;
+      if (m->comp_us[c] + m->reduce_us > bound) break; /* compute end only grows with C */
+      if (tw__lower_bound(m, tb, c) > bound) continue;
       const double t = tw__eval(m, tb, c);
       if (tw__better(t, c, tb->mgb, bt, bc, bmgb)) bt = t, bc = c, bi = i, bmgb = tb->mgb;
     }
@@ -328,6 +361,18 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
   const double row_bytes = 2.0 * (double)plan->problem.hidden;
   m->reduce_us = (double)(own_rows + own_rows / top_k) * row_bytes / (m->hw.mem_gbps * 1e3);
   m->send_bytes = (double)plan->send_bytes;
+  const tw_hardware* hw = &m->hw;
+  m->c_max = hw->c_max;
+  m->prod = malloc((size_t)(hw->c_max + 1) * sizeof *m->prod);
+  m->comp_us = malloc((size_t)(hw->c_max + 1) * sizeof *m->comp_us);
+  m->inv_agg = malloc((size_t)(hw->c_max + 1) * sizeof *m->inv_agg);
+  if (!m->prod || !m->comp_us || !m->inv_agg)
+    return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
+  for (int32_t c = 1; c <= hw->c_max; c++) {
+    m->prod[c] = tw__producers(hw, c);
+    m->comp_us[c] = (double)tw__cdiv(m->num_tiles, m->prod[c]) * m->tau_tile_us;
+    m->inv_agg[c] = 1.0 / (fmin((double)c * hw->link_cta_gbps, hw->link_peak_gbps) * 1e3);
+  }
 
   int32_t* band_last =
       malloc((size_t)(plan->num_bands > 0 ? plan->num_bands : 1) * sizeof *band_last);
@@ -350,7 +395,7 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
     st = tw__plan_build_segments(plan, mgbs[i]);
     if (st == TW_SUCCESS) {
       plan->coalesce = mgbs[i];
-      st = tw__table_build(plan, band_last, &m->t[i]);
+      st = tw__table_build(plan, band_last, hw, &m->t[i]);
       m->ntables = i + 1;
     }
   }
