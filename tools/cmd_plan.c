@@ -440,13 +440,20 @@ int tw_cli_plan(int argc, char** argv) {
   if (o.json) {
     printf(
         "{\"problem\": {\"model\": \"%s\", \"hidden\": %d, \"ffn\": %d, \"experts\": %d, "
-        "\"top_k\": %d, \"world_size\": %d, \"tokens_per_rank\": %d, \"router\": ",
+        "\"top_k\": %d, \"world_size\": %d, ",
         o.model ? o.model : "custom", prob.hidden, prob.ffn, prob.experts, prob.top_k,
-        prob.world_size, o.tokens);
-    json_str(o.router_name);
-    printf(", \"routing_file\": ");
+        prob.world_size);
+    /* A replayed routing has its own token counts; router and seed do not apply. */
+    if (o.routing_file)
+      printf("\"tokens_per_rank\": null, \"router\": null, \"seed\": null, ");
+    else {
+      printf("\"tokens_per_rank\": %d, \"router\": ", o.tokens);
+      json_str(o.router_name);
+      printf(", \"seed\": %llu, ", (unsigned long long)o.seed);
+    }
+    printf("\"routing_file\": ");
     json_str(o.routing_file);
-    printf(", \"seed\": %llu},\n", (unsigned long long)o.seed);
+    printf("},\n");
     printf(
         " \"routing\": {\"r_expert\": %.6f, \"total_tokens\": %lld, \"max_expert_load\": %lld, "
         "\"min_expert_load\": %lld, \"rows_per_rank\": [",
