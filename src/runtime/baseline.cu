@@ -93,8 +93,7 @@ struct tw_baseline {
   cudaEvent_t copies_done;
 };
 
-/* ---- error helpers
- * ------------------------------------------------------------------------ */
+/* ---- error helpers --------------------------------------------------------------------------- */
 
 #define TW__BL_CUDA(expr)                                                \
   do {                                                                   \
@@ -120,9 +119,7 @@ struct tw_baseline {
                       cublasGetStatusString(tw__c));                       \
   } while (0)
 
-/* ---- kernels
- * ------------------------------------------------------------------------------
- */
+/* ---- kernels --------------------------------------------------------------------------------- */
 
 /* out[t, :] = sum_j w[t, j] * row(slot_row[t, j]); 8 columns (16 bytes) per
  * thread, fp32 sums in slot order. grid.x walks tokens, grid.y column blocks.
@@ -201,8 +198,7 @@ __global__ void tw__bl_fill_kernel(__nv_bfloat16* dst, size_t n, uint64_t seed, 
   }
 }
 
-/* ---- plan walking
- * ------------------------------------------------------------------------- */
+/* ---- plan walking ---------------------------------------------------------------------------- */
 
 /* Appends band b of `plan` to the range list, merging it into the last range
  * when it continues that range at both ends (same expert and owner, the last
@@ -282,8 +278,7 @@ static void tw__bl_build_chunks(tw_baseline_t b, int32_t chunk_rows) {
   b->chunk_rows = chunk_rows;
 }
 
-/* ---- create / destroy
- * --------------------------------------------------------------------- */
+/* ---- create / destroy ------------------------------------------------------------------------ */
 
 static tw_status tw__bl_alloc_host(void** p, size_t bytes) {
   *p = calloc(1, bytes ? bytes : 1);
@@ -353,8 +348,7 @@ static tw_status tw__bl_create(tw_baseline_t b, const struct tw_plan* const* pla
     if (s == rank) continue;
     if (plans[s]->problem.hidden != p->hidden || plans[s]->rank != s)
       return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                      "tw__baseline_create: plans[%d] is not rank %d's plan of "
-                      "the same problem; "
+                      "tw__baseline_create: plans[%d] is not rank %d's plan of the same problem; "
                       "pass every rank's plan in rank order",
                       s, s);
     const int32_t first = b->num_recvs;
@@ -448,9 +442,8 @@ static tw_status tw__bl_create(tw_baseline_t b, const struct tw_plan* const* pla
       ce = cudaIpcOpenMemHandle(&b->peer_recv[r], all[r].handle, cudaIpcMemLazyEnablePeerAccess);
       if (ce != cudaSuccess)
         st = tw__fail(TW_ERR_CUDA,
-                      "baseline: cudaIpcOpenMemHandle of rank %d's receive "
-                      "buffer failed: %s; "
-                      "the copy-engine baseline needs peer-accessible GPUs",
+                      "baseline: cudaIpcOpenMemHandle of rank %d's receive buffer failed: %s; the "
+                      "copy-engine baseline needs peer-accessible GPUs",
                       r, cudaGetErrorString(ce));
       else
         b->peer_opened[r] = 1;
@@ -525,14 +518,11 @@ extern "C" tw_status tw__baseline_destroy(tw_baseline_t b) {
   return TW_SUCCESS;
 }
 
-/* ---- the pieces
- * ---------------------------------------------------------------------------
- */
+/* ---- the pieces ------------------------------------------------------------------------------ */
 
-/* C[row0 : row0 + rows, :] = A[row0 : row0 + rows, :] W[e]^T. Row-major (rows,
- * F) x (H, F)^T is, column-major, C^T (H x rows) = W_e^T-view ... i.e. op(W) =
- * T on the (F x H) column-major view of W_e, op(A) = N on the (F x rows) view
- * of A. */
+/* C[row0 : row0 + rows, :] = A[row0 : row0 + rows, :] W_e^T, all row-major. cuBLAS is
+ * column-major: the same memory is C^T (H x rows, ld H) = W_e (F x H view, ld F, op T) times
+ * A^T (F x rows view, ld F, op N). */
 static tw_status tw__bl_gemm_range(tw_baseline_t b, const void* a, const void* w, int32_t expert,
                                    int32_t row0, int32_t rows) {
   if (rows <= 0) return TW_SUCCESS;
@@ -689,8 +679,7 @@ extern "C" void* tw__baseline_recv(tw_baseline_t b) {
   return b ? b->recv : NULL;
 }
 
-/* ---- checks and inputs
- * -------------------------------------------------------------------- */
+/* ---- checks and inputs ----------------------------------------------------------------------- */
 
 extern "C" tw_status tw__baseline_rel_diff(const void* x, const void* ref, size_t n,
                                            uint32_t* scratch, cudaStream_t stream, double* rel) {
