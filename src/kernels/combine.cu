@@ -1,0 +1,166 @@
+/*
+ * combine.cu: the consumer of GEMM2 + combine. A persistent kernel of C CTAs, on SMs the producer
+ * leaves free, forwards every finished row band of the GEMM output to the rank that owns its
+ * tokens, with ordinary stores straight into that rank's symmetric NCCL window (NVLink), and
+ * announces each piece with a release reduction on the owner's arrival counter.
+ *
+ * Work is cut into units of (band, column tile) of the plan's segments, in schedule order (the
+ * remote-first schedule makes this the order in which bands finish); unit u belongs to CTA
+ * u mod C. A unit may leave once every band of its segment is complete, so a coalesced segment
+ * goes out as one burst of contiguous remote rows.
+ *
+ * NOTES: ordering, per unit:
+ *  1. thread 0 acquires (.gpu) the band counters of the segment: the producer released them
+ *     after its tile stores were complete, so the tile data is visible to thread 0; the barrier
+ *     that follows extends this to every thread of the CTA (bar.sync orders thread 0's acquire
+ *     before the other threads' loads);
+ *  2. before the first write to an owner in this call, thread 0 acquires (.sys) the owner's
+ *     credit for the previous call: the owner's reduction has finished reading its receive
+ *     buffer, so our stores cannot overwrite rows it still needs;
+ *  3. all threads store their part of the unit to the peer, then __syncthreads(), then thread 0
+ *     adds 1 to the owner's arrival counter with red.release.sys. The barrier makes every
+ *     thread's stores happen-before thread 0's release, and release is cumulative, so an owner
+ *     that acquires the counter sees all the unit's rows, not just thread 0's.
+ * Every wait is bounded (tw_wait_geq); on a timeout the CTA records the error and stops, and
+ * the others stop at their next wait.
+ */
+#include "combine.h"
+
+#include <nccl_device.h>
+
+#include "core.h"
+
+namespace {
+
+constexpr int kConsumerThreads = 512;
+constexpr int kUnroll = 4; /* independent 16-byte loads in flight per thread */
+
+/* Copies rows x (8 * vpr) bf16 from src (row stride src_ld elements) to dst (row stride dst_ld
+ * elements) with 16-byte loads and stores; src through L2 only (the producer wrote it in this
+ * kernel's lifetime, and L1 is not coherent). */
+__device__ __forceinline__ void tw__copy_rows(char* dst, size_t dst_ld_bytes, const char* src,
+                                              size_t src_ld_bytes, int rows, int vpr) {
+  const int total = rows * vpr;
+  for (int i0 = threadIdx.x; i0 < total; i0 += kUnroll * blockDim.x) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; k++) {
+      const int i = i0 + k * blockDim.x;
+      if (i < total) {
+        const int r = i / vpr, q = i - r * vpr;
+        v[k] = __ldcg(reinterpret_cast<const int4*>(src + r * src_ld_bytes) + q);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll; k++) {
+      const int i = i0 + k * blockDim.x;
+      if (i < total) {
+        const int r = i / vpr, q = i - r * vpr;
+        reinterpret_cast<int4*>(dst + r * dst_ld_bytes)[q] = v[k];
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_consumer_args a) {
+  __shared__ int s_ok;
+  __shared__ int s_last;
+  const size_t row_bytes = (size_t)a.hidden * 2;
+  const uint32_t* credits = reinterpret_cast<const uint32_t*>(a.local_win + a.lay.credit);
+  int seg = 0;
+  int ready_seg = -1;    /* segment whose bands thread 0 has already seen complete */
+  uint64_t credited = 0; /* owners whose credit this CTA has already waited for (W <= 64) */
+
+  for (int u = blockIdx.x; u < a.total_units; u += gridDim.x) {
+    while (a.seg_unit0[seg + 1] <= u) seg++;
+    const tw_segment sg = a.segments[seg];
+    const int local = u - a.seg_unit0[seg];
+    const int band_i = sg.band0 + local / a.col_tiles;
+    const int ct = local - (local / a.col_tiles) * a.col_tiles;
+    const int dest = sg.dest;
+    const bool fault_here = a.fault != TW_FAULT_NONE && u == a.fault_index;
+
+    if (threadIdx.x == 0) {
+      bool ok = true;
+      if (a.wait_bands && (ready_seg != seg || fault_here)) {
+        const uint32_t target =
+            (uint32_t)a.col_tiles + (fault_here && a.fault == TW_FAULT_BAND_STUCK ? 1u : 0u);
+        for (int b = 0; b < sg.nbands && ok; b++)
+          ok = tw_wait_geq(&a.band_counters[sg.band0 + b], target, false, a.timeout_ns, a.err,
+                           TW_WAIT_BAND, sg.band0 + b, a.rank);
+      }
+      if (ok && !((credited >> dest) & 1u)) {
+        ok = tw_wait_geq(&credits[dest], a.credit_target, true, a.timeout_ns, a.err, TW_WAIT_CREDIT,
+                         dest, a.rank);
+        credited |= 1ull << dest;
+      }
+      s_ok = ok;
+    }
+    __syncthreads();
+    if (!s_ok) break; /* error recorded; every thread leaves together */
+    ready_seg = seg;
+
+    const bool skip = fault_here && a.fault == TW_FAULT_SKIP_UNIT;
+    const tw_band band = a.bands[band_i];
+    const int c0 = ct * a.tn;
+    const int ncols = a.hidden - c0 < a.tn ? a.hidden - c0 : a.tn;
+    char* peer = static_cast<char*>(ncclGetPeerPointer(a.win, 0, dest));
+    if (!skip && band.valid_rows > 0) {
+      const char* src =
+          reinterpret_cast<const char*>(a.c) + (size_t)band.row0 * row_bytes + (size_t)c0 * 2;
+      char* dst = peer + a.lay.data + (size_t)band.dest_offset + (size_t)c0 * 2;
+      tw__copy_rows(dst, row_bytes, src, row_bytes, band.valid_rows, ncols / 8);
+      if (a.debug_tags) {
+        /* One tag and one count per (row, unit): the owner expects exactly col_tiles hits. */
+        const size_t row0 = (size_t)band.dest_offset / row_bytes;
+        uint32_t* tags = reinterpret_cast<uint32_t*>(peer + a.lay.tags) + row0;
+        uint32_t* hits = reinterpret_cast<uint32_t*>(peer + a.lay.hits) + row0;
+        for (int r = threadIdx.x; r < band.valid_rows; r += blockDim.x) {
+          if (ct == 0) tags[r] = (uint32_t)a.rank + 1;
+          atomicAdd_system(&hits[r], 1u);
+        }
+      }
+    }
+    /* Every thread's stores above happen-before thread 0's release below (see NOTES, 3). */
+    __syncthreads();
+    if (threadIdx.x == 0 && !skip) {
+      uint32_t* arrive = reinterpret_cast<uint32_t*>(peer + a.lay.arrive) + a.rank;
+      tw_red_release_sys(arrive, 1u);
+    }
+  }
+
+  /* The last CTA to finish zeroes the band counters for the next call. Every CTA's acquire
+   * loads of them precede its increment of `done` (fence, then atomic), and the next producer
+   * is ordered after this kernel by the stream, so nobody can see a half-reset counter. */
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    s_last = atomicAdd(a.done, 1u) == gridDim.x - 1;
+    if (s_last) __threadfence();
+  }
+  __syncthreads();
+  if (s_last) {
+    for (int b = threadIdx.x; b < a.num_bands; b += blockDim.x) a.band_counters[b] = 0;
+    if (threadIdx.x == 0) *a.done = 0;
+  }
+}
+
+}  // namespace
+
+tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream) {
+  TW_CHECK_NULL(args);
+  if (grid < 1 || grid > TW_MAX_COMM_CTAS)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "consumer: %d CTAs; must be 1..%d", grid,
+                    TW_MAX_COMM_CTAS);
+  if (args->world > 64)
+    return tw__fail(TW_ERR_UNSUPPORTED, "consumer: world size %d > 64", args->world);
+  if (args->hidden % 8 != 0 || args->tn % 8 != 0)
+    return tw__fail(TW_ERR_ALIGNMENT, "consumer: hidden %d and tile_n %d must be multiples of 8",
+                    args->hidden, args->tn);
+  tw_consumer_kernel<<<grid, kConsumerThreads, 0, stream>>>(*args);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return tw__fail(TW_ERR_CUDA, "consumer: launch of %d CTAs failed: %s", grid,
+                    cudaGetErrorString(e));
+  return TW_SUCCESS;
+}

@@ -1,0 +1,88 @@
+/*
+ * combine.h: the communication side of GEMM2 + combine (internal, CUDA translation units only):
+ * the consumer that forwards finished row bands to their owners' receive windows, and the
+ * owner's weighted reduction that consumes them and hands buffer credits back.
+ *
+ * Counters (all 32-bit, compared wrap-safely):
+ *   band counter   local, one per band of this call; the producer adds 1 per finished tile
+ *                  (release .gpu); the consumer waits for col_tiles (acquire .gpu). The last
+ *                  consumer CTA to finish zeroes them, so every call starts from 0.
+ *   arrivals[s]    in the owner's window, one per source rank s; the source's consumer adds 1
+ *                  per sent unit (release .sys); cumulative since the last reset, the host keeps
+ *                  the running target.
+ *   credits[d]     in the source's window, one per owner rank d; d's reduction adds 1 per call
+ *                  once it has finished reading its receive buffer (release .sys); a source
+ *                  writes to d in call e (1-based) only after credits[d] >= e - 1 (acquire .sys).
+ * Debug tags (TW_DEBUG_TAGS_CHECK): per receive row, tags[row] = source rank + 1 and hits[row]
+ * += 1 per unit that carried the row (expected: col_tiles); the reduction checks and clears them.
+ */
+#ifndef TW_COMBINE_H
+#define TW_COMBINE_H
+
+#include <nccl.h>
+#include <stdint.h>
+
+#include "kernels.h"
+#include "runtime.h"
+#include "sync.cuh"
+
+/* Further kinds of device-side failure (tw_dev_error.where), after sync.cuh's TW_WAIT_*. */
+enum { TW_WAIT_CREDIT = 4, TW_CHECK_TAGS = 5 };
+
+/* Byte offsets of the regions inside every rank's symmetric window (identical on all ranks). */
+typedef struct tw_window_layout {
+  uint64_t data;   /* (recv_rows_max, hidden) bf16 receive rows; offset 0 */
+  uint64_t arrive; /* (W) uint32 arrivals, by source rank */
+  uint64_t credit; /* (W) uint32 credits, by owner rank */
+  uint64_t tags;   /* (recv_rows_max) uint32 debug tags */
+  uint64_t hits;   /* (recv_rows_max) uint32 debug arrival counts */
+  uint64_t bytes;  /* total */
+} tw_window_layout;
+
+typedef struct tw_consumer_args {
+  ncclWindow_t win; /* the symmetric window (device handle) */
+  tw_window_layout lay;
+  char* local_win;            /* this rank's window base (local pointer) */
+  const uint16_t* c;          /* (rows, hidden) bf16 GEMM output */
+  const tw_band* bands;       /* (num_bands) */
+  const tw_segment* segments; /* (num_segments) in schedule order */
+  const int32_t* seg_unit0;   /* (num_segments + 1) first unit of each segment; last = total */
+  int32_t num_segments;
+  int32_t total_units;     /* transfer units = sum over segments of nbands * col_tiles */
+  int32_t num_bands;       /* band counters the last CTA zeroes */
+  uint32_t* band_counters; /* (num_bands) */
+  uint32_t* done;          /* CTA completion counter (zero between calls) */
+  int32_t wait_bands;      /* 0: data already complete (comm-only mode) */
+  int32_t col_tiles, tn, hidden;
+  int32_t rank, world;
+  uint32_t credit_target; /* epoch - 1 */
+  int32_t debug_tags;
+  int32_t fault, fault_index;
+  tw_dev_error* err;
+  uint64_t timeout_ns;
+} tw_consumer_args;
+
+typedef struct tw_reduce_args {
+  tw_window_layout lay;
+  ncclWindow_t win;
+  char* local_win;         /* this rank's window base */
+  const uint16_t* c;       /* (rows, hidden) bf16 GEMM output (local rows) */
+  const int32_t* slot_row; /* (tokens, top_k) */
+  const float* weights;    /* (tokens, top_k) gate weights */
+  uint16_t* out;           /* (tokens, hidden) bf16 */
+  int32_t tokens, top_k, hidden, recv_rows, rank, world, col_tiles;
+  int32_t debug_tags;
+  uint32_t* debug_slots; /* (tokens, top_k) observed (tag << 16 | hits); debug mode only */
+  uint32_t* done;        /* CTA completion counter (zero between calls) */
+  uint32_t arrive_target[TW_MAX_RANKS]; /* cumulative arrivals expected from each source */
+  tw_dev_error* err;
+  uint64_t timeout_ns;
+} tw_reduce_args;
+
+/* Consumer: grid CTAs (1..TW_MAX_COMM_CTAS), always launched (it also resets the band counters,
+ * even when this rank sends nothing). */
+tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream);
+/* Weighted reduction; grid chosen from the work (at least one CTA: it always returns credits). */
+tw_status tw__reduce_launch(const tw_reduce_args* args, int sm_count, cudaStream_t stream);
+
+#endif /* TW_COMBINE_H */

@@ -1,0 +1,39 @@
+/*
+ * runtime.h: internal view of a tilewave context (test hooks and introspection). The public API
+ * is in tilewave.h; nothing here is stable.
+ */
+#ifndef TW_RUNTIME_H
+#define TW_RUNTIME_H
+
+#include <stdint.h>
+
+#include "tilewave.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Test hooks: faults the consumer injects on purpose (one call only). */
+typedef enum tw_fault {
+  TW_FAULT_NONE = 0,
+  TW_FAULT_SKIP_UNIT = 1, /* unit `index` is neither written nor announced: its owner times out */
+  TW_FAULT_BAND_STUCK = 2 /* unit `index` waits for one more tile than its bands will ever get,
+                             as if the producer had skipped a publish */
+} tw_fault;
+
+/* Injects a consumer fault (tw_fault) into this rank's next overlapped/unfused call only. */
+tw_status tw__context_inject_fault(tw_context_t ctx, int kind, int index);
+
+/* Debug tags of the last call (needs TW_DEBUG_TAGS_CHECK): waits for the call, then copies
+ * (tokens, top_k) words: (source rank + 1) << 16 | arrivals per column tile for a row received
+ * from another rank, 0xFFFF0000 for a local row. */
+tw_status tw__context_debug_slots(tw_context_t ctx, uint32_t* host, int64_t count);
+
+/* Device pointer to the GEMM output buffer ((rows, hidden) bf16 in the last plan's layout). */
+const void* tw__context_gemm_output(tw_context_t ctx);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TW_RUNTIME_H */

@@ -1,0 +1,222 @@
+/*
+ * overlap_common.h: what the multi-rank GPU tests of GEMM2 + combine share (test_overlap.cu,
+ * test_timeout.cu): a per-rank harness whose test verdicts are agreed on by all ranks, seeded
+ * inputs that are a pure function of (owner, token, slot) and (expert, n, f) so that any rank
+ * can rebuild any row on the host, plan/upload helpers and a double-precision reference.
+ *
+ * The binaries fork their two ranks themselves (tw__spawn_local_ranks) before any CUDA call,
+ * which is why the GPU count comes from tw__gpu_count_forked() and not from CUDA in main().
+ */
+#ifndef TW_OVERLAP_COMMON_H
+#define TW_OVERLAP_COMMON_H
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <fcntl.h>
+#include <math.h>
+
+#include "tilewave.h"
+#include "core.h"
+#include "plan.h"
+#include "kernels.h"
+#include "runtime.h"
+#include "spawn.h"
+#include "tw_test.h"
+
+#define CHECK_CUDA(expr)                                                            \
+  do {                                                                              \
+    cudaError_t tw_e_ = (expr);                                                     \
+    if (tw_e_ != cudaSuccess) {                                                     \
+      fprintf(stderr, "  CUDA error at %s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
+              cudaGetErrorString(tw_e_));                                           \
+      tw_test_failures_++;                                                          \
+    }                                                                               \
+  } while (0)
+
+typedef struct tw_rank_env {
+  int rank, nranks;
+  ncclComm_t comm;
+  cudaStream_t stream;
+  int32_t* d_flag; /* one int for agreeing on verdicts */
+} tw_rank_env;
+
+typedef struct tw_rank_case {
+  const char* name;
+  void (*fn)(tw_rank_env* env);
+} tw_rank_case;
+
+/* Runs the cases on this rank; a case passes only if it passed on every rank (the failure
+ * counts are summed with an all-reduce). Rank 0 prints the verdicts and "N passed, N failed". */
+static inline int tw_rank_run_cases(tw_rank_env* env, const tw_rank_case* cases, int n) {
+  int passed = 0, failed = 0;
+  for (int i = 0; i < n; i++) {
+    tw_test_failures_ = 0;
+    if (env->rank == 0) printf("[ RUN  ] %s\n", cases[i].name);
+    fflush(stdout);
+    double t0 = tw__now_seconds();
+    cases[i].fn(env);
+    int32_t mine = tw_test_failures_, all = 0;
+    if (cudaMemcpy(env->d_flag, &mine, 4, cudaMemcpyHostToDevice) != cudaSuccess ||
+        ncclAllReduce(env->d_flag, env->d_flag, 1, ncclInt32, ncclSum, env->comm, env->stream) !=
+            ncclSuccess ||
+        cudaStreamSynchronize(env->stream) != cudaSuccess ||
+        cudaMemcpy(&all, env->d_flag, 4, cudaMemcpyDeviceToHost) != cudaSuccess) {
+      fprintf(stderr, "rank %d: cannot agree on the verdict of %s\n", env->rank, cases[i].name);
+      all = mine + 1;
+    }
+    if (all == 0) {
+      passed++;
+      if (env->rank == 0) printf("[  OK  ] %s (%.1f s)\n", cases[i].name, tw__now_seconds() - t0);
+    } else {
+      failed++;
+      if (env->rank == 0)
+        printf("[ FAIL ] %s (%d checks failed over all ranks)\n", cases[i].name, all);
+    }
+    fflush(stdout);
+  }
+  if (env->rank == 0) printf("%d passed, %d failed\n", passed, failed);
+  fflush(stdout);
+  return failed;
+}
+
+/* Sets up NCCL for one rank and runs the cases. */
+static inline int tw_rank_main(int rank, int nranks, const ncclUniqueId* id, const tw_rank_case* cases,
+                        int n) {
+  tw_rank_env env;
+  memset(&env, 0, sizeof env);
+  env.rank = rank;
+  env.nranks = nranks;
+  if (ncclCommInitRank(&env.comm, nranks, *id, rank) != ncclSuccess) {
+    fprintf(stderr, "rank %d: ncclCommInitRank failed\n", rank);
+    return TW_ERR_NCCL;
+  }
+  if (cudaStreamCreateWithFlags(&env.stream, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaMalloc((void**)&env.d_flag, 4) != cudaSuccess)
+    return TW_ERR_CUDA;
+  int failed = tw_rank_run_cases(&env, cases, n);
+  cudaError_t e = cudaDeviceSynchronize();
+  if (e != cudaSuccess) {
+    fprintf(stderr, "rank %d: device error at exit: %s\n", rank, cudaGetErrorString(e));
+    failed++;
+  }
+  ncclCommDestroy(env.comm);
+  return failed ? TW_ERR_INTERNAL : 0;
+}
+
+/* ---- seeded data ---------------------------------------------------------------------------- */
+
+static inline uint64_t tw_mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  x ^= x >> 31;
+  return x;
+}
+
+/* Uniform in [-1, 1), already rounded to bf16 (returned as float, exactly representable). */
+static inline float tw_uniform_bf16(uint64_t a, uint64_t b, uint64_t c, uint64_t d) {
+  uint64_t h = tw_mix64(a * 0x9e3779b97f4a7c15ull ^ tw_mix64(b + 0x1234567ull) ^
+                        tw_mix64(c * 31 + 7) ^ tw_mix64(d * 1000003ull + 11));
+  float v = (float)((double)(h >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+  uint32_t bits;
+  memcpy(&bits, &v, 4);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  memcpy(&v, &bits, 4);
+  return v;
+}
+
+static inline uint16_t tw_f2bf(float v) {
+  uint32_t bits;
+  memcpy(&bits, &v, 4);
+  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu)) return 0x7FC0;
+  return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float tw_bf2f(uint16_t b) {
+  uint32_t bits = (uint32_t)b << 16;
+  float v;
+  memcpy(&v, &bits, 4);
+  return v;
+}
+
+/* GEMM2 input value of (owner, token, slot) at column f, for data set `salt`. */
+static inline float tw_h_value(uint64_t salt, int owner, int token, int slot, int f) {
+  return tw_uniform_bf16(salt, ((uint64_t)owner << 40) | ((uint64_t)token << 8) | (uint64_t)slot,
+                         (uint64_t)f, 1);
+}
+
+/* w2 of global expert g at (n, f). */
+static inline float tw_w2_value(uint64_t salt, int g, int n, int f) {
+  return tw_uniform_bf16(salt ^ 0x5555, (uint64_t)g, (uint64_t)n, (uint64_t)f);
+}
+
+/* A routing whose rank r keeps the first tokens[r] tokens of a seeded generated routing. */
+static inline tw_status tw_make_routing(const tw_problem* p, tw_router router, const int32_t* tokens,
+                                 uint64_t seed, tw_routing_t* out) {
+  tw_routing_t full = NULL;
+  tw_status st = tw_routing_generate(p, router, 0.0, p->max_tokens, seed, &full);
+  if (st != TW_SUCCESS) return st;
+  const int32_t* ids[TW_MAX_RANKS];
+  const float* ws[TW_MAX_RANKS];
+  for (int r = 0; r < p->world_size; r++) {
+    int32_t n = 0;
+    st = tw_routing_rank(full, r, &n, &ids[r], &ws[r]);
+    if (st != TW_SUCCESS) break;
+  }
+  if (st == TW_SUCCESS) st = tw_routing_create(p, tokens, ids, ws, out);
+  tw_routing_destroy(full);
+  return st;
+}
+
+/* Builds this rank's GEMM2 input ((plan rows, F) bf16, padding rows zero) on the host. */
+static inline void tw_fill_expert_in(const struct tw_plan* plan, uint64_t salt, uint16_t* host) {
+  const int F = plan->problem.ffn;
+  for (int32_t r = 0; r < plan->rows; r++) {
+    const tw_row_src* s = &plan->row_src[r];
+    for (int f = 0; f < F; f++)
+      host[(size_t)r * F + f] =
+          s->owner < 0 ? 0 : tw_f2bf(tw_h_value(salt, s->owner, s->token, s->slot, f));
+  }
+}
+
+/* (E_local, H, F) w2 of this rank's experts. */
+static inline void tw_fill_w2(const tw_problem* p, int rank, uint64_t salt, uint16_t* host) {
+  const int E = p->experts / p->world_size;
+  for (int e = 0; e < E; e++)
+    for (int n = 0; n < p->hidden; n++)
+      for (int f = 0; f < p->ffn; f++)
+        host[((size_t)e * p->hidden + n) * p->ffn + f] =
+            tw_f2bf(tw_w2_value(salt, rank * E + e, n, f));
+}
+
+/* Reference out[t] of one token of `rank`, in double from the same bf16 inputs, with the
+ * expert rows rounded to bf16 as the GEMM output is. */
+static inline void tw_reference_token(const tw_problem* p, tw_routing_t rt, int rank, int t,
+                               uint64_t salt_h, uint64_t salt_w, double* out) {
+  int32_t n_tok = 0;
+  const int32_t* ids = NULL;
+  const float* ws = NULL;
+  tw_routing_rank(rt, rank, &n_tok, &ids, &ws);
+  const int H = p->hidden, F = p->ffn, K = p->top_k;
+  float* h = (float*)malloc(sizeof(float) * (size_t)F);
+  for (int n = 0; n < H; n++) out[n] = 0.0;
+  for (int j = 0; j < K; j++) {
+    const int g = ids[(size_t)t * K + j];
+    const double w = ws[(size_t)t * K + j];
+    for (int f = 0; f < F; f++) h[f] = tw_h_value(salt_h, rank, t, j, f);
+    for (int n = 0; n < H; n++) {
+      double acc = 0.0;
+      for (int f = 0; f < F; f++) acc += (double)h[f] * (double)tw_w2_value(salt_w, g, n, f);
+      out[n] += w * (double)tw_bf2f(tw_f2bf((float)acc));
+    }
+  }
+  free(h);
+}
+
+#endif /* TW_OVERLAP_COMMON_H */

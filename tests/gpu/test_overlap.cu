@@ -1,0 +1,408 @@
+/*
+ * test_overlap.cu: correctness of the overlapped GEMM2 + combine on 2 GPUs (one process each,
+ * forked here). Checks, on seeded inputs that change every iteration:
+ *  - the overlapped output is bit-identical to the unfused one (same kernels, consumer after the
+ *    producer) and to a comm-only rerun, and within 8e-3 relative error of a double-precision
+ *    reference built from the same bf16 inputs;
+ *  - with debug tags on and identity weights, every (token, k) row arrives exactly once from the
+ *    right source (transport tags) and carries the right (owner, token, slot, expert, iteration)
+ *    payload (decoded from the output);
+ *  - no deadlock for any consumer CTA count C from 1 to 64.
+ * Routers balanced / moderate / stress, 4 to 64 experts, mgb 1, 2, 4, C 1..64, token counts
+ * that shrink and grow, ranks with no tokens. Exits 77 with fewer than 2 GPUs.
+ */
+#include "overlap_common.h"
+
+typedef struct tw_overlap_cfg {
+  int experts, hidden, ffn, top_k, max_tokens;
+  tw_router router;
+  int mgb;
+  int iters;
+} tw_overlap_cfg;
+
+static const int kCs[] = {2, 3, 5, 8, 12, 16, 24, 32};
+
+/* Token counts of iteration `it`: shrinking and growing, with empty ranks now and then. */
+static void tw_token_counts(int it, int nranks, int max_tokens, uint64_t seed, int32_t* tokens) {
+  for (int r = 0; r < nranks; r++) {
+    uint64_t h = tw_mix64(seed * 131 + (uint64_t)it * 17 + (uint64_t)r);
+    tokens[r] = (int32_t)(h % (uint64_t)(max_tokens + 1));
+  }
+  if (it == 0)
+    for (int r = 0; r < nranks; r++) tokens[r] = max_tokens;
+  if (it == 1) tokens[nranks - 1] = 0;
+  if (it == 2) tokens[0] = 0;
+  if (it == 3) tokens[0] = 1;
+}
+
+typedef struct tw_buffers {
+  void *expert_in, *w2, *out;
+  uint16_t *h_in, *h_out, *h_out2;
+  size_t in_cap;
+} tw_buffers;
+
+static int tw_alloc_buffers(const tw_problem* p, tw_buffers* b) {
+  memset(b, 0, sizeof *b);
+  const int W = p->world_size, E = p->experts / W;
+  const size_t rows_cap = (size_t)W * p->max_tokens * p->top_k + (size_t)E * W * 128 + 128;
+  b->in_cap = rows_cap;
+  if (cudaMalloc(&b->expert_in, rows_cap * p->ffn * 2) != cudaSuccess) return 0;
+  if (cudaMalloc(&b->w2, (size_t)E * p->hidden * p->ffn * 2) != cudaSuccess) return 0;
+  if (cudaMalloc(&b->out, (size_t)p->max_tokens * p->hidden * 2 + 16) != cudaSuccess) return 0;
+  b->h_in = (uint16_t*)malloc(rows_cap * p->ffn * 2);
+  b->h_out = (uint16_t*)malloc((size_t)p->max_tokens * p->hidden * 2 + 16);
+  b->h_out2 = (uint16_t*)malloc((size_t)p->max_tokens * p->hidden * 2 + 16);
+  return b->h_in && b->h_out && b->h_out2;
+}
+
+static void tw_free_buffers(tw_buffers* b) {
+  cudaFree(b->expert_in);
+  cudaFree(b->w2);
+  cudaFree(b->out);
+  free(b->h_in);
+  free(b->h_out);
+  free(b->h_out2);
+}
+
+/* One call in `mode`, with out poisoned (NaN) first; copies out to host. */
+static void tw_run_mode(tw_rank_env* env, tw_context_t ctx, tw_device_plan_t dp, tw_buffers* b,
+                        int32_t tokens, int hidden, tw_combine_mode mode, int C, uint16_t* host) {
+  CHECK_OK(tw__fill_bf16(b->out, (size_t)tokens * hidden + 8, 0xFFFF, env->stream));
+  tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
+  opt.mode = mode;
+  opt.comm_ctas = C;
+  CHECK_OK(tw_moe_combine_ex(ctx, dp, b->expert_in, b->w2, b->out, &opt, env->stream));
+  CHECK_OK(tw_context_check(ctx));
+  CHECK_CUDA(cudaMemcpyAsync(host, b->out, (size_t)tokens * hidden * 2, cudaMemcpyDeviceToHost,
+                             env->stream));
+  CHECK_CUDA(cudaStreamSynchronize(env->stream));
+}
+
+static double g_max_rel = 0.0;
+
+static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_index) {
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = env->nranks;
+  p.hidden = cfg->hidden;
+  p.ffn = cfg->ffn;
+  p.experts = cfg->experts;
+  p.top_k = cfg->top_k;
+  p.max_tokens = cfg->max_tokens;
+  CHECK_OK(tw_problem_validate(&p));
+  tw_context_t ctx = NULL;
+  CHECK_OK(tw_context_create(&p, env->comm, NULL, &ctx));
+  if (ctx == NULL) return;
+  tw_device_plan_t dp = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  tw_buffers b;
+  CHECK(tw_alloc_buffers(&p, &b));
+  const uint64_t salt_w = 1000 + (uint64_t)cfg_index;
+  {
+    const int E = p.experts / p.world_size;
+    uint16_t* w2 = (uint16_t*)malloc((size_t)E * p.hidden * p.ffn * 2);
+    tw_fill_w2(&p, env->rank, salt_w, w2);
+    CHECK_CUDA(cudaMemcpy(b.w2, w2, (size_t)E * p.hidden * p.ffn * 2, cudaMemcpyHostToDevice));
+    free(w2);
+  }
+  double cfg_max_rel = 0.0;
+  for (int it = 0; it < cfg->iters && dp != NULL; it++) {
+    int32_t tokens[TW_MAX_RANKS];
+    tw_token_counts(it, env->nranks, p.max_tokens, (uint64_t)cfg_index, tokens);
+    const uint64_t seed = (uint64_t)cfg_index * 1000 + (uint64_t)it;
+    tw_routing_t rt = NULL;
+    CHECK_OK(tw_make_routing(&p, cfg->router, tokens, seed, &rt));
+    if (rt == NULL) break;
+    const int C = kCs[(it + cfg_index) % (int)(sizeof kCs / sizeof kCs[0])];
+    tw_plan_config pc = TW_PLAN_CONFIG_INIT;
+    pc.coalesce = cfg->mgb;
+    tw_plan_t plan = NULL;
+    CHECK_OK(tw_plan_create(&p, rt, env->rank, &pc, &plan));
+    if (plan == NULL) {
+      tw_routing_destroy(rt);
+      break;
+    }
+    CHECK(plan->coalesce == cfg->mgb);
+    CHECK((size_t)plan->rows <= b.in_cap);
+    const uint64_t salt_h = seed * 7 + 3;
+    tw_fill_expert_in(plan, salt_h, b.h_in);
+    if (plan->rows > 0)
+      CHECK_CUDA(
+          cudaMemcpy(b.expert_in, b.h_in, (size_t)plan->rows * p.ffn * 2, cudaMemcpyHostToDevice));
+    CHECK_OK(tw_device_plan_upload(dp, plan, rt, env->stream));
+    const int32_t nt = tokens[env->rank];
+    const size_t n_out = (size_t)nt * p.hidden;
+
+    tw_run_mode(env, ctx, dp, &b, nt, p.hidden, TW_COMBINE_OVERLAP, C, b.h_out);
+    tw_run_mode(env, ctx, dp, &b, nt, p.hidden, TW_COMBINE_UNFUSED, C, b.h_out2);
+    CHECKF(memcmp(b.h_out, b.h_out2, n_out * 2) == 0,
+           "rank %d cfg %d iter %d: overlapped and unfused outputs differ", env->rank, cfg_index,
+           it);
+    if (it == 0) {
+      /* Comm-only reuses the GEMM output left by the last call: same result again. */
+      tw_run_mode(env, ctx, dp, &b, nt, p.hidden, TW_COMBINE_COMM_ONLY, C, b.h_out2);
+      CHECKF(memcmp(b.h_out, b.h_out2, n_out * 2) == 0, "rank %d: comm-only output differs",
+             env->rank);
+      tw_combine_options g = TW_COMBINE_OPTIONS_INIT;
+      g.mode = TW_COMBINE_GEMM_ONLY;
+      CHECK_OK(tw_moe_combine_ex(ctx, dp, b.expert_in, b.w2, b.out, &g, env->stream));
+      CHECK_OK(tw_context_check(ctx));
+    }
+
+    /* Reference on a sample of tokens: first, last and a few seeded ones. */
+    double max_err = 0.0, max_ref = 0.0;
+    int nan_seen = 0;
+    double* ref = (double*)malloc(sizeof(double) * (size_t)p.hidden);
+    const int samples = nt < 6 ? nt : 6;
+    for (int s = 0; s < samples; s++) {
+      int t = s == 0 ? 0 : s == 1 ? nt - 1 : (int)(tw_mix64(seed + (uint64_t)s) % (uint64_t)nt);
+      tw_reference_token(&p, rt, env->rank, t, salt_h, salt_w, ref);
+      for (int n = 0; n < p.hidden; n++) {
+        float o = tw_bf2f(b.h_out[(size_t)t * p.hidden + n]);
+        if (isnan(o)) nan_seen++;
+        double e = fabs((double)o - ref[n]);
+        if (e > max_err) max_err = e;
+        if (fabs(ref[n]) > max_ref) max_ref = fabs(ref[n]);
+      }
+    }
+    free(ref);
+    /* Every output element was written (no NaN poison left anywhere). */
+    for (size_t i = 0; i < n_out; i++) nan_seen += isnan(tw_bf2f(b.h_out[i])) != 0;
+    CHECKF(nan_seen == 0, "rank %d cfg %d iter %d: %d output elements never written", env->rank,
+           cfg_index, it, nan_seen);
+    if (samples > 0) {
+      const double rel = max_ref > 0 ? max_err / max_ref : max_err;
+      if (rel > cfg_max_rel) cfg_max_rel = rel;
+      CHECKF(rel < 8e-3, "rank %d cfg %d iter %d: relative error %.3e", env->rank, cfg_index, it,
+             rel);
+    }
+    tw_plan_destroy(plan);
+    tw_routing_destroy(rt);
+  }
+  if (env->rank == 0)
+    printf("  cfg %d: E=%d H=%d F=%d k=%d tokens<=%d router=%d mgb=%d: max rel err %.3e\n",
+           cfg_index, cfg->experts, cfg->hidden, cfg->ffn, cfg->top_k, cfg->max_tokens,
+           (int)cfg->router, cfg->mgb, cfg_max_rel);
+  if (cfg_max_rel > g_max_rel) g_max_rel = cfg_max_rel;
+  tw_free_buffers(&b);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
+static void test_overlap_matches_unfused_and_reference(tw_rank_env* env) {
+  static const tw_overlap_cfg cfgs[] = {
+      {4, 512, 256, 2, 256, TW_ROUTER_BALANCED, 2, 6},
+      {8, 1024, 512, 4, 384, TW_ROUTER_MODERATE_SKEW, 1, 6},
+      {16, 768, 256, 4, 300, TW_ROUTER_STRESS_SKEW, 4, 6},
+      {64, 512, 128, 6, 256, TW_ROUTER_STRESS_SKEW, 2, 5},
+      {32, 256, 512, 8, 200, TW_ROUTER_BALANCED, 4, 5},
+      {8, 384, 192, 2, 129, TW_ROUTER_MODERATE_SKEW, 1, 5},
+  };
+  /* TW_TEST_QUICK=1 (sanitizer runs): the first configuration, two iterations. */
+  const int quick = getenv("TW_TEST_QUICK") != NULL;
+  const int n = quick ? 1 : (int)(sizeof cfgs / sizeof cfgs[0]);
+  for (int i = 0; i < n; i++) {
+    tw_overlap_cfg c = cfgs[i];
+    if (quick) c.iters = 2;
+    tw_run_config(env, &c, i);
+  }
+  if (env->rank == 0)
+    printf("  max relative error over all configs: %.3e (bound 8e-3)\n", g_max_rel);
+}
+
+/* Debug tags + identity weights: out decodes to exactly the expected (token, k) payloads. */
+static void test_debug_tags_exactly_once(tw_rank_env* env) {
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = env->nranks;
+  p.hidden = 256;
+  p.ffn = 256;
+  p.experts = 16;
+  p.top_k = 4;
+  p.max_tokens = 300;
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  cc.debug_tags = TW_DEBUG_TAGS_CHECK;
+  tw_context_t ctx = NULL;
+  CHECK_OK(tw_context_create(&p, env->comm, &cc, &ctx));
+  if (ctx == NULL) return;
+  tw_device_plan_t dp = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  tw_buffers b;
+  CHECK(tw_alloc_buffers(&p, &b));
+  const int E = p.experts / p.world_size, H = p.hidden, F = p.ffn, K = p.top_k;
+  {
+    uint16_t* w2 = (uint16_t*)calloc((size_t)E * H * F, 2);
+    for (int e = 0; e < E; e++)
+      for (int n = 0; n < H; n++) w2[((size_t)e * H + n) * F + n] = tw_f2bf(1.0f);
+    CHECK_CUDA(cudaMemcpy(b.w2, w2, (size_t)E * H * F * 2, cudaMemcpyHostToDevice));
+    free(w2);
+  }
+  const tw_router routers[] = {TW_ROUTER_BALANCED, TW_ROUTER_MODERATE_SKEW, TW_ROUTER_STRESS_SKEW};
+  int bad_payload = 0, bad_tags = 0;
+  const int iters = getenv("TW_TEST_QUICK") != NULL ? 2 : 6;
+  for (int it = 0; it < iters && dp != NULL; it++) {
+    int32_t tokens[TW_MAX_RANKS];
+    tw_token_counts(it, env->nranks, p.max_tokens, 77, tokens);
+    tw_routing_t gen = NULL;
+    CHECK_OK(tw_make_routing(&p, routers[it % 3], tokens, 500 + (uint64_t)it, &gen));
+    if (gen == NULL) break;
+    /* Same ids, gate weights 1: out[t] is the plain sum of its k rows. */
+    const int32_t* ids[TW_MAX_RANKS];
+    float* ones[TW_MAX_RANKS];
+    for (int r = 0; r < env->nranks; r++) {
+      int32_t n = 0;
+      const float* w = NULL;
+      tw_routing_rank(gen, r, &n, &ids[r], &w);
+      ones[r] = (float*)malloc(sizeof(float) * ((size_t)n * K + 1));
+      for (int i = 0; i < n * K; i++) ones[r][i] = 1.0f;
+    }
+    tw_routing_t rt = NULL;
+    CHECK_OK(tw_routing_create(&p, tokens, ids, (const float* const*)ones, &rt));
+    tw_plan_config pc = TW_PLAN_CONFIG_INIT;
+    pc.coalesce = 1 + it % 3;
+    tw_plan_t plan = NULL;
+    CHECK_OK(tw_plan_create(&p, rt, env->rank, &pc, &plan));
+    if (plan == NULL || rt == NULL) break;
+    /* Row of (owner, token, slot): zero except 8 tag columns in block `slot`. */
+    for (int32_t r = 0; r < plan->rows; r++) {
+      const tw_row_src* s = &plan->row_src[r];
+      uint16_t* row = b.h_in + (size_t)r * F;
+      memset(row, 0, (size_t)F * 2);
+      if (s->owner < 0) continue;
+      int32_t n = 0;
+      const int32_t* oid = NULL;
+      const float* ow = NULL;
+      tw_routing_rank(rt, s->owner, &n, &oid, &ow);
+      const int g = oid[(size_t)s->token * K + s->slot];
+      const float tags[8] = {(float)(s->owner + 1),
+                             (float)(s->token % 256),
+                             (float)(s->token / 256 + 1),
+                             (float)(s->slot + 1),
+                             (float)(g + 1),
+                             (float)(it + 1),
+                             (float)(env->rank + 1),
+                             3.0f};
+      for (int c = 0; c < 8; c++) row[s->slot * 8 + c] = tw_f2bf(tags[c]);
+    }
+    if (plan->rows > 0)
+      CHECK_CUDA(
+          cudaMemcpy(b.expert_in, b.h_in, (size_t)plan->rows * F * 2, cudaMemcpyHostToDevice));
+    CHECK_OK(tw_device_plan_upload(dp, plan, rt, env->stream));
+    const int32_t nt = tokens[env->rank];
+    tw_run_mode(env, ctx, dp, &b, nt, H, TW_COMBINE_OVERLAP, kCs[it % 8], b.h_out);
+    uint32_t* slots = (uint32_t*)malloc(sizeof(uint32_t) * ((size_t)nt * K + 1));
+    CHECK_OK(tw__context_debug_slots(ctx, slots, (int64_t)nt * K));
+    const int32_t* my_ids = ids[env->rank];
+    for (int t = 0; t < nt; t++) {
+      for (int j = 0; j < K; j++) {
+        const int g = my_ids[(size_t)t * K + j], src = g / E;
+        const float expect[8] = {
+            (float)(env->rank + 1), (float)(t % 256), (float)(t / 256 + 1), (float)(j + 1),
+            (float)(g + 1),         (float)(it + 1),  (float)(src + 1),     3.0f};
+        for (int c = 0; c < 8; c++)
+          if (tw_bf2f(b.h_out[(size_t)t * H + j * 8 + c]) != expect[c]) bad_payload++;
+        const uint32_t want = src == env->rank
+                                  ? 0xFFFF0000u
+                                  : ((uint32_t)(src + 1) << 16) | (uint32_t)plan->col_tiles;
+        if (slots[(size_t)t * K + j] != want) bad_tags++;
+      }
+      for (int n = K * 8; n < H; n++)
+        if (b.h_out[(size_t)t * H + n] != 0) bad_payload++;
+    }
+    free(slots);
+    tw_plan_destroy(plan);
+    tw_routing_destroy(rt);
+    tw_routing_destroy(gen);
+    for (int r = 0; r < env->nranks; r++) free(ones[r]);
+  }
+  CHECKF(bad_payload == 0, "rank %d: %d output values decode to the wrong payload", env->rank,
+         bad_payload);
+  CHECKF(bad_tags == 0, "rank %d: %d (token, k) rows with a wrong source or arrival count",
+         env->rank, bad_tags);
+  tw_free_buffers(&b);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
+/* Every C from 1 to 64 completes (no deadlock) and gives the same bits. */
+static void test_no_deadlock_any_c(tw_rank_env* env) {
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = env->nranks;
+  p.hidden = 512;
+  p.ffn = 128;
+  p.experts = 8;
+  p.top_k = 2;
+  p.max_tokens = 512;
+  tw_context_t ctx = NULL;
+  CHECK_OK(tw_context_create(&p, env->comm, NULL, &ctx));
+  if (ctx == NULL) return;
+  tw_device_plan_t dp = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  tw_buffers b;
+  CHECK(tw_alloc_buffers(&p, &b));
+  {
+    const int E = p.experts / p.world_size;
+    uint16_t* w2 = (uint16_t*)malloc((size_t)E * p.hidden * p.ffn * 2);
+    tw_fill_w2(&p, env->rank, 99, w2);
+    CHECK_CUDA(cudaMemcpy(b.w2, w2, (size_t)E * p.hidden * p.ffn * 2, cudaMemcpyHostToDevice));
+    free(w2);
+  }
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = p.max_tokens;
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_MODERATE_SKEW, tokens, 4242, &rt));
+  tw_plan_config pc = TW_PLAN_CONFIG_INIT;
+  pc.coalesce = 2;
+  tw_plan_t plan = NULL;
+  CHECK_OK(tw_plan_create(&p, rt, env->rank, &pc, &plan));
+  if (plan != NULL && dp != NULL) {
+    tw_fill_expert_in(plan, 4243, b.h_in);
+    CHECK_CUDA(
+        cudaMemcpy(b.expert_in, b.h_in, (size_t)plan->rows * p.ffn * 2, cudaMemcpyHostToDevice));
+    CHECK_OK(tw_device_plan_upload(dp, plan, rt, env->stream));
+    const size_t n_out = (size_t)p.max_tokens * p.hidden;
+    tw_run_mode(env, ctx, dp, &b, p.max_tokens, p.hidden, TW_COMBINE_OVERLAP, 1, b.h_out);
+    int mismatched = 0;
+    const int c_max = getenv("TW_TEST_QUICK") != NULL ? 3 : TW_MAX_COMM_CTAS;
+    for (int C = 1; C <= c_max; C++) {
+      /* Several calls in flight before one check: the credits carry the calls along. */
+      for (int rep = 0; rep < 2; rep++) {
+        tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
+        opt.comm_ctas = C;
+        CHECK_OK(tw_moe_combine_ex(ctx, dp, b.expert_in, b.w2, b.out, &opt, env->stream));
+      }
+      CHECK_OK(tw_context_check(ctx));
+      CHECK_CUDA(cudaMemcpy(b.h_out2, b.out, n_out * 2, cudaMemcpyDeviceToHost));
+      if (memcmp(b.h_out, b.h_out2, n_out * 2) != 0) mismatched++;
+    }
+    CHECKF(mismatched == 0, "rank %d: %d values of C gave different bits", env->rank, mismatched);
+  }
+  tw_plan_destroy(plan);
+  tw_routing_destroy(rt);
+  tw_free_buffers(&b);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
+static const tw_rank_case kCases[] = {
+    {"overlap_matches_unfused_and_reference", test_overlap_matches_unfused_and_reference},
+    {"debug_tags_exactly_once", test_debug_tags_exactly_once},
+    {"no_deadlock_any_c", test_no_deadlock_any_c},
+};
+
+static int rank_fn(int rank, int nranks, const ncclUniqueId* id, void* arg) {
+  (void)arg;
+  return tw_rank_main(rank, nranks, id, kCases, (int)(sizeof kCases / sizeof kCases[0]));
+}
+
+int main(void) {
+  const int gpus = tw__gpu_count_forked();
+  if (gpus < 2) {
+    printf("needs 2 GPUs, found %d: skipped\n0 passed, 0 failed\n", gpus < 0 ? 0 : gpus);
+    return TW_TEST_SKIP;
+  }
+  tw_status st = tw__spawn_local_ranks(2, rank_fn, NULL, 600);
+  if (st != TW_SUCCESS) {
+    printf("FAILED: %s (%s)\n", tw_status_string(st), tw_last_error());
+    return 1;
+  }
+  return 0;
+}
