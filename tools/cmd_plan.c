@@ -526,7 +526,6 @@ int tw_cli_plan(int argc, char** argv) {
         (o.comm_ctas || o.coalesce) ? " (partly or fully fixed by flags)" : "", s->predicted_us,
         s->sequential_us, s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0,
         s->solve_us);
-    if (o.all_ranks && nr > 1 && i + 1 < nr) continue; /* one table: the last rank shown */
     printf("predicted T (us), C rows x mgb columns, * = choice:\n    C");
     for (int j = 0; j < x->ncol; j++) printf("     mgb %-3d", x->mgbs[j]);
     printf("\n");

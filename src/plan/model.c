@@ -45,8 +45,9 @@ static const int32_t tw__mgb_candidates[] = {1, 2, 4};
 #define TW__NUM_MGB_CANDIDATES 3
 /* Candidates plus one explicit coalesce value outside that set. */
 #define TW__MAX_TABLES 4
-/* Distinct unit counts per table for the fast path; more fall back to the plain recurrence. */
-#define TW__MAX_DISTINCT 16
+/* Distinct unit counts per table for the fast path (the candidates need at most 4); more fall
+ * back to the plain recurrence. */
+#define TW__MAX_DISTINCT 8
 
 /* The segments of one coalescing factor, in the form the fast evaluation reads. */
 typedef struct tw__seg_table {

@@ -336,6 +336,34 @@ static void test_real_plans_explicit_and_off(void) {
   }
 }
 
+/* An explicit coalescing factor outside {1, 2, 4}: 3 keeps the fast path; 24 and 64 give the
+ * groups' last segments more than 8 distinct band counts, so their tables take the plain
+ * recurrence. Either way the prediction equals the segment-by-segment recurrence at every C. */
+static void test_large_explicit_coalesce(void) {
+  const int32_t mgb_values[3] = {3, 24, 64};
+  for (int i = 0; i < 3; i++) {
+    tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+    cfg.coalesce = mgb_values[i];
+    tw_plan_t plan = NULL;
+    CHECK_OK(make_plan("m-bert", 4, 16384, TW_ROUTER_STRESS_SKEW, (uint64_t)time(NULL) + i, 2, &cfg,
+                       &plan));
+    if (plan == NULL) continue;
+    CHECK(plan->coalesce == mgb_values[i]);
+    double best = 0;
+    int32_t best_c = 0;
+    for (int32_t c = 1; c <= plan->hardware.c_max; c++) {
+      double fast = 0, plain = 0;
+      CHECK_OK(tw_plan_predict(plan, c, mgb_values[i], &fast));
+      CHECK_OK(tw__model_eval_plain(plan, c, &plain));
+      CHECKF(fabs(fast - plain) <= 1e-9 * plain, "mgb %d C %d: fast %.12g, recurrence %.12g",
+             mgb_values[i], c, fast, plain);
+      if (best_c == 0 || fast < best) best = fast, best_c = c;
+    }
+    CHECK(plan->comm_ctas == best_c && plan->predicted_us == best);
+    tw_plan_destroy(plan);
+  }
+}
+
 /* More link bandwidth (or less latency) never increases any candidate's T. */
 static void test_monotonic_in_link(void) {
   tw_hardware base, fast;
@@ -389,4 +417,4 @@ static void test_real_plan_no_remote(void) {
 TW_TEST_MAIN(TW_TEST(test_hand_plan_table), TW_TEST(test_hand_plan_explicit_and_defaults),
              TW_TEST(test_hand_plan_no_remote), TW_TEST(test_real_plans_argmin),
              TW_TEST(test_real_plans_explicit_and_off), TW_TEST(test_monotonic_in_link),
-             TW_TEST(test_real_plan_no_remote))
+             TW_TEST(test_large_explicit_coalesce), TW_TEST(test_real_plan_no_remote))
