@@ -18,6 +18,10 @@ extern "C" {
 int tw_cli_bench_gemm(int argc, char** argv);
 /* `tilewave plan`: planner and resource model, no GPU needed (tools/cmd_plan.c). */
 int tw_cli_plan(int argc, char** argv);
+/* `tilewave bench` (overlap vs the baselines; `bench gemm` forwards to tw_cli_bench_gemm) and
+ * `tilewave sweep` (every C and mgb of one point against the model's choice): tools/cmd_bench.c. */
+int tw_cli_bench(int argc, char** argv);
+int tw_cli_sweep(int argc, char** argv);
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# gpu_bench.sh: the benchmark tables of tilewave on a multi-GPU machine, in one command.
+#
+# Builds the tool against the NCCL that PyTorch ships (the one loaded at run time), checks the
+# baselines against the double-precision reference (test_baseline), then runs, writing each
+# table under $OUT (default ./bench-out):
+#   bench.md / bench.json        tilewave bench: the main grid (overlap vs sequential, unfused,
+#                                chunked copy-engine), correctness checked on every point
+#   bench-gemm.md                tilewave bench gemm: producer GEMM vs cuBLAS
+#   sweep.md / sweep.json        tilewave sweep: every C x mgb of one point, oracle, model, regret
+#   torch_peer.md                PyTorch per-expert matmul + all_to_all_single on the same routing
+#   log.txt                      everything printed, with timings
+# Usage: bench/gpu_bench.sh [quick]   (quick: tokens/rank 8192 only, fewer samples)
+# Budget: about 8 minutes on 2 x H200 (build ~2, bench ~2-3, the rest ~2).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/bench-out}
+BUILD=${BUILD:-build-gpubench}
+mode=${1:-full}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
+exec > >(tee -a "$OUT/log.txt") 2>&1
+
+step() { echo; echo "=== $* ($(date -u +%T))"; }
+rc_all=0
+note() { echo "$1: exit $2"; [ "$2" -eq 0 ] || [ "$2" -eq 77 ] || rc_all=1; }
+
+step environment
+NCCL_ROOT=$(python3 -c 'import nvidia.nccl as m; print(m.__path__[0])' 2>/dev/null || true)
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown); NCCL ${NCCL_ROOT:-toolkit}"
+nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+
+step build
+mkdir -p "$BUILD"
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTW_PTXAS_VERBOSE=OFF \
+  ${NCCL_ROOT:+-DTW_NCCL_ROOT=$NCCL_ROOT} >"$BUILD/cmake.log" 2>&1 &&
+  cmake --build "$BUILD" -j "$(nproc)" --target tilewave_cli tilewave test_baseline \
+    >"$BUILD/build.log" 2>&1
+rc=$?
+if [ $rc -ne 0 ]; then
+  tail -40 "$BUILD/cmake.log" "$BUILD/build.log"
+  note build $rc
+  exit 1
+fi
+TW="$BUILD/tilewave"
+
+step "baselines vs the reference (test_baseline)"
+timeout 180 "$BUILD/test_baseline"
+note test_baseline $?
+
+if [ "$mode" = quick ]; then
+  bench_args=(--tokens 8192 --iters 15 --warmup 3)
+  sweep_args=(--iters 10 --warmup 2)
+else
+  bench_args=()
+  sweep_args=()
+fi
+
+step "tilewave bench (default grid)"
+timeout 330 "$TW" bench "${bench_args[@]}" --json-file "$OUT/bench.json" | tee "$OUT/bench.md"
+note "tilewave bench" $?
+
+step "tilewave bench gemm"
+if "$TW" bench gemm --help >/dev/null 2>&1; then
+  timeout 90 "$TW" bench gemm | tee "$OUT/bench-gemm.md"
+  note "tilewave bench gemm" $?
+else
+  echo "this build has no GEMM benchmark"
+fi
+
+step "tilewave sweep (tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced)"
+timeout 120 "$TW" sweep "${sweep_args[@]}" --json-file "$OUT/sweep.json" | tee "$OUT/sweep.md"
+note "tilewave sweep" $?
+
+step "PyTorch peer (bench/torch_peer.py)"
+TILEWAVE_LIBRARY="$PWD/$BUILD/libtilewave.so" timeout 180 python3 bench/torch_peer.py \
+  | tee "$OUT/torch_peer.md"
+note torch_peer $?
+
+step done
+exit $rc_all

@@ -1,0 +1,1065 @@
+/*
+ * cmd_bench.c: `tilewave bench` and `tilewave sweep`, the measurements behind
+ * every speedup tilewave reports.
+ *
+ * Both spawn one process per visible GPU (or run as one rank under
+ * mpirun/torchrun), build the same routing on every rank from a seed, plan
+ * every rank, and time, on identical inputs: ours      tw_moe_combine,
+ * tile-level overlap (C and mgb from the model unless given) unfused   the same
+ * kernels, transfer after the GEMM (TW_COMBINE_UNFUSED) gemm      the producer
+ * alone on the SMs it gets during overlap (TW_COMBINE_GEMM_ONLY) comm      the
+ * consumer and reduction alone (TW_COMBINE_COMM_ONLY) seq       cuBLAS per
+ * expert, NCCL send/recv, the same reduction (baseline.h) chunk:R   cuBLAS over
+ * R-row chunks of remote rows, copy-engine push per chunk (baseline.h)
+ * Measurement: warm-up rounds, then rounds that run every policy once, in
+ * forward order on even rounds and reverse order on odd ones (ABBA), on input
+ * sets rotated so that the inputs cycled exceed L2. Every sample starts after a
+ * cross-rank barrier and a short device delay (so that the host has finished
+ * enqueuing when the timed region starts), is timed with CUDA events on each
+ * rank, and the sample's latency is the MAXIMUM over ranks (an allreduce of the
+ * samples). Medians and p10/p90 are reported. Every output is compared with
+ * ours before and after timing.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <cuda_runtime.h>
+#include <math.h>
+#include <nccl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "baseline.h"
+#include "bench_common.h"
+#include "cli.h"
+#include "core.h"
+#include "kernels.h"
+#include "plan.h"
+#include "spawn.h"
+#include "tilewave.h"
+
+#define TWB_MAX_TOKENS_LIST 8
+#define TWB_MAX_CHUNKS 8
+#define TWB_L2_BYTES (60ull << 20)
+#define TWB_POISON 0x7FC1u /* a bf16 NaN: an element nobody wrote fails the check */
+
+typedef struct twb_opts {
+  int sweep;
+  const char* model;
+  int hidden, ffn, experts, topk; /* 0 = not given */
+  int tokens[TWB_MAX_TOKENS_LIST];
+  int ntokens;
+  int router; /* tw_router, -1 = not given */
+  double router_param;
+  const char* routing_file;
+  const char* write_routing;
+  uint64_t seed;
+  int comm_ctas, coalesce;
+  int iters, warmup;
+  int json, full, ranks, timeout_s, delay_us, c_max;
+  const char* json_file; /* JSON written here (rank 0) besides the table on stdout */
+  int chunks[TWB_MAX_CHUNKS];
+  int nchunks;
+  double tol;
+} twb_opts;
+
+typedef struct twb_point {
+  int hidden, ffn, experts, topk, tokens, router;
+  double router_param;
+} twb_point;
+
+enum twb_kind {
+  TWB_OURS,
+  TWB_UNFUSED,
+  TWB_GEMM_ONLY,
+  TWB_COMM_ONLY,
+  TWB_SEQ,
+  TWB_CHUNKED,
+  TWB_CUBLAS,
+  TWB_NCCL
+};
+
+typedef struct twb_policy {
+  int kind;
+  int c;     /* comm CTAs for our modes; 0 = the plan's */
+  int dplan; /* which uploaded plan (sweep: one per mgb) */
+  int chunk; /* rows per chunk for TWB_CHUNKED */
+  int out;   /* output buffer index; -1 = none (no checkable output) */
+  char name[24];
+} twb_policy;
+
+#define TWB_MAX_DPLANS 4
+enum { TWB_OUT_OURS, TWB_OUT_UNFUSED, TWB_OUT_SEQ, TWB_OUT_CHUNKED, TWB_OUT_SCRATCH, TWB_NOUT };
+
+/* One rank's state for one point. */
+typedef struct twb_rank {
+  int rank, world;
+  ncclComm_t comm;
+  cudaStream_t stream;
+  int32_t* barrier;  /* (2) device */
+  uint32_t* scratch; /* (2) device, for tw__baseline_rel_diff */
+  tw_problem problem;
+  tw_routing_t routing;
+  tw_plan_t* plans;                 /* (world) */
+  tw_plan_t mplans[TWB_MAX_DPLANS]; /* sweep: plans per mgb, this rank */
+  int mgbs[TWB_MAX_DPLANS];
+  int ndplans;
+  tw_context_t ctx;
+  tw_device_plan_t dplans[TWB_MAX_DPLANS];
+  tw_baseline_t baseline;
+  int nsets;
+  void* a[4];          /* (rows, F) bf16 per input set */
+  void* w[4];          /* (E, H, F) bf16 per input set */
+  void* out[TWB_NOUT]; /* (tokens, H) bf16 */
+  size_t out_elems;
+  int32_t tokens;
+  FILE* json_out; /* rank 0: the --json-file stream, else NULL */
+} twb_rank;
+
+static const char* twb_router_name(int r) {
+  switch (r) {
+    case TW_ROUTER_BALANCED:
+      return "balanced";
+    case TW_ROUTER_MODERATE_SKEW:
+      return "moderate_skew";
+    case TW_ROUTER_STRESS_SKEW:
+      return "stress_skew";
+    case TW_ROUTER_TARGET:
+      return "target";
+  }
+  return "?";
+}
+
+/* ---- one rank's setup and teardown ----------------------------------------------------------- */
+
+#define TWB_CUDA(expr)                                                                        \
+  do {                                                                                        \
+    cudaError_t twb_e = (expr);                                                               \
+    if (twb_e != cudaSuccess)                                                                 \
+      return tw__fail(TW_ERR_CUDA, "bench: %s failed: %s", #expr, cudaGetErrorString(twb_e)); \
+  } while (0)
+
+#define TWB_NCCL(expr)                                                                        \
+  do {                                                                                        \
+    ncclResult_t twb_r = (expr);                                                              \
+    if (twb_r != ncclSuccess)                                                                 \
+      return tw__fail(TW_ERR_NCCL, "bench: %s failed: %s", #expr, ncclGetErrorString(twb_r)); \
+  } while (0)
+
+static void twb_rank_free(twb_rank* s) {
+  if (s->stream) cudaStreamSynchronize(s->stream);
+  for (int i = 0; i < TWB_NOUT; i++) cudaFree(s->out[i]);
+  for (int i = 0; i < 4; i++) {
+    cudaFree(s->a[i]);
+    cudaFree(s->w[i]);
+  }
+  tw__baseline_destroy(s->baseline);
+  for (int i = 0; i < TWB_MAX_DPLANS; i++) tw_device_plan_destroy(s->dplans[i]);
+  tw_context_destroy(s->ctx);
+  for (int i = 0; i < TWB_MAX_DPLANS; i++) tw_plan_destroy(s->mplans[i]);
+  if (s->plans) {
+    for (int r = 0; r < s->world; r++) tw_plan_destroy(s->plans[r]);
+    free(s->plans);
+  }
+  tw_routing_destroy(s->routing);
+  memset(s->a, 0, sizeof s->a);
+  memset(s->w, 0, sizeof s->w);
+  memset(s->out, 0, sizeof s->out);
+  memset(s->mplans, 0, sizeof s->mplans);
+  memset(s->dplans, 0, sizeof s->dplans);
+  s->baseline = NULL;
+  s->ctx = NULL;
+  s->plans = NULL;
+  s->routing = NULL;
+  s->ndplans = 0;
+}
+
+/* Problem, routing, every rank's plan (explicit --comm-ctas/--coalesce win over
+ * the model), context, this rank's device plan(s), baselines, inputs and
+ * outputs. `sweep_mgbs` (n > 0) adds one plan and device plan per coalescing
+ * factor. */
+static tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt,
+                           const int* sweep_mgbs, int n_sweep) {
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = s->world;
+  p.hidden = pt->hidden;
+  p.ffn = pt->ffn;
+  p.experts = pt->experts;
+  p.top_k = pt->topk;
+  p.max_tokens = pt->tokens;
+  TW_TRY(tw_problem_validate(&p));
+  s->problem = p;
+  if (o->routing_file)
+    TW_TRY(tw_routing_read(&p, o->routing_file, &s->routing));
+  else
+    TW_TRY(tw_routing_generate(&p, (tw_router)pt->router, pt->router_param, pt->tokens, o->seed,
+                               &s->routing));
+  if (o->write_routing && s->rank == 0) TW_TRY(tw_routing_write(s->routing, o->write_routing));
+  const int32_t* ids = NULL;
+  const float* gw = NULL;
+  TW_TRY(tw_routing_rank(s->routing, s->rank, &s->tokens, &ids, &gw));
+
+  tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  cfg.comm_ctas = o->comm_ctas;
+  cfg.coalesce = o->coalesce;
+  s->plans = (tw_plan_t*)calloc((size_t)s->world, sizeof(tw_plan_t));
+  if (s->plans == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "bench: out of host memory");
+  for (int r = 0; r < s->world; r++) TW_TRY(tw_plan_create(&p, s->routing, r, &cfg, &s->plans[r]));
+  for (int i = 0; i < n_sweep; i++) {
+    tw_plan_config c2 = TW_PLAN_CONFIG_INIT;
+    c2.coalesce = sweep_mgbs[i];
+    TW_TRY(tw_plan_create(&p, s->routing, s->rank, &c2, &s->mplans[i]));
+    s->mgbs[i] = sweep_mgbs[i];
+  }
+
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  TW_TRY(tw_context_create(&p, s->comm, &cc, &s->ctx));
+  s->ndplans = n_sweep > 0 ? n_sweep : 1;
+  for (int i = 0; i < s->ndplans; i++) {
+    TW_TRY(tw_device_plan_create(s->ctx, &s->dplans[i]));
+    TW_TRY(tw_device_plan_upload(s->dplans[i], n_sweep > 0 ? s->mplans[i] : s->plans[s->rank],
+                                 s->routing, s->stream));
+  }
+  TW_TRY(tw__baseline_create((const struct tw_plan* const*)s->plans, s->world, s->rank, s->routing,
+                             s->comm, &s->baseline));
+
+  /* Inputs: enough sets that the cycled inputs exceed L2 twice (at most 4). */
+  const struct tw_plan* mine = s->plans[s->rank];
+  const size_t a_elems = (size_t)mine->rows * (size_t)p.ffn;
+  const size_t w_elems = (size_t)mine->local_experts * (size_t)p.hidden * (size_t)p.ffn;
+  const size_t set_bytes = 2 * (a_elems + w_elems);
+  s->nsets =
+      set_bytes >= 2 * TWB_L2_BYTES ? 1 : (int)((2 * TWB_L2_BYTES + set_bytes - 1) / set_bytes);
+  if (s->nsets > 4) s->nsets = 4;
+  const float w_scale = 1.0f / sqrtf((float)p.ffn);
+  for (int i = 0; i < s->nsets; i++) {
+    TWB_CUDA(cudaMalloc(&s->a[i], 2 * a_elems + 256));
+    TWB_CUDA(cudaMalloc(&s->w[i], 2 * w_elems + 256));
+    const uint64_t sd = o->seed * 1000003u + (uint64_t)s->rank * 64u + (uint64_t)i * 2u;
+    TW_TRY(tw__baseline_fill_random(s->a[i], a_elems, sd, 1.0f, s->stream));
+    TW_TRY(tw__baseline_fill_random(s->w[i], w_elems, sd + 1, w_scale, s->stream));
+  }
+  s->out_elems = (size_t)s->tokens * (size_t)p.hidden;
+  for (int i = 0; i < TWB_NOUT; i++) TWB_CUDA(cudaMalloc(&s->out[i], 2 * s->out_elems + 256));
+  TWB_CUDA(cudaStreamSynchronize(s->stream));
+  return TW_SUCCESS;
+}
+
+/* ---- running and timing policies ------------------------------------------------------------- */
+
+static tw_status twb_run(twb_rank* s, const twb_policy* pol, int set, cudaStream_t st) {
+  void* out = s->out[pol->out >= 0 ? pol->out : TWB_OUT_SCRATCH];
+  tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
+  opt.comm_ctas = pol->c;
+  switch (pol->kind) {
+    case TWB_OURS:
+      opt.mode = TW_COMBINE_OVERLAP;
+      break;
+    case TWB_UNFUSED:
+      opt.mode = TW_COMBINE_UNFUSED;
+      break;
+    case TWB_GEMM_ONLY:
+      opt.mode = TW_COMBINE_GEMM_ONLY;
+      break;
+    case TWB_COMM_ONLY:
+      opt.mode = TW_COMBINE_COMM_ONLY;
+      break;
+    case TWB_SEQ:
+      return tw__baseline_sequential(s->baseline, s->a[set], s->w[set], out, st);
+    case TWB_CHUNKED:
+      return tw__baseline_chunked(s->baseline, s->a[set], s->w[set], out, pol->chunk, st);
+    case TWB_CUBLAS:
+      return tw__baseline_gemm(s->baseline, s->a[set], s->w[set], st);
+    case TWB_NCCL:
+      return tw__baseline_exchange(s->baseline, st);
+    default:
+      return tw__fail(TW_ERR_INTERNAL, "bench: unknown policy kind %d", pol->kind);
+  }
+  return tw_moe_combine_ex(s->ctx, s->dplans[pol->dplan], s->a[set], s->w[set], out, &opt, st);
+}
+
+static tw_status twb_barrier(twb_rank* s) {
+  TWB_NCCL(ncclAllReduce(s->barrier, s->barrier + 1, 1, ncclInt32, ncclSum, s->comm, s->stream));
+  return TW_SUCCESS;
+}
+
+/* Elementwise max over ranks of n floats (host array, in place). */
+static tw_status twb_max_over_ranks(twb_rank* s, float* v, size_t n) {
+  if (s->world == 1 || n == 0) return TW_SUCCESS;
+  float* d = NULL;
+  TWB_CUDA(cudaMalloc((void**)&d, sizeof(float) * n));
+  tw_status st = TW_SUCCESS;
+  cudaError_t e = cudaMemcpyAsync(d, v, sizeof(float) * n, cudaMemcpyHostToDevice, s->stream);
+  ncclResult_t r = ncclSuccess;
+  if (e == cudaSuccess) r = ncclAllReduce(d, d, n, ncclFloat32, ncclMax, s->comm, s->stream);
+  if (e == cudaSuccess && r == ncclSuccess)
+    e = cudaMemcpyAsync(v, d, sizeof(float) * n, cudaMemcpyDeviceToHost, s->stream);
+  if (e == cudaSuccess && r == ncclSuccess) e = cudaStreamSynchronize(s->stream);
+  cudaFree(d);
+  if (r != ncclSuccess)
+    st = tw__fail(TW_ERR_NCCL, "bench: gathering samples failed: %s", ncclGetErrorString(r));
+  else if (e != cudaSuccess)
+    st = tw__fail(TW_ERR_CUDA, "bench: gathering samples failed: %s", cudaGetErrorString(e));
+  return st;
+}
+
+/* Runs every output-producing policy once on input set `set` (outputs poisoned
+ * first), checks our context, and returns per policy the normwise relative
+ * difference to ours' output, max over ranks (err[i] = -1 for policies without
+ * an output, 0 for ours). */
+static tw_status twb_check(twb_rank* s, const twb_policy* pols, int np, int set, int rerun,
+                           float* err) {
+  if (rerun) {
+    for (int i = 0; i < TWB_NOUT; i++)
+      TW_TRY(tw__fill_bf16(s->out[i], s->out_elems, TWB_POISON, s->stream));
+    for (int i = 0; i < np; i++) {
+      if (pols[i].out < 0) continue;
+      TW_TRY(twb_barrier(s));
+      TW_TRY(twb_run(s, &pols[i], set, s->stream));
+    }
+    TWB_CUDA(cudaStreamSynchronize(s->stream));
+  }
+  TW_TRY(tw_context_check(s->ctx));
+  for (int i = 0; i < np; i++) {
+    err[i] = -1.f;
+    if (pols[i].out < 0) continue;
+    double rel = 0;
+    TW_TRY(tw__baseline_rel_diff(s->out[pols[i].out], s->out[TWB_OUT_OURS], s->out_elems,
+                                 s->scratch, s->stream, &rel));
+    err[i] = isfinite(rel) ? (float)rel : INFINITY;
+  }
+  return twb_max_over_ranks(s, err, (size_t)np);
+}
+
+/* Times every policy: warmup + iters rounds, ABBA order, max over ranks per
+ * sample. samples: (np, iters) microseconds. */
+static tw_status twb_time(twb_rank* s, const twb_opts* o, const twb_policy* pols, int np,
+                          float* samples, int* last_set) {
+  cudaEvent_t e0, e1;
+  TWB_CUDA(cudaEventCreate(&e0));
+  TWB_CUDA(cudaEventCreate(&e1));
+  tw_status st = TW_SUCCESS;
+  const int rounds = o->warmup + o->iters;
+  for (int round = 0; round < rounds && st == TW_SUCCESS; round++) {
+    const int set = round % s->nsets;
+    *last_set = set;
+    for (int j = 0; j < np && st == TW_SUCCESS; j++) {
+      const int i = (round % 2 == 0) ? j : np - 1 - j;
+      if ((st = twb_barrier(s)) != TW_SUCCESS) break;
+      if ((st = tw_bench_delay(s->stream, o->delay_us)) != TW_SUCCESS) break;
+      cudaError_t e = cudaEventRecord(e0, s->stream);
+      if (e == cudaSuccess && (st = twb_run(s, &pols[i], set, s->stream)) != TW_SUCCESS) break;
+      if (e == cudaSuccess) e = cudaEventRecord(e1, s->stream);
+      if (e == cudaSuccess) e = cudaEventSynchronize(e1);
+      float ms = 0.f;
+      if (e == cudaSuccess) e = cudaEventElapsedTime(&ms, e0, e1);
+      if (e != cudaSuccess) {
+        st = tw__fail(TW_ERR_CUDA, "bench: timing %s failed: %s", pols[i].name,
+                      cudaGetErrorString(e));
+        break;
+      }
+      if (round >= o->warmup) samples[(size_t)i * o->iters + (round - o->warmup)] = ms * 1000.f;
+    }
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  TW_TRY(st);
+  return twb_max_over_ranks(s, samples, (size_t)np * (size_t)o->iters);
+}
+
+/* ---- bench ----------------------------------------------------------------------------------- */
+
+typedef struct twb_bench_result {
+  twb_point pt;
+  int c, mgb;
+  double predicted_us, model_seq_us;
+  int np;
+  twb_policy pols[16];
+  tw_bench_stats st[16];
+  float err[16];
+} twb_bench_result;
+
+static int twb_policy_index(const twb_bench_result* r, int kind, int chunk) {
+  for (int i = 0; i < r->np; i++)
+    if (r->pols[i].kind == kind && (kind != TWB_CHUNKED || r->pols[i].chunk == chunk)) return i;
+  return -1;
+}
+
+static void twb_add(twb_bench_result* r, int kind, int c, int chunk, int out, const char* name) {
+  twb_policy* p = &r->pols[r->np++];
+  memset(p, 0, sizeof *p);
+  p->kind = kind;
+  p->c = c;
+  p->chunk = chunk;
+  p->out = out;
+  snprintf(p->name, sizeof p->name, "%s", name);
+}
+
+static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point* pt,
+                                 twb_bench_result* r) {
+  memset(r, 0, sizeof *r);
+  r->pt = *pt;
+  TW_TRY(twb_setup(s, o, pt, NULL, 0));
+  tw_plan_summary sum;
+  TW_TRY(tw_plan_summary_get(s->plans[s->rank], &sum));
+  r->c = sum.comm_ctas;
+  r->mgb = sum.coalesce;
+  r->predicted_us = sum.predicted_us;
+  r->model_seq_us = sum.sequential_us;
+
+  twb_add(r, TWB_OURS, 0, 0, TWB_OUT_OURS, "ours");
+  twb_add(r, TWB_SEQ, 0, 0, TWB_OUT_SEQ, "seq");
+  twb_add(r, TWB_UNFUSED, 0, 0, TWB_OUT_UNFUSED, "unfused");
+  for (int i = 0; i < o->nchunks; i++) {
+    char name[24];
+    snprintf(name, sizeof name, "chunk%d", o->chunks[i]);
+    twb_add(r, TWB_CHUNKED, 0, o->chunks[i], TWB_OUT_CHUNKED, name);
+  }
+  twb_add(r, TWB_GEMM_ONLY, 0, 0, -1, "gemm");
+  twb_add(r, TWB_COMM_ONLY, 0, 0, -1, "comm");
+  twb_add(r, TWB_CUBLAS, 0, 0, -1, "cublas");
+  twb_add(r, TWB_NCCL, 0, 0, -1, "nccl");
+
+  /* Correctness before timing: every policy on set 0 against ours; the chunked
+   * policies share an output buffer, so check each on its own. */
+  float err[16], err2[16];
+  for (int i = 0; i < r->np; i++) r->err[i] = -1.f;
+  twb_policy one[2];
+  one[0] = r->pols[0];
+  for (int i = 1; i < r->np; i++) {
+    if (r->pols[i].out < 0) continue;
+    one[1] = r->pols[i];
+    TW_TRY(twb_check(s, one, 2, 0, 1, err));
+    r->err[i] = err[1];
+  }
+  r->err[0] = 0.f;
+
+  float* samples = (float*)calloc((size_t)r->np * (size_t)o->iters, sizeof(float));
+  if (samples == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "bench: out of host memory");
+  int last_set = 0;
+  tw_status st = twb_time(s, o, r->pols, r->np, samples, &last_set);
+  /* Correctness after timing: the last round ran every policy on one input set.
+   */
+  if (st == TW_SUCCESS) st = twb_check(s, r->pols, r->np, last_set, 0, err2);
+  if (st == TW_SUCCESS) {
+    for (int i = 0; i < r->np; i++) {
+      if (err2[i] > r->err[i] && r->pols[i].kind != TWB_CHUNKED) r->err[i] = err2[i];
+      tw_bench_stats_of(samples + (size_t)i * o->iters, o->iters, &r->st[i]);
+    }
+    /* The last chunked policy of the last round wrote the shared buffer; fold
+     * its check in. */
+    const int lastc = (o->warmup + o->iters - 1) % 2 == 0
+                          ? twb_policy_index(r, TWB_CHUNKED, o->chunks[o->nchunks - 1])
+                          : twb_policy_index(r, TWB_CHUNKED, o->chunks[0]);
+    if (lastc >= 0 && err2[lastc] > r->err[lastc]) r->err[lastc] = err2[lastc];
+  }
+  free(samples);
+  return st;
+}
+
+static void twb_print_header(void) {
+  printf(
+      "| tokens/rank | K | N | E | router | seq us | ours us (p10-p90) | speedup | gemm us | comm "
+      "us | ideal us | eff | overlap | C | mgb | unfused us | chunked us (rows) | max rel err | "
+      "check |\n");
+  printf(
+      "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+      "---: | ---: | ---: | ---: | ---: | --- |\n");
+}
+
+/* Derived numbers of one point. */
+typedef struct twb_derived {
+  double seq, ours, gemm, comm, ideal, eff, overlap, speedup, unfused, chunk;
+  int chunk_rows;
+  double max_err;
+  int pass;
+} twb_derived;
+
+static void twb_derive(const twb_opts* o, const twb_bench_result* r, twb_derived* d) {
+  memset(d, 0, sizeof *d);
+  d->ours = r->st[twb_policy_index(r, TWB_OURS, 0)].median;
+  d->seq = r->st[twb_policy_index(r, TWB_SEQ, 0)].median;
+  d->gemm = r->st[twb_policy_index(r, TWB_GEMM_ONLY, 0)].median;
+  d->comm = r->st[twb_policy_index(r, TWB_COMM_ONLY, 0)].median;
+  d->unfused = r->st[twb_policy_index(r, TWB_UNFUSED, 0)].median;
+  d->ideal = d->gemm > d->comm ? d->gemm : d->comm;
+  d->eff = d->ours > 0 ? d->ideal / d->ours : 0;
+  d->speedup = d->ours > 0 ? d->seq / d->ours : 0;
+  const double shorter = d->gemm < d->comm ? d->gemm : d->comm;
+  d->overlap = shorter > 0 ? (d->gemm + d->comm - d->ours) / shorter : 0;
+  d->chunk = INFINITY;
+  for (int i = 0; i < o->nchunks; i++) {
+    const int k = twb_policy_index(r, TWB_CHUNKED, o->chunks[i]);
+    if (r->st[k].median < d->chunk) {
+      d->chunk = r->st[k].median;
+      d->chunk_rows = o->chunks[i];
+    }
+  }
+  d->max_err = 0;
+  for (int i = 0; i < r->np; i++)
+    if (r->err[i] > d->max_err) d->max_err = r->err[i];
+  d->pass = d->max_err <= o->tol;
+}
+
+static void twb_print_row(const twb_opts* o, const twb_bench_result* r) {
+  twb_derived d;
+  twb_derive(o, r, &d);
+  const tw_bench_stats* so = &r->st[twb_policy_index(r, TWB_OURS, 0)];
+  printf(
+      "| %d | %d | %d | %d | %s | %.1f | %.1f (%.1f-%.1f) | %.2fx | %.1f | %.1f | %.1f | %.2f | "
+      "%.2f | %d | %d | %.1f | %.1f (%d) | %.2e | %s |\n",
+      r->pt.tokens, r->pt.ffn, r->pt.hidden, r->pt.experts, twb_router_name(r->pt.router), d.seq,
+      d.ours, so->p10, so->p90, d.speedup, d.gemm, d.comm, d.ideal, d.eff, d.overlap, r->c, r->mgb,
+      d.unfused, d.chunk, d.chunk_rows, d.max_err, d.pass ? "pass" : "FAIL");
+  fflush(stdout);
+}
+
+static void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_result* r, int first) {
+  twb_derived d;
+  twb_derive(o, r, &d);
+  fprintf(
+      f,
+      "%s  {\"tokens_per_rank\": %d, \"ffn\": %d, \"hidden\": %d, \"experts\": %d, \"top_k\": %d, "
+      "\"router\": \"%s\", \"comm_ctas\": %d, \"coalesce\": %d, \"model_predicted_us\": %.2f, "
+      "\"model_sequential_us\": %.2f,\n",
+      first ? "" : ",\n", r->pt.tokens, r->pt.ffn, r->pt.hidden, r->pt.experts, r->pt.topk,
+      twb_router_name(r->pt.router), r->c, r->mgb, r->predicted_us, r->model_seq_us);
+  fprintf(
+      f,
+      "   \"seq_us\": %.2f, \"ours_us\": %.2f, \"speedup\": %.4f, \"gemm_us\": %.2f, \"comm_us\": "
+      "%.2f, \"ideal_us\": %.2f, \"efficiency\": %.4f, \"overlap_ratio\": %.4f, \"unfused_us\": "
+      "%.2f, \"chunked_us\": %.2f, \"chunked_rows\": %d, \"max_rel_err\": %.3e, \"pass\": %s,\n   "
+      "\"policies\": [",
+      d.seq, d.ours, d.speedup, d.gemm, d.comm, d.ideal, d.eff, d.overlap, d.unfused, d.chunk,
+      d.chunk_rows, d.max_err < 1e30 ? d.max_err : 1e30, d.pass ? "true" : "false");
+  for (int i = 0; i < r->np; i++)
+    fprintf(
+        f,
+        "%s{\"name\": \"%s\", \"median_us\": %.2f, \"p10_us\": %.2f, \"p90_us\": %.2f, \"min_us\": "
+        "%.2f, \"samples\": %d, \"rel_err\": %.3e}",
+        i ? ",\n     " : "", r->pols[i].name, r->st[i].median, r->st[i].p10, r->st[i].p90,
+        r->st[i].min, r->st[i].n, r->err[i] < 1e30f ? (double)r->err[i] : 1e30);
+  fprintf(f, "]}");
+}
+
+/* ---- sweep ----------------------------------------------------------------------------------- */
+
+static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point* pt) {
+  /* Candidate coalescing factors, plus the model's if it is none of them. */
+  int mgbs[TWB_MAX_DPLANS] = {1, 2, 4, 0};
+  int nm = 3;
+  {
+    tw_problem p = TW_PROBLEM_INIT;
+    p.world_size = s->world;
+    p.hidden = pt->hidden;
+    p.ffn = pt->ffn;
+    p.experts = pt->experts;
+    p.top_k = pt->topk;
+    p.max_tokens = pt->tokens;
+    TW_TRY(tw_problem_validate(&p));
+  }
+  /* The model's choice comes from the default plan; planned again in setup. */
+  TW_TRY(twb_setup(s, o, pt, mgbs, nm));
+  tw_plan_t model_plan = NULL;
+  tw_plan_config mc = TW_PLAN_CONFIG_INIT;
+  TW_TRY(tw_plan_create(&s->problem, s->routing, s->rank, &mc, &model_plan));
+  tw_plan_summary ms;
+  tw_status st = tw_plan_summary_get(model_plan, &ms);
+  tw_plan_destroy(model_plan);
+  TW_TRY(st);
+  int model_mgb_index = -1;
+  for (int i = 0; i < nm; i++)
+    if (mgbs[i] == ms.coalesce) model_mgb_index = i;
+  if (model_mgb_index < 0) {
+    /* One more device plan for the model's factor. */
+    tw_plan_config c2 = TW_PLAN_CONFIG_INIT;
+    c2.coalesce = ms.coalesce;
+    TW_TRY(tw_plan_create(&s->problem, s->routing, s->rank, &c2, &s->mplans[nm]));
+    s->mgbs[nm] = ms.coalesce;
+    TW_TRY(tw_device_plan_create(s->ctx, &s->dplans[nm]));
+    TW_TRY(tw_device_plan_upload(s->dplans[nm], s->mplans[nm], s->routing, s->stream));
+    model_mgb_index = nm++;
+    s->ndplans = nm;
+  }
+  tw_context_info info;
+  TW_TRY(tw_context_info_get(s->ctx, &info));
+  int cmax = o->c_max < info.max_comm_ctas ? o->c_max : info.max_comm_ctas;
+  const int model_in_grid = ms.comm_ctas <= cmax && model_mgb_index < 3;
+
+  /* Policies: seq (reference), every (C, mgb), and the model's choice if
+   * outside the grid. */
+  const int ncfg = cmax * 3 + (model_in_grid ? 0 : 1);
+  const int np = 1 + ncfg;
+  twb_policy* pols = (twb_policy*)calloc((size_t)np, sizeof(twb_policy));
+  float* samples = (float*)calloc((size_t)np * (size_t)o->iters, sizeof(float));
+  float* err = (float*)calloc((size_t)np, sizeof(float));
+  tw_bench_stats* sts = (tw_bench_stats*)calloc((size_t)np, sizeof(tw_bench_stats));
+  double* pred = (double*)calloc((size_t)np, sizeof(double));
+  if (!pols || !samples || !err || !sts || !pred) {
+    free(pols), free(samples), free(err), free(sts), free(pred);
+    return tw__fail(TW_ERR_OUT_OF_MEMORY, "sweep: out of host memory");
+  }
+  pols[0].kind = TWB_SEQ;
+  pols[0].out = TWB_OUT_SEQ;
+  snprintf(pols[0].name, sizeof pols[0].name, "seq");
+  int k = 1;
+  for (int m = 0; m < 3; m++)
+    for (int c = 1; c <= cmax; c++, k++) {
+      pols[k].kind = TWB_OURS;
+      pols[k].c = c;
+      pols[k].dplan = m;
+      pols[k].out = TWB_OUT_OURS;
+      snprintf(pols[k].name, sizeof pols[k].name, "C%d_mgb%d", c, mgbs[m]);
+    }
+  if (!model_in_grid) {
+    pols[k].kind = TWB_OURS;
+    pols[k].c = ms.comm_ctas;
+    pols[k].dplan = model_mgb_index;
+    pols[k].out = TWB_OUT_OURS;
+    snprintf(pols[k].name, sizeof pols[k].name, "model_C%d_mgb%d", ms.comm_ctas, ms.coalesce);
+    k++;
+  }
+  for (int i = 1; i < np && st == TW_SUCCESS; i++)
+    st = tw_plan_predict(s->mplans[pols[i].dplan], pols[i].c, s->mgbs[pols[i].dplan], &pred[i]);
+
+  /* Correctness of every configuration against the sequential baseline (once
+   * each). */
+  float maxerr = 0.f;
+  if (st == TW_SUCCESS) {
+    st = tw__fill_bf16(s->out[TWB_OUT_SEQ], s->out_elems, TWB_POISON, s->stream);
+    if (st == TW_SUCCESS) st = twb_barrier(s);
+    if (st == TW_SUCCESS) st = twb_run(s, &pols[0], 0, s->stream);
+  }
+  for (int i = 1; i < np && st == TW_SUCCESS; i++) {
+    st = tw__fill_bf16(s->out[TWB_OUT_OURS], s->out_elems, TWB_POISON, s->stream);
+    if (st == TW_SUCCESS) st = twb_barrier(s);
+    if (st == TW_SUCCESS) st = twb_run(s, &pols[i], 0, s->stream);
+    double rel = 0;
+    if (st == TW_SUCCESS) st = tw_context_check(s->ctx);
+    if (st == TW_SUCCESS)
+      st = tw__baseline_rel_diff(s->out[TWB_OUT_OURS], s->out[TWB_OUT_SEQ], s->out_elems,
+                                 s->scratch, s->stream, &rel);
+    err[i] = isfinite(rel) ? (float)rel : INFINITY;
+    if (err[i] > maxerr) maxerr = err[i];
+  }
+  if (st == TW_SUCCESS) st = twb_max_over_ranks(s, err, (size_t)np);
+  maxerr = 0.f;
+  for (int i = 1; i < np; i++)
+    if (err[i] > maxerr || !(err[i] == err[i])) maxerr = err[i] == err[i] ? err[i] : INFINITY;
+  int last_set = 0;
+  if (st == TW_SUCCESS) st = twb_time(s, o, pols, np, samples, &last_set);
+  if (st == TW_SUCCESS) st = tw_context_check(s->ctx);
+  if (st == TW_SUCCESS && s->rank == 0) {
+    for (int i = 1; i < np; i++)
+      tw_bench_stats_of(samples + (size_t)i * o->iters, o->iters, &sts[i]);
+    tw_bench_stats_of(samples, o->iters, &sts[0]);
+    int best = 1, model_i = -1;
+    for (int i = 1; i < np; i++) {
+      if (sts[i].median < sts[best].median) best = i;
+      if (pols[i].c == ms.comm_ctas && s->mgbs[pols[i].dplan] == ms.coalesce) model_i = i;
+    }
+    const double t_oracle = sts[best].median;
+    const double t_model = model_i > 0 ? sts[model_i].median : NAN;
+    const double regret = (t_model - t_oracle) / t_oracle;
+    FILE* js = o->json ? stdout : s->json_out;
+    if (js) {
+      fprintf(
+          js,
+          "{\"command\": \"sweep\", \"world_size\": %d, \"tokens_per_rank\": %d, \"ffn\": %d, "
+          "\"hidden\": %d, \"experts\": %d, \"top_k\": %d, \"router\": \"%s\", \"seq_us\": %.2f,\n "
+          "\"oracle\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f},\n \"model\": "
+          "{\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f, \"predicted_us\": %.2f, "
+          "\"solve_us\": %.3f},\n \"regret\": %.4f, \"max_rel_err\": %.3e, \"pass\": %s,\n "
+          "\"configs\": [",
+          s->world, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
+          twb_router_name(pt->router), sts[0].median, pols[best].c, s->mgbs[pols[best].dplan],
+          t_oracle, ms.comm_ctas, ms.coalesce, t_model, ms.predicted_us, ms.solve_us, regret,
+          (double)maxerr, maxerr <= o->tol ? "true" : "false");
+      for (int i = 1; i < np; i++)
+        fprintf(js,
+                "%s{\"comm_ctas\": %d, \"coalesce\": %d, \"median_us\": %.2f, \"p10_us\": %.2f, "
+                "\"p90_us\": %.2f, \"predicted_us\": %.2f, \"rel_err\": %.3e}",
+                i > 1 ? ",\n  " : "", pols[i].c, s->mgbs[pols[i].dplan], sts[i].median, sts[i].p10,
+                sts[i].p90, pred[i], (double)err[i]);
+      fprintf(js, "]}\n");
+    }
+    if (!o->json) {
+      printf(
+          "sweep: tokens/rank %d, K %d, N %d, E %d, top-%d, %s, %d ranks; sequential baseline %.1f "
+          "us\n\n",
+          pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk, twb_router_name(pt->router),
+          s->world, sts[0].median);
+      printf("| C | mgb=%d us | mgb=%d us | mgb=%d us | predicted mgb=%d/%d/%d us |\n", mgbs[0],
+             mgbs[1], mgbs[2], mgbs[0], mgbs[1], mgbs[2]);
+      printf("| ---: | ---: | ---: | ---: | ---: |\n");
+      for (int c = 1; c <= cmax; c++) {
+        const int i0 = 1 + (c - 1), i1 = 1 + cmax + (c - 1), i2 = 1 + 2 * cmax + (c - 1);
+        printf("| %d | %.1f%s | %.1f%s | %.1f%s | %.1f / %.1f / %.1f |\n", c, sts[i0].median,
+               i0 == best ? " *" : "", sts[i1].median, i1 == best ? " *" : "", sts[i2].median,
+               i2 == best ? " *" : "", pred[i0], pred[i1], pred[i2]);
+      }
+      printf("\noracle: C=%d mgb=%d %.1f us (speedup over sequential %.2fx)\n", pols[best].c,
+             s->mgbs[pols[best].dplan], t_oracle, sts[0].median / t_oracle);
+      printf("model:  C=%d mgb=%d measured %.1f us, predicted %.1f us, decided in %.3f us\n",
+             ms.comm_ctas, ms.coalesce, t_model, ms.predicted_us, ms.solve_us);
+      printf("regret: %.2f%%   correctness: max rel err %.2e vs sequential (%s)\n", 100 * regret,
+             (double)maxerr, maxerr <= o->tol ? "pass" : "FAIL");
+    }
+    fflush(stdout);
+  }
+  if (st == TW_SUCCESS && maxerr > o->tol)
+    st = tw__fail(TW_ERR_INTERNAL, "sweep: an output differs from the sequential baseline by %.3e",
+                  (double)maxerr);
+  free(pols), free(samples), free(err), free(sts), free(pred);
+  return st;
+}
+
+/* ---- ranks ----------------------------------------------------------------------------------- */
+
+typedef struct twb_job {
+  twb_opts o;
+  twb_point* points;
+  int npoints;
+} twb_job;
+
+static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg) {
+  const twb_job* job = (const twb_job*)arg;
+  const twb_opts* o = &job->o;
+  twb_rank s;
+  memset(&s, 0, sizeof s);
+  s.rank = rank;
+  s.world = nranks;
+  tw_status st = TW_SUCCESS;
+  ncclResult_t nr = ncclCommInitRank(&s.comm, nranks, *id, rank);
+  if (nr != ncclSuccess) {
+    fprintf(stderr, "tilewave: rank %d: ncclCommInitRank failed: %s\n", rank,
+            ncclGetErrorString(nr));
+    return TW_ERR_NCCL;
+  }
+  if (cudaStreamCreateWithFlags(&s.stream, cudaStreamNonBlocking) != cudaSuccess ||
+      cudaMalloc((void**)&s.barrier, 256) != cudaSuccess ||
+      cudaMalloc((void**)&s.scratch, 256) != cudaSuccess ||
+      cudaMemset(s.barrier, 0, 256) != cudaSuccess) {
+    fprintf(stderr, "tilewave: rank %d: CUDA setup failed\n", rank);
+    ncclCommDestroy(s.comm);
+    return TW_ERR_CUDA;
+  }
+  if (rank == 0 && o->json_file) {
+    s.json_out = fopen(o->json_file, "w");
+    if (s.json_out == NULL) fprintf(stderr, "tilewave: cannot write %s\n", o->json_file);
+  }
+  FILE* js = rank == 0 ? (o->json ? stdout : s.json_out) : NULL;
+  if (js && !o->sweep)
+    fprintf(js, "{\"command\": \"bench\", \"world_size\": %d, \"points\": [\n", nranks);
+  if (!o->json && rank == 0 && !o->sweep) twb_print_header();
+  twb_bench_result* res = (twb_bench_result*)calloc(1, sizeof(twb_bench_result));
+  int failures = 0;
+  for (int i = 0; i < job->npoints && st == TW_SUCCESS && res; i++) {
+    const twb_point* pt = &job->points[i];
+    if (rank == 0)
+      fprintf(stderr, "[%s %d/%d] tokens/rank %d K %d N %d E %d top-%d %s\n",
+              o->sweep ? "sweep" : "bench", i + 1, job->npoints, pt->tokens, pt->ffn, pt->hidden,
+              pt->experts, pt->topk, twb_router_name(pt->router));
+    const double t0 = tw__now_seconds();
+    if (o->sweep) {
+      st = twb_sweep_point(&s, o, pt);
+    } else {
+      st = twb_bench_point(&s, o, pt, res);
+      if (st == TW_SUCCESS && rank == 0) {
+        if (js) twb_print_json_point(js, o, res, i == 0);
+        if (!o->json) twb_print_row(o, res);
+        twb_derived d;
+        twb_derive(o, res, &d);
+        if (!d.pass) failures++;
+        fprintf(stderr,
+                "[bench %d/%d] seq %.1f us, ours %.1f us (C=%d mgb=%d), %.2fx, err %.2e, %.1f s\n",
+                i + 1, job->npoints, d.seq, d.ours, res->c, res->mgb, d.speedup, d.max_err,
+                tw__now_seconds() - t0);
+      }
+    }
+    twb_rank_free(&s);
+  }
+  if (res == NULL) st = tw__fail(TW_ERR_OUT_OF_MEMORY, "bench: out of host memory");
+  if (js && !o->sweep) fprintf(js, "\n]}\n");
+  if (s.json_out) fclose(s.json_out);
+  fflush(stdout);
+  free(res);
+  if (st != TW_SUCCESS)
+    fprintf(stderr, "tilewave: rank %d: %s: %s\n", rank, tw_status_string(st), tw_last_error());
+  cudaFree(s.barrier);
+  cudaFree(s.scratch);
+  cudaStreamDestroy(s.stream);
+  /* A failed rank may leave peers inside a collective; abort rather than wait
+   * for them. */
+  if (st != TW_SUCCESS)
+    ncclCommAbort(s.comm);
+  else
+    ncclCommDestroy(s.comm);
+  if (st == TW_SUCCESS && failures > 0) {
+    if (rank == 0)
+      fprintf(stderr, "tilewave bench: %d point(s) failed the correctness check\n", failures);
+    return TW_ERR_INTERNAL;
+  }
+  return (int)st;
+}
+
+/* ---- command line ---------------------------------------------------------------------------- */
+
+static void twb_usage(FILE* f, int sweep) {
+  fprintf(f,
+          "usage: tilewave %s [options]\n\n"
+          "Times tilewave's overlapped GEMM2 + combine against the sequential "
+          "(cuBLAS + NCCL), "
+          "unfused and\nchunked copy-engine baselines, one process per visible GPU "
+          "(or one rank "
+          "under mpirun/torchrun).\n%s\n"
+          "shape (default: %s):\n"
+          "  --model NAME        preset (tilewave plan --help lists them)\n"
+          "  --hidden N --ffn K --experts E --topk k\n"
+          "  --tokens T[,T...]   tokens per rank (default 8192 with --model or "
+          "shape flags)\n"
+          "  --router R          balanced | moderate_skew | stress_skew | "
+          "target:R_EXPERT\n"
+          "  --routing FILE      replay a routing file instead "
+          "(docs/routing-format.md)\n"
+          "  --write-routing F   write the routing used (rank 0), e.g. for "
+          "bench/torch_peer.py\n"
+          "  --seed S            routing and input seed (default 1)\n"
+          "policy:\n"
+          "  --comm-ctas C       force C (default: the model's choice)\n"
+          "  --coalesce M        force mgb (default: the model's choice)\n"
+          "measurement:\n"
+          "  --iters N           timed rounds (default %d)\n"
+          "  --warmup N          untimed rounds (default 5)\n"
+          "  --chunks R[,R...]   chunked baseline rows per chunk (default "
+          "1024,2048,4096)\n"
+          "  --delay-us U        device delay before each timed sample (default "
+          "300; 0 = count "
+          "host launch time)\n"
+          "%s"
+          "  --tol X             largest normwise relative error that passes "
+          "(default 2e-2)\n"
+          "  --ranks N           ranks to spawn (default: every visible GPU)\n"
+          "  --timeout S         kill the run after S seconds (default 1800)\n"
+          "  --json              JSON on stdout instead of the markdown table\n"
+          "  --json-file F       also write the JSON to F (the table stays on stdout)\n",
+          sweep ? "sweep" : "bench",
+          sweep ? "For one point, measures every C in 1..32 and mgb in {1,2,4}; "
+                  "prints the table, "
+                  "the oracle,\nthe model's choice and its regret.\n"
+                : "`tilewave bench gemm ...` runs the GEMM benchmark.\n",
+          sweep ? "tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced"
+                : "the grid tokens/rank {8192,16384} x N {4096,8192} x E {4..64}, "
+                  "K 2048, top-2, "
+                  "balanced",
+          sweep ? 20 : 30,
+          sweep ? "  --c-max C           largest C swept (default 32)\n"
+                : "  --full              the grid with all three routers\n");
+}
+
+static int twb_parse_list(const char* s, int* out, int max, long lo, long hi) {
+  char buf[256];
+  snprintf(buf, sizeof buf, "%s", s);
+  int n = 0;
+  for (char* tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+    long v;
+    if (n >= max || !tw_bench_parse_int(tok, lo, hi, &v)) return -1;
+    out[n++] = (int)v;
+  }
+  return n;
+}
+
+static int twb_main(int argc, char** argv, int sweep) {
+  twb_opts o;
+  memset(&o, 0, sizeof o);
+  o.sweep = sweep;
+  o.router = -1;
+  o.seed = 1;
+  o.iters = sweep ? 20 : 30;
+  o.warmup = sweep ? 3 : 5;
+  o.timeout_s = 1800;
+  o.delay_us = 300;
+  o.c_max = 32;
+  o.tol = 2e-2;
+  o.chunks[0] = 1024, o.chunks[1] = 2048, o.chunks[2] = 4096;
+  o.nchunks = 3;
+  int shape_given = 0;
+  for (int i = 1; i < argc; i++) {
+    const char* a = argv[i];
+    const char* v = i + 1 < argc ? argv[i + 1] : NULL;
+    long n;
+    double x;
+#define TWB_INT(flag, field, lo, hi)                                                   \
+  if (strcmp(a, flag) == 0) {                                                          \
+    if (!tw_bench_parse_int(v, lo, hi, &n)) {                                          \
+      fprintf(stderr, "tilewave: %s needs an integer in %ld..%ld\n", flag, (long)(lo), \
+              (long)(hi));                                                             \
+      return 2;                                                                        \
+    }                                                                                  \
+    field = (int)n;                                                                    \
+    i++;                                                                               \
+    continue;                                                                          \
+  }
+    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+      twb_usage(stdout, sweep);
+      return 0;
+    }
+    if (strcmp(a, "--json") == 0) {
+      o.json = 1;
+      continue;
+    }
+    if (strcmp(a, "--full") == 0 && !sweep) {
+      o.full = 1;
+      continue;
+    }
+    if (strcmp(a, "--hidden") == 0) shape_given = 1;
+    if (strcmp(a, "--ffn") == 0) shape_given = 1;
+    if (strcmp(a, "--experts") == 0) shape_given = 1;
+    if (strcmp(a, "--topk") == 0) shape_given = 1;
+    TWB_INT("--hidden", o.hidden, 8, 1 << 16)
+    TWB_INT("--ffn", o.ffn, 8, 1 << 16)
+    TWB_INT("--experts", o.experts, 1, 4096)
+    TWB_INT("--topk", o.topk, 1, 64)
+    TWB_INT("--comm-ctas", o.comm_ctas, 1, TW_MAX_COMM_CTAS)
+    TWB_INT("--coalesce", o.coalesce, 1, 1 << 20)
+    TWB_INT("--iters", o.iters, 1, 100000)
+    TWB_INT("--warmup", o.warmup, 0, 100000)
+    TWB_INT("--delay-us", o.delay_us, 0, 100000)
+    TWB_INT("--ranks", o.ranks, 1, TW_MAX_RANKS)
+    TWB_INT("--timeout", o.timeout_s, 0, 1 << 30)
+    TWB_INT("--c-max", o.c_max, 1, TW_MAX_COMM_CTAS)
+#undef TWB_INT
+    if (v == NULL) {
+      fprintf(stderr, "tilewave %s: unknown option or missing value: %s\n", argv[0], a);
+      return 2;
+    }
+    if (strcmp(a, "--model") == 0) {
+      o.model = v, i++, shape_given = 1;
+    } else if (strcmp(a, "--tokens") == 0) {
+      o.ntokens = twb_parse_list(v, o.tokens, TWB_MAX_TOKENS_LIST, 1, 1 << 24);
+      if (o.ntokens <= 0) {
+        fprintf(stderr, "tilewave: --tokens needs positive integers separated by commas\n");
+        return 2;
+      }
+      i++;
+    } else if (strcmp(a, "--chunks") == 0) {
+      o.nchunks = twb_parse_list(v, o.chunks, TWB_MAX_CHUNKS, 1, 1 << 24);
+      if (o.nchunks <= 0) {
+        fprintf(stderr, "tilewave: --chunks needs positive integers separated by commas\n");
+        return 2;
+      }
+      i++;
+    } else if (strcmp(a, "--router") == 0) {
+      if (strcasecmp(v, "balanced") == 0)
+        o.router = TW_ROUTER_BALANCED;
+      else if (strcasecmp(v, "moderate_skew") == 0)
+        o.router = TW_ROUTER_MODERATE_SKEW;
+      else if (strcasecmp(v, "stress_skew") == 0)
+        o.router = TW_ROUTER_STRESS_SKEW;
+      else if (strncasecmp(v, "target:", 7) == 0 && tw_bench_parse_double(v + 7, &x) && x >= 1.0) {
+        o.router = TW_ROUTER_TARGET;
+        o.router_param = x;
+      } else {
+        fprintf(stderr,
+                "tilewave: --router must be balanced, moderate_skew, stress_skew or target:R with "
+                "R >= 1\n");
+        return 2;
+      }
+      i++;
+    } else if (strcmp(a, "--routing") == 0) {
+      o.routing_file = v, i++;
+    } else if (strcmp(a, "--json-file") == 0) {
+      o.json_file = v, i++;
+    } else if (strcmp(a, "--write-routing") == 0) {
+      o.write_routing = v, i++;
+    } else if (strcmp(a, "--seed") == 0) {
+      if (!tw_bench_parse_int(v, 0, 0x7fffffffL, &n)) {
+        fprintf(stderr, "tilewave: --seed needs a non-negative integer\n");
+        return 2;
+      }
+      o.seed = (uint64_t)n, i++;
+    } else if (strcmp(a, "--tol") == 0) {
+      if (!tw_bench_parse_double(v, &o.tol) || !(o.tol > 0)) {
+        fprintf(stderr, "tilewave: --tol needs a positive number\n");
+        return 2;
+      }
+      i++;
+    } else {
+      fprintf(stderr, "tilewave %s: unknown option %s (--help lists them)\n", argv[0], a);
+      return 2;
+    }
+  }
+
+  /* Points. */
+  twb_job job;
+  memset(&job, 0, sizeof job);
+  job.o = o;
+  twb_point base = {4096, 2048, 16, 2, 8192, TW_ROUTER_BALANCED, 0.0};
+  if (o.model) {
+    tw_problem p = TW_PROBLEM_INIT;
+    if (tw_problem_preset(o.model, &p) != TW_SUCCESS) {
+      fprintf(stderr, "tilewave: %s\n", tw_last_error());
+      return 2;
+    }
+    base.hidden = p.hidden, base.ffn = p.ffn, base.experts = p.experts, base.topk = p.top_k;
+  }
+  if (o.hidden) base.hidden = o.hidden;
+  if (o.ffn) base.ffn = o.ffn;
+  if (o.experts) base.experts = o.experts;
+  if (o.topk) base.topk = o.topk;
+  if (o.router >= 0) base.router = o.router, base.router_param = o.router_param;
+  const int routers[3] = {TW_ROUTER_BALANCED, TW_ROUTER_MODERATE_SKEW, TW_ROUTER_STRESS_SKEW};
+  const int nrouters = o.full && o.router < 0 ? 3 : 1;
+  int default_tokens[2] = {8192, 16384};
+  const int* toks = o.ntokens ? o.tokens : default_tokens;
+  int ntoks = o.ntokens ? o.ntokens : (shape_given || sweep ? 1 : 2);
+  const int grid = !shape_given && !sweep;
+  const int hs[2] = {4096, 8192}, es[5] = {4, 8, 16, 32, 64};
+  job.points = (twb_point*)calloc(64 + (size_t)ntoks * 2 * 5 * 3, sizeof(twb_point));
+  if (job.points == NULL) return 1;
+  for (int t = 0; t < ntoks; t++)
+    for (int h = 0; h < (grid ? 2 : 1); h++)
+      for (int e = 0; e < (grid ? 5 : 1); e++)
+        for (int r = 0; r < nrouters; r++) {
+          twb_point pt = base;
+          pt.tokens = toks[t];
+          if (grid) pt.hidden = hs[h], pt.experts = es[e];
+          if (nrouters > 1) pt.router = routers[r], pt.router_param = 0.0;
+          job.points[job.npoints++] = pt;
+        }
+  if (sweep && job.npoints > 1) job.npoints = 1;
+  job.o = o;
+
+  int nranks = o.ranks;
+  if (nranks == 0) {
+    tw_launcher l;
+    if (tw__launcher_detect(&l)) {
+      nranks = l.nranks;
+    } else {
+      nranks = tw__gpu_count_forked();
+      if (nranks <= 0) {
+        fprintf(stderr, "tilewave %s: no CUDA device found; this command needs GPUs\n", argv[0]);
+        free(job.points);
+        return 1;
+      }
+    }
+  }
+  tw_status st = tw__run_ranks(nranks, twb_rank_main, &job, o.timeout_s);
+  free(job.points);
+  if (st != TW_SUCCESS) {
+    fprintf(stderr, "tilewave %s: %s: %s\n", argv[0], tw_status_string(st), tw_last_error());
+    return 1;
+  }
+  return 0;
+}
+
+int tw_cli_bench(int argc, char** argv) {
+  if (argc > 1 && strcmp(argv[1], "gemm") == 0) {
+    return tw_cli_bench_gemm(argc - 1, argv + 1); /* tools/bench_gemm.cu */
+  }
+  return twb_main(argc, argv, 0);
+}
+
+int tw_cli_sweep(int argc, char** argv) {
+  return twb_main(argc, argv, 1);
+}
