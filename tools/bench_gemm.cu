@@ -18,11 +18,13 @@
 #include <string.h>
 
 #include <algorithm>
+#include <functional>
 #include <vector>
 
 #include "cli.h"
 #include "core.h"
 #include "kernels.h"
+#include "plan.h"
 
 namespace {
 
@@ -33,6 +35,7 @@ struct BenchOpts {
   int variant = 0;
   int reps = 20, warmup = 3;
   int check = 1;
+  int plan = 1; /* 1: the planner's layout (2 ranks, balanced top-2, rank 0); 0: even split */
 };
 
 struct Shape {
@@ -78,40 +81,86 @@ double median(std::vector<float> v) {
   return v.empty() ? 0.0 : (double)v[v.size() / 2];
 }
 
-/* Times `fn` (returns 0 on success): median microseconds over reps after warmup. */
+/* Times the functions of `fns` (each returns 0 on success) interleaved rep by rep (A B C A B C
+ * ...), so that clock and power drift hit all of them alike; us[i] gets the median
+ * microseconds of fns[i] over reps after warmup rounds. Returns false on a failure. */
 template <typename F>
-double time_us(F fn, int warmup, int reps, cudaStream_t s) {
+bool time_interleaved(const std::vector<F>& fns, int warmup, int reps, cudaStream_t s,
+                      std::vector<double>& us) {
+  const size_t n = fns.size();
   for (int i = 0; i < warmup; i++)
-    if (fn() != 0) return -1;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  std::vector<float> ms;
-  for (int i = 0; i < reps; i++) {
-    cudaEventRecord(a, s);
-    if (fn() != 0) return -1;
-    cudaEventRecord(b, s);
-    cudaEventSynchronize(b);
-    float t = 0;
-    cudaEventElapsedTime(&t, a, b);
-    ms.push_back(t);
+    for (size_t f = 0; f < n; f++)
+      if (fns[f]() != 0) return false;
+  std::vector<cudaEvent_t> ev(n + 1);
+  for (auto& e : ev) cudaEventCreate(&e);
+  std::vector<std::vector<float>> ms(n);
+  bool ok = true;
+  for (int i = 0; i < reps && ok; i++) {
+    cudaEventRecord(ev[0], s);
+    for (size_t f = 0; f < n && ok; f++) {
+      ok = fns[f]() == 0;
+      cudaEventRecord(ev[f + 1], s);
+    }
+    cudaEventSynchronize(ev[n]);
+    for (size_t f = 0; f < n; f++) {
+      float t = 0;
+      cudaEventElapsedTime(&t, ev[f], ev[f + 1]);
+      ms[f].push_back(t);
+    }
   }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return median(ms) * 1000.0;
+  for (auto& e : ev) cudaEventDestroy(e);
+  us.resize(n);
+  for (size_t f = 0; f < n; f++) us[f] = median(ms[f]) * 1000.0;
+  return ok;
 }
 
-int bench_shape(const Shape& sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) {
-  const int tn = o.tn ? o.tn : (sh.n % 256 == 0 ? 256 : 128);
+/* The planner's layout and schedule for rank 0 of a 2-rank balanced top-2 routing whose rank 0
+ * receives about `rows` rows: experts' rows (padding included) and the tile list. Returns false
+ * (with a message) if planning fails. */
+bool planned_layout(Shape& sh, int tm, int tn, std::vector<int>& m, std::vector<int>& row0,
+                    std::vector<tw_tile>& tiles, int& bands, int& out_tn) {
+  tw_problem prob = TW_PROBLEM_INIT;
+  prob.world_size = 2;
+  prob.hidden = sh.n;
+  prob.ffn = sh.k;
+  prob.experts = 2 * sh.experts;
+  prob.top_k = 2;
+  prob.max_tokens = sh.rows / 2;
+  prob.tile_m = tm;
+  prob.tile_n = tn;
+  tw_routing_t rt = nullptr;
+  tw_plan_t pl = nullptr;
+  if (tw_routing_generate(&prob, TW_ROUTER_BALANCED, 0.0, sh.rows / 2, 1, &rt) != TW_SUCCESS ||
+      tw_plan_create(&prob, rt, 0, nullptr, &pl) != TW_SUCCESS) {
+    fprintf(stderr, "bench gemm: planning failed: %s\n", tw_last_error());
+    tw_routing_destroy(rt);
+    return false;
+  }
+  sh.rows = pl->rows;
+  m.assign(pl->expert_rows, pl->expert_rows + sh.experts);
+  row0.assign(pl->expert_row0, pl->expert_row0 + sh.experts);
+  tiles.assign(pl->tiles, pl->tiles + pl->num_tiles);
+  bands = pl->num_bands;
+  out_tn = pl->tn;
+  tw_plan_destroy(pl);
+  tw_routing_destroy(rt);
+  return true;
+}
+
+int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) {
+  int tn = o.tn ? o.tn : (sh.n % 256 == 0 ? 256 : 128);
   const int tm = o.tm;
-  /* Balanced layout: expert e gets rows/E rows (the first rows % E experts one more), back to
-   * back; the schedule walks experts in order, band by band, all column tiles of a band
-   * together (the local part of the remote-first schedule). */
   std::vector<int> m(sh.experts), row0(sh.experts);
   std::vector<tw_tile> tiles;
   int r = 0, bands = 0;
+  if (o.plan) {
+    if (!planned_layout(sh, tm, o.tn, m, row0, tiles, bands, tn)) return -1;
+  }
   const int col_tiles = (sh.n + tn - 1) / tn;
-  for (int e = 0; e < sh.experts; e++) {
+  /* Even layout: expert e gets rows/E rows (the first rows % E experts one more), back to
+   * back; the schedule walks experts in order, band by band, all column tiles of a band
+   * together (the local part of the remote-first schedule). */
+  for (int e = 0; e < sh.experts && !o.plan; e++) {
     m[e] = sh.rows / sh.experts + (e < sh.rows % sh.experts);
     row0[e] = r;
     for (int i = 0; i < m[e]; i += tm, bands++)
@@ -239,15 +288,14 @@ int bench_shape(const Shape& sh, const BenchOpts& o, cublasHandle_t h, cudaStrea
     bench_compare<<<1024, 256, 0, s>>>(C, Cref, c_elems, 1e-2f, wrong);
     BENCH_CUDA(cudaMemcpy(&nwrong, wrong, 8, cudaMemcpyDeviceToHost));
   }
-  /* ABBA-style interleave of ours with and without signals, so that clock drift hits both. */
-  const double t_ours1 = time_us(ours, o.warmup, o.reps, s);
-  const double t_sig1 = time_us(ours_sig, o.warmup, o.reps, s);
-  const double t_sig2 = time_us(ours_sig, 0, o.reps, s);
-  const double t_ours2 = time_us(ours, 0, o.reps, s);
-  const double t_ours = std::min(t_ours1, t_ours2), t_sig = std::min(t_sig1, t_sig2);
-  const double t_loop = time_us(loop, o.warmup, o.reps, s);
-  const double t_grp = time_us(grouped, o.warmup, o.reps, s);
-  const double t_cat = time_us(concat, o.warmup, o.reps, s);
+  /* All five interleaved rep by rep (ours, ours + signals, then the cuBLAS baselines). */
+  std::vector<std::function<int()>> fns = {ours, ours_sig, loop, grouped, concat};
+  std::vector<double> us;
+  if (!time_interleaved(fns, o.warmup, o.reps, s, us)) {
+    fprintf(stderr, "bench gemm: a timed call failed: %s\n", tw_last_error());
+    return -1;
+  }
+  const double t_ours = us[0], t_sig = us[1], t_loop = us[2], t_grp = us[3], t_cat = us[4];
   BENCH_CUDA(cudaStreamSynchronize(s));
   const double flop = 2.0 * sh.rows * (double)sh.n * sh.k;
   auto tf = [&](double us) { return us > 0 ? flop / us * 1e-6 : 0.0; };
@@ -273,9 +321,10 @@ void usage(FILE* f) {
   fprintf(f,
           "usage: tilewave bench gemm [--rows R --k K --n N --experts E] [--tm 128] [--tn 0]\n"
           "                           [--grid P] [--variant V] [--reps 20] [--warmup 3] "
-          "[--no-check]\n"
+          "[--no-check] [--even]\n"
           "Without a shape, runs the default grid: rows 16384 and 32768, K 2048, N 4096 and\n"
-          "8192, E 4..64, and rows 8192, K 1408, N 2048, E 30.\n");
+          "8192, E 4..64, and rows 8192, K 1408, N 2048, E 30. Layout: the planner's for rank 0\n"
+          "of 2 ranks, balanced top-2 routing (rows include its padding); --even: rows/E each.\n");
 }
 
 }  // namespace
@@ -291,6 +340,9 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
       return 0;
     } else if (!strcmp(a, "--no-check")) {
       o.check = 0;
+      continue;
+    } else if (!strcmp(a, "--even")) {
+      o.plan = 0;
       continue;
     } else if (!strcmp(a, "--rows")) {
       dst = &o.rows;
@@ -347,8 +399,9 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
     return 1;
   }
   cublasSetStream(h, s);
-  printf("# bench gemm on %s (%d SMs), grid %d, variant %d, tm %d, median of %d reps\n", prop.name,
-         prop.multiProcessorCount, o.grid, o.variant, o.tm, o.reps);
+  printf("# bench gemm on %s (%d SMs), grid %d, variant %d, tm %d, %s layout, median of %d reps\n",
+         prop.name, prop.multiProcessorCount, o.grid, o.variant, o.tm, o.plan ? "planned" : "even",
+         o.reps);
   printf(
       "| rows | K | N | E | tn | ours us TF/s | +signals us, cost | cuBLAS loop us TF/s | "
       "cuBLAS grouped us TF/s | cuBLAS concat us TF/s | ours/concat | speedup vs loop | "

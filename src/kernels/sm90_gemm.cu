@@ -12,7 +12,12 @@
  *   1  simple: WMMA bf16 MMA, smem tiles from ordinary loads, st.global epilogue. Any supported
  *      shape; kept as the reference implementation and fallback.
  *   2  TMA + wgmma, warp-specialised (1 producer + 2 consumer warpgroups), persistent, st.global
- *      epilogue straight from registers. The default.
+ *      epilogue straight from registers; signal after a named barrier of the consumers.
+ *   3  as 2, but the signal is issued by an epilogue warp of the producer warpgroup, so the
+ *      release's wait for the tile's stores no longer stalls the tensor cores.
+ *   4  as 3, with the epilogue staged through shared memory: the consumers write bf16 to a
+ *      staging tile and go on with the next tile; the epilogue warp writes each valid row with
+ *      one bulk copy (cp.async.bulk), waits for completion and publishes. The default.
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -30,7 +35,7 @@ namespace {
  * each 32 x 64 = 2 x 4 WMMA fragments); a tn = 256 tile is two passes, a tm = 64 tile masks the
  * lower half. K advances 32 at a time. */
 /* Kernel used for variant 0 where it covers the shape. */
-constexpr int kDefaultVariant = 2;
+constexpr int kDefaultVariant = 4;
 
 constexpr int kV1Threads = 256;
 constexpr int kV1BM = 128;
@@ -378,7 +383,10 @@ __device__ __forceinline__ void tw__wgmma(float* d, uint64_t da, uint64_t db) {
   if constexpr (N == 256) tw__wgmma_m64n256k16(d, da, db);
 }
 
-template <int BM, int BN, int STAGES, bool SWIGLU>
+/* Epilogue modes of the wgmma kernel (variants 2, 3, 4). */
+enum { kEpiDirect = 0, kEpiSignalWarp = 1, kEpiStaged = 2 };
+
+template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
 struct V2Config {
   static constexpr int kBRows = SWIGLU ? 2 * BN : BN;          /* B rows loaded per stage */
   static constexpr int kWgN = BM == 128 ? kBRows : kBRows / 2; /* wgmma N of one consumer */
@@ -386,11 +394,17 @@ struct V2Config {
   static constexpr int kABytes = BM * 128;
   static constexpr int kBBytes = kBRows * 128;
   static constexpr int kStageBytes = kABytes + kBBytes;
-  static constexpr int kSmemBytes = STAGES * kStageBytes + 2 * STAGES * 8 + 1024; /* + align */
+  /* EPI = kEpiStaged: a (BM, BN) bf16 staging tile, rows padded by 16 bytes so that the
+   * accumulator writes (8 rows x 4 lanes per instruction) hit 32 distinct banks. */
+  static constexpr int kStagePitch = BN * 2 + 16;
+  static constexpr int kStagingBytes = EPI == kEpiStaged ? BM * kStagePitch : 0;
+  static constexpr int kBarOffset = STAGES * kStageBytes + kStagingBytes;
+  static constexpr int kSmemBytes = kBarOffset + (2 * STAGES + 2) * 8 + 1024; /* + align */
   static constexpr int kThreads = 384;
   static_assert(BM == 64 || BM == 128, "BM");
   static_assert(!SWIGLU || BM == 128, "SwiGLU needs BM = 128");
   static_assert(kWgN == 64 || kWgN == 128 || kWgN == 256, "wgmma N");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
 /* Named barrier 1 among the 256 consumer threads (barrier 0 is __syncthreads). */
@@ -398,16 +412,32 @@ __device__ __forceinline__ void tw__consumer_bar() {
   asm volatile("bar.sync 1, 256;" ::: "memory");
 }
 
-template <int BM, int BN, int STAGES, bool SWIGLU>
+/* 1D bulk copy shared -> global (async proxy), tracked by this thread's bulk groups. */
+__device__ __forceinline__ void tw__bulk_store(void* gdst, const void* ssrc, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gdst),
+               "r"(tw__smem_u32(ssrc)), "r"(bytes)
+               : "memory");
+}
+
+template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
 __global__ void __launch_bounds__(384, 1)
     tw_gemm_v2_kernel(const __grid_constant__ CUtensorMap map_a,
                       const __grid_constant__ CUtensorMap map_b, const tw_gemm_args args) {
-  using Cfg = V2Config<BM, BN, STAGES, SWIGLU>;
+  using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                              ~static_cast<uintptr_t>(1023));
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + STAGES * Cfg::kStageBytes);
+  uint8_t* staging = smem + STAGES * Cfg::kStageBytes; /* kEpiStaged only */
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kBarOffset);
   uint64_t* empty = full + STAGES;
+  /* kEpiSignalWarp / kEpiStaged: the consumers -> epilogue warp hand-off of each tile
+   * (epi_ready: one arrival per consumer warp after its part is stored or staged) and back
+   * (epi_done: the epilogue warp has published the tile / freed the staging buffer). */
+  uint64_t* epi_ready = empty + STAGES;
+  uint64_t* epi_done = epi_ready + 1;
+  const bool signal = args.band_counters != NULL && args.scope != TW_SIGNAL_NONE;
+  /* Whether the epilogue warp takes part (it always does for staged stores). */
+  const bool epi_warp = EPI == kEpiStaged || (EPI == kEpiSignalWarp && signal);
   const int wg = threadIdx.x / 128;
   const int nk = args.k / 64;
 
@@ -416,6 +446,8 @@ __global__ void __launch_bounds__(384, 1)
       tw__mbar_init(&full[s], 1);  /* the producer's arrive.expect_tx */
       tw__mbar_init(&empty[s], 8); /* one arrival per consumer warp */
     }
+    tw__mbar_init(epi_ready, 8);
+    tw__mbar_init(epi_done, 1);
     /* Make the initialised barriers visible to the async proxy (TMA completes on them). */
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -423,8 +455,45 @@ __global__ void __launch_bounds__(384, 1)
   __syncthreads();
 
   if (wg == 0) {
-    /* ---- producer warpgroup: one thread issues every TMA load ---- */
+    /* ---- producer warpgroup: one thread issues every TMA load; warp 1 is the epilogue warp
+     * of kEpiSignalWarp / kEpiStaged ---- */
     tw__setmaxnreg_dec<40>();
+    if (EPI != kEpiDirect && threadIdx.x / 32 == 1 && epi_warp) {
+      const int lane = threadIdx.x % 32;
+      uint32_t it = 0;
+      for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x, it++) {
+        const tw_tile tile = args.tiles[t];
+        tw__mbar_wait(epi_ready, it & 1); /* acquire (CTA): the consumers' part of tile t */
+        if (EPI == kEpiStaged) {
+          /* Rows < tile.rows and columns < n only: each row is one contiguous bulk write. */
+          const int rows = min(tile.rows, BM);
+          const uint32_t bytes = (uint32_t)min(BN, args.n - tile.col0) * 2u;
+          __nv_bfloat16* C = static_cast<__nv_bfloat16*>(args.c);
+          for (int r = lane; r < rows; r += 32)
+            tw__bulk_store(C + ((int64_t)tile.row0 + r) * args.n + tile.col0,
+                           staging + r * Cfg::kStagePitch, bytes);
+          asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+          /* NOTES: wait_group 0, NOT .read: .read only covers the reads of the staging buffer;
+           * the release below needs this lane's global writes complete. */
+          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+          /* Barrier among every lane that issued writes before lane 0 publishes. */
+          __syncwarp();
+        }
+        if (lane == 0) {
+          if (signal) {
+            /* NOTES: release after the barrier above (kEpiStaged) or after acquiring epi_ready,
+             * which every consumer warp arrived on (release, CTA scope) after __syncwarp over
+             * its lanes' st.global (kEpiSignalWarp): the release is cumulative, so the whole
+             * tile is visible to whoever acquires the counter and sees this increment. */
+            if (args.scope == TW_SIGNAL_SYS)
+              tw_red_release_sys(args.band_counters + tile.band, 1u);
+            else
+              tw_red_release_gpu(args.band_counters + tile.band, 1u);
+          }
+          tw__mbar_arrive(epi_done); /* staging buffer free / tile published */
+        }
+      }
+    }
     if (threadIdx.x == 0) {
       const int64_t n_b = SWIGLU ? 2 * (int64_t)args.n : args.n;
       int stage = 0;
@@ -466,13 +535,13 @@ __global__ void __launch_bounds__(384, 1)
   const int b_off = BM == 128 ? 0 : cw * Cfg::kWgN * 128;
   const int row_base = BM == 128 ? cw * 64 : 0;
   const int col_base = BM == 128 ? 0 : cw * Cfg::kWgN;
-  const bool signal = args.band_counters != NULL && args.scope != TW_SIGNAL_NONE;
   __nv_bfloat16* C = static_cast<__nv_bfloat16*>(args.c);
   int stage = 0;
   uint32_t phase = 0;
+  uint32_t it = 0; /* this CTA's tile count, for the epi_ready / epi_done phases */
   float acc[Cfg::kAcc];
 
-  for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
+  for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x, it++) {
     const tw_tile tile = args.tiles[t];
 #pragma unroll
     for (int i = 0; i < Cfg::kAcc; i++) acc[i] = 0.f;
@@ -507,30 +576,52 @@ __global__ void __launch_bounds__(384, 1)
     if (prev_stage >= 0 && lane == 0) tw__mbar_arrive(&empty[prev_stage]);
 
     /* Epilogue: accumulator (warp, lane, j, i) holds row warp*16 + lane/4 (+8 for i >= 2),
-     * columns j*8 + (lane%4)*2 + {0, 1}. Stores are masked by tile.rows and n. */
+     * columns j*8 + (lane%4)*2 + {0, 1}. */
     const int rows = min(tile.rows, BM);
     const int r0 = row_base + warp * 16 + lane / 4;
-    const int c0 = tile.col0 + col_base + (lane % 4) * 2;
+    const int lc0 = col_base + (lane % 4) * 2; /* column within the tile */
     constexpr int kOutChunks = SWIGLU ? Cfg::kWgN / 16 : Cfg::kWgN / 8;
+    if (EPI == kEpiStaged) /* the epilogue warp has finished reading the previous tile */
+      tw__mbar_wait(epi_done, (it & 1) ^ 1);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
       const int r = r0 + h * 8;
-      if (r < rows) {
-        __nv_bfloat16* crow = C + ((int64_t)tile.row0 + r) * args.n;
+      if (EPI == kEpiStaged || r < rows) {
+        __nv_bfloat16* crow = C + ((int64_t)tile.row0 + r) * args.n + tile.col0;
 #pragma unroll
         for (int j = 0; j < kOutChunks; j++) {
-          const int col = c0 + j * 8;
+          const int col = lc0 + j * 8;
           float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
           if (SWIGLU) { /* the up value of the same element sits kOutChunks chunks later */
             v0 = tw__silu(v0) * acc[(j + kOutChunks) * 4 + h * 2];
             v1 = tw__silu(v1) * acc[(j + kOutChunks) * 4 + h * 2 + 1];
           }
-          if (col < args.n) /* n even: the pair is all in or all out */
-            *reinterpret_cast<__nv_bfloat162*>(crow + col) = __floats2bfloat162_rn(v0, v1);
+          const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
+          if (EPI == kEpiStaged) /* every row and column; the bulk writes mask them */
+            *reinterpret_cast<__nv_bfloat162*>(staging + r * Cfg::kStagePitch + col * 2) = v;
+          else if (tile.col0 + col < args.n) /* masked by tile.rows and n; n even: the pair is
+                                                all in or all out */
+            *reinterpret_cast<__nv_bfloat162*>(crow + col) = v;
         }
       }
     }
-    if (signal) {
+    if (EPI == kEpiStaged) {
+      /* Make this thread's staging writes visible to the async proxy (the bulk copies), then
+       * hand the tile to the epilogue warp: __syncwarp orders the lanes, lane 0's arrive is a
+       * release at CTA scope that the epilogue warp acquires. */
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      __syncwarp();
+      if (lane == 0) tw__mbar_arrive(epi_ready);
+    } else if (EPI == kEpiSignalWarp && signal) {
+      /* NOTES: every consumer warp's lanes pass __syncwarp after their st.global (bar.warp.sync
+       * orders memory among its lanes); lane 0's mbarrier arrive is a release at CTA scope; the
+       * epilogue warp acquires epi_ready and then issues the release reduction (cumulative), so
+       * the tile is visible to whoever acquires the counter. The wait on epi_done (the previous
+       * tile's publication, long done) keeps epi_ready from running a phase ahead. */
+      tw__mbar_wait(epi_done, (it & 1) ^ 1);
+      __syncwarp();
+      if (lane == 0) tw__mbar_arrive(epi_ready);
+    } else if (signal) {
       /* NOTES: both consumer warpgroups (every thread that stored part of this tile) pass this
        * named barrier before one thread publishes; bar.sync orders their st.global before that
        * thread's release reduction (cumulativity), so a consumer that acquires the counter and
@@ -595,10 +686,10 @@ tw_status tw__make_map(CUtensorMap* map, const void* base, int64_t rows, int64_t
   return TW_SUCCESS;
 }
 
-template <int BM, int BN, int STAGES, bool SWIGLU>
+template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
 tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream) {
-  using Cfg = V2Config<BM, BN, STAGES, SWIGLU>;
-  auto kernel = tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU>;
+  using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI>;
+  auto kernel = tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, EPI>;
   /* The opt-in shared memory size is a per-device function attribute: set once per device. */
   static bool attr_set[64];
   int dev = 0;
@@ -689,21 +780,39 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
   const bool v2_ok = !swiglu || (args->tm == 128 && args->tn == 128);
   int variant = args->variant;
   if (variant == 0) variant = v2_ok ? kDefaultVariant : 1;
-  if (variant == 2) {
+  if (variant >= 2 && variant <= 4) {
     if (!v2_ok)
       return tw__fail(TW_ERR_UNSUPPORTED,
-                      "tw__gemm_launch: the wgmma kernel runs SwiGLU only with tm = tn = 128 "
+                      "tw__gemm_launch: the wgmma kernels run SwiGLU only with tm = tn = 128 "
                       "(got %d x %d); use variant 0 or 1",
                       args->tm, args->tn);
-    if (swiglu) return tw__launch_v2<128, 128, 4, true>(args, grid, stream);
+    if (variant == 2) {
+      if (swiglu) return tw__launch_v2<128, 128, 4, true, kEpiDirect>(args, grid, stream);
+      if (args->tm == 128 && args->tn == 256)
+        return tw__launch_v2<128, 256, 4, false, kEpiDirect>(args, grid, stream);
+      if (args->tm == 128) return tw__launch_v2<128, 128, 6, false, kEpiDirect>(args, grid, stream);
+      if (args->tn == 256) return tw__launch_v2<64, 256, 5, false, kEpiDirect>(args, grid, stream);
+      return tw__launch_v2<64, 128, 8, false, kEpiDirect>(args, grid, stream);
+    }
+    if (variant == 3) {
+      if (swiglu) return tw__launch_v2<128, 128, 4, true, kEpiSignalWarp>(args, grid, stream);
+      if (args->tm == 128 && args->tn == 256)
+        return tw__launch_v2<128, 256, 4, false, kEpiSignalWarp>(args, grid, stream);
+      if (args->tm == 128)
+        return tw__launch_v2<128, 128, 6, false, kEpiSignalWarp>(args, grid, stream);
+      if (args->tn == 256)
+        return tw__launch_v2<64, 256, 5, false, kEpiSignalWarp>(args, grid, stream);
+      return tw__launch_v2<64, 128, 8, false, kEpiSignalWarp>(args, grid, stream);
+    }
+    if (swiglu) return tw__launch_v2<128, 128, 3, true, kEpiStaged>(args, grid, stream);
     if (args->tm == 128 && args->tn == 256)
-      return tw__launch_v2<128, 256, 4, false>(args, grid, stream);
-    if (args->tm == 128) return tw__launch_v2<128, 128, 6, false>(args, grid, stream);
-    if (args->tn == 256) return tw__launch_v2<64, 256, 5, false>(args, grid, stream);
-    return tw__launch_v2<64, 128, 8, false>(args, grid, stream);
+      return tw__launch_v2<128, 256, 3, false, kEpiStaged>(args, grid, stream);
+    if (args->tm == 128) return tw__launch_v2<128, 128, 5, false, kEpiStaged>(args, grid, stream);
+    if (args->tn == 256) return tw__launch_v2<64, 256, 4, false, kEpiStaged>(args, grid, stream);
+    return tw__launch_v2<64, 128, 8, false, kEpiStaged>(args, grid, stream);
   }
   if (variant != 1)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__gemm_launch: variant = %d; use 0, 1 or 2",
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__gemm_launch: variant = %d; use 0 to 4",
                     args->variant);
   if (swiglu)
     tw_gemm_v1_kernel<true><<<grid, kV1Threads, 0, stream>>>(*args);

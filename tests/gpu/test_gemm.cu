@@ -20,6 +20,7 @@
 #include "tw_test_gpu.h"
 #include "core.h"
 #include "kernels.h"
+#include "plan.h"
 
 namespace {
 
@@ -256,9 +257,9 @@ int64_t check_output(const Problem& p, const std::vector<uint16_t>& out, const R
   return bad;
 }
 
-/* Kernel versions every shape runs through: the simple one and the TMA + wgmma one (the
+/* Kernel versions every shape runs through: the simple one and the TMA + wgmma ones (the
  * default, variant 0, is one of them). */
-const int kVariants[] = {1, 2};
+const int kVariants[] = {1, 2, 3, 4};
 
 /* Runs each kernel version `epochs` times with poisoned output before each run, checks the
  * output and the counters after each. */
@@ -380,6 +381,72 @@ void test_no_signal(void) {
   run_and_check(p, d, ref.data(), 0, TW_SIGNAL_NONE, 1);
 }
 
+/* ---- the planner's remote-owner-aligned layout and remote-first schedule ------------------ */
+
+/* Takes the layout and the tile list from a plan: experts' rows (padding included) and the
+ * schedule exactly as the runtime will launch them. */
+void build_from_plan(Problem& p, const struct tw_plan* pl, int k, int n) {
+  p.experts = pl->local_experts;
+  p.k = k;
+  p.n = n;
+  p.tm = pl->tm;
+  p.tn = pl->tn;
+  p.swiglu = false;
+  p.rows = pl->rows > 0 ? pl->rows : 1;
+  p.m.assign(pl->expert_rows, pl->expert_rows + p.experts);
+  p.row0.assign(pl->expert_row0, pl->expert_row0 + p.experts);
+  p.tiles.assign(pl->tiles, pl->tiles + pl->num_tiles);
+  p.num_bands = pl->num_bands;
+  p.col_tiles = pl->col_tiles;
+  p.a.resize((size_t)p.rows * k);
+  p.b.resize((size_t)p.experts * n * k);
+  for (auto& v : p.a) v = f2bf(uniform(-1.f, 1.f));
+  for (auto& v : p.b) v = f2bf(uniform(-1.f, 1.f));
+}
+
+void planned_case(tw_router router, int world, int experts_total, int top_k, int tokens, int k,
+                  int n, const std::vector<int>& grids) {
+  tw_problem prob = TW_PROBLEM_INIT;
+  prob.world_size = world;
+  prob.hidden = n;
+  prob.ffn = k;
+  prob.experts = experts_total;
+  prob.top_k = top_k;
+  prob.max_tokens = tokens;
+  tw_routing_t rt = nullptr;
+  CHECK_OK(tw_routing_generate(&prob, router, 0.0, tokens, next_u64(), &rt));
+  if (rt == nullptr) return;
+  for (int rank = 0; rank < world; rank++) {
+    tw_plan_t pl = nullptr;
+    CHECK_OK(tw_plan_create(&prob, rt, rank, nullptr, &pl));
+    if (pl == nullptr) break;
+    Problem p;
+    build_from_plan(p, pl, k, n);
+    printf("  plan rank %d/%d: %d experts, %d rows, %d tiles (%d remote), %d bands, tm %d tn %d\n",
+           rank, world, p.experts, p.rows, (int)p.tiles.size(), pl->num_remote_tiles, p.num_bands,
+           p.tm, p.tn);
+    tw_plan_destroy(pl);
+    Device d;
+    if (!upload(p, d)) break;
+    std::vector<float> ref;
+    if (!cublas_reference(p, d, ref)) break;
+    for (size_t i = 0; i < grids.size(); i++)
+      run_and_check(p, d, ref.data(), grids[i], i % 2 ? TW_SIGNAL_SYS : TW_SIGNAL_GPU, 2);
+  }
+  tw_routing_destroy(rt);
+}
+
+void test_planned(void) {
+  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) return;
+  g_rng = 0x2468ull;
+  /* Qwen1.5-MoE-like down projection (K 1408, N 2048), 2 ranks, 30 local experts, skewed. */
+  planned_case(TW_ROUTER_STRESS_SKEW, 2, 60, 4, 2048, 1408, 2048, {0, 124});
+  /* Balanced, wide N, 2 ranks x 4 local experts. */
+  planned_case(TW_ROUTER_BALANCED, 2, 8, 2, 4096, 2048, 4096, {132, 7});
+  /* 4 ranks: three remote owner groups per expert, each padded to the band height. */
+  planned_case(TW_ROUTER_MODERATE_SKEW, 4, 32, 2, 1024, 512, 1024, {0});
+}
+
 /* ---- argument validation -------------------------------------------------------------------- */
 
 void test_validation(void) {
@@ -429,6 +496,7 @@ int main(void) {
   static const tw_test_case cases[] = {
       TW_TEST(test_validation),   TW_TEST(test_small_tm128), TW_TEST(test_small_tm64),
       TW_TEST(test_small_swiglu), TW_TEST(test_no_signal),   TW_TEST(test_large),
+      TW_TEST(test_planned),
   };
   return tw_test_run(cases, (int)(sizeof cases / sizeof cases[0]));
 }
