@@ -196,8 +196,10 @@ oom:
 }
 
 /* T(C, mgb) of one table, in microseconds (the fast form; identical in value to the plain
- * recurrence up to floating-point association). */
-static double tw__eval(const tw__model_tables* m, const tw__seg_table* tb, int32_t c) {
+ * recurrence up to floating-point association). Once T is known to exceed `cutoff` it returns
+ * early with a value above `cutoff` (not T); DBL_MAX gives T exactly. */
+static double tw__eval(const tw__model_tables* m, const tw__seg_table* tb, int32_t c,
+                       double cutoff) {
   const tw_hardware* hw = &m->hw;
   const int32_t p = m->prod[c];
   const double tau = m->tau_tile_us;
@@ -216,7 +218,11 @@ static double tw__eval(const tw__model_tables* m, const tw__seg_table* tb, int32
         const double* sb = tb->suffix + (size_t)s * d;
         double term = (double)w * tau + (double)(tb->nseg - s) * lat;
         for (int32_t i = 0; i < d; i++) term += coef[i] * sb[i];
-        if (term > f) f = term;
+        if (term > f) {
+          f = term;
+          /* Already worse than the best candidate: the rest cannot make T smaller. */
+          if (f + m->reduce_us > cutoff) return f + m->reduce_us;
+        }
       }
     } else {
       for (int32_t s = 0; s < tb->nseg; s++) {
@@ -318,7 +324,7 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
       }
       if (lb < seed_lb) seed_lb = lb, seed = c;
     }
-    const double ts = tw__eval(m, tb, seed);
+    const double ts = tw__eval(m, tb, seed, bt * (1.0 + 1e-9));
     if (tw__better(ts, seed, tb->mgb, bt, bc, bmgb)) bt = ts, bc = seed, bi = i, bmgb = tb->mgb;
     for (int32_t c = c_lo; c <= c_hi; c++) {
       if (c == seed) continue;
@@ -327,7 +333,7 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
       if (tb->nseg > 0 && fixed + tb->total_bytes * m->inv_agg[c] > bound) continue;
       if (m->comp_us[c] + m->reduce_us > bound) break; /* compute end only grows with C */
       if (tw__lower_bound(m, tb, c) > bound) continue;
-      const double t = tw__eval(m, tb, c);
+      const double t = tw__eval(m, tb, c, bound);
       if (tw__better(t, c, tb->mgb, bt, bc, bmgb)) bt = t, bc = c, bi = i, bmgb = tb->mgb;
     }
   }
@@ -477,6 +483,6 @@ tw_status tw_plan_predict(tw_plan_t plan, int32_t comm_ctas, int32_t coalesce, d
                     "tw_plan_predict: coalesce = %d; the plan has predictions for 1, 2, 4 and "
                     "its own coalesce (%d)",
                     coalesce, plan->coalesce);
-  *t_us = tw__eval(m, &m->t[i], comm_ctas);
+  *t_us = tw__eval(m, &m->t[i], comm_ctas, DBL_MAX);
   return TW_SUCCESS;
 }
