@@ -10,7 +10,7 @@
 #   sweep.md / sweep.json        tilewave sweep: every C x mgb of one point, oracle, model, regret
 #   torch_peer.md                PyTorch per-expert matmul + all_to_all_single on the same routing
 #   log.txt                      everything printed, with timings
-# Usage: bench/gpu_bench.sh [quick]   (quick: tokens/rank 8192 only, fewer samples)
+# Usage: bench/gpu_bench.sh [quick]   (quick: tokens/rank 8192 only, fewer samples, no GEMM bench)
 # Budget: about 8 minutes on 2 x H200 (build ~2, bench ~2-3, the rest ~2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -61,7 +61,9 @@ timeout 330 "$TW" bench "${bench_args[@]}" --json-file "$OUT/bench.json" | tee "
 note "tilewave bench" $?
 
 step "tilewave bench gemm"
-if "$TW" bench gemm --help >/dev/null 2>&1; then
+if [ "$mode" = quick ]; then
+  echo "skipped in quick mode"
+elif "$TW" bench gemm --help >/dev/null 2>&1; then
   timeout 90 "$TW" bench gemm | tee "$OUT/bench-gemm.md"
   note "tilewave bench gemm" $?
 else
