@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 B=$(mktemp -d)
 NVCC="nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -lineinfo -Iinclude -Isrc/core -Isrc/plan -Isrc/kernels -Itools -Itests"
 S="$OUT/summary.txt"
-echo "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo none)" | tee "$S"
+echo "== $(date -u +%FT%TZ) commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}" | tee "$S"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader | tee -a "$S"
 # Compile each translation unit once, in parallel, then link.
 $NVCC -Xptxas -v -c src/kernels/sm90_gemm.cu -o "$B/sm90.o" > "$OUT/ptxas.txt" 2>&1 &

@@ -259,7 +259,7 @@ int64_t check_output(const Problem& p, const std::vector<uint16_t>& out, const R
 
 /* Kernel versions every shape runs through: the simple one and the TMA + wgmma ones (the
  * default, variant 0, is one of them). */
-const int kVariants[] = {1, 2, 3, 4};
+const int kVariants[] = {1, 2, 3, 4, 5};
 
 /* Runs each kernel version `epochs` times with poisoned output before each run, checks the
  * output and the counters after each. */
@@ -318,10 +318,13 @@ void test_small_tm128(void) {
   g_rng = 0x1234567ull;
   /* Zero-row experts, partial last bands, 1-row experts, back to back (gap 0). */
   if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) { /* one shape: enough for the sanitizers */
-    small_shape({300, 0, 129, 1, 77}, 256, 512, 128, 256, 0, false, {7});
+    small_shape({300, 0, 129, 1, 77}, 256, 768, 128, 256, 0, false, {6});
     return;
   }
-  small_shape({300, 0, 129, 1, 128, 77}, 512, 1024, 128, 128, 0, false, {1, 7, 0});
+  small_shape({300, 0, 129, 1, 128, 77}, 512, 1024, 128, 128, 0, false, {1, 7, 0, 6});
+  /* Odd column-tile count (5) with even grids: cluster partners' tiles of a round sometimes
+   * share a band and sometimes not, and the last round has a lone tile. */
+  small_shape({250, 3, 131}, 512, 640, 128, 128, 0, false, {6, 2, 0});
   small_shape({300, 0, 129, 1, 128, 77}, 512, 1024, 128, 256, 3, false, {7, 132});
   /* N not a multiple of tn: the last column tile reads the next expert's B rows. */
   small_shape({200, 150, 64}, 576, 1000, 128, 256, 0, false, {1, 124});
@@ -338,7 +341,7 @@ void test_small_tm64(void) {
 void test_small_swiglu(void) {
   if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) return;
   g_rng = 0xABCDEFull;
-  small_shape({130, 0, 77}, 512, 512, 128, 128, 0, true, {1, 0});
+  small_shape({130, 0, 77}, 512, 512, 128, 128, 0, true, {1, 0, 4});
   small_shape({130, 0, 77}, 512, 520, 128, 128, 4, true, {5});
 }
 
