@@ -4,12 +4,16 @@
  * device copies of plans, and the launch sequence of one call.
  *
  * One call, on the caller's stream S and the context's communication stream K:
- *   S: record start -> producer (P = SMs - C CTAs) -> reduction -> wait(consumer done) -> done
+ *   S: record start -> producer (P = SMs - C CTAs) -> wait(consumer done) -> reduction -> done
  *   K: wait(start) [unfused: wait(producer done)] -> consumer (C CTAs) -> consumer done
  * The producer is enqueued first and nothing but the next call's consumer ever follows a
  * consumer on K (HARDWARE.md, co-residency: a kernel queued behind a spinning consumer can block
- * a producer that shares its hardware queue). Every kernel is launched once at context creation
- * so that lazy module loading never stalls a launch while another kernel spins.
+ * a producer that shares its hardware queue). Deadlock freedom: in call i a consumer waits only
+ * for its own producer (never waits) and for the owners' reductions of call i - 1; a reduction
+ * waits for its own consumer (stream order, so it never holds SMs the consumer needs) and for
+ * the peers' consumers of call i. By induction over calls nothing waits in a cycle. Every kernel is
+ * launched once at context creation so that lazy module loading never stalls a launch while another
+ * kernel spins.
  *
  * Errors found on the device (a bounded wait that expired, a debug-tag mismatch) land in a
  * device error record; after each call an auxiliary stream copies it to pinned host memory,
@@ -910,11 +914,16 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   TW_TRY(tw__consumer_launch(&ca, C, ctx->s_comm));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_comm_end, ctx->s_comm));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_comm_done, ctx->s_comm));
+  /* The reduction starts only once this rank's consumer has finished. It spins on the peers'
+   * consumers; if it could start earlier, its CTAs could fill every SM of this GPU before the
+   * local consumer became resident, while the peer's reduction did the same to the peer's
+   * consumer: a cycle through SM resources (seen in unfused mode, where both kernels become
+   * ready together when the producer ends). This join also orders the next call's producer,
+   * which overwrites the GEMM output, after the consumer's reads. */
+  TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_comm_done, 0));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_red_start, stream));
   TW_TRY(tw__reduce_launch(&ra, ctx->sm_count, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_red_end, stream));
-  /* The next call's producer overwrites the GEMM output the consumer reads: join here. */
-  TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_comm_done, 0));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_end, stream));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));
   /* Error record to the host off the caller's path. */

@@ -190,12 +190,13 @@ static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_i
 
 static void test_overlap_matches_unfused_and_reference(tw_rank_env* env) {
   static const tw_overlap_cfg cfgs[] = {
-      {4, 512, 256, 2, 256, TW_ROUTER_BALANCED, 2, 6},
-      {8, 1024, 512, 4, 384, TW_ROUTER_MODERATE_SKEW, 1, 6},
-      {16, 768, 256, 4, 300, TW_ROUTER_STRESS_SKEW, 4, 6},
-      {64, 512, 128, 6, 256, TW_ROUTER_STRESS_SKEW, 2, 5},
-      {32, 256, 512, 8, 200, TW_ROUTER_BALANCED, 4, 5},
-      {8, 384, 192, 2, 129, TW_ROUTER_MODERATE_SKEW, 1, 5},
+      {4, 512, 256, 2, 256, TW_ROUTER_BALANCED, 2, 16},
+      {8, 1024, 512, 4, 384, TW_ROUTER_MODERATE_SKEW, 1, 12},
+      {16, 768, 256, 4, 300, TW_ROUTER_STRESS_SKEW, 4, 16},
+      {64, 512, 128, 6, 256, TW_ROUTER_STRESS_SKEW, 2, 12},
+      {32, 256, 512, 8, 200, TW_ROUTER_BALANCED, 4, 12},
+      {8, 384, 192, 2, 129, TW_ROUTER_MODERATE_SKEW, 1, 16},
+      {64, 2048, 1408, 6, 512, TW_ROUTER_MODERATE_SKEW, 2, 4},
   };
   /* TW_TEST_QUICK=1 (sanitizer runs): the first configuration, two iterations. */
   const int quick = getenv("TW_TEST_QUICK") != NULL;
@@ -237,7 +238,7 @@ static void test_debug_tags_exactly_once(tw_rank_env* env) {
   }
   const tw_router routers[] = {TW_ROUTER_BALANCED, TW_ROUTER_MODERATE_SKEW, TW_ROUTER_STRESS_SKEW};
   int bad_payload = 0, bad_tags = 0;
-  const int iters = getenv("TW_TEST_QUICK") != NULL ? 2 : 6;
+  const int iters = getenv("TW_TEST_QUICK") != NULL ? 2 : 12;
   for (int it = 0; it < iters && dp != NULL; it++) {
     int32_t tokens[TW_MAX_RANKS];
     tw_token_counts(it, env->nranks, p.max_tokens, 77, tokens);
@@ -326,11 +327,12 @@ static void test_debug_tags_exactly_once(tw_rank_env* env) {
 static void test_no_deadlock_any_c(tw_rank_env* env) {
   tw_problem p = TW_PROBLEM_INIT;
   p.world_size = env->nranks;
-  p.hidden = 512;
+  /* Large enough that the reduction's grid reaches its cap (it could fill every SM). */
+  p.hidden = 1024;
   p.ffn = 128;
   p.experts = 8;
   p.top_k = 2;
-  p.max_tokens = 512;
+  p.max_tokens = 2048;
   tw_context_t ctx = NULL;
   CHECK_OK(tw_context_create(&p, env->comm, NULL, &ctx));
   if (ctx == NULL) return;
@@ -363,10 +365,12 @@ static void test_no_deadlock_any_c(tw_rank_env* env) {
     int mismatched = 0;
     const int c_max = getenv("TW_TEST_QUICK") != NULL ? 3 : TW_MAX_COMM_CTAS;
     for (int C = 1; C <= c_max; C++) {
-      /* Several calls in flight before one check: the credits carry the calls along. */
-      for (int rep = 0; rep < 2; rep++) {
+      /* Several calls in flight before one check: the credits carry the calls along. Both
+       * modes: in unfused mode consumer and reduction become ready at the same moment. */
+      for (int rep = 0; rep < 3; rep++) {
         tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
         opt.comm_ctas = C;
+        opt.mode = rep == 1 ? TW_COMBINE_UNFUSED : TW_COMBINE_OVERLAP;
         CHECK_OK(tw_moe_combine_ex(ctx, dp, b.expert_in, b.w2, b.out, &opt, env->stream));
       }
       CHECK_OK(tw_context_check(ctx));
@@ -382,10 +386,106 @@ static void test_no_deadlock_any_c(tw_rank_env* env) {
   CHECK_OK(tw_context_destroy(ctx));
 }
 
+static int tw_cmp_float(const void* a, const void* b) {
+  const float x = *(const float*)a, y = *(const float*)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Phase timings exist in every mode and are sane; prints medians for one realistic shape
+ * (informational: this is a correctness test, the bench tool measures performance). */
+static void test_modes_and_timings(tw_rank_env* env) {
+  const int quick = getenv("TW_TEST_QUICK") != NULL;
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = env->nranks;
+  p.hidden = quick ? 512 : 4096;
+  p.ffn = quick ? 256 : 2048;
+  p.experts = 16;
+  p.top_k = 2;
+  p.max_tokens = quick ? 256 : 8192;
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  cc.timing = 1;
+  tw_context_t ctx = NULL;
+  CHECK_OK(tw_context_create(&p, env->comm, &cc, &ctx));
+  if (ctx == NULL) return;
+  tw_combine_timings tm;
+  CHECK_STATUS(tw_context_timings(ctx, &tm), TW_ERR_STATE); /* no call yet */
+  tw_device_plan_t dp = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  tw_buffers b;
+  CHECK(tw_alloc_buffers(&p, &b));
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = p.max_tokens;
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, tokens, 77, &rt));
+  tw_plan_t plan = NULL;
+  CHECK_OK(tw_plan_create(&p, rt, env->rank, NULL, &plan));
+  if (plan != NULL && dp != NULL) {
+    /* Seeded values without the per-element hash (large shape): a cheap LCG is enough here. */
+    uint64_t x = 12345 + (uint64_t)env->rank;
+    const size_t n_in = (size_t)plan->rows * p.ffn,
+                 n_w = (size_t)(p.experts / p.world_size) * p.hidden * p.ffn;
+    uint16_t* w2 = (uint16_t*)malloc(n_w * 2);
+    for (size_t i = 0; i < n_in; i++) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      b.h_in[i] = tw_f2bf((float)((double)(x >> 40) / 16777216.0 - 0.5));
+    }
+    for (size_t i = 0; i < n_w; i++) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      w2[i] = tw_f2bf((float)((double)(x >> 40) / 16777216.0 - 0.5) * 0.05f);
+    }
+    CHECK_CUDA(cudaMemcpy(b.expert_in, b.h_in, n_in * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(b.w2, w2, n_w * 2, cudaMemcpyHostToDevice));
+    free(w2);
+    CHECK_OK(tw_device_plan_upload(dp, plan, rt, env->stream));
+    const tw_combine_mode modes[] = {TW_COMBINE_OVERLAP, TW_COMBINE_UNFUSED, TW_COMBINE_GEMM_ONLY,
+                                     TW_COMBINE_COMM_ONLY};
+    const char* names[] = {"overlap", "unfused", "gemm-only", "comm-only"};
+    enum { kReps = 15 };
+    float total[4][kReps], gemm[4][kReps], comm[4][kReps];
+    for (int rep = 0; rep < kReps; rep++) {
+      for (int m = 0; m < 4; m++) {
+        tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
+        opt.mode = modes[m];
+        CHECK_OK(tw_moe_combine_ex(ctx, dp, b.expert_in, b.w2, b.out, &opt, env->stream));
+        CHECK_OK(tw_context_timings(ctx, &tm));
+        total[m][rep] = tm.total_ms;
+        gemm[m][rep] = tm.gemm_ms;
+        comm[m][rep] = tm.comm_ms;
+        CHECKF(tm.total_ms > 0.0f && tm.total_ms < 1000.0f, "mode %d total %.3f ms", m,
+               tm.total_ms);
+        if (modes[m] != TW_COMBINE_COMM_ONLY) CHECK(tm.gemm_ms > 0.0f && tm.gemm_ms <= tm.total_ms);
+        if (modes[m] != TW_COMBINE_GEMM_ONLY) CHECK(tm.comm_ms > 0.0f && tm.reduce_ms > 0.0f);
+      }
+    }
+    CHECK_OK(tw_context_check(ctx));
+    tw_plan_summary sum;
+    CHECK_OK(tw_plan_summary_get(plan, &sum));
+    if (env->rank == 0) {
+      printf("  H=%d F=%d E=%d k=%d tokens/rank=%d rows=%lld C=%d mgb=%d: medians over %d calls\n",
+             p.hidden, p.ffn, p.experts, p.top_k, p.max_tokens, (long long)sum.rows, sum.comm_ctas,
+             sum.coalesce, (int)kReps);
+      for (int m = 0; m < 4; m++) {
+        qsort(total[m], kReps, sizeof(float), tw_cmp_float);
+        qsort(gemm[m], kReps, sizeof(float), tw_cmp_float);
+        qsort(comm[m], kReps, sizeof(float), tw_cmp_float);
+        printf("    %-9s total %8.1f us  gemm %8.1f us  comm %8.1f us\n", names[m],
+               1000.0f * total[m][kReps / 2], 1000.0f * gemm[m][kReps / 2],
+               1000.0f * comm[m][kReps / 2]);
+      }
+    }
+  }
+  tw_plan_destroy(plan);
+  tw_routing_destroy(rt);
+  tw_free_buffers(&b);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
 static const tw_rank_case kCases[] = {
     {"overlap_matches_unfused_and_reference", test_overlap_matches_unfused_and_reference},
     {"debug_tags_exactly_once", test_debug_tags_exactly_once},
     {"no_deadlock_any_c", test_no_deadlock_any_c},
+    {"modes_and_timings", test_modes_and_timings},
 };
 
 static int rank_fn(int rank, int nranks, const ncclUniqueId* id, void* arg) {
