@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gpu_gemm.sh: build, test, sanitize and benchmark the producer GEMM on a GPU machine, in one go.
 # Run from the repository root; logs and tables go to $OUT (default ./gemm-out).
-#   bench/gpu_gemm.sh [all|test|bench]     (default all)
+#   bench/gpu_gemm.sh [all|test|bench|sweep]     (default all)
 # Env: GEMM_VARIANTS (kernel versions to benchmark, default "2"), BENCH_ARGS (extra options for
 # `bench gemm`, e.g. "--reps 10"). Builds with nvcc directly (only the files this needs), so it
 # does not depend on the rest of the tree building.
@@ -48,6 +48,16 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   for v in ${GEMM_VARIANTS:-2}; do
     for extra in "--tn 128" "--tm 64 --tn 128" "--tm 64 --tn 256"; do
       timeout 60 "$B/gemm_lab" $v --rows 8192 --k 1408 --n 2048 --experts 30 $extra ${BENCH_ARGS:-} 2>&1 | grep -E "^\| +[0-9]" | sed "s/^/v$v $extra /" | tee -a "$S"
+    done
+  done
+fi
+if [ "$MODE" = all ] || [ "$MODE" = sweep ]; then
+  # Persistent grid P = 132 - C: how ours scales with fewer SMs, and whether the cluster version
+  # (5) suffers from clusters that cannot all be resident.
+  for v in ${SWEEP_VARIANTS:-4 5}; do
+    for g in ${SWEEP_GRIDS:-132 128 124 120 112}; do
+      timeout 60 "$B/gemm_lab" $v --grid $g --rows 16384 --k 2048 --n 4096 --experts 4 ${BENCH_ARGS:-} 2>&1 \
+        | grep -E "^\| +[0-9]|clusters" | sed "s/^/v$v grid $g /" | tee -a "$S"
     done
   done
 fi

@@ -374,20 +374,6 @@ __device__ __forceinline__ void tw__mbar_arrive_remote(uint64_t* bar, uint32_t c
       : "memory");
 }
 
-/* Waits for a phase of an mbarrier that other CTAs of the cluster arrive on (acquire, cluster
- * scope). */
-__device__ __forceinline__ void tw__mbar_wait_cluster(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "TW_WAITC_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra TW_WAITC_%=;\n"
-      "}\n" ::"r"(tw__smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-
 __device__ __forceinline__ uint32_t tw__cluster_ctarank() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
@@ -479,12 +465,17 @@ __device__ __forceinline__ void tw__bulk_store(void* gdst, const void* ssrc, uin
  * partner is j ^ 1 and, with an even grid, its tile of the same round is t ^ 1). When the two
  * tiles of a round start at the same row (the same band: the schedule keeps a band's column
  * tiles together), each CTA loads half of the A box (64 rows) and multicasts it to both, halving
- * A's L2 -> SMEM traffic; otherwise each loads its own A. Either way a stage may be refilled only
- * when both CTAs' consumers are done with it (a multicast writes into the partner's stage), so
- * the empty barriers count 16: in a shared round each consumer warp arrives on its own and the
- * partner's barrier, in a solo round twice on its own. Both CTAs take the same decision from the
- * tile list, so the counts always match. A cluster barrier after init and before exit keeps
- * remote arrivals off uninitialised or exited CTAs. */
+ * A's L2 -> SMEM traffic; otherwise each loads its own A.
+ * NOTES: a stage may be refilled by a multicast only when BOTH CTAs' consumers are done with
+ * it, and the previous use of the stage may have been a solo round, so in every round where
+ * both CTAs have a tile each consumer warp releases a stage on its own and on the partner's
+ * empty barrier (16 arrivals). Only the rank-1 CTA can run out of tiles first (its tile index is
+ * the larger); from then on rank 0 is alone for good and its warps arrive twice locally. A
+ * cluster barrier after init and before exit keeps remote arrivals off uninitialised or exited
+ * CTAs. */
+__device__ __forceinline__ bool tw__round_paired(const tw_gemm_args& args, int t) {
+  return (t ^ 1) < args.num_tiles;
+}
 __device__ __forceinline__ bool tw__round_shared(const tw_gemm_args& args, int t) {
   const int tp = t ^ 1;
   return tp < args.num_tiles && args.tiles[tp].row0 == args.tiles[t].row0;
@@ -581,10 +572,7 @@ __global__ void __launch_bounds__(384, 1)
         const bool shared_a = MCAST && tw__round_shared(args, t);
         for (int kb = 0; kb < nk; kb++) {
           /* Wait until the consumers released this stage (a fresh barrier passes parity 1). */
-          if (MCAST)
-            tw__mbar_wait_cluster(&empty[stage], phase ^ 1);
-          else
-            tw__mbar_wait(&empty[stage], phase ^ 1);
+          tw__mbar_wait(&empty[stage], phase ^ 1);
           uint8_t* sa = smem + stage * Cfg::kStageBytes;
           uint8_t* sb = sa + Cfg::kABytes;
           /* The full A box arrives either way: two multicast halves or one local box. */
@@ -630,12 +618,12 @@ __global__ void __launch_bounds__(384, 1)
 
   for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x, it++) {
     const tw_tile tile = args.tiles[t];
-    const bool shared_a = MCAST && tw__round_shared(args, t);
+    const bool paired = MCAST && tw__round_paired(args, t);
     /* Releases a stage: see MCAST above for the counts. */
     auto release = [&](int s) {
       if (!MCAST) {
         tw__mbar_arrive(&empty[s]);
-      } else if (shared_a) {
+      } else if (paired) {
         tw__mbar_arrive(&empty[s]);
         tw__mbar_arrive_remote(&empty[s], crank ^ 1);
       } else {
