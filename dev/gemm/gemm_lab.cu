@@ -4,7 +4,7 @@
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Iinclude -Isrc/core -Isrc/plan \
  *     -Isrc/kernels -Itools dev/gemm/gemm_lab.cu tools/bench_gemm.cu src/kernels/sm90_gemm.cu \
  *     src/kernels/fill.cu src/core/status.c -lcublas -o gemm_lab
- *   ./gemm_lab <version> [bench options]     (version: 1 = WMMA, 2..5 = TMA + wgmma, ...)
+ *   ./gemm_lab <version> [bench options]     (version: 1 = WMMA, 2..4 = TMA + wgmma)
  *
  * The numbered versions live in src/kernels/sm90_gemm.cu behind tw_gemm_args.variant, so the
  * lab always measures exactly the code the library ships. For the chosen version the lab first
@@ -94,7 +94,7 @@ static long long check_small(int variant, int tm, int tn) {
   g.num_tiles = (int)tiles.size();
   g.tm = tm;
   g.tn = tn;
-  g.grid = 6; /* even: the cluster version (5) runs clustered */
+  g.grid = 6;
   g.scope = TW_SIGNAL_GPU;
   g.band_counters = cnt;
   g.variant = variant;
@@ -126,42 +126,12 @@ static long long check_small(int variant, int tm, int tn) {
   return bad;
 }
 
-/* A stand-in with the v5 kernel's footprint (384 threads, ~211 KiB dynamic smem) to ask how
- * many 2-CTA clusters of one CTA per SM the device can hold at once. */
-__global__ void lab_cluster_probe(int* p) {
-  extern __shared__ int sm[];
-  if (p) p[0] = sm[0];
-}
-
-static void print_cluster_capacity(void) {
-  const int smem = 216128;
-  if (cudaFuncSetAttribute(lab_cluster_probe, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-      cudaSuccess)
-    return;
-  cudaLaunchConfig_t cfg = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = 2;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.gridDim = dim3(2);
-  cfg.blockDim = dim3(384);
-  cfg.dynamicSmemBytes = smem;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  cudaError_t e = cudaOccupancyMaxActiveClusters(&n, lab_cluster_probe, &cfg);
-  printf("max co-resident 2-CTA clusters at %d B smem, 384 threads: %d (%s)\n", smem, n,
-         cudaGetErrorString(e));
-}
-
 int main(int argc, char** argv) {
   if (argc < 2) {
     fprintf(stderr, "usage: gemm_lab <version> [bench gemm options]\n");
     return 2;
   }
   const int variant = atoi(argv[1]);
-  if (variant == 5) print_cluster_capacity();
   int fails = 0;
   for (int tm : {64, 128})
     for (int tn : {128, 256}) {

@@ -18,8 +18,6 @@
  *   4  as 3, with the epilogue staged through shared memory: the consumers write bf16 to a
  *      staging tile and go on with the next tile; the epilogue warp writes each valid row with
  *      one bulk copy (cp.async.bulk), waits for completion and publishes. The default.
- *   5  as 4 (tm 128), in clusters of 2 CTAs that multicast the shared A band with TMA when
- *      their tiles of a round share it; odd grids or tm 64 run version 4.
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -346,45 +344,6 @@ __device__ __forceinline__ void tw__tma_load_2d(void* dst, const CUtensorMap* ma
       : "memory");
 }
 
-/* As tw__tma_load_2d, multicast to the CTAs of `cta_mask` in the cluster: the box lands at the
- * same shared-memory offset in each, and each one's mbarrier at `bar`'s offset gets the bytes. */
-__device__ __forceinline__ void tw__tma_load_2d_mcast(void* dst, const CUtensorMap* map,
-                                                      uint64_t* bar, int32_t x, int32_t y,
-                                                      uint16_t cta_mask) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(tw__smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(tw__smem_u32(bar)), "r"(x), "r"(y), "h"(cta_mask)
-      : "memory");
-}
-
-/* Arrives `count` times on a local mbarrier. */
-__device__ __forceinline__ void tw__mbar_arrive_n(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;" ::"r"(tw__smem_u32(bar)), "r"(count)
-               : "memory");
-}
-
-/* Arrives once on the mbarrier at `bar`'s offset in CTA `cta` of the cluster (release, cluster
- * scope: this thread's earlier reads of its stage are ordered before the partner's refill). */
-__device__ __forceinline__ void tw__mbar_arrive_remote(uint64_t* bar, uint32_t cta) {
-  asm volatile(
-      "{\n.reg .b32 ra;\nmapa.shared::cluster.u32 ra, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n}" ::"r"(tw__smem_u32(bar)),
-      "r"(cta)
-      : "memory");
-}
-
-__device__ __forceinline__ uint32_t tw__cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
-}
-
-/* Every thread of both CTAs of the cluster: arrive (release) and wait (acquire). */
-__device__ __forceinline__ void tw__cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
 /* wgmma shared-memory matrix descriptor for a K-major operand in 128B swizzle: start address
  * >> 4 (bits 0-13), leading byte offset unused for this layout (1), stride byte offset 1024 B
  * between 8-row groups (bits 32-45, in 16-byte units), swizzle mode 128B (bits 62-63 = 1). */
@@ -427,7 +386,7 @@ __device__ __forceinline__ void tw__wgmma(float* d, uint64_t da, uint64_t db) {
 /* Epilogue modes of the wgmma kernel (variants 2, 3, 4). */
 enum { kEpiDirect = 0, kEpiSignalWarp = 1, kEpiStaged = 2 };
 
-template <int BM, int BN, int STAGES, bool SWIGLU, int EPI, bool MCAST = false>
+template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
 struct V2Config {
   static constexpr int kBRows = SWIGLU ? 2 * BN : BN;          /* B rows loaded per stage */
   static constexpr int kWgN = BM == 128 ? kBRows : kBRows / 2; /* wgmma N of one consumer */
@@ -446,7 +405,6 @@ struct V2Config {
   static_assert(!SWIGLU || BM == 128, "SwiGLU needs BM = 128");
   static_assert(kWgN == 64 || kWgN == 128 || kWgN == 256, "wgmma N");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
-  static_assert(!MCAST || BM == 128, "A multicast splits a 128-row box in two");
 };
 
 /* Named barrier 1 among the 256 consumer threads (barrier 0 is __syncthreads). */
@@ -461,32 +419,11 @@ __device__ __forceinline__ void tw__bulk_store(void* gdst, const void* ssrc, uin
                : "memory");
 }
 
-/* MCAST (v5): the kernel runs in clusters of 2 CTAs (blockIdx.x 2c and 2c+1, so CTA j's
- * partner is j ^ 1 and, with an even grid, its tile of the same round is t ^ 1). When the two
- * tiles of a round start at the same row (the same band: the schedule keeps a band's column
- * tiles together), each CTA loads half of the A box (64 rows) and multicasts it to both, halving
- * A's L2 -> SMEM traffic; otherwise each loads its own A.
- * NOTES: a stage may be refilled by a multicast only when BOTH CTAs' consumers are done with
- * it, and the previous use of the stage may have been a solo round, so in every round where
- * both CTAs have a tile each consumer warp releases a stage on its own and on the partner's
- * empty barrier (16 arrivals). Only the rank-1 CTA can run out of tiles first (its tile index is
- * the larger); from then on rank 0 is alone for good and its warps arrive twice locally. A
- * cluster barrier after init and before exit keeps remote arrivals off uninitialised or exited
- * CTAs. */
-__device__ __forceinline__ bool tw__round_paired(const tw_gemm_args& args, int t) {
-  return (t ^ 1) < args.num_tiles;
-}
-__device__ __forceinline__ bool tw__round_shared(const tw_gemm_args& args, int t) {
-  const int tp = t ^ 1;
-  return tp < args.num_tiles && args.tiles[tp].row0 == args.tiles[t].row0;
-}
-
-template <int BM, int BN, int STAGES, bool SWIGLU, int EPI, bool MCAST = false>
+template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
 __global__ void __launch_bounds__(384, 1)
     tw_gemm_v2_kernel(const __grid_constant__ CUtensorMap map_a,
-                      const __grid_constant__ CUtensorMap map_a_half,
                       const __grid_constant__ CUtensorMap map_b, const tw_gemm_args args) {
-  using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI, MCAST>;
+  using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                              ~static_cast<uintptr_t>(1023));
@@ -506,9 +443,8 @@ __global__ void __launch_bounds__(384, 1)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; s++) {
-      tw__mbar_init(&full[s], 1); /* the producer's arrive.expect_tx */
-      /* one arrival per consumer warp (per consumer warp of both CTAs with MCAST) */
-      tw__mbar_init(&empty[s], MCAST ? 16 : 8);
+      tw__mbar_init(&full[s], 1);  /* the producer's arrive.expect_tx */
+      tw__mbar_init(&empty[s], 8); /* one arrival per consumer warp */
     }
     tw__mbar_init(epi_ready, 8);
     tw__mbar_init(epi_done, 1);
@@ -516,11 +452,7 @@ __global__ void __launch_bounds__(384, 1)
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
-  if (MCAST)
-    tw__cluster_sync(); /* the partner's barriers are initialised before anyone arrives remotely */
-  else
-    __syncthreads();
-  const uint32_t crank = MCAST ? tw__cluster_ctarank() : 0;
+  __syncthreads();
 
   if (wg == 0) {
     /* ---- producer warpgroup: one thread issues every TMA load; warp 1 is the epilogue warp
@@ -569,19 +501,13 @@ __global__ void __launch_bounds__(384, 1)
       for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
         const tw_tile tile = args.tiles[t];
         const int32_t brow = (int32_t)(tile.expert * n_b + tile.col0);
-        const bool shared_a = MCAST && tw__round_shared(args, t);
         for (int kb = 0; kb < nk; kb++) {
-          /* Wait until the consumers released this stage (a fresh barrier passes parity 1). */
+          /* Wait until both consumers released this stage (a fresh barrier passes parity 1). */
           tw__mbar_wait(&empty[stage], phase ^ 1);
           uint8_t* sa = smem + stage * Cfg::kStageBytes;
           uint8_t* sb = sa + Cfg::kABytes;
-          /* The full A box arrives either way: two multicast halves or one local box. */
           tw__mbar_expect_tx(&full[stage], Cfg::kStageBytes);
-          if (shared_a)
-            tw__tma_load_2d_mcast(sa + crank * 64 * 128, &map_a_half, &full[stage], kb * 64,
-                                  tile.row0 + (int32_t)crank * 64, (uint16_t)0x3);
-          else
-            tw__tma_load_2d(sa, &map_a, &full[stage], kb * 64, tile.row0);
+          tw__tma_load_2d(sa, &map_a, &full[stage], kb * 64, tile.row0);
           if (SWIGLU) {
             tw__tma_load_2d(sb, &map_b, &full[stage], kb * 64, brow);
             tw__tma_load_2d(sb + BN * 128, &map_b, &full[stage], kb * 64, brow + args.n);
@@ -595,7 +521,6 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
     }
-    if (MCAST) tw__cluster_sync(); /* no CTA leaves while its partner may still arrive on it */
     return;
   }
 
@@ -618,18 +543,6 @@ __global__ void __launch_bounds__(384, 1)
 
   for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x, it++) {
     const tw_tile tile = args.tiles[t];
-    const bool paired = MCAST && tw__round_paired(args, t);
-    /* Releases a stage: see MCAST above for the counts. */
-    auto release = [&](int s) {
-      if (!MCAST) {
-        tw__mbar_arrive(&empty[s]);
-      } else if (paired) {
-        tw__mbar_arrive(&empty[s]);
-        tw__mbar_arrive_remote(&empty[s], crank ^ 1);
-      } else {
-        tw__mbar_arrive_n(&empty[s], 2);
-      }
-    };
 #pragma unroll
     for (int i = 0; i < Cfg::kAcc; i++) acc[i] = 0.f;
     int prev_stage = -1;
@@ -650,7 +563,7 @@ __global__ void __launch_bounds__(384, 1)
       /* Keep one group in flight: once the previous slice's group is complete (this warp's view:
        * every warp arrives, the barrier counts 8) its stage can be refilled. */
       tw__wgmma_wait<1>();
-      if (prev_stage >= 0 && lane == 0) release(prev_stage);
+      if (prev_stage >= 0 && lane == 0) tw__mbar_arrive(&empty[prev_stage]);
       prev_stage = stage;
       if (++stage == STAGES) {
         stage = 0;
@@ -660,7 +573,7 @@ __global__ void __launch_bounds__(384, 1)
     tw__wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < Cfg::kAcc; i++) tw__fence_regs(acc[i]);
-    if (prev_stage >= 0 && lane == 0) release(prev_stage);
+    if (prev_stage >= 0 && lane == 0) tw__mbar_arrive(&empty[prev_stage]);
 
     /* Epilogue: accumulator (warp, lane, j, i) holds row warp*16 + lane/4 (+8 for i >= 2),
      * columns j*8 + (lane%4)*2 + {0, 1}. */
@@ -722,7 +635,6 @@ __global__ void __launch_bounds__(384, 1)
       }
     }
   }
-  if (MCAST) tw__cluster_sync(); /* no CTA leaves while its partner may still arrive on it */
 }
 
 /* ---- v2 host side: tensor maps and launch ---------------------------------------------------- */
@@ -774,10 +686,10 @@ tw_status tw__make_map(CUtensorMap* map, const void* base, int64_t rows, int64_t
   return TW_SUCCESS;
 }
 
-template <int BM, int BN, int STAGES, bool SWIGLU, int EPI, bool MCAST = false>
+template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
 tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream) {
-  using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI, MCAST>;
-  auto kernel = tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, EPI, MCAST>;
+  using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI>;
+  auto kernel = tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, EPI>;
   /* The opt-in shared memory size is a per-device function attribute: set once per device. */
   static bool attr_set[64];
   int dev = 0;
@@ -789,78 +701,15 @@ tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream)
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "tw__gemm_launch: cannot enable %d bytes of shared memory: %s",
                     Cfg::kSmemBytes, cudaGetErrorString(e));
-  CUtensorMap map_a, map_a_half, map_b;
+  CUtensorMap map_a, map_b;
   const int64_t n_b = SWIGLU ? 2 * (int64_t)args->n : args->n;
   TW_TRY(tw__make_map(&map_a, args->a, args->rows, args->k, BM));
-  if (MCAST)
-    TW_TRY(tw__make_map(&map_a_half, args->a, args->rows, args->k, BM / 2));
-  else
-    map_a_half = map_a;
-  TW_TRY(tw__make_map(&map_b, args->b, (int64_t)args->experts * n_b, args->k, BN));
-  if (MCAST) {
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3((unsigned)grid);
-    cfg.blockDim = dim3(Cfg::kThreads);
-    cfg.dynamicSmemBytes = Cfg::kSmemBytes;
-    cfg.stream = stream;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    e = cudaLaunchKernelEx(&cfg, kernel, map_a, map_a_half, map_b, *args);
-    if (e != cudaSuccess)
-      return tw__fail(TW_ERR_CUDA, "tw__gemm_launch: cluster launch failed: %s",
-                      cudaGetErrorString(e));
-  } else {
-    kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_a, map_a_half, map_b, *args);
-  }
+  TW_TRY(tw__make_map(&map_b, args->b, (int64_t)args->experts * n_b, args->k, SWIGLU ? BN : BN));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_a, map_b, *args);
   e = cudaGetLastError();
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "tw__gemm_launch: launch failed: %s", cudaGetErrorString(e));
   return TW_SUCCESS;
-}
-
-/* How many 2-CTA clusters of the v5 kernel can be resident at once on the current device
- * (cached per device); 0 if the query fails. A persistent grid larger than twice this would run
- * in two waves, so the launcher then falls back to the non-cluster kernel. */
-template <int BM, int BN, int STAGES, bool SWIGLU>
-int tw__max_clusters() {
-  static int cached[64];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess) return 0;
-  if (dev < 64 && cached[dev] != 0) return cached[dev];
-  using Cfg = V2Config<BM, BN, STAGES, SWIGLU, kEpiStaged, true>;
-  auto kernel = tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, kEpiStaged, true>;
-  int n = 0;
-  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes) ==
-      cudaSuccess) {
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 2;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.gridDim = dim3(2);
-    cfg.blockDim = dim3(Cfg::kThreads);
-    cfg.dynamicSmemBytes = Cfg::kSmemBytes;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    if (cudaOccupancyMaxActiveClusters(&n, kernel, &cfg) != cudaSuccess) n = 0;
-  }
-  (void)cudaGetLastError();
-  if (dev < 64) cached[dev] = n > 0 ? n : -1;
-  return n > 0 ? n : 0;
-}
-
-/* v5 where it applies (tm 128, even grid, every CTA resident), else v4. */
-template <int BN, int STAGES, bool SWIGLU>
-tw_status tw__launch_v5(const tw_gemm_args* args, int grid, cudaStream_t stream) {
-  if (grid % 2 == 0 && grid <= 2 * tw__max_clusters<128, BN, STAGES, SWIGLU>())
-    return tw__launch_v2<128, BN, STAGES, SWIGLU, kEpiStaged, true>(args, grid, stream);
-  return tw__launch_v2<128, BN, STAGES, SWIGLU, kEpiStaged, false>(args, grid, stream);
 }
 
 /* SM count of the current device, cached per device (the launcher runs on every call). */
@@ -931,7 +780,7 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
   const bool v2_ok = !swiglu || (args->tm == 128 && args->tn == 128);
   int variant = args->variant;
   if (variant == 0) variant = v2_ok ? kDefaultVariant : 1;
-  if (variant >= 2 && variant <= 5) {
+  if (variant >= 2 && variant <= 4) {
     if (!v2_ok)
       return tw__fail(TW_ERR_UNSUPPORTED,
                       "tw__gemm_launch: the wgmma kernels run SwiGLU only with tm = tn = 128 "
@@ -955,12 +804,6 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
         return tw__launch_v2<64, 256, 5, false, kEpiSignalWarp>(args, grid, stream);
       return tw__launch_v2<64, 128, 8, false, kEpiSignalWarp>(args, grid, stream);
     }
-    if (variant == 5 && args->tm == 128) {
-      /* An even grid keeps partners' tiles in the same round (t and t ^ 1). */
-      if (swiglu) return tw__launch_v5<128, 3, true>(args, grid, stream);
-      if (args->tn == 256) return tw__launch_v5<256, 3, false>(args, grid, stream);
-      return tw__launch_v5<128, 5, false>(args, grid, stream);
-    }
     if (swiglu) return tw__launch_v2<128, 128, 3, true, kEpiStaged>(args, grid, stream);
     if (args->tm == 128 && args->tn == 256)
       return tw__launch_v2<128, 256, 3, false, kEpiStaged>(args, grid, stream);
@@ -969,7 +812,7 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
     return tw__launch_v2<64, 128, 8, false, kEpiStaged>(args, grid, stream);
   }
   if (variant != 1)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__gemm_launch: variant = %d; use 0 to 5",
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__gemm_launch: variant = %d; use 0 to 4",
                     args->variant);
   if (swiglu)
     tw_gemm_v1_kernel<true><<<grid, kV1Threads, 0, stream>>>(*args);

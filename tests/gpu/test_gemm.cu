@@ -259,7 +259,7 @@ int64_t check_output(const Problem& p, const std::vector<uint16_t>& out, const R
 
 /* Kernel versions every shape runs through: the simple one and the TMA + wgmma ones (the
  * default, variant 0, is one of them). */
-const int kVariants[] = {1, 2, 3, 4, 5};
+const int kVariants[] = {1, 2, 3, 4};
 
 /* Runs each kernel version `epochs` times with poisoned output before each run, checks the
  * output and the counters after each. */
@@ -322,7 +322,7 @@ void test_small_tm128(void) {
     return;
   }
   small_shape({300, 0, 129, 1, 128, 77}, 512, 1024, 128, 128, 0, false, {1, 7, 0, 6});
-  /* Odd column-tile count (5) with even grids: cluster partners' tiles of a round sometimes
+  /* Odd column-tile count (5) with even grids: neighbouring CTAs' tiles of a round sometimes
    * share a band and sometimes not, and the last round has a lone tile. */
   small_shape({250, 3, 131}, 512, 640, 128, 128, 0, false, {6, 2, 0});
   small_shape({300, 0, 129, 1, 128, 77}, 512, 1024, 128, 256, 3, false, {7, 132});
