@@ -312,10 +312,13 @@ typedef struct tw_context_config {
   int32_t debug_tags;    /* tw_debug_tags; 0 = env TW_DEBUG_TAGS (0 or 1), else off */
   int32_t max_comm_ctas; /* most consumer CTAs any call may use, 1..TW_MAX_COMM_CTAS; 0 = 64 */
   int32_t timing;        /* 1: record CUDA events per phase (tw_context_timings); 0: none */
+  int32_t unit_tiles;    /* column tiles per consumer transfer unit (each unit ends with one
+                            NVLink round trip); 0 = env TW_CONSUMER_TILES_PER_UNIT, else 1;
+                            clamped to the column tiles of a band */
 } tw_context_config;
 
 #define TW_CONTEXT_CONFIG_INIT                                                                    \
-  { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0 }
+  { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0 }
 
 /* Creates a context for one rank. COLLECTIVE over `comm`: every rank calls it with the same
  * problem (problem->world_size must equal the communicator's size) and the same config.
@@ -420,6 +423,7 @@ typedef struct tw_context_info {
   int32_t timeout_ms, debug_tags, max_comm_ctas;
   int64_t window_bytes; /* symmetric window per rank */
   int32_t nccl_version; /* ncclGetVersion() at run time */
+  int32_t unit_tiles;   /* column tiles per consumer transfer unit */
 } tw_context_info;
 
 tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info);

@@ -4,10 +4,14 @@
  * tokens, with ordinary stores straight into that rank's symmetric NCCL window (NVLink), and
  * announces each piece with a release reduction on the owner's arrival counter.
  *
- * Work is cut into units of (band, column tile) of the plan's segments, in schedule order (the
- * remote-first schedule makes this the order in which bands finish); unit u belongs to CTA
- * u mod C. A unit may leave once every band of its segment is complete, so a coalesced segment
- * goes out as one burst of contiguous remote rows.
+ * Work is cut into units of (band, T consecutive column tiles) of the plan's segments, in
+ * schedule order (the remote-first schedule makes this the order in which bands finish); unit u
+ * belongs to CTA u mod C. A unit may leave once every band of its segment is complete, so a
+ * coalesced segment goes out as one burst of contiguous remote rows. A unit announces itself
+ * with +1 on the owner's arrival counter; the owner expects recv_bands * ceil(col_tiles / T) per
+ * call, so T must be the same on every rank (the context checks). T = 1 by default;
+ * every unit ends with a system-scope release, which waits for the unit's NVLink stores to be
+ * acknowledged, so larger units amortise that round trip.
  *
  * NOTES: ordering, per unit:
  *  1. thread 0 acquires (.gpu) the band counters of the segment: the producer released them
@@ -75,8 +79,11 @@ __global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_
     while (a.seg_unit0[seg + 1] <= u) seg++;
     const tw_segment sg = a.segments[seg];
     const int local = u - a.seg_unit0[seg];
-    const int band_i = sg.band0 + local / a.col_tiles;
-    const int ct = local - (local / a.col_tiles) * a.col_tiles;
+    const int band_local = local / a.unit_chunks;
+    const int band_i = sg.band0 + band_local;
+    const int ct0 = (local - band_local * a.unit_chunks) * a.tiles_per_unit;
+    const int unit_tiles =
+        a.col_tiles - ct0 < a.tiles_per_unit ? a.col_tiles - ct0 : a.tiles_per_unit;
     const int dest = sg.dest;
     const bool fault_here = a.fault != TW_FAULT_NONE && u == a.fault_index;
 
@@ -102,8 +109,8 @@ __global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_
 
     const bool skip = fault_here && a.fault == TW_FAULT_SKIP_UNIT;
     const tw_band band = a.bands[band_i];
-    const int c0 = ct * a.tn;
-    const int ncols = a.hidden - c0 < a.tn ? a.hidden - c0 : a.tn;
+    const int c0 = ct0 * a.tn;
+    const int ncols = a.hidden - c0 < unit_tiles * a.tn ? a.hidden - c0 : unit_tiles * a.tn;
     char* peer = static_cast<char*>(ncclGetPeerPointer(a.win, 0, dest));
     if (!skip && band.valid_rows > 0) {
       const char* src =
@@ -111,13 +118,14 @@ __global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_
       char* dst = peer + a.lay.data + (size_t)band.dest_offset + (size_t)c0 * 2;
       tw__copy_rows(dst, row_bytes, src, row_bytes, band.valid_rows, ncols / 8);
       if (a.debug_tags) {
-        /* One tag and one count per (row, unit): the owner expects exactly col_tiles hits. */
+        /* One tag per row and one count per (row, column tile): the owner expects exactly
+         * col_tiles hits. */
         const size_t row0 = (size_t)band.dest_offset / row_bytes;
         uint32_t* tags = reinterpret_cast<uint32_t*>(peer + a.lay.tags) + row0;
         uint32_t* hits = reinterpret_cast<uint32_t*>(peer + a.lay.hits) + row0;
         for (int r = threadIdx.x; r < band.valid_rows; r += blockDim.x) {
-          if (ct == 0) tags[r] = (uint32_t)a.rank + 1;
-          atomicAdd_system(&hits[r], 1u);
+          if (ct0 == 0) tags[r] = (uint32_t)a.rank + 1;
+          atomicAdd_system(&hits[r], (uint32_t)unit_tiles);
         }
       }
     }
@@ -154,6 +162,10 @@ tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream
                     TW_MAX_COMM_CTAS);
   if (args->world > 64)
     return tw__fail(TW_ERR_UNSUPPORTED, "consumer: world size %d > 64", args->world);
+  if (args->tiles_per_unit < 1 || args->tiles_per_unit > args->col_tiles ||
+      args->unit_chunks != (args->col_tiles + args->tiles_per_unit - 1) / args->tiles_per_unit)
+    return tw__fail(TW_ERR_INTERNAL, "consumer: tiles_per_unit %d, unit_chunks %d, col_tiles %d",
+                    args->tiles_per_unit, args->unit_chunks, args->col_tiles);
   if (args->hidden % 8 != 0 || args->tn % 8 != 0)
     return tw__fail(TW_ERR_ALIGNMENT, "consumer: hidden %d and tile_n %d must be multiples of 8",
                     args->hidden, args->tn);

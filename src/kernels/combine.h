@@ -8,8 +8,8 @@
  *                  (release .gpu); the consumer waits for col_tiles (acquire .gpu). The last
  *                  consumer CTA to finish zeroes them, so every call starts from 0.
  *   arrivals[s]    in the owner's window, one per source rank s; the source's consumer adds 1
- *                  per sent unit (release .sys); cumulative since the last reset, the host keeps
- *                  the running target.
+ *                  per sent unit (release .sys; recv_bands * unit_chunks units per call);
+ *                  cumulative since the last reset, the host keeps the running target.
  *   credits[d]     in the source's window, one per owner rank d; d's reduction adds 1 per call
  *                  once it has finished reading its receive buffer (release .sys); a source
  *                  writes to d in call e (1-based) only after credits[d] >= e - 1 (acquire .sys).
@@ -54,6 +54,8 @@ typedef struct tw_consumer_args {
   uint32_t* done;          /* CTA completion counter (zero between calls) */
   int32_t wait_bands;      /* 0: data already complete (comm-only mode) */
   int32_t col_tiles, tn, hidden;
+  int32_t tiles_per_unit; /* T: column tiles per transfer unit (1..col_tiles) */
+  int32_t unit_chunks;    /* ceil(col_tiles / T): units per band */
   int32_t rank, world;
   uint32_t credit_target; /* epoch - 1 */
   int32_t debug_tags;

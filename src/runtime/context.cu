@@ -42,10 +42,12 @@ struct tw_context {
   int32_t rank, world, device, sm_count;
   int32_t timeout_ms, debug_tags, max_comm_ctas, timing;
   int32_t tm, tn, col_tiles, local_experts;
-  int64_t rows_max;      /* GEMM output rows any plan of this problem can need */
-  int64_t bands_max;     /* bands (and segments) any plan can have */
-  int64_t slots_max;     /* max_tokens * top_k */
-  int64_t recv_rows_max; /* rows other ranks can send here in one call */
+  int32_t tiles_per_unit; /* consumer unit width in column tiles (TW_CONSUMER_TILES_PER_UNIT) */
+  int32_t unit_chunks;    /* ceil(col_tiles / tiles_per_unit) */
+  int64_t rows_max;       /* GEMM output rows any plan of this problem can need */
+  int64_t bands_max;      /* bands (and segments) any plan can have */
+  int64_t slots_max;      /* max_tokens * top_k */
+  int64_t recv_rows_max;  /* rows other ranks can send here in one call */
 
   /* Symmetric window: receive rows, arrivals, credits, debug tags (combine.h). */
   tw_window_layout lay;
@@ -258,6 +260,8 @@ static tw_status tw__warm_up(tw_context_t ctx) {
     ca.band_counters = ctx->band_counters;
     ca.done = ctx->consumer_done;
     ca.col_tiles = ctx->col_tiles;
+    ca.tiles_per_unit = ctx->tiles_per_unit;
+    ca.unit_chunks = ctx->unit_chunks;
     ca.tn = ctx->tn;
     ca.hidden = ctx->problem.hidden;
     ca.rank = ctx->rank;
@@ -395,6 +399,21 @@ static tw_status tw__context_init(tw_context_t ctx) {
   TW_CUDA_TRY(cudaMemsetAsync(ctx->band_counters, 0, n_state * 4, ctx->s_aux));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
 
+  /* Every rank must cut bands into the same units (the owners count them): compare. */
+  {
+    int32_t mine[2] = {ctx->tiles_per_unit, -ctx->tiles_per_unit}, all[2] = {0, 0};
+    TW_CUDA_TRY(cudaMemcpy(ctx->scratch, mine, sizeof mine, cudaMemcpyHostToDevice));
+    TW_NCCL_TRY(
+        ncclAllReduce(ctx->scratch, ctx->scratch, 2, ncclInt32, ncclMax, ctx->comm, ctx->s_aux));
+    TW_CUDA_TRY(cudaMemcpyAsync(all, ctx->scratch, sizeof all, cudaMemcpyDeviceToHost, ctx->s_aux));
+    TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
+    if (all[0] != mine[0] || all[1] != mine[1])
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_context_create: ranks use different consumer unit widths (%d here, %d to "
+                      "%d over all ranks); give every rank the same unit_tiles / "
+                      "TW_CONSUMER_TILES_PER_UNIT",
+                      mine[0], -all[1], all[0]);
+  }
   TW_TRY(tw__warm_up(ctx));
   TW_TRY(tw__zero_state(ctx));
   /* Nobody may write into a peer's window before that peer has zeroed it. */
@@ -417,12 +436,14 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
     cfg = *config;
   }
   if (cfg.timeout_ms < 0 || cfg.debug_tags < 0 || cfg.debug_tags > 1 || cfg.max_comm_ctas < 0 ||
-      cfg.max_comm_ctas > TW_MAX_COMM_CTAS || (cfg.timing != 0 && cfg.timing != 1))
+      cfg.max_comm_ctas > TW_MAX_COMM_CTAS || (cfg.timing != 0 && cfg.timing != 1) ||
+      cfg.unit_tiles < 0)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_context_create: config timeout_ms %d (>= 0), debug_tags %d (0 or 1), "
-                    "max_comm_ctas %d (0..%d), timing %d (0 or 1): one is out of range",
-                    cfg.timeout_ms, cfg.debug_tags, cfg.max_comm_ctas, TW_MAX_COMM_CTAS,
-                    cfg.timing);
+                    "max_comm_ctas %d (0..%d), timing %d (0 or 1), unit_tiles %d (>= 0): one is "
+                    "out of range",
+                    cfg.timeout_ms, cfg.debug_tags, cfg.max_comm_ctas, TW_MAX_COMM_CTAS, cfg.timing,
+                    cfg.unit_tiles);
 
   /* The device communicator's layout is version-bound: headers and library must agree. */
   int nccl_version = 0;
@@ -473,6 +494,9 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
   ctx->tm = tw__resolve_tile_m(problem);
   ctx->tn = tw__resolve_tile_n(problem);
   ctx->col_tiles = (problem->hidden + ctx->tn - 1) / ctx->tn;
+  int64_t tpu = cfg.unit_tiles > 0 ? cfg.unit_tiles : tw__env_int("TW_CONSUMER_TILES_PER_UNIT", 1);
+  ctx->tiles_per_unit = (int32_t)(tpu < 1 ? 1 : tpu > ctx->col_tiles ? ctx->col_tiles : tpu);
+  ctx->unit_chunks = (ctx->col_tiles + ctx->tiles_per_unit - 1) / ctx->tiles_per_unit;
   int64_t tmo = cfg.timeout_ms > 0 ? cfg.timeout_ms : tw__env_int("TW_TIMEOUT_MS", 0);
   ctx->timeout_ms = (int32_t)(tmo > 0 && tmo < INT32_MAX ? tmo : TW_DEFAULT_TIMEOUT_MS);
   ctx->debug_tags = cfg.debug_tags ? cfg.debug_tags : (tw__env_int("TW_DEBUG_TAGS", 0) != 0);
@@ -522,6 +546,7 @@ extern "C" tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info
   info->debug_tags = ctx->debug_tags;
   info->max_comm_ctas = ctx->max_comm_ctas;
   info->window_bytes = (int64_t)ctx->lay.bytes;
+  info->unit_tiles = ctx->tiles_per_unit;
   int v = 0;
   if (ncclGetVersion(&v) == ncclSuccess) info->nccl_version = v;
   return TW_SUCCESS;
@@ -705,7 +730,7 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
         sg->dest == ctx->rank)
       return tw__fail(TW_ERR_INTERNAL, "tw_device_plan_upload: segment %d is malformed", s);
     d->h_seg_unit0[s] = (int32_t)units;
-    units += (int64_t)sg->nbands * ctx->col_tiles;
+    units += (int64_t)sg->nbands * ctx->unit_chunks;
   }
   d->h_seg_unit0[plan->num_segments] = (int32_t)units;
   const int64_t nslots = (int64_t)tokens * p->top_k;
@@ -844,7 +869,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   /* From here on a failure leaves the ranks' counters out of step: mark the context failed. */
   ctx->epoch++;
   for (int s = 0; s < ctx->world; s++)
-    ctx->arrive_target[s] += (uint32_t)d->recv_bands[s] * (uint32_t)ctx->col_tiles;
+    ctx->arrive_target[s] += (uint32_t)d->recv_bands[s] * (uint32_t)ctx->unit_chunks;
   ctx->failed = 1;
   const uint64_t timeout_ns = (uint64_t)ctx->timeout_ms * 1000000ull;
 
@@ -864,6 +889,8 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ca.done = ctx->consumer_done;
   ca.wait_bands = mode != TW_COMBINE_COMM_ONLY;
   ca.col_tiles = ctx->col_tiles;
+  ca.tiles_per_unit = ctx->tiles_per_unit;
+  ca.unit_chunks = ctx->unit_chunks;
   ca.tn = ctx->tn;
   ca.hidden = ctx->problem.hidden;
   ca.rank = ctx->rank;
