@@ -34,8 +34,7 @@ step build
 mkdir -p "$BUILD"
 cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTW_PTXAS_VERBOSE=OFF \
   ${NCCL_ROOT:+-DTW_NCCL_ROOT=$NCCL_ROOT} >"$BUILD/cmake.log" 2>&1 &&
-  cmake --build "$BUILD" -j "$(nproc)" --target tilewave_cli tilewave test_baseline \
-    >"$BUILD/build.log" 2>&1
+  ninja -C "$BUILD" tilewave_cli libtilewave.so test_baseline >"$BUILD/build.log" 2>&1
 rc=$?
 if [ $rc -ne 0 ]; then
   tail -40 "$BUILD/cmake.log" "$BUILD/build.log"

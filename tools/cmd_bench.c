@@ -806,55 +806,49 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
 /* ---- command line ---------------------------------------------------------------------------- */
 
 static void twb_usage(FILE* f, int sweep) {
+  fprintf(f, "usage: tilewave %s [options]\n\n", sweep ? "sweep" : "bench");
   fprintf(f,
-          "usage: tilewave %s [options]\n\n"
-          "Times tilewave's overlapped GEMM2 + combine against the sequential "
-          "(cuBLAS + NCCL), "
-          "unfused and\nchunked copy-engine baselines, one process per visible GPU "
-          "(or one rank "
-          "under mpirun/torchrun).\n%s\n"
-          "shape (default: %s):\n"
+          "Times tilewave's overlapped GEMM2 + combine against the sequential (cuBLAS + NCCL),\n"
+          "unfused and chunked copy-engine baselines, one process per visible GPU (or one rank\n"
+          "under mpirun/torchrun). Every output is checked against ours on every point.\n");
+  if (sweep)
+    fprintf(f,
+            "For one point, measures every C in 1..32 and mgb in {1,2,4}; prints the table, the\n"
+            "oracle, the model's choice and its regret.\n\n"
+            "shape (default: tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced):\n");
+  else
+    fprintf(f,
+            "`tilewave bench gemm ...` runs the GEMM benchmark (tools/bench_gemm.cu).\n\n"
+            "shape (default: the grid tokens/rank {8192,16384} x N {4096,8192} x\n"
+            "       E {4,8,16,32,64}, K 2048, top-2, balanced):\n");
+  fprintf(f,
           "  --model NAME        preset (tilewave plan --help lists them)\n"
           "  --hidden N --ffn K --experts E --topk k\n"
-          "  --tokens T[,T...]   tokens per rank (default 8192 with --model or "
-          "shape flags)\n"
-          "  --router R          balanced | moderate_skew | stress_skew | "
-          "target:R_EXPERT\n"
-          "  --routing FILE      replay a routing file instead "
-          "(docs/routing-format.md)\n"
-          "  --write-routing F   write the routing used (rank 0), e.g. for "
-          "bench/torch_peer.py\n"
+          "  --tokens T[,T...]   tokens per rank (default 8192 with --model or shape flags)\n"
+          "  --router R          balanced | moderate_skew | stress_skew | target:R_EXPERT\n"
+          "  --routing FILE      replay a routing file instead (docs/routing-format.md)\n"
+          "  --write-routing F   write the routing used (rank 0), e.g. for bench/torch_peer.py\n"
           "  --seed S            routing and input seed (default 1)\n"
           "policy:\n"
           "  --comm-ctas C       force C (default: the model's choice)\n"
           "  --coalesce M        force mgb (default: the model's choice)\n"
           "measurement:\n"
           "  --iters N           timed rounds (default %d)\n"
-          "  --warmup N          untimed rounds (default 5)\n"
-          "  --chunks R[,R...]   chunked baseline rows per chunk (default "
-          "1024,2048,4096)\n"
-          "  --delay-us U        device delay before each timed sample (default "
-          "300; 0 = count "
-          "host launch time)\n"
-          "%s"
-          "  --tol X             largest normwise relative error that passes "
-          "(default 2e-2)\n"
+          "  --warmup N          untimed rounds (default %d)\n"
+          "  --chunks R[,R...]   chunked baseline rows per chunk (default 1024,2048,4096,8192)\n"
+          "  --delay-us U        device delay before each sample (default 300; 0 = count host\n"
+          "                      launch time)\n",
+          sweep ? 20 : 50, sweep ? 3 : 5);
+  if (sweep)
+    fprintf(f, "  --c-max C           largest C swept (default 32)\n");
+  else
+    fprintf(f, "  --full              the grid with all three routers\n");
+  fprintf(f,
+          "  --tol X             largest normwise relative error that passes (default 2e-2)\n"
           "  --ranks N           ranks to spawn (default: every visible GPU)\n"
           "  --timeout S         kill the run after S seconds (default 1800)\n"
           "  --json              JSON on stdout instead of the markdown table\n"
-          "  --json-file F       also write the JSON to F (the table stays on stdout)\n",
-          sweep ? "sweep" : "bench",
-          sweep ? "For one point, measures every C in 1..32 and mgb in {1,2,4}; "
-                  "prints the table, "
-                  "the oracle,\nthe model's choice and its regret.\n"
-                : "`tilewave bench gemm ...` runs the GEMM benchmark.\n",
-          sweep ? "tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced"
-                : "the grid tokens/rank {8192,16384} x N {4096,8192} x E {4..64}, "
-                  "K 2048, top-2, "
-                  "balanced",
-          sweep ? 20 : 30,
-          sweep ? "  --c-max C           largest C swept (default 32)\n"
-                : "  --full              the grid with all three routers\n");
+          "  --json-file F       also write the JSON to F (the table stays on stdout)\n");
 }
 
 static int twb_parse_list(const char* s, int* out, int max, long lo, long hi) {
@@ -875,14 +869,14 @@ static int twb_main(int argc, char** argv, int sweep) {
   o.sweep = sweep;
   o.router = -1;
   o.seed = 1;
-  o.iters = sweep ? 20 : 30;
+  o.iters = sweep ? 20 : 50;
   o.warmup = sweep ? 3 : 5;
   o.timeout_s = 1800;
   o.delay_us = 300;
   o.c_max = 32;
   o.tol = 2e-2;
-  o.chunks[0] = 1024, o.chunks[1] = 2048, o.chunks[2] = 4096;
-  o.nchunks = 3;
+  o.chunks[0] = 1024, o.chunks[1] = 2048, o.chunks[2] = 4096, o.chunks[3] = 8192;
+  o.nchunks = 4;
   int shape_given = 0;
   for (int i = 1; i < argc; i++) {
     const char* a = argv[i];

@@ -190,6 +190,30 @@ static int rank_body(int rank, int world, const ncclUniqueId* id, void* arg) {
     cudaMalloc((void**)&scratch, 16);
     status = tw__baseline_rel_diff(dout, dout, (size_t)nout, scratch, st, &rel);
     RANK_CHECK(status == TW_SUCCESS && rel == 0.0, "rel_diff(x, x) = %g", rel);
+    if (nout > 0) {
+      uint16_t* hx = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)nout);
+      void* dx = NULL;
+      cudaMalloc(&dx, sizeof(uint16_t) * (size_t)nout);
+      cudaMemcpy(hx, dout, sizeof(uint16_t) * (size_t)nout, cudaMemcpyDeviceToHost);
+      double maxabs = 0;
+      for (int64_t i = 0; i < nout; i++)
+        maxabs = fmax(maxabs, fabs((double)tw__ref_bf16_to_f32(hx[i])));
+      /* Move the middle element by about half the largest magnitude. */
+      const int64_t mid = nout / 2;
+      const float old = tw__ref_bf16_to_f32(hx[mid]);
+      hx[mid] = tw__ref_f32_to_bf16(old + (float)(0.5 * maxabs));
+      const double expect = fabs((double)tw__ref_bf16_to_f32(hx[mid]) - old) / maxabs;
+      cudaMemcpy(dx, hx, sizeof(uint16_t) * (size_t)nout, cudaMemcpyHostToDevice);
+      status = tw__baseline_rel_diff(dx, dout, (size_t)nout, scratch, st, &rel);
+      RANK_CHECK(status == TW_SUCCESS && fabs(rel - expect) <= 1e-6 * expect,
+                 "rel_diff with one changed element = %g, expected %g", rel, expect);
+      hx[mid] = 0x7FC1u; /* NaN */
+      cudaMemcpy(dx, hx, sizeof(uint16_t) * (size_t)nout, cudaMemcpyHostToDevice);
+      status = tw__baseline_rel_diff(dx, dout, (size_t)nout, scratch, st, &rel);
+      RANK_CHECK(status == TW_SUCCESS && isinf(rel), "rel_diff with a NaN = %g, expected inf", rel);
+      cudaFree(dx);
+      free(hx);
+    }
     tw__baseline_destroy(b);
     cudaFree(scratch);
   }
