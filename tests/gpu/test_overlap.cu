@@ -89,8 +89,12 @@ static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_i
   p.top_k = cfg->top_k;
   p.max_tokens = cfg->max_tokens;
   CHECK_OK(tw_problem_validate(&p));
+  /* Consumer unit widths 1 (default), several and whole bands (clamped to col_tiles). */
+  static const int kUnitTiles[] = {1, 4, 1, 3, 1, 2, 64};
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  cc.unit_tiles = kUnitTiles[cfg_index % (int)(sizeof kUnitTiles / sizeof kUnitTiles[0])];
   tw_context_t ctx = NULL;
-  CHECK_OK(tw_context_create(&p, env->comm, NULL, &ctx));
+  CHECK_OK(tw_context_create(&p, env->comm, &cc, &ctx));
   if (ctx == NULL) return;
   tw_device_plan_t dp = NULL;
   CHECK_OK(tw_device_plan_create(ctx, &dp));
@@ -179,9 +183,11 @@ static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_i
     tw_routing_destroy(rt);
   }
   if (env->rank == 0)
-    printf("  cfg %d: E=%d H=%d F=%d k=%d tokens<=%d router=%d mgb=%d: max rel err %.3e\n",
-           cfg_index, cfg->experts, cfg->hidden, cfg->ffn, cfg->top_k, cfg->max_tokens,
-           (int)cfg->router, cfg->mgb, cfg_max_rel);
+    printf(
+        "  cfg %d: E=%d H=%d F=%d k=%d tokens<=%d router=%d mgb=%d unit_tiles=%d: max rel "
+        "err %.3e\n",
+        cfg_index, cfg->experts, cfg->hidden, cfg->ffn, cfg->top_k, cfg->max_tokens,
+        (int)cfg->router, cfg->mgb, cc.unit_tiles, cfg_max_rel);
   if (cfg_max_rel > g_max_rel) g_max_rel = cfg_max_rel;
   tw_free_buffers(&b);
   CHECK_OK(tw_device_plan_destroy(dp));
@@ -221,6 +227,7 @@ static void test_debug_tags_exactly_once(tw_rank_env* env) {
   p.max_tokens = 300;
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.debug_tags = TW_DEBUG_TAGS_CHECK;
+  cc.unit_tiles = 2; /* hits must still add up to col_tiles per row */
   tw_context_t ctx = NULL;
   CHECK_OK(tw_context_create(&p, env->comm, &cc, &ctx));
   if (ctx == NULL) return;
@@ -393,7 +400,8 @@ static int tw_cmp_float(const void* a, const void* b) {
 
 /* Phase timings exist in every mode and are sane; prints medians for one realistic shape
  * (informational: this is a correctness test, the bench tool measures performance). */
-static void test_modes_and_timings(tw_rank_env* env) {
+static void tw_modes_and_timings(tw_rank_env* env, int unit_tiles, uint16_t** out_copy,
+                                 size_t* out_n) {
   const int quick = getenv("TW_TEST_QUICK") != NULL;
   tw_problem p = TW_PROBLEM_INIT;
   p.world_size = env->nranks;
@@ -404,6 +412,7 @@ static void test_modes_and_timings(tw_rank_env* env) {
   p.max_tokens = quick ? 256 : 8192;
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.timing = 1;
+  cc.unit_tiles = unit_tiles;
   tw_context_t ctx = NULL;
   CHECK_OK(tw_context_create(&p, env->comm, &cc, &ctx));
   if (ctx == NULL) return;
@@ -458,12 +467,23 @@ static void test_modes_and_timings(tw_rank_env* env) {
       }
     }
     CHECK_OK(tw_context_check(ctx));
+    /* The output of one more overlapped call, for the comparison across unit widths. */
+    tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
+    CHECK_OK(tw_moe_combine_ex(ctx, dp, b.expert_in, b.w2, b.out, &opt, env->stream));
+    CHECK_OK(tw_context_check(ctx));
+    *out_n = (size_t)p.max_tokens * p.hidden;
+    *out_copy = (uint16_t*)malloc(*out_n * 2);
+    CHECK_CUDA(cudaMemcpy(*out_copy, b.out, *out_n * 2, cudaMemcpyDeviceToHost));
     tw_plan_summary sum;
     CHECK_OK(tw_plan_summary_get(plan, &sum));
+    tw_context_info info;
+    CHECK_OK(tw_context_info_get(ctx, &info));
     if (env->rank == 0) {
-      printf("  H=%d F=%d E=%d k=%d tokens/rank=%d rows=%lld C=%d mgb=%d: medians over %d calls\n",
-             p.hidden, p.ffn, p.experts, p.top_k, p.max_tokens, (long long)sum.rows, sum.comm_ctas,
-             sum.coalesce, (int)kReps);
+      printf(
+          "  H=%d F=%d E=%d k=%d tokens/rank=%d rows=%lld C=%d mgb=%d unit_tiles=%d: medians "
+          "over %d calls\n",
+          p.hidden, p.ffn, p.experts, p.top_k, p.max_tokens, (long long)sum.rows, sum.comm_ctas,
+          sum.coalesce, info.unit_tiles, (int)kReps);
       for (int m = 0; m < 4; m++) {
         qsort(total[m], kReps, sizeof(float), tw_cmp_float);
         qsort(gemm[m], kReps, sizeof(float), tw_cmp_float);
@@ -479,6 +499,20 @@ static void test_modes_and_timings(tw_rank_env* env) {
   tw_free_buffers(&b);
   CHECK_OK(tw_device_plan_destroy(dp));
   CHECK_OK(tw_context_destroy(ctx));
+}
+
+/* Timings with one column tile per unit and with whole bands; both give the same bits. */
+static void test_modes_and_timings(tw_rank_env* env) {
+  uint16_t *narrow = NULL, *wide = NULL;
+  size_t n1 = 0, n2 = 0;
+  tw_modes_and_timings(env, 1, &narrow, &n1);
+  tw_modes_and_timings(env, 64, &wide, &n2);
+  CHECK(narrow != NULL && wide != NULL && n1 == n2);
+  if (narrow != NULL && wide != NULL && n1 == n2)
+    CHECKF(memcmp(narrow, wide, n1 * 2) == 0, "rank %d: outputs differ between unit widths",
+           env->rank);
+  free(narrow);
+  free(wide);
 }
 
 static const tw_rank_case kCases[] = {
