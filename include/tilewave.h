@@ -384,7 +384,7 @@ typedef struct tw_combine_options {
  * [in]  stream:    the caller's stream; all inputs must be ready in its order, and `out` is
  *                  ready in its order when the call's work completes
  * Launches the producer (P = SMs - C CTAs) on `stream`, then the consumer (C CTAs) on an internal
- * stream, then the reduction on `stream`, and makes `stream` wait for the consumer; returns
+ * stream, makes `stream` wait for the consumer and launches the reduction on `stream`; returns
  * without synchronising. Device-side failures (a wait that exceeded the timeout) surface as
  * TW_ERR_TIMEOUT from tw_context_check() or from the next call on this context once this one
  * has completed; after that every call returns TW_ERR_STATE until tw_context_reset(). */
