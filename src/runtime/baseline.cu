@@ -58,6 +58,28 @@ struct tw_baseline {
   int32_t* expert_row0; /* (E) host */
   int32_t* expert_rows; /* (E) host */
 
+  /* The same per-expert GEMMs as one cublasGemmGroupedBatchedEx call: one group per non-empty
+   * expert, host arrays of the shapes, and device pointer tables cached per (a, w) pair. */
+  int32_t num_groups;
+  cublasOperation_t* g_transa; /* (num_groups) */
+  cublasOperation_t* g_transb; /* (num_groups) */
+  int* g_m;                    /* (num_groups) H */
+  int* g_n;                    /* (num_groups) rows of the expert */
+  int* g_k;                    /* (num_groups) F */
+  int* g_ld_w;                 /* (num_groups) F */
+  int* g_ld_a;                 /* (num_groups) F */
+  int* g_ld_c;                 /* (num_groups) H */
+  int* g_size;                 /* (num_groups) 1 */
+  int32_t* g_expert;           /* (num_groups) local expert of each group */
+  float* g_alpha;              /* (num_groups) 1 */
+  float* g_beta;               /* (num_groups) 0 */
+  struct {
+    const void* a;
+    const void* w;
+    void** table; /* device: (3, num_groups) pointers: W_e, A_e, C_e */
+  } g_cache[8];
+  int32_t g_cache_next;
+
   tw__bl_range* sends; /* (num_sends) merged remote transfers of this rank,
                           schedule order */
   int32_t num_sends;
@@ -314,6 +336,35 @@ static tw_status tw__bl_create(tw_baseline_t b, const struct tw_plan* const* pla
   TW_TRY(tw__bl_alloc_host((void**)&b->expert_rows, sizeof(int32_t) * E));
   memcpy(b->expert_row0, plan->expert_row0, sizeof(int32_t) * E);
   memcpy(b->expert_rows, plan->expert_rows, sizeof(int32_t) * E);
+  TW_TRY(tw__bl_alloc_host((void**)&b->g_transa, sizeof(cublasOperation_t) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->g_transb, sizeof(cublasOperation_t) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->g_m, sizeof(int) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->g_n, sizeof(int) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->g_k, sizeof(int) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->g_ld_w, sizeof(int) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->g_ld_a, sizeof(int) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->g_ld_c, sizeof(int) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->g_size, sizeof(int) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->g_expert, sizeof(int32_t) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->g_alpha, sizeof(float) * E));
+  TW_TRY(tw__bl_alloc_host((void**)&b->g_beta, sizeof(float) * E));
+  for (int32_t e = 0; e < E; e++) {
+    if (b->expert_rows[e] <= 0) continue;
+    const int32_t g = b->num_groups++;
+    /* Same operand mapping as tw__bl_gemm_range. */
+    b->g_transa[g] = CUBLAS_OP_T;
+    b->g_transb[g] = CUBLAS_OP_N;
+    b->g_m[g] = b->hidden;
+    b->g_n[g] = b->expert_rows[e];
+    b->g_k[g] = b->ffn;
+    b->g_ld_w[g] = b->ffn;
+    b->g_ld_a[g] = b->ffn;
+    b->g_ld_c[g] = b->hidden;
+    b->g_size[g] = 1;
+    b->g_expert[g] = e;
+    b->g_alpha[g] = 1.f;
+    b->g_beta[g] = 0.f;
+  }
 
   /* This rank's side: remote bands (schedule order), local GEMM ranges, and the
    * sends, collected per destination exactly as that destination collects its
@@ -503,6 +554,19 @@ extern "C" tw_status tw__baseline_destroy(tw_baseline_t b) {
   cudaFree(b->fence);
   free(b->expert_row0);
   free(b->expert_rows);
+  for (int i = 0; i < 8; i++) cudaFree(b->g_cache[i].table);
+  free(b->g_transa);
+  free(b->g_transb);
+  free(b->g_m);
+  free(b->g_n);
+  free(b->g_k);
+  free(b->g_ld_w);
+  free(b->g_ld_a);
+  free(b->g_ld_c);
+  free(b->g_size);
+  free(b->g_expert);
+  free(b->g_alpha);
+  free(b->g_beta);
   free(b->sends);
   free(b->recvs);
   free(b->remote_bands);
@@ -599,6 +663,67 @@ extern "C" tw_status tw__baseline_reduce(tw_baseline_t b, const void* local, con
       (__nv_bfloat16*)out, b->tokens, b->top_k, b->hidden, b->recv_rows);
   TW__BL_CUDA(cudaGetLastError());
   return TW_SUCCESS;
+}
+
+/* Device pointer table of (a, w) for the grouped call: looked up in a small cache, built and
+ * uploaded synchronously on a miss (the first call with new inputs; never inside a timed loop
+ * that reuses its inputs). */
+static tw_status tw__bl_group_table(tw_baseline_t b, const void* a, const void* w, void*** table) {
+  for (int i = 0; i < 8; i++)
+    if (b->g_cache[i].table && b->g_cache[i].a == a && b->g_cache[i].w == w) {
+      *table = b->g_cache[i].table;
+      return TW_SUCCESS;
+    }
+  const int slot = b->g_cache_next;
+  b->g_cache_next = (b->g_cache_next + 1) % 8;
+  const size_t ng = (size_t)b->num_groups;
+  void** host = (void**)malloc(sizeof(void*) * 3 * (ng ? ng : 1));
+  if (host == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "baseline: out of host memory");
+  for (size_t g = 0; g < ng; g++) {
+    const int32_t e = b->g_expert[g];
+    host[g] = (char*)w + (size_t)e * b->hidden * b->ffn * 2;
+    host[ng + g] = (char*)a + (size_t)b->expert_row0[e] * b->ffn * 2;
+    host[2 * ng + g] = (char*)b->c + (size_t)b->expert_row0[e] * b->row_bytes;
+  }
+  cudaError_t e = cudaSuccess;
+  /* Evicting: a call still in flight may read this table; the upload below must not race it. */
+  if (b->g_cache[slot].table != NULL) e = cudaDeviceSynchronize();
+  if (e == cudaSuccess && b->g_cache[slot].table == NULL)
+    e = cudaMalloc((void**)&b->g_cache[slot].table, sizeof(void*) * 3 * (ng ? ng : 1));
+  if (e == cudaSuccess)
+    e = cudaMemcpy(b->g_cache[slot].table, host, sizeof(void*) * 3 * ng, cudaMemcpyHostToDevice);
+  free(host);
+  if (e != cudaSuccess)
+    return tw__fail(TW_ERR_CUDA, "baseline: uploading the grouped GEMM's pointers failed: %s",
+                    cudaGetErrorString(e));
+  b->g_cache[slot].a = a;
+  b->g_cache[slot].w = w;
+  *table = b->g_cache[slot].table;
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw__baseline_gemm_grouped(tw_baseline_t b, const void* a, const void* w,
+                                               cudaStream_t stream) {
+  TW_TRY(tw__bl_check_io(b, a, w, b ? b->c : NULL));
+  if (b->num_groups == 0) return TW_SUCCESS;
+  void** table = NULL;
+  TW_TRY(tw__bl_group_table(b, a, w, &table));
+  const int ng = b->num_groups;
+  TW__BL_CUBLAS(cublasSetStream(b->cublas, stream));
+  TW__BL_CUBLAS(cublasGemmGroupedBatchedEx(
+      b->cublas, b->g_transa, b->g_transb, b->g_m, b->g_n, b->g_k, b->g_alpha,
+      (const void* const*)table, CUDA_R_16BF, b->g_ld_w, (const void* const*)(table + ng),
+      CUDA_R_16BF, b->g_ld_a, b->g_beta, table + 2 * ng, CUDA_R_16BF, b->g_ld_c, ng, b->g_size,
+      CUBLAS_COMPUTE_32F));
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw__baseline_sequential_grouped(tw_baseline_t b, const void* a, const void* w,
+                                                     void* out, cudaStream_t stream) {
+  TW_TRY(tw__bl_check_io(b, a, w, out));
+  TW_TRY(tw__baseline_gemm_grouped(b, a, w, stream));
+  TW_TRY(tw__baseline_exchange(b, stream));
+  return tw__baseline_reduce(b, b->c, b->recv, out, stream);
 }
 
 extern "C" tw_status tw__baseline_sequential(tw_baseline_t b, const void* a, const void* w,

@@ -58,6 +58,13 @@ tw_status tw__baseline_destroy(tw_baseline_t baseline);
  * expert row */
 tw_status tw__baseline_sequential(tw_baseline_t b, const void* a, const void* w, void* out,
                                   cudaStream_t stream);
+/* The same with all per-expert GEMMs in one cublasGemmGroupedBatchedEx call (one group per
+ * non-empty expert). The first call with a new (a, w) pair uploads a pointer table
+ * synchronously; later calls with the same pair are fully asynchronous. */
+tw_status tw__baseline_sequential_grouped(tw_baseline_t b, const void* a, const void* w, void* out,
+                                          cudaStream_t stream);
+tw_status tw__baseline_gemm_grouped(tw_baseline_t b, const void* a, const void* w,
+                                    cudaStream_t stream);
 /* Its phases alone: the per-expert cuBLAS GEMMs, and the NCCL exchange of the
  * last GEMM output. */
 tw_status tw__baseline_gemm(tw_baseline_t b, const void* a, const void* w, cudaStream_t stream);
