@@ -197,16 +197,27 @@ static tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt,
   p.top_k = pt->topk;
   p.max_tokens = pt->tokens;
   TW_TRY(tw_problem_validate(&p));
-  s->problem = p;
-  if (o->routing_file)
-    TW_TRY(tw_routing_read(&p, o->routing_file, &s->routing));
-  else
+  if (o->routing_file) {
+    /* Read with a generous capacity, then size the problem to the busiest rank of the file. */
+    tw_problem big = p;
+    big.max_tokens = 1 << 20;
+    TW_TRY(tw_routing_read(&big, o->routing_file, &s->routing));
+    p.max_tokens = 1;
+    for (int r = 0; r < s->world; r++) {
+      int32_t n = 0;
+      const int32_t* i0 = NULL;
+      const float* w0 = NULL;
+      TW_TRY(tw_routing_rank(s->routing, r, &n, &i0, &w0));
+      if (n > p.max_tokens) p.max_tokens = n;
+    }
+  } else
     TW_TRY(tw_routing_generate(&p, (tw_router)pt->router, pt->router_param, pt->tokens, o->seed,
                                &s->routing));
   if (o->write_routing && s->rank == 0) TW_TRY(tw_routing_write(s->routing, o->write_routing));
   const int32_t* ids = NULL;
   const float* gw = NULL;
   TW_TRY(tw_routing_rank(s->routing, s->rank, &s->tokens, &ids, &gw));
+  s->problem = p;
 
   tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
   cfg.comm_ctas = o->comm_ctas;
@@ -411,6 +422,7 @@ static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point
   memset(r, 0, sizeof *r);
   r->pt = *pt;
   TW_TRY(twb_setup(s, o, pt, NULL, 0));
+  r->pt.tokens = s->problem.max_tokens; /* a replayed routing's busiest rank */
   tw_plan_summary sum;
   TW_TRY(tw_plan_summary_get(s->plans[s->rank], &sum));
   r->c = sum.comm_ctas;
@@ -992,7 +1004,7 @@ static int twb_main(int argc, char** argv, int sweep) {
       }
       i++;
     } else if (strcmp(a, "--routing") == 0) {
-      o.routing_file = v, i++;
+      o.routing_file = v, i++, shape_given = 1;
     } else if (strcmp(a, "--json-file") == 0) {
       o.json_file = v, i++;
     } else if (strcmp(a, "--write-routing") == 0) {
