@@ -7,11 +7,14 @@
  * Work is cut into units of (band, T consecutive column tiles) of the plan's segments, in
  * schedule order (the remote-first schedule makes this the order in which bands finish); unit u
  * belongs to CTA u mod C. A unit may leave once every band of its segment is complete, so a
- * coalesced segment goes out as one burst of contiguous remote rows. A unit announces itself
- * with +1 on the owner's arrival counter; the owner expects recv_bands * ceil(col_tiles / T) per
- * call, so T must be the same on every rank (the context checks). T = 1 by default;
- * every unit ends with a system-scope release, which waits for the unit's NVLink stores to be
- * acknowledged, so larger units amortise that round trip.
+ * coalesced segment goes out as one burst of contiguous remote rows. Units are
+ * announced on the owner's arrival counter; the owner expects recv_bands * ceil(col_tiles / T)
+ * per call, so T must be the same on every rank (the context checks). T = 1 by default.
+ * A system-scope release waits until the CTA's NVLink stores are acknowledged (a round trip of
+ * microseconds), so a CTA does not release after every unit: it counts finished units per
+ * owner and releases them with one reduction per owner only when it is about to block on a
+ * band that is not ready yet, and when it runs out of units. The owner waits for all units
+ * anyway, so deferring an announcement to the next moment the CTA would idle costs nothing.
  *
  * NOTES: ordering, per unit:
  *  1. thread 0 acquires (.gpu) the band counters of the segment: the producer released them
@@ -21,10 +24,11 @@
  *  2. before the first write to an owner in this call, thread 0 acquires (.sys) the owner's
  *     credit for the previous call: the owner's reduction has finished reading its receive
  *     buffer, so our stores cannot overwrite rows it still needs;
- *  3. all threads store their part of the unit to the peer, then __syncthreads(), then thread 0
- *     adds 1 to the owner's arrival counter with red.release.sys. The barrier makes every
- *     thread's stores happen-before thread 0's release, and release is cumulative, so an owner
- *     that acquires the counter sees all the unit's rows, not just thread 0's.
+ *  3. all threads store their part of the unit to the peer, then __syncthreads(); later (see
+ *     above) thread 0 adds the owner's finished units to its arrival counter with
+ *     red.release.sys. The barriers make every thread's stores happen-before thread 0's release,
+ *     and release is cumulative, so an owner that acquires the counter sees all those units'
+ *     rows, not just thread 0's.
  * Every wait is bounded (tw_wait_geq); on a timeout the CTA records the error and stops, and
  * the others stop at their next wait.
  */
@@ -66,14 +70,34 @@ __device__ __forceinline__ void tw__copy_rows(char* dst, size_t dst_ld_bytes, co
   }
 }
 
+/* Thread 0 only: adds each owner's finished units to its arrival counter (one system-scope
+ * release per owner: it waits until this CTA's NVLink stores are acknowledged) and clears them. */
+__device__ __forceinline__ void tw__announce(uint32_t* const* arrive, int world,
+                                             uint32_t* pending) {
+  for (int d = 0; d < world; d++) {
+    if (pending[d] == 0) continue;
+    tw_red_release_sys(arrive[d], pending[d]);
+    pending[d] = 0;
+  }
+}
+
 __global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_consumer_args a) {
   __shared__ int s_ok;
   __shared__ int s_last;
+  __shared__ uint32_t s_pending[64]; /* (world) finished, not yet announced units per owner */
+  __shared__ uint32_t* s_arrive[64]; /* (world) our arrival counter in each owner's window */
   const size_t row_bytes = (size_t)a.hidden * 2;
   const uint32_t* credits = reinterpret_cast<const uint32_t*>(a.local_win + a.lay.credit);
   int seg = 0;
   int ready_seg = -1;    /* segment whose bands thread 0 has already seen complete */
   uint64_t credited = 0; /* owners whose credit this CTA has already waited for (W <= 64) */
+  for (int d = threadIdx.x; d < a.world; d += blockDim.x) {
+    s_pending[d] = 0;
+    s_arrive[d] = reinterpret_cast<uint32_t*>(static_cast<char*>(ncclGetPeerPointer(a.win, 0, d)) +
+                                              a.lay.arrive) +
+                  a.rank;
+  }
+  __syncthreads();
 
   for (int u = blockIdx.x; u < a.total_units; u += gridDim.x) {
     while (a.seg_unit0[seg + 1] <= u) seg++;
@@ -92,11 +116,19 @@ __global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_
       if (a.wait_bands && (ready_seg != seg || fault_here)) {
         const uint32_t target =
             (uint32_t)a.col_tiles + (fault_here && a.fault == TW_FAULT_BAND_STUCK ? 1u : 0u);
+        /* About to block: announce what is finished first, so an owner never waits on a CTA
+         * that is itself waiting. The barrier after the last unit's stores ordered them. */
+        bool ready = true;
+        for (int b = 0; b < sg.nbands && ready; b++)
+          ready = (int32_t)(tw_ld_acquire_gpu(&a.band_counters[sg.band0 + b]) - target) >= 0;
+        if (!ready) tw__announce(s_arrive, a.world, s_pending);
         for (int b = 0; b < sg.nbands && ok; b++)
           ok = tw_wait_geq(&a.band_counters[sg.band0 + b], target, false, a.timeout_ns, a.err,
                            TW_WAIT_BAND, sg.band0 + b, a.rank);
       }
       if (ok && !((credited >> dest) & 1u)) {
+        /* The credit wait may block: announce first (this happens at most W times). */
+        tw__announce(s_arrive, a.world, s_pending);
         ok = tw_wait_geq(&credits[dest], a.credit_target, true, a.timeout_ns, a.err, TW_WAIT_CREDIT,
                          dest, a.rank);
         credited |= 1ull << dest;
@@ -129,13 +161,12 @@ __global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_
         }
       }
     }
-    /* Every thread's stores above happen-before thread 0's release below (see NOTES, 3). */
+    /* Every thread's stores above happen-before thread 0's later release (see NOTES, 3). */
     __syncthreads();
-    if (threadIdx.x == 0 && !skip) {
-      uint32_t* arrive = reinterpret_cast<uint32_t*>(peer + a.lay.arrive) + a.rank;
-      tw_red_release_sys(arrive, 1u);
-    }
+    if (threadIdx.x == 0 && !skip) s_pending[dest]++;
   }
+  __syncthreads();
+  if (threadIdx.x == 0) tw__announce(s_arrive, a.world, s_pending);
 
   /* The last CTA to finish zeroes the band counters for the next call. Every CTA's acquire
    * loads of them precede its increment of `done` (fence, then atomic), and the next producer
