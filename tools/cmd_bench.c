@@ -75,9 +75,11 @@ enum twb_kind {
   TWB_COMM_ONLY,
   TWB_SEQ,
   TWB_SEQ_GROUPED,
+  TWB_SEQ_PACKED,
   TWB_CHUNKED,
   TWB_CUBLAS,
-  TWB_NCCL
+  TWB_NCCL,
+  TWB_NCCL_PACKED
 };
 
 typedef struct twb_policy {
@@ -95,6 +97,7 @@ enum {
   TWB_OUT_UNFUSED,
   TWB_OUT_SEQ,
   TWB_OUT_SEQ_GROUPED,
+  TWB_OUT_SEQ_PACKED,
   TWB_OUT_CHUNKED,
   TWB_OUT_SCRATCH,
   TWB_NOUT
@@ -288,12 +291,16 @@ static tw_status twb_run(twb_rank* s, const twb_policy* pol, int set, cudaStream
       return tw__baseline_sequential(s->baseline, s->a[set], s->w[set], out, st);
     case TWB_SEQ_GROUPED:
       return tw__baseline_sequential_grouped(s->baseline, s->a[set], s->w[set], out, st);
+    case TWB_SEQ_PACKED:
+      return tw__baseline_sequential_packed(s->baseline, s->a[set], s->w[set], out, st);
     case TWB_CHUNKED:
       return tw__baseline_chunked(s->baseline, s->a[set], s->w[set], out, pol->chunk, st);
     case TWB_CUBLAS:
       return tw__baseline_gemm(s->baseline, s->a[set], s->w[set], st);
     case TWB_NCCL:
       return tw__baseline_exchange(s->baseline, st);
+    case TWB_NCCL_PACKED:
+      return tw__baseline_exchange_packed(s->baseline, st);
     default:
       return tw__fail(TW_ERR_INTERNAL, "bench: unknown policy kind %d", pol->kind);
   }
@@ -396,9 +403,9 @@ typedef struct twb_bench_result {
   int c, mgb;
   double predicted_us, model_seq_us;
   int np;
-  twb_policy pols[16];
-  tw_bench_stats st[16];
-  float err[16];
+  twb_policy pols[24];
+  tw_bench_stats st[24];
+  float err[24];
 } twb_bench_result;
 
 static int twb_policy_index(const twb_bench_result* r, int kind, int chunk) {
@@ -445,6 +452,7 @@ static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point
     TW_TRY(twb_max_over_ranks(s, &unsupported, 1));
     if (unsupported == 0.f) twb_add(r, TWB_SEQ_GROUPED, 0, 0, TWB_OUT_SEQ_GROUPED, "seq_grouped");
   }
+  twb_add(r, TWB_SEQ_PACKED, 0, 0, TWB_OUT_SEQ_PACKED, "seq_packed");
   twb_add(r, TWB_UNFUSED, 0, 0, TWB_OUT_UNFUSED, "unfused");
   for (int i = 0; i < o->nchunks; i++) {
     char name[24];
@@ -455,10 +463,11 @@ static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point
   twb_add(r, TWB_COMM_ONLY, 0, 0, -1, "comm");
   twb_add(r, TWB_CUBLAS, 0, 0, -1, "cublas");
   twb_add(r, TWB_NCCL, 0, 0, -1, "nccl");
+  twb_add(r, TWB_NCCL_PACKED, 0, 0, -1, "nccl_packed");
 
   /* Correctness before timing: every policy on set 0 against ours; the chunked
    * policies share an output buffer, so check each on its own. */
-  float err[16], err2[16];
+  float err[24], err2[24];
   for (int i = 0; i < r->np; i++) r->err[i] = -1.f;
   twb_policy one[2];
   one[0] = r->pols[0];
@@ -495,9 +504,9 @@ static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point
 
 static void twb_print_header(void) {
   printf(
-      "| tokens/rank | K | N | E | router | seq us | ours us (p10-p90) | speedup | gemm us | comm "
-      "us | ideal us | eff | overlap | C | mgb | unfused us | chunked us (rows) | max rel err | "
-      "check |\n");
+      "| tokens/rank | K | N | E | router | seq us (form) | ours us (p10-p90) | speedup | gemm us "
+      "| comm us | ideal us | eff | overlap | C | mgb | unfused us | chunked us (rows) | max rel "
+      "err | check |\n");
   printf(
       "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
       "---: | ---: | ---: | ---: | ---: | --- |\n");
@@ -515,12 +524,20 @@ typedef struct twb_derived {
 static void twb_derive(const twb_opts* o, const twb_bench_result* r, twb_derived* d) {
   memset(d, 0, sizeof *d);
   d->ours = r->st[twb_policy_index(r, TWB_OURS, 0)].median;
-  /* The sequential baseline is the faster of its two cuBLAS forms at this point. */
-  const double seq_loop = r->st[twb_policy_index(r, TWB_SEQ, 0)].median;
-  const int ig = twb_policy_index(r, TWB_SEQ_GROUPED, 0);
-  const double seq_grouped = ig >= 0 ? r->st[ig].median : INFINITY;
-  d->seq = seq_grouped < seq_loop ? seq_grouped : seq_loop;
-  d->seq_variant = seq_grouped < seq_loop ? "grouped" : "loop";
+  /* The sequential baseline is the fastest of its forms at this point. */
+  static const struct {
+    int kind;
+    const char* name;
+  } forms[] = {{TWB_SEQ, "loop"}, {TWB_SEQ_GROUPED, "grouped"}, {TWB_SEQ_PACKED, "packed"}};
+  d->seq = INFINITY;
+  d->seq_variant = "none";
+  for (int i = 0; i < 3; i++) {
+    const int k = twb_policy_index(r, forms[i].kind, 0);
+    if (k >= 0 && r->st[k].median < d->seq) {
+      d->seq = r->st[k].median;
+      d->seq_variant = forms[i].name;
+    }
+  }
   d->gemm = r->st[twb_policy_index(r, TWB_GEMM_ONLY, 0)].median;
   d->comm = r->st[twb_policy_index(r, TWB_COMM_ONLY, 0)].median;
   d->unfused = r->st[twb_policy_index(r, TWB_UNFUSED, 0)].median;
@@ -548,40 +565,37 @@ static void twb_print_row(const twb_opts* o, const twb_bench_result* r) {
   twb_derive(o, r, &d);
   const tw_bench_stats* so = &r->st[twb_policy_index(r, TWB_OURS, 0)];
   printf(
-      "| %d | %d | %d | %d | %s | %.1f | %.1f (%.1f-%.1f) | %.2fx | %.1f | %.1f | %.1f | %.2f | "
-      "%.2f | %d | %d | %.1f | %.1f (%d) | %.2e | %s |\n",
+      "| %d | %d | %d | %d | %s | %.1f (%s) | %.1f (%.1f-%.1f) | %.2fx | %.1f | %.1f | %.1f | %.2f "
+      "| %.2f | %d | %d | %.1f | %.1f (%d) | %.2e | %s |\n",
       r->pt.tokens, r->pt.ffn, r->pt.hidden, r->pt.experts, twb_router_name(r->pt.router), d.seq,
-      d.ours, so->p10, so->p90, d.speedup, d.gemm, d.comm, d.ideal, d.eff, d.overlap, r->c, r->mgb,
-      d.unfused, d.chunk, d.chunk_rows, d.max_err, d.pass ? "pass" : "FAIL");
+      d.seq_variant, d.ours, so->p10, so->p90, d.speedup, d.gemm, d.comm, d.ideal, d.eff, d.overlap,
+      r->c, r->mgb, d.unfused, d.chunk, d.chunk_rows, d.max_err, d.pass ? "pass" : "FAIL");
   fflush(stdout);
 }
 
 static void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_result* r, int first) {
   twb_derived d;
   twb_derive(o, r, &d);
-  fprintf(
-      f,
-      "%s  {\"tokens_per_rank\": %d, \"ffn\": %d, \"hidden\": %d, \"experts\": %d, \"top_k\": %d, "
-      "\"router\": \"%s\", \"comm_ctas\": %d, \"coalesce\": %d, \"model_predicted_us\": %.2f, "
-      "\"model_sequential_us\": %.2f,\n",
-      first ? "" : ",\n", r->pt.tokens, r->pt.ffn, r->pt.hidden, r->pt.experts, r->pt.topk,
-      twb_router_name(r->pt.router), r->c, r->mgb, r->predicted_us, r->model_seq_us);
-  fprintf(
-      f,
-      "   \"seq_us\": %.2f, \"seq_variant\": \"%s\", \"ours_us\": %.2f, \"speedup\": %.4f, "
-      "\"gemm_us\": %.2f, \"comm_us\": "
-      "%.2f, \"ideal_us\": %.2f, \"efficiency\": %.4f, \"overlap_ratio\": %.4f, \"unfused_us\": "
-      "%.2f, \"chunked_us\": %.2f, \"chunked_rows\": %d, \"max_rel_err\": %.3e, \"pass\": %s,\n   "
-      "\"policies\": [",
-      d.seq, d.seq_variant, d.ours, d.speedup, d.gemm, d.comm, d.ideal, d.eff, d.overlap, d.unfused,
-      d.chunk, d.chunk_rows, d.max_err < 1e30 ? d.max_err : 1e30, d.pass ? "true" : "false");
+  fprintf(f,
+          "%s  {\"tokens_per_rank\": %d, \"ffn\": %d, \"hidden\": %d, \"experts\": %d, \"top_k\": "
+          "%d, \"router\": \"%s\", \"comm_ctas\": %d, \"coalesce\": %d, \"model_predicted_us\": "
+          "%.2f, \"model_sequential_us\": %.2f,\n",
+          first ? "" : ",\n", r->pt.tokens, r->pt.ffn, r->pt.hidden, r->pt.experts, r->pt.topk,
+          twb_router_name(r->pt.router), r->c, r->mgb, r->predicted_us, r->model_seq_us);
+  fprintf(f,
+          "   \"seq_us\": %.2f, \"seq_variant\": \"%s\", \"ours_us\": %.2f, \"speedup\": %.4f, "
+          "\"gemm_us\": %.2f, \"comm_us\": %.2f, \"ideal_us\": %.2f, \"efficiency\": %.4f, "
+          "\"overlap_ratio\": %.4f, \"unfused_us\": %.2f, \"chunked_us\": %.2f, \"chunked_rows\": "
+          "%d, \"max_rel_err\": %.3e, \"pass\": %s,\n   \"policies\": [",
+          d.seq, d.seq_variant, d.ours, d.speedup, d.gemm, d.comm, d.ideal, d.eff, d.overlap,
+          d.unfused, d.chunk, d.chunk_rows, d.max_err < 1e30 ? d.max_err : 1e30,
+          d.pass ? "true" : "false");
   for (int i = 0; i < r->np; i++)
-    fprintf(
-        f,
-        "%s{\"name\": \"%s\", \"median_us\": %.2f, \"p10_us\": %.2f, \"p90_us\": %.2f, \"min_us\": "
-        "%.2f, \"samples\": %d, \"rel_err\": %.3e}",
-        i ? ",\n     " : "", r->pols[i].name, r->st[i].median, r->st[i].p10, r->st[i].p90,
-        r->st[i].min, r->st[i].n, r->err[i] < 1e30f ? (double)r->err[i] : 1e30);
+    fprintf(f,
+            "%s{\"name\": \"%s\", \"median_us\": %.2f, \"p10_us\": %.2f, \"p90_us\": %.2f, "
+            "\"min_us\": %.2f, \"samples\": %d, \"rel_err\": %.3e}",
+            i ? ",\n     " : "", r->pols[i].name, r->st[i].median, r->st[i].p10, r->st[i].p90,
+            r->st[i].min, r->st[i].n, r->err[i] < 1e30f ? (double)r->err[i] : 1e30);
   fprintf(f, "]}");
 }
 
@@ -706,18 +720,17 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
     const double regret = (t_model - t_oracle) / t_oracle;
     FILE* js = o->json ? stdout : s->json_out;
     if (js) {
-      fprintf(
-          js,
-          "{\"command\": \"sweep\", \"world_size\": %d, \"tokens_per_rank\": %d, \"ffn\": %d, "
-          "\"hidden\": %d, \"experts\": %d, \"top_k\": %d, \"router\": \"%s\", \"seq_us\": %.2f,\n "
-          "\"oracle\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f},\n \"model\": "
-          "{\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f, \"predicted_us\": %.2f, "
-          "\"solve_us\": %.3f},\n \"regret\": %.4f, \"max_rel_err\": %.3e, \"pass\": %s,\n "
-          "\"configs\": [",
-          s->world, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-          twb_router_name(pt->router), sts[0].median, pols[best].c, s->mgbs[pols[best].dplan],
-          t_oracle, ms.comm_ctas, ms.coalesce, t_model, ms.predicted_us, ms.solve_us, regret,
-          (double)maxerr, maxerr <= o->tol ? "true" : "false");
+      fprintf(js,
+              "{\"command\": \"sweep\", \"world_size\": %d, \"tokens_per_rank\": %d, \"ffn\": %d, "
+              "\"hidden\": %d, \"experts\": %d, \"top_k\": %d, \"router\": \"%s\", \"seq_us\": "
+              "%.2f,\n \"oracle\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f},\n "
+              "\"model\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f, \"predicted_us\": "
+              "%.2f, \"solve_us\": %.3f},\n \"regret\": %.4f, \"max_rel_err\": %.3e, \"pass\": "
+              "%s,\n \"configs\": [",
+              s->world, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
+              twb_router_name(pt->router), sts[0].median, pols[best].c, s->mgbs[pols[best].dplan],
+              t_oracle, ms.comm_ctas, ms.coalesce, t_model, ms.predicted_us, ms.solve_us, regret,
+              (double)maxerr, maxerr <= o->tol ? "true" : "false");
       for (int i = 1; i < np; i++)
         fprintf(js,
                 "%s{\"comm_ctas\": %d, \"coalesce\": %d, \"median_us\": %.2f, \"p10_us\": %.2f, "

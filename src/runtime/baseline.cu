@@ -86,6 +86,17 @@ struct tw_baseline {
   tw__bl_range* recvs; /* (num_recvs) merged transfers to this rank, by source,
                           its order */
   int32_t num_recvs;
+
+  /* Packed exchange: per peer, this rank's rows bound there gathered into one block in the order
+   * of the peer's receive buffer, then one ncclSend and one ncclRecv per peer. */
+  int32_t packed_ok;          /* 1 when every peer's region is contiguous at both ends */
+  int32_t pack_rows;          /* rows sent to all peers */
+  void* pack;                 /* (pack_rows, H) bf16 device */
+  int32_t* pack_map;          /* (pack_rows) device: layout row of each packed row */
+  int64_t* peer_send_row0;    /* (world) first packed row bound to each peer */
+  int64_t* peer_send_rows;    /* (world) rows bound to each peer */
+  int64_t* peer_recv_off;     /* (world) byte offset of each source's region in recv */
+  int64_t* peer_recv_bytes;   /* (world) bytes from each source */
   tw__bl_range* remote_bands; /* (num_remote_bands) this rank's remote bands,
                                  schedule order */
   int32_t num_remote_bands;
@@ -181,6 +192,17 @@ __global__ void tw__bl_reduce_kernel(const __nv_bfloat16* __restrict__ local,
 /* scratch[0] = max |x - ref| bits, scratch[1] = max |ref| bits. Non-negative
  * floats order like their bit patterns, so atomicMax on the bits is a float
  * max; a non-finite x or ref stores +Inf. */
+/* dst row j = src row map[j], 16 bytes per thread. */
+__global__ void tw__bl_gather_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                     const int32_t* __restrict__ map, int32_t rows, int32_t vecs) {
+  const int64_t n = (int64_t)rows * vecs;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const int64_t row = i / vecs, v = i - row * vecs;
+    dst[i] = src[(int64_t)map[row] * vecs + v];
+  }
+}
+
 __global__ void tw__bl_diff_kernel(const __nv_bfloat16* __restrict__ x,
                                    const __nv_bfloat16* __restrict__ ref, size_t n,
                                    uint32_t* scratch) {
@@ -309,6 +331,77 @@ static tw_status tw__bl_alloc_host(void** p, size_t bytes) {
   return TW_SUCCESS;
 }
 
+static int tw__bl_cmp_offset(const void* x, const void* y) {
+  const int64_t a = ((const tw__bl_range*)x)->dest_offset,
+                c = ((const tw__bl_range*)y)->dest_offset;
+  return a < c ? -1 : a > c ? 1 : 0;
+}
+
+/* Sorts a peer's transfers by destination offset and checks that they tile one contiguous byte
+ * range; returns its start (or -1 when they do not) and adds its size to *bytes. */
+static int64_t tw__bl_contiguous(tw__bl_range* list, int32_t n, size_t row_bytes, int64_t* bytes) {
+  qsort(list, (size_t)n, sizeof *list, tw__bl_cmp_offset);
+  *bytes = 0;
+  for (int32_t i = 0; i < n; i++) {
+    if (i > 0 && list[i].dest_offset !=
+                     list[i - 1].dest_offset + (int64_t)list[i - 1].valid_rows * (int64_t)row_bytes)
+      return -1;
+    *bytes += (int64_t)list[i].valid_rows * (int64_t)row_bytes;
+  }
+  return n > 0 ? list[0].dest_offset : 0;
+}
+
+/* The packed exchange's gather map and per-peer regions (see struct tw_baseline). The planner
+ * lays each source's rows for one owner out contiguously, so packing is always possible with its
+ * plans; packed_ok = 0 (and the packed calls refuse) if a plan ever breaks that. */
+static tw_status tw__bl_build_packed(tw_baseline_t b) {
+  const int32_t W = b->world;
+  TW_TRY(tw__bl_alloc_host((void**)&b->peer_send_row0, sizeof(int64_t) * W));
+  TW_TRY(tw__bl_alloc_host((void**)&b->peer_send_rows, sizeof(int64_t) * W));
+  TW_TRY(tw__bl_alloc_host((void**)&b->peer_recv_off, sizeof(int64_t) * W));
+  TW_TRY(tw__bl_alloc_host((void**)&b->peer_recv_bytes, sizeof(int64_t) * W));
+  int64_t rows = 0;
+  for (int32_t i = 0; i < b->num_sends; i++) rows += b->sends[i].valid_rows;
+  int32_t* map = NULL;
+  tw__bl_range* tmp = NULL;
+  TW_TRY(tw__bl_alloc_host((void**)&map, sizeof(int32_t) * (size_t)(rows ? rows : 1)));
+  const int32_t nmax = b->num_sends > b->num_recvs ? b->num_sends : b->num_recvs;
+  if (tw__bl_alloc_host((void**)&tmp, sizeof(tw__bl_range) * (size_t)(nmax ? nmax : 1)) !=
+      TW_SUCCESS) {
+    free(map);
+    return TW_ERR_OUT_OF_MEMORY;
+  }
+  int ok = 1;
+  int64_t j = 0;
+  for (int32_t d = 0; d < W; d++) {
+    int32_t n = 0;
+    for (int32_t i = 0; i < b->num_sends; i++)
+      if (b->sends[i].peer == d) tmp[n++] = b->sends[i];
+    int64_t bytes = 0;
+    if (tw__bl_contiguous(tmp, n, b->row_bytes, &bytes) < 0) ok = 0;
+    b->peer_send_row0[d] = j;
+    for (int32_t i = 0; i < n; i++)
+      for (int32_t r = 0; r < tmp[i].valid_rows; r++) map[j++] = tmp[i].row0 + r;
+    b->peer_send_rows[d] = j - b->peer_send_row0[d];
+    n = 0;
+    for (int32_t i = 0; i < b->num_recvs; i++)
+      if (b->recvs[i].peer == d) tmp[n++] = b->recvs[i];
+    b->peer_recv_off[d] = tw__bl_contiguous(tmp, n, b->row_bytes, &b->peer_recv_bytes[d]);
+    if (b->peer_recv_off[d] < 0) ok = 0;
+  }
+  free(tmp);
+  b->packed_ok = ok;
+  b->pack_rows = (int32_t)rows;
+  cudaError_t e = cudaMalloc(&b->pack, (size_t)rows * b->row_bytes + 256);
+  if (e == cudaSuccess) e = cudaMalloc((void**)&b->pack_map, sizeof(int32_t) * (size_t)rows + 16);
+  if (e == cudaSuccess && rows > 0)
+    e = cudaMemcpy(b->pack_map, map, sizeof(int32_t) * (size_t)rows, cudaMemcpyHostToDevice);
+  free(map);
+  if (e != cudaSuccess)
+    return tw__fail(TW_ERR_CUDA, "baseline: packed-exchange buffers: %s", cudaGetErrorString(e));
+  return TW_SUCCESS;
+}
+
 static tw_status tw__bl_create(tw_baseline_t b, const struct tw_plan* const* plans, int32_t world,
                                int32_t rank, tw_routing_t routing, ncclComm_t comm) {
   const struct tw_plan* plan = plans[rank];
@@ -413,6 +506,8 @@ static tw_status tw__bl_create(tw_baseline_t b, const struct tw_plan* const* pla
     return tw__fail(TW_ERR_INTERNAL,
                     "baseline: peers' plans send %lld rows here but this plan expects %d",
                     (long long)recv_valid, b->recv_rows);
+
+  TW_TRY(tw__bl_build_packed(b));
 
   /* Chunk plan storage. */
   const int32_t nrb = b->num_remote_bands;
@@ -569,6 +664,12 @@ extern "C" tw_status tw__baseline_destroy(tw_baseline_t b) {
   free(b->g_beta);
   free(b->sends);
   free(b->recvs);
+  cudaFree(b->pack);
+  cudaFree(b->pack_map);
+  free(b->peer_send_row0);
+  free(b->peer_send_rows);
+  free(b->peer_recv_off);
+  free(b->peer_recv_bytes);
   free(b->remote_bands);
   free(b->local_gemms);
   free(b->chunk_gemm0);
@@ -641,6 +742,41 @@ extern "C" tw_status tw__baseline_exchange(tw_baseline_t b, cudaStream_t stream)
     if (r != ncclSuccess) {
       ncclGroupEnd();
       return tw__fail(TW_ERR_NCCL, "baseline: ncclRecv from %d failed: %s", s->peer,
+                      ncclGetErrorString(r));
+    }
+  }
+  TW__BL_NCCL(ncclGroupEnd());
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw__baseline_exchange_packed(tw_baseline_t b, cudaStream_t stream) {
+  TW_CHECK_NULL(b);
+  if (b->world == 1) return TW_SUCCESS;
+  if (!b->packed_ok)
+    return tw__fail(TW_ERR_UNSUPPORTED,
+                    "baseline: a peer's rows are not contiguous in its receive buffer; use the "
+                    "per-group exchange");
+  if (b->pack_rows > 0) {
+    const int32_t vecs = b->hidden / 8;
+    const int64_t n = (int64_t)b->pack_rows * vecs;
+    const int blocks = (int)((n + 255) / 256 < 8192 ? (n + 255) / 256 : 8192);
+    tw__bl_gather_kernel<<<blocks, 256, 0, stream>>>((const uint4*)b->c, (uint4*)b->pack,
+                                                     b->pack_map, b->pack_rows, vecs);
+    TW__BL_CUDA(cudaGetLastError());
+  }
+  TW__BL_NCCL(ncclGroupStart());
+  for (int32_t d = 0; d < b->world; d++) {
+    if (d == b->rank) continue;
+    ncclResult_t r = ncclSuccess;
+    if (b->peer_send_rows[d] > 0)
+      r = ncclSend((const char*)b->pack + (size_t)b->peer_send_row0[d] * b->row_bytes,
+                   (size_t)b->peer_send_rows[d] * b->row_bytes, ncclUint8, d, b->comm, stream);
+    if (r == ncclSuccess && b->peer_recv_bytes[d] > 0)
+      r = ncclRecv((char*)b->recv + b->peer_recv_off[d], (size_t)b->peer_recv_bytes[d], ncclUint8,
+                   d, b->comm, stream);
+    if (r != ncclSuccess) {
+      ncclGroupEnd();
+      return tw__fail(TW_ERR_NCCL, "baseline: packed exchange with rank %d failed: %s", d,
                       ncclGetErrorString(r));
     }
   }
@@ -723,6 +859,14 @@ extern "C" tw_status tw__baseline_sequential_grouped(tw_baseline_t b, const void
   TW_TRY(tw__bl_check_io(b, a, w, out));
   TW_TRY(tw__baseline_gemm_grouped(b, a, w, stream));
   TW_TRY(tw__baseline_exchange(b, stream));
+  return tw__baseline_reduce(b, b->c, b->recv, out, stream);
+}
+
+extern "C" tw_status tw__baseline_sequential_packed(tw_baseline_t b, const void* a, const void* w,
+                                                    void* out, cudaStream_t stream) {
+  TW_TRY(tw__bl_check_io(b, a, w, out));
+  TW_TRY(tw__baseline_gemm(b, a, w, stream));
+  TW_TRY(tw__baseline_exchange_packed(b, stream));
   return tw__baseline_reduce(b, b->c, b->recv, out, stream);
 }
 

@@ -65,6 +65,12 @@ tw_status tw__baseline_sequential_grouped(tw_baseline_t b, const void* a, const 
                                           cudaStream_t stream);
 tw_status tw__baseline_gemm_grouped(tw_baseline_t b, const void* a, const void* w,
                                     cudaStream_t stream);
+/* The same with a packed exchange: one gather kernel puts this rank's rows for each peer into
+ * one block in the peer's receive order, then one ncclSend/ncclRecv pair per peer (fewer, larger
+ * transfers than one pair per group). TW_ERR_UNSUPPORTED if a plan's regions are not contiguous. */
+tw_status tw__baseline_sequential_packed(tw_baseline_t b, const void* a, const void* w, void* out,
+                                         cudaStream_t stream);
+tw_status tw__baseline_exchange_packed(tw_baseline_t b, cudaStream_t stream);
 /* Its phases alone: the per-expert cuBLAS GEMMs, and the NCCL exchange of the
  * last GEMM output. */
 tw_status tw__baseline_gemm(tw_baseline_t b, const void* a, const void* w, cudaStream_t stream);

@@ -168,22 +168,25 @@ static int rank_body(int rank, int world, const ncclUniqueId* id, void* arg) {
   cudaMalloc((void**)&fence, 64);
   cudaMemset(fence, 0, 64);
   if (b) {
-    /* 0: sequential, -1: sequential with the grouped GEMM, > 0: chunked with that many rows. */
-    const int32_t chunks[] = {0, -1, 128, 256, 1 << 20};
-    for (int c = 0; c < 5; c++) {
+    /* 0: sequential, -1: with the grouped GEMM, -2: with the packed exchange, > 0: chunked with
+     * that many rows per chunk. */
+    const int32_t chunks[] = {0, -1, -2, 128, 256, 1 << 20};
+    for (int c = 0; c < 6; c++) {
       tw__fill_bf16(dout, (size_t)nout, 0x7FC1u, st);
       /* Ranks start together, as the baselines' contract requires between calls. */
       ncclAllReduce(fence, fence + 1, 1, ncclInt32, ncclSum, comm, st);
-      status = chunks[c] == 0  ? tw__baseline_sequential(b, da, dw, dout, st)
-               : chunks[c] < 0 ? tw__baseline_sequential_grouped(b, da, dw, dout, st)
-                               : tw__baseline_chunked(b, da, dw, dout, chunks[c], st);
+      status = chunks[c] == 0    ? tw__baseline_sequential(b, da, dw, dout, st)
+               : chunks[c] == -1 ? tw__baseline_sequential_grouped(b, da, dw, dout, st)
+               : chunks[c] == -2 ? tw__baseline_sequential_packed(b, da, dw, dout, st)
+                                 : tw__baseline_chunked(b, da, dw, dout, chunks[c], st);
       RANK_CHECK(status == TW_SUCCESS, "run %d: %s", c, tw_last_error());
       RANK_CHECK(cudaStreamSynchronize(st) == cudaSuccess, "run %d: stream failed", c);
       char what[64];
       snprintf(what, sizeof what,
-               chunks[c] == 0  ? "sequential"
-               : chunks[c] < 0 ? "sequential grouped"
-                               : "chunked %d",
+               chunks[c] == 0    ? "sequential"
+               : chunks[c] == -1 ? "sequential grouped"
+               : chunks[c] == -2 ? "sequential packed"
+                                 : "chunked %d",
                chunks[c]);
       const int bad = compare(rank, what, dout, ref[rank], mag[rank], nout);
       RANK_CHECK(bad == 0, "%s: %d of %lld elements off", what, bad, (long long)nout);
