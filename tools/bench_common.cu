@@ -1,6 +1,6 @@
 /*
- * bench_common.cu: sample statistics, the device delay and number parsing of
- * the benchmark commands (see bench_common.h).
+ * bench_common.cu: sample statistics, the device delay and number parsing of the benchmark commands
+ * (see bench_common.h).
  */
 #include <errno.h>
 #include <stdlib.h>
@@ -14,8 +14,7 @@ static int tw__bench_cmp_float(const void* a, const void* b) {
   return x < y ? -1 : x > y ? 1 : 0;
 }
 
-/* Linear interpolation between order statistics, as numpy's default percentile.
- */
+/* Linear interpolation between order statistics, as numpy's default percentile. */
 static double tw__bench_pct(const float* sorted, int n, double q) {
   const double pos = q * (double)(n - 1);
   const int lo = (int)pos;

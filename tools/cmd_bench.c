@@ -1,24 +1,22 @@
 /*
- * cmd_bench.c: `tilewave bench` and `tilewave sweep`, the measurements behind
- * every speedup tilewave reports.
+ * cmd_bench.c: `tilewave bench` and `tilewave sweep`, the measurements behind every speedup
+ * tilewave reports.
  *
- * Both spawn one process per visible GPU (or run as one rank under
- * mpirun/torchrun), build the same routing on every rank from a seed, plan
- * every rank, and time, on identical inputs: ours      tw_moe_combine,
- * tile-level overlap (C and mgb from the model unless given) unfused   the same
- * kernels, transfer after the GEMM (TW_COMBINE_UNFUSED) gemm      the producer
- * alone on the SMs it gets during overlap (TW_COMBINE_GEMM_ONLY) comm      the
- * consumer and reduction alone (TW_COMBINE_COMM_ONLY) seq       cuBLAS per
- * expert, NCCL send/recv, the same reduction (baseline.h) chunk:R   cuBLAS over
- * R-row chunks of remote rows, copy-engine push per chunk (baseline.h)
- * Measurement: warm-up rounds, then rounds that run every policy once, in
- * forward order on even rounds and reverse order on odd ones (ABBA), on input
- * sets rotated so that the inputs cycled exceed L2. Every sample starts after a
- * cross-rank barrier and a short device delay (so that the host has finished
- * enqueuing when the timed region starts), is timed with CUDA events on each
- * rank, and the sample's latency is the MAXIMUM over ranks (an allreduce of the
- * samples). Medians and p10/p90 are reported. Every output is compared with
- * ours before and after timing.
+ * Both spawn one process per visible GPU (or run as one rank under mpirun/torchrun), build the
+ * same routing on every rank from a seed, plan every rank, and time, on identical inputs:
+ *   ours         tw_moe_combine, tile-level overlap (C and mgb from the model unless given)
+ *   unfused      the same kernels, transfer after the GEMM (TW_COMBINE_UNFUSED)
+ *   gemm         the producer alone on the SMs it gets during overlap (TW_COMBINE_GEMM_ONLY)
+ *   comm         the consumer and reduction alone (TW_COMBINE_COMM_ONLY)
+ *   seq[_form]   cuBLAS per expert, NCCL send/recv, the same reduction (baseline.h); the table
+ *                shows the fastest of the loop, grouped and packed forms
+ *   chunkR       cuBLAS over R-row chunks of remote rows, copy-engine push per chunk
+ * Measurement: warm-up rounds, then rounds that run every policy once, in forward order on even
+ * rounds and reverse order on odd ones (ABBA), on input sets rotated so that the inputs cycled
+ * exceed L2. Every sample starts after a cross-rank barrier and a short device delay (so that the
+ * host has finished enqueuing when the timed region starts), is timed with CUDA events on each
+ * rank, and the sample's latency is the MAXIMUM over ranks (an allreduce of the samples). Medians
+ * and p10/p90 are reported. Every output is compared with ours before and after timing.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <cuda_runtime.h>
@@ -186,10 +184,9 @@ static void twb_rank_free(twb_rank* s) {
   s->ndplans = 0;
 }
 
-/* Problem, routing, every rank's plan (explicit --comm-ctas/--coalesce win over
- * the model), context, this rank's device plan(s), baselines, inputs and
- * outputs. `sweep_mgbs` (n > 0) adds one plan and device plan per coalescing
- * factor. */
+/* Problem, routing, every rank's plan (explicit --comm-ctas/--coalesce win over the model),
+ * context, this rank's device plan(s), baselines, inputs and outputs. `sweep_mgbs` (n > 0) adds one
+ * plan and device plan per coalescing factor. */
 static tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt,
                            const int* sweep_mgbs, int n_sweep) {
   tw_problem p = TW_PROBLEM_INIT;
@@ -332,10 +329,9 @@ static tw_status twb_max_over_ranks(twb_rank* s, float* v, size_t n) {
   return st;
 }
 
-/* Runs every output-producing policy once on input set `set` (outputs poisoned
- * first), checks our context, and returns per policy the normwise relative
- * difference to ours' output, max over ranks (err[i] = -1 for policies without
- * an output, 0 for ours). */
+/* Runs every output-producing policy once on input set `set` (outputs poisoned first), checks our
+ * context, and returns per policy the normwise relative difference to ours' output, max over ranks
+ * (err[i] = -1 for policies without an output, 0 for ours). */
 static tw_status twb_check(twb_rank* s, const twb_policy* pols, int np, int set, int rerun,
                            float* err) {
   if (rerun) {
@@ -360,8 +356,8 @@ static tw_status twb_check(twb_rank* s, const twb_policy* pols, int np, int set,
   return twb_max_over_ranks(s, err, (size_t)np);
 }
 
-/* Times every policy: warmup + iters rounds, ABBA order, max over ranks per
- * sample. samples: (np, iters) microseconds. */
+/* Times every policy: warmup + iters rounds, ABBA order, max over ranks per sample. samples: (np,
+ * iters) microseconds. */
 static tw_status twb_time(twb_rank* s, const twb_opts* o, const twb_policy* pols, int np,
                           float* samples, int* last_set) {
   cudaEvent_t e0, e1;
@@ -440,8 +436,8 @@ static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point
   twb_add(r, TWB_OURS, 0, 0, TWB_OUT_OURS, "ours");
   twb_add(r, TWB_SEQ, 0, 0, TWB_OUT_SEQ, "seq");
   {
-    /* The grouped form needs a cuBLAS that supports it for bf16: probe once, agree on all
-     * ranks, and leave the policy out (the loop form remains) where any rank cannot run it. */
+    /* The grouped form needs a cuBLAS that supports it for bf16: probe once, agree on all ranks,
+     * and leave the policy out (the loop form remains) where any rank cannot run it. */
     float unsupported = 0.f;
     if (tw__baseline_gemm_grouped(s->baseline, s->a[0], s->w[0], s->stream) != TW_SUCCESS ||
         cudaStreamSynchronize(s->stream) != cudaSuccess) {
@@ -465,8 +461,8 @@ static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point
   twb_add(r, TWB_NCCL, 0, 0, -1, "nccl");
   twb_add(r, TWB_NCCL_PACKED, 0, 0, -1, "nccl_packed");
 
-  /* Correctness before timing: every policy on set 0 against ours; the chunked
-   * policies share an output buffer, so check each on its own. */
+  /* Correctness before timing: every policy on set 0 against ours; the chunked policies share an
+   * output buffer, so check each on its own. */
   float err[24], err2[24];
   for (int i = 0; i < r->np; i++) r->err[i] = -1.f;
   twb_policy one[2];
@@ -483,16 +479,14 @@ static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point
   if (samples == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "bench: out of host memory");
   int last_set = 0;
   tw_status st = twb_time(s, o, r->pols, r->np, samples, &last_set);
-  /* Correctness after timing: the last round ran every policy on one input set.
-   */
+  /* Correctness after timing: the last round ran every policy on one input set. */
   if (st == TW_SUCCESS) st = twb_check(s, r->pols, r->np, last_set, 0, err2);
   if (st == TW_SUCCESS) {
     for (int i = 0; i < r->np; i++) {
       if (err2[i] > r->err[i] && r->pols[i].kind != TWB_CHUNKED) r->err[i] = err2[i];
       tw_bench_stats_of(samples + (size_t)i * o->iters, o->iters, &r->st[i]);
     }
-    /* The last chunked policy of the last round wrote the shared buffer; fold
-     * its check in. */
+    /* The last chunked policy of the last round wrote the shared buffer; fold its check in. */
     const int lastc = (o->warmup + o->iters - 1) % 2 == 0
                           ? twb_policy_index(r, TWB_CHUNKED, o->chunks[o->nchunks - 1])
                           : twb_policy_index(r, TWB_CHUNKED, o->chunks[0]);
@@ -643,8 +637,7 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
   int cmax = o->c_max < info.max_comm_ctas ? o->c_max : info.max_comm_ctas;
   const int model_in_grid = ms.comm_ctas <= cmax && model_mgb_index < 3;
 
-  /* Policies: seq (reference), every (C, mgb), and the model's choice if
-   * outside the grid. */
+  /* Policies: seq (reference), every (C, mgb), and the model's choice if outside the grid. */
   const int ncfg = cmax * 3 + (model_in_grid ? 0 : 1);
   const int np = 1 + ncfg;
   twb_policy* pols = (twb_policy*)calloc((size_t)np, sizeof(twb_policy));
@@ -679,8 +672,7 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
   for (int i = 1; i < np && st == TW_SUCCESS; i++)
     st = tw_plan_predict(s->mplans[pols[i].dplan], pols[i].c, s->mgbs[pols[i].dplan], &pred[i]);
 
-  /* Correctness of every configuration against the sequential baseline (once
-   * each). */
+  /* Correctness of every configuration against the sequential baseline (once each). */
   float maxerr = 0.f;
   if (st == TW_SUCCESS) {
     st = tw__fill_bf16(s->out[TWB_OUT_SEQ], s->out_elems, TWB_POISON, s->stream);
@@ -845,8 +837,7 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
   cudaFree(s.barrier);
   cudaFree(s.scratch);
   cudaStreamDestroy(s.stream);
-  /* A failed rank may leave peers inside a collective; abort rather than wait
-   * for them. */
+  /* A failed rank may leave peers inside a collective; abort rather than wait for them. */
   if (st != TW_SUCCESS)
     ncclCommAbort(s.comm);
   else

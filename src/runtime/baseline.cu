@@ -1,14 +1,12 @@
 /*
- * baseline.cu: the sequential (cuBLAS + NCCL) and chunked (cuBLAS + copy
- * engine) return paths, and the weighted reduction they share (see baseline.h
- * for what each one models).
+ * baseline.cu: the sequential (cuBLAS + NCCL) and chunked (cuBLAS + copy engine) return paths, and
+ * the weighted reduction they share (see baseline.h for what each one models).
  *
- * Both walk the plan's bands, so they compute exactly the rows the overlapped
- * path computes and write exactly the receive layout it writes: a band's valid
- * rows go to recv(dest) + band.dest_offset. Consecutive bands of one (expert,
- * owner) group whose rows are contiguous at both ends merge into one transfer;
- * the sender and the receiver run the same merge over the same band list (the
- * sender's plan), so the NCCL send and receive sequences match.
+ * Both walk the plan's bands, so they compute exactly the rows the overlapped path computes and
+ * write exactly the receive layout it writes: a band's valid rows go to recv(dest) +
+ * band.dest_offset. Consecutive bands of one (expert, owner) group whose rows are contiguous at
+ * both ends merge into one transfer; the sender and the receiver run the same merge over the same
+ * band list (the sender's plan), so the NCCL send and receive sequences match.
  */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -20,9 +18,9 @@
 #include "baseline.h"
 #include "core.h"
 
-/* One transfer or GEMM range over the layout: rows [row0, row0 + rows) of local
- * expert `expert`; for a transfer, its first `valid_rows` rows go to rank
- * `peer` at byte `dest_offset` of its receive buffer. */
+/* One transfer or GEMM range over the layout: rows [row0, row0 + rows) of local expert `expert`;
+ * for a transfer, its first `valid_rows` rows go to rank `peer` at byte `dest_offset` of its
+ * receive buffer. */
 typedef struct tw__bl_range {
   int32_t expert;
   int32_t row0;
@@ -33,8 +31,7 @@ typedef struct tw__bl_range {
   int64_t dest_offset;
 } tw__bl_range;
 
-/* What is exchanged at creation so that peers can write into this rank's
- * receive buffer. */
+/* What is exchanged at creation so that peers can write into this rank's receive buffer. */
 typedef struct tw__bl_ipc {
   cudaIpcMemHandle_t handle; /* of the receive buffer */
   uint64_t ptr;              /* its address in the owning process */
@@ -87,8 +84,8 @@ struct tw_baseline {
                           its order */
   int32_t num_recvs;
 
-  /* Packed exchange: per peer, this rank's rows bound there gathered into one block in the order
-   * of the peer's receive buffer, then one ncclSend and one ncclRecv per peer. */
+  /* Packed exchange: per peer, this rank's rows bound there gathered into one block in the order of
+   * the peer's receive buffer, then one ncclSend and one ncclRecv per peer. */
   int32_t packed_ok;          /* 1 when every peer's region is contiguous at both ends */
   int32_t pack_rows;          /* rows sent to all peers */
   void* pack;                 /* (pack_rows, H) bf16 device */
@@ -154,9 +151,8 @@ struct tw_baseline {
 
 /* ---- kernels --------------------------------------------------------------------------------- */
 
-/* out[t, :] = sum_j w[t, j] * row(slot_row[t, j]); 8 columns (16 bytes) per
- * thread, fp32 sums in slot order. grid.x walks tokens, grid.y column blocks.
- */
+/* out[t, :] = sum_j w[t, j] * row(slot_row[t, j]); 8 columns (16 bytes) per thread, fp32 sums in
+ * slot order. grid.x walks tokens, grid.y column blocks. */
 __global__ void tw__bl_reduce_kernel(const __nv_bfloat16* __restrict__ local,
                                      const __nv_bfloat16* __restrict__ recv,
                                      const int32_t* __restrict__ slot_row,
@@ -189,9 +185,6 @@ __global__ void tw__bl_reduce_kernel(const __nv_bfloat16* __restrict__ local,
   }
 }
 
-/* scratch[0] = max |x - ref| bits, scratch[1] = max |ref| bits. Non-negative
- * floats order like their bit patterns, so atomicMax on the bits is a float
- * max; a non-finite x or ref stores +Inf. */
 /* dst row j = src row map[j], 16 bytes per thread. */
 __global__ void tw__bl_gather_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst,
                                      const int32_t* __restrict__ map, int32_t rows, int32_t vecs) {
@@ -203,6 +196,9 @@ __global__ void tw__bl_gather_kernel(const uint4* __restrict__ src, uint4* __res
   }
 }
 
+/* scratch[0] = max |x - ref| bits, scratch[1] = max |ref| bits. Non-negative floats order like
+ * their bit patterns, so atomicMax on the bits is a float max; a non-finite x or ref stores +Inf.
+ */
 __global__ void tw__bl_diff_kernel(const __nv_bfloat16* __restrict__ x,
                                    const __nv_bfloat16* __restrict__ ref, size_t n,
                                    uint32_t* scratch) {
@@ -244,10 +240,9 @@ __global__ void tw__bl_fill_kernel(__nv_bfloat16* dst, size_t n, uint64_t seed, 
 
 /* ---- plan walking ---------------------------------------------------------------------------- */
 
-/* Appends band b of `plan` to the range list, merging it into the last range
- * when it continues that range at both ends (same expert and owner, the last
- * range fully valid so far, rows and destination offsets contiguous). Returns
- * the new count. */
+/* Appends band b of `plan` to the range list, merging it into the last range when it continues that
+ * range at both ends (same expert and owner, the last range fully valid so far, rows and
+ * destination offsets contiguous). Returns the new count. */
 static int32_t tw__bl_append(tw__bl_range* list, int32_t n, const tw_band* b, size_t row_bytes,
                              int merge_dest) {
   if (n > 0) {
@@ -276,9 +271,8 @@ static int32_t tw__bl_append(tw__bl_range* list, int32_t n, const tw_band* b, si
   return n + 1;
 }
 
-/* The transfers of `plan`'s rank to rank `dest`: its bands bound there (with
- * valid rows), in band order, merged. Sender and receiver both call this on the
- * sender's plan. Returns the count. */
+/* The transfers of `plan`'s rank to rank `dest`: its bands bound there (with valid rows), in band
+ * order, merged. Sender and receiver both call this on the sender's plan. Returns the count. */
 static int32_t tw__bl_collect(const struct tw_plan* plan, int32_t dest, tw__bl_range* list,
                               size_t row_bytes) {
   int32_t n = 0;
@@ -289,9 +283,9 @@ static int32_t tw__bl_collect(const struct tw_plan* plan, int32_t dest, tw__bl_r
   return n;
 }
 
-/* Builds the chunk plan: remote bands in schedule order, cut into chunks of at
- * least chunk_rows rows (whole bands); per chunk, its GEMM ranges (bands merged
- * by expert and row contiguity) and its copies (merged as transfers). */
+/* Builds the chunk plan: remote bands in schedule order, cut into chunks of at least chunk_rows
+ * rows (whole bands); per chunk, its GEMM ranges (bands merged by expert and row contiguity) and
+ * its copies (merged as transfers). */
 static void tw__bl_build_chunks(tw_baseline_t b, int32_t chunk_rows) {
   int32_t nc = 0, ng = 0, ncp = 0, acc = 0;
   for (int32_t i = 0; i < b->num_remote_bands; i++) {
@@ -351,9 +345,9 @@ static int64_t tw__bl_contiguous(tw__bl_range* list, int32_t n, size_t row_bytes
   return n > 0 ? list[0].dest_offset : 0;
 }
 
-/* The packed exchange's gather map and per-peer regions (see struct tw_baseline). The planner
- * lays each source's rows for one owner out contiguously, so packing is always possible with its
- * plans; packed_ok = 0 (and the packed calls refuse) if a plan ever breaks that. */
+/* The packed exchange's gather map and per-peer regions (see struct tw_baseline). The planner lays
+ * each source's rows for one owner out contiguously, so packing is always possible with its plans;
+ * packed_ok = 0 (and the packed calls refuse) if a plan ever breaks that. */
 static tw_status tw__bl_build_packed(tw_baseline_t b) {
   const int32_t W = b->world;
   TW_TRY(tw__bl_alloc_host((void**)&b->peer_send_row0, sizeof(int64_t) * W));
@@ -459,9 +453,8 @@ static tw_status tw__bl_create(tw_baseline_t b, const struct tw_plan* const* pla
     b->g_beta[g] = 0.f;
   }
 
-  /* This rank's side: remote bands (schedule order), local GEMM ranges, and the
-   * sends, collected per destination exactly as that destination collects its
-   * receives from us. */
+  /* This rank's side: remote bands (schedule order), local GEMM ranges, and the sends, collected
+   * per destination exactly as that destination collects its receives from us. */
   TW_TRY(tw__bl_alloc_host((void**)&b->remote_bands, sizeof(tw__bl_range) * nb));
   TW_TRY(tw__bl_alloc_host((void**)&b->sends, sizeof(tw__bl_range) * nb));
   TW_TRY(tw__bl_alloc_host((void**)&b->local_gemms, sizeof(tw__bl_range) * nb));
@@ -538,8 +531,8 @@ static tw_status tw__bl_create(tw_baseline_t b, const struct tw_plan* const* pla
   TW__BL_CUDA(cudaEventCreateWithFlags(&b->copies_done, cudaEventDisableTiming));
   TW__BL_CUBLAS(cublasCreate(&b->cublas));
 
-  /* Exchange receive buffers: IPC handles where ranks are processes, raw
-   * pointers (and peer access) where they share this process. */
+  /* Exchange receive buffers: IPC handles where ranks are processes, raw pointers (and peer access)
+   * where they share this process. */
   int device = 0;
   TW__BL_CUDA(cudaGetDevice(&device));
   tw__bl_ipc mine;
@@ -685,9 +678,9 @@ extern "C" tw_status tw__baseline_destroy(tw_baseline_t b) {
 
 /* ---- the pieces ------------------------------------------------------------------------------ */
 
-/* C[row0 : row0 + rows, :] = A[row0 : row0 + rows, :] W_e^T, all row-major. cuBLAS is
- * column-major: the same memory is C^T (H x rows, ld H) = W_e (F x H view, ld F, op T) times
- * A^T (F x rows view, ld F, op N). */
+/* C[row0 : row0 + rows, :] = A[row0 : row0 + rows, :] W_e^T, all row-major. cuBLAS is column-major:
+ * the same memory is C^T (H x rows, ld H) = W_e (F x H view, ld F, op T) times A^T (F x rows view,
+ * ld F, op N). */
 static tw_status tw__bl_gemm_range(tw_baseline_t b, const void* a, const void* w, int32_t expert,
                                    int32_t row0, int32_t rows) {
   if (rows <= 0) return TW_SUCCESS;
@@ -720,9 +713,8 @@ extern "C" tw_status tw__baseline_gemm(tw_baseline_t b, const void* a, const voi
 extern "C" tw_status tw__baseline_exchange(tw_baseline_t b, cudaStream_t stream) {
   TW_CHECK_NULL(b);
   if (b->world == 1) return TW_SUCCESS;
-  /* One group: NCCL matches the sends and receives of one peer pair in posting
-   * order, which is the sender's band order on both sides (see the file
-   * comment). */
+  /* One group: NCCL matches the sends and receives of one peer pair in posting order, which is the
+   * sender's band order on both sides (see the file comment). */
   TW__BL_NCCL(ncclGroupStart());
   for (int32_t i = 0; i < b->num_sends; i++) {
     const tw__bl_range* s = &b->sends[i];
@@ -802,8 +794,8 @@ extern "C" tw_status tw__baseline_reduce(tw_baseline_t b, const void* local, con
 }
 
 /* Device pointer table of (a, w) for the grouped call: looked up in a small cache, built and
- * uploaded synchronously on a miss (the first call with new inputs; never inside a timed loop
- * that reuses its inputs). */
+ * uploaded synchronously on a miss (the first call with new inputs; never inside a timed loop that
+ * reuses its inputs). */
 static tw_status tw__bl_group_table(tw_baseline_t b, const void* a, const void* w, void*** table) {
   for (int i = 0; i < 8; i++)
     if (b->g_cache[i].table && b->g_cache[i].a == a && b->g_cache[i].w == w) {
@@ -878,10 +870,9 @@ extern "C" tw_status tw__baseline_sequential(tw_baseline_t b, const void* a, con
   return tw__baseline_reduce(b, b->c, b->recv, out, stream);
 }
 
-/* Cross-rank fence on `stream`: a one-element allreduce completes on a rank
- * only after every rank has reached it in stream order, i.e. after their
- * copy-engine writes into this rank's receive buffer (joined into their streams
- * before the fence) have completed. */
+/* Cross-rank fence on `stream`: a one-element allreduce completes on a rank only after every rank
+ * has reached it in stream order, i.e. after their copy-engine writes into this rank's receive
+ * buffer (joined into their streams before the fence) have completed. */
 static tw_status tw__bl_fence(tw_baseline_t b, cudaStream_t stream) {
   if (b->world == 1) return TW_SUCCESS;
   TW__BL_NCCL(ncclAllReduce(b->fence, b->fence + 1, 1, ncclInt32, ncclSum, b->comm, stream));
@@ -909,8 +900,7 @@ extern "C" tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const 
                     chunk_rows);
   if (chunk_rows != b->chunk_rows) tw__bl_build_chunks(b, chunk_rows);
   TW__BL_CUBLAS(cublasSetStream(b->cublas, stream));
-  /* The copy stream must not run ahead of anything the caller queued before
-   * this call. */
+  /* The copy stream must not run ahead of anything the caller queued before this call. */
   TW__BL_CUDA(cudaEventRecord(b->chunk_events[b->num_chunks], stream));
   TW__BL_CUDA(cudaStreamWaitEvent(b->copy_stream, b->chunk_events[b->num_chunks], 0));
   for (int32_t c = 0; c < b->num_chunks; c++) {
@@ -918,8 +908,7 @@ extern "C" tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const 
       const tw__bl_range* r = &b->chunk_gemms[g];
       TW_TRY(tw__bl_gemm_range(b, a, w, r->expert, r->row0, r->rows));
     }
-    /* The chunk's rows are final once the GEMMs queued before this event have
-     * run. */
+    /* The chunk's rows are final once the GEMMs queued before this event have run. */
     TW__BL_CUDA(cudaEventRecord(b->chunk_events[c], stream));
     TW__BL_CUDA(cudaStreamWaitEvent(b->copy_stream, b->chunk_events[c], 0));
     TW_TRY(tw__bl_copy_ranges(b, b->chunk_copies + b->chunk_copy0[c],

@@ -1,15 +1,13 @@
 /*
- * test_baseline.cu: the sequential and chunked baselines against the
- * double-precision reference, on 2 GPUs (one forked process per rank; exit 77
- * with fewer).
+ * test_baseline.cu: the sequential and chunked baselines against the double-precision reference, on
+ * 2 GPUs (one forked process per rank; exit 77 with fewer).
  *
- * Each rank builds the plan's layout input from per-(token, slot) GEMM2 inputs
- * h that are exact bf16 values, so the reference sees the very numbers the GPU
- * multiplies. The only rounding on the GPU side is the bf16 GEMM output and the
- * bf16 result, each at most 2^-9 relative, so |out - ref| <= 2^-8 (mag + |ref|)
- * holds with room for the fp32 sums; a row sent to the wrong place, a missing
- * transfer or a wrong weight breaks it by orders of magnitude. Outputs are
- * poisoned with NaN before every run.
+ * Each rank builds the plan's layout input from per-(token, slot) GEMM2 inputs h that are exact
+ * bf16 values, so the reference sees the very numbers the GPU multiplies. The only rounding on the
+ * GPU side is the bf16 GEMM output and the bf16 result, each at most 2^-9 relative, so |out - ref|
+ * <= 2^-8 (mag + |ref|) holds with room for the fp32 sums; a row sent to the wrong place, a missing
+ * transfer or a wrong weight breaks it by orders of magnitude. Outputs are poisoned with NaN before
+ * every run.
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -39,8 +37,7 @@ static uint64_t rng_next(uint64_t* s) {
   return z ^ (z >> 31);
 }
 
-/* Uniform in [-scale, scale), rounded to the nearest bf16 (returned as float
- * and as bits). */
+/* Uniform in [-scale, scale), rounded to the nearest bf16 (returned as float and as bits). */
 static float rng_bf16(uint64_t* s, float scale, uint16_t* bits) {
   const float u = (float)(rng_next(s) >> 40) * (1.0f / 16777216.0f);
   *bits = tw__ref_f32_to_bf16((2.f * u - 1.f) * scale);
@@ -57,8 +54,7 @@ static float rng_bf16(uint64_t* s, float scale, uint16_t* bits) {
     }                                                                                             \
   } while (0)
 
-/* Compares a device (tokens, H) bf16 output with the reference; returns the
- * mismatch count. */
+/* Compares a device (tokens, H) bf16 output with the reference; returns the mismatch count. */
 static int compare(int rank, const char* what, const void* dout, const double* ref,
                    const double* mag, int64_t n) {
   uint16_t* h = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)(n ? n : 1));
@@ -106,8 +102,7 @@ static int rank_body(int rank, int world, const ncclUniqueId* id, void* arg) {
   const struct tw_plan* mine = plans[rank];
   const int H = p.hidden, F = p.ffn, K = p.top_k, E = mine->local_experts;
 
-  /* Inputs on every rank from one seed: h for every (owner, token, slot), w2
-   * for every expert. */
+  /* Inputs on every rank from one seed: h for every (owner, token, slot), w2 for every expert. */
   uint64_t s = cfg->seed * 7919u + 17u;
   float** h = (float**)calloc((size_t)world, sizeof(float*));
   uint16_t** hb = (uint16_t**)calloc((size_t)world, sizeof(uint16_t*));
@@ -122,8 +117,8 @@ static int rank_body(int rank, int world, const ncclUniqueId* id, void* arg) {
   uint16_t* w2b = (uint16_t*)malloc(sizeof(uint16_t) * wn);
   for (size_t i = 0; i < wn; i++) w2[i] = rng_bf16(&s, 1.0f / sqrtf((float)F), &w2b[i]);
 
-  /* This rank's GEMM input in the plan's layout; padding rows get a non-zero
-   * value that must never reach an output. */
+  /* This rank's GEMM input in the plan's layout; padding rows get a non-zero value that must never
+   * reach an output. */
   uint16_t* a = (uint16_t*)malloc(sizeof(uint16_t) * (size_t)mine->rows * F);
   for (int32_t r = 0; r < mine->rows; r++) {
     const tw_row_src* src = &mine->row_src[r];
@@ -191,8 +186,7 @@ static int rank_body(int rank, int world, const ncclUniqueId* id, void* arg) {
       const int bad = compare(rank, what, dout, ref[rank], mag[rank], nout);
       RANK_CHECK(bad == 0, "%s: %d of %lld elements off", what, bad, (long long)nout);
     }
-    /* The comparison helper: identical buffers give 0; one changed element
-     * gives its share. */
+    /* The comparison helper: identical buffers give 0; one changed element gives its share. */
     double rel = -1;
     uint32_t* scratch = NULL;
     cudaMalloc((void**)&scratch, 16);
@@ -242,8 +236,7 @@ static void sequential_and_chunked_balanced(void) {
   run_case((case_cfg){256, 192, 8, 2, 300, TW_ROUTER_BALANCED, 11});
 }
 
-/* Skew leaves some (expert, owner) groups empty or tiny and others many bands
- * long. */
+/* Skew leaves some (expert, owner) groups empty or tiny and others many bands long. */
 static void sequential_and_chunked_stress_skew(void) {
   run_case((case_cfg){128, 64, 16, 4, 513, TW_ROUTER_STRESS_SKEW, 12});
 }
@@ -254,8 +247,7 @@ static void sequential_and_chunked_sparse(void) {
 }
 
 int main(void) {
-  /* Count GPUs in a child: CUDA must stay uninitialised here for the ranks'
-   * fork. */
+  /* Count GPUs in a child: CUDA must stay uninitialised here for the ranks' fork. */
   const int gpus = tw__gpu_count_forked();
   if (gpus < 2) {
     printf("needs 2 GPUs, found %d: skipped\n0 passed, 0 failed\n", gpus < 0 ? 0 : gpus);
