@@ -77,11 +77,9 @@ struct tw_baseline {
   } g_cache[8];
   int32_t g_cache_next;
 
-  tw__bl_range* sends; /* (num_sends) merged remote transfers of this rank,
-                          schedule order */
+  tw__bl_range* sends; /* (num_sends) merged remote transfers of this rank, schedule order */
   int32_t num_sends;
-  tw__bl_range* recvs; /* (num_recvs) merged transfers to this rank, by source,
-                          its order */
+  tw__bl_range* recvs; /* (num_recvs) merged transfers to this rank, by source, its order */
   int32_t num_recvs;
 
   /* Packed exchange: per peer, this rank's rows bound there gathered into one block in the order of
@@ -94,8 +92,7 @@ struct tw_baseline {
   int64_t* peer_send_rows;    /* (world) rows bound to each peer */
   int64_t* peer_recv_off;     /* (world) byte offset of each source's region in recv */
   int64_t* peer_recv_bytes;   /* (world) bytes from each source */
-  tw__bl_range* remote_bands; /* (num_remote_bands) this rank's remote bands,
-                                 schedule order */
+  tw__bl_range* remote_bands; /* (num_remote_bands) this rank's remote bands, schedule order */
   int32_t num_remote_bands;
   tw__bl_range* local_gemms; /* (num_local_gemms) merged local row ranges */
   int32_t num_local_gemms;
@@ -103,18 +100,15 @@ struct tw_baseline {
   /* Chunk plan for the chunked baseline, rebuilt when chunk_rows changes. */
   int32_t chunk_rows;
   int32_t num_chunks;
-  int32_t* chunk_gemm0;       /* (num_remote_bands + 1) first GEMM range of chunk c in
-                                 chunk_gemms */
-  int32_t* chunk_copy0;       /* (num_remote_bands + 1) first copy of chunk c in
-                                 chunk_copies */
-  tw__bl_range* chunk_gemms;  /* (num_remote_bands) */
+  int32_t* chunk_gemm0;      /* (num_remote_bands + 1) first GEMM range of chunk c in chunk_gemms */
+  int32_t* chunk_copy0;      /* (num_remote_bands + 1) first copy of chunk c in chunk_copies */
+  tw__bl_range* chunk_gemms; /* (num_remote_bands) */
   tw__bl_range* chunk_copies; /* (num_remote_bands) */
 
   void* c;              /* (rows, H) bf16 device: GEMM output */
   void* recv;           /* (recv_rows, H) bf16 device, cudaMalloc (IPC-exportable) */
   void** peer_recv;     /* (world) peers' receive buffers mapped here; [rank] unused */
-  int32_t* peer_opened; /* (world) 1 where peer_recv came from
-                           cudaIpcOpenMemHandle */
+  int32_t* peer_opened; /* (world) 1 where peer_recv came from cudaIpcOpenMemHandle */
   int32_t* slot_row;    /* (tokens, k) device */
   float* weights;       /* (tokens, k) device */
   int32_t* fence;       /* (1) device: payload of the cross-rank fence */
