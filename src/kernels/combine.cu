@@ -41,7 +41,7 @@
 namespace {
 
 constexpr int kConsumerThreads = 512;
-constexpr int kUnroll = 4; /* independent 16-byte loads in flight per thread */
+constexpr int kUnroll = 8; /* independent 16-byte loads in flight per thread: 64 KiB per CTA */
 
 /* Copies rows x (8 * vpr) bf16 from src (row stride src_ld elements) to dst (row stride dst_ld
  * elements) with 16-byte loads and stores; src through L2 only (the producer wrote it in this

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The one script for the GPU machine: builds everything against the NCCL that PyTorch ships (the
+# one loaded at run time), runs every test (GPU tests included), compute-sanitizer on small cases,
+# then the benchmark tables (bench/gpu_bench.sh), all under $OUT (default ./gpu-out).
+# Usage: bench/gpu_all.sh [quick]     quick: tests + a reduced benchmark grid
+# Budget: about 6 minutes on 2 x H200.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export OUT=${OUT:-$PWD/gpu-out}
+export BUILD=${BUILD:-build-gpu}
+mode=${1:-full}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export CUDA_MODULE_LOADING=EAGER PYTHONUNBUFFERED=1
+
+step() { echo; echo "=== $* ($(date -u +%T))"; }
+
+step environment
+NCCL_ROOT=$(python3 -c 'import nvidia.nccl as m; print(m.__path__[0])' 2>/dev/null || true)
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
+  nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader
+  echo "nccl: ${NCCL_ROOT:-toolkit}"
+} | tee "$OUT/env.txt"
+
+step build
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release ${NCCL_ROOT:+-DTW_NCCL_ROOT=$NCCL_ROOT} \
+  >"$OUT/build.log" 2>&1 && cmake --build "$BUILD" -j "$(nproc)" >>"$OUT/build.log" 2>&1 ||
+  { tail -40 "$OUT/build.log"; exit 1; }
+grep -E "Used [0-9]+ registers|spill stores" "$OUT/build.log" | sort | uniq -c >"$OUT/ptxas.txt"
+
+step "tests (ctest, GPU tests included)"
+ctest --test-dir "$BUILD" --output-on-failure --timeout 600 >"$OUT/ctest.log" 2>&1
+echo "ctest exit $?"
+grep -E "tests passed|Passed|Failed|\*\*\*|Not Run|Skipped" "$OUT/ctest.log" | tail -45
+grep -E "^[0-9]+ passed, [0-9]+ failed" "$OUT/ctest.log" | sort | uniq -c
+
+step "compute-sanitizer (small cases)"
+for tool in memcheck racecheck; do
+  TW_GEMM_TEST_QUICK=1 timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 \
+    "$BUILD/test_gemm" >"$OUT/sanitizer-gemm-$tool.txt" 2>&1
+  echo "test_gemm $tool: exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-gemm-$tool.txt" | tr '\n' ' ')"
+done
+TW_TEST_QUICK=1 TW_TIMEOUT_MS=60000 timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+  "$BUILD/test_overlap" >"$OUT/sanitizer-overlap-memcheck.txt" 2>&1
+echo "test_overlap memcheck: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-overlap-memcheck.txt" | tr '\n' ' ')"
+
+step "benchmarks (bench/gpu_bench.sh)"
+if [ "$mode" = quick ]; then bench/gpu_bench.sh quick; else bench/gpu_bench.sh; fi
