@@ -19,7 +19,8 @@ step environment
 NCCL_ROOT=$(python3 -c 'import nvidia.nccl as m; print(m.__path__[0])' 2>/dev/null || true)
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%MZ)"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (+ uncommitted changes)')"
+  # The copy of the tree on a GPU machine may have no .git: the caller can pass TW_COMMIT.
+  echo "commit: ${TW_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=index,name,driver_version,clocks.max.sm --format=csv,noheader
   echo "nccl: ${NCCL_ROOT:-toolkit}"
 } | tee "$OUT/env.txt"
@@ -45,6 +46,13 @@ done
 TW_TEST_QUICK=1 TW_TIMEOUT_MS=60000 timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
   "$BUILD/test_overlap" >"$OUT/sanitizer-overlap-memcheck.txt" 2>&1
 echo "test_overlap memcheck: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-overlap-memcheck.txt" | tr '\n' ' ')"
+grep -m 3 -A 12 "^========= Invalid\|^========= Program hit\|^========= Error" "$OUT/sanitizer-overlap-memcheck.txt" | head -45
 
 step "benchmarks (bench/gpu_bench.sh)"
 if [ "$mode" = quick ]; then bench/gpu_bench.sh quick; else bench/gpu_bench.sh; fi
+
+if [ "$mode" != quick ]; then
+  step "tilewave sweep, a second point (tokens/rank 16384, K 2048, N 8192, 64 experts, top-2)"
+  timeout 150 "$BUILD/tilewave" sweep --tokens 16384 --hidden 8192 --ffn 2048 --experts 64 --topk 2 \
+    --iters 10 --warmup 2 | tee "$OUT/sweep2.md"
+fi
