@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "baseline.h"
+#include "checks.h"
 #include "core.h"
 
 /* One transfer or GEMM range over the layout: rows [row0, row0 + rows) of local expert `expert`;
@@ -116,32 +117,6 @@ struct tw_baseline {
   cudaEvent_t* chunk_events; /* (num_remote_bands + 1) */
   cudaEvent_t copies_done;
 };
-
-/* ---- error helpers --------------------------------------------------------------------------- */
-
-#define TW__BL_CUDA(expr)                                                \
-  do {                                                                   \
-    cudaError_t tw__e = (expr);                                          \
-    if (tw__e != cudaSuccess)                                            \
-      return tw__fail(TW_ERR_CUDA, "%s: %s failed: %s", __func__, #expr, \
-                      cudaGetErrorString(tw__e));                        \
-  } while (0)
-
-#define TW__BL_NCCL(expr)                                                     \
-  do {                                                                        \
-    ncclResult_t tw__r = (expr);                                              \
-    if (tw__r != ncclSuccess)                                                 \
-      return tw__fail(TW_ERR_NCCL, "%s: %s failed: %s (%s)", __func__, #expr, \
-                      ncclGetErrorString(tw__r), ncclGetLastError(NULL));     \
-  } while (0)
-
-#define TW__BL_CUBLAS(expr)                                                \
-  do {                                                                     \
-    cublasStatus_t tw__c = (expr);                                         \
-    if (tw__c != CUBLAS_STATUS_SUCCESS)                                    \
-      return tw__fail(TW_ERR_CUBLAS, "%s: %s failed: %s", __func__, #expr, \
-                      cublasGetStatusString(tw__c));                       \
-  } while (0)
 
 /* ---- kernels --------------------------------------------------------------------------------- */
 
@@ -507,31 +482,31 @@ static tw_status tw__bl_create(tw_baseline_t b, const struct tw_plan* const* pla
   TW_TRY(tw__bl_alloc_host((void**)&b->peer_opened, sizeof(int32_t) * world));
 
   /* Device state. */
-  TW__BL_CUDA(cudaMalloc(&b->c, (size_t)b->rows * b->row_bytes + 256));
-  TW__BL_CUDA(cudaMalloc(&b->recv, (size_t)b->recv_rows * b->row_bytes + 256));
+  TW_CUDA_TRY(cudaMalloc(&b->c, (size_t)b->rows * b->row_bytes + 256));
+  TW_CUDA_TRY(cudaMalloc(&b->recv, (size_t)b->recv_rows * b->row_bytes + 256));
   const size_t nslots = (size_t)b->tokens * (size_t)b->top_k;
-  TW__BL_CUDA(cudaMalloc((void**)&b->slot_row, sizeof(int32_t) * nslots + 16));
-  TW__BL_CUDA(cudaMalloc((void**)&b->weights, sizeof(float) * nslots + 16));
-  TW__BL_CUDA(cudaMalloc((void**)&b->fence, 256));
+  TW_CUDA_TRY(cudaMalloc((void**)&b->slot_row, sizeof(int32_t) * nslots + 16));
+  TW_CUDA_TRY(cudaMalloc((void**)&b->weights, sizeof(float) * nslots + 16));
+  TW_CUDA_TRY(cudaMalloc((void**)&b->fence, 256));
   if (nslots > 0) {
-    TW__BL_CUDA(
+    TW_CUDA_TRY(
         cudaMemcpy(b->slot_row, plan->slot_row, sizeof(int32_t) * nslots, cudaMemcpyHostToDevice));
-    TW__BL_CUDA(cudaMemcpy(b->weights, gate, sizeof(float) * nslots, cudaMemcpyHostToDevice));
+    TW_CUDA_TRY(cudaMemcpy(b->weights, gate, sizeof(float) * nslots, cudaMemcpyHostToDevice));
   }
-  TW__BL_CUDA(cudaMemset(b->fence, 0, 256));
-  TW__BL_CUDA(cudaStreamCreateWithFlags(&b->copy_stream, cudaStreamNonBlocking));
+  TW_CUDA_TRY(cudaMemset(b->fence, 0, 256));
+  TW_CUDA_TRY(cudaStreamCreateWithFlags(&b->copy_stream, cudaStreamNonBlocking));
   for (int32_t i = 0; i <= nrb; i++)
-    TW__BL_CUDA(cudaEventCreateWithFlags(&b->chunk_events[i], cudaEventDisableTiming));
-  TW__BL_CUDA(cudaEventCreateWithFlags(&b->copies_done, cudaEventDisableTiming));
-  TW__BL_CUBLAS(cublasCreate(&b->cublas));
+    TW_CUDA_TRY(cudaEventCreateWithFlags(&b->chunk_events[i], cudaEventDisableTiming));
+  TW_CUDA_TRY(cudaEventCreateWithFlags(&b->copies_done, cudaEventDisableTiming));
+  TW_CUBLAS_TRY(cublasCreate(&b->cublas));
 
   /* Exchange receive buffers: IPC handles where ranks are processes, raw pointers (and peer access)
    * where they share this process. */
   int device = 0;
-  TW__BL_CUDA(cudaGetDevice(&device));
+  TW_CUDA_TRY(cudaGetDevice(&device));
   tw__bl_ipc mine;
   memset(&mine, 0, sizeof mine);
-  TW__BL_CUDA(cudaIpcGetMemHandle(&mine.handle, b->recv));
+  TW_CUDA_TRY(cudaIpcGetMemHandle(&mine.handle, b->recv));
   mine.ptr = (uint64_t)(uintptr_t)b->recv;
   mine.pid = (int64_t)getpid();
   mine.device = device;
@@ -682,7 +657,7 @@ static tw_status tw__bl_gemm_range(tw_baseline_t b, const void* a, const void* w
   const char* wa = (const char*)w + (size_t)expert * b->hidden * b->ffn * 2;
   const char* aa = (const char*)a + (size_t)row0 * b->ffn * 2;
   char* cc = (char*)b->c + (size_t)row0 * b->row_bytes;
-  TW__BL_CUBLAS(cublasGemmEx(b->cublas, CUBLAS_OP_T, CUBLAS_OP_N, b->hidden, rows, b->ffn, &alpha,
+  TW_CUBLAS_TRY(cublasGemmEx(b->cublas, CUBLAS_OP_T, CUBLAS_OP_N, b->hidden, rows, b->ffn, &alpha,
                              wa, CUDA_R_16BF, b->ffn, aa, CUDA_R_16BF, b->ffn, &beta, cc,
                              CUDA_R_16BF, b->hidden, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
   return TW_SUCCESS;
@@ -698,7 +673,7 @@ static tw_status tw__bl_check_io(tw_baseline_t b, const void* a, const void* w, 
 extern "C" tw_status tw__baseline_gemm(tw_baseline_t b, const void* a, const void* w,
                                        cudaStream_t stream) {
   TW_TRY(tw__bl_check_io(b, a, w, b ? b->c : NULL));
-  TW__BL_CUBLAS(cublasSetStream(b->cublas, stream));
+  TW_CUBLAS_TRY(cublasSetStream(b->cublas, stream));
   for (int32_t e = 0; e < b->experts; e++)
     TW_TRY(tw__bl_gemm_range(b, a, w, e, b->expert_row0[e], b->expert_rows[e]));
   return TW_SUCCESS;
@@ -709,7 +684,7 @@ extern "C" tw_status tw__baseline_exchange(tw_baseline_t b, cudaStream_t stream)
   if (b->world == 1) return TW_SUCCESS;
   /* One group: NCCL matches the sends and receives of one peer pair in posting order, which is the
    * sender's band order on both sides (see the file comment). */
-  TW__BL_NCCL(ncclGroupStart());
+  TW_NCCL_TRY(ncclGroupStart());
   for (int32_t i = 0; i < b->num_sends; i++) {
     const tw__bl_range* s = &b->sends[i];
     ncclResult_t r =
@@ -731,7 +706,7 @@ extern "C" tw_status tw__baseline_exchange(tw_baseline_t b, cudaStream_t stream)
                       ncclGetErrorString(r));
     }
   }
-  TW__BL_NCCL(ncclGroupEnd());
+  TW_NCCL_TRY(ncclGroupEnd());
   return TW_SUCCESS;
 }
 
@@ -748,9 +723,9 @@ extern "C" tw_status tw__baseline_exchange_packed(tw_baseline_t b, cudaStream_t 
     const int blocks = (int)((n + 255) / 256 < 8192 ? (n + 255) / 256 : 8192);
     tw__bl_gather_kernel<<<blocks, 256, 0, stream>>>((const uint4*)b->c, (uint4*)b->pack,
                                                      b->pack_map, b->pack_rows, vecs);
-    TW__BL_CUDA(cudaGetLastError());
+    TW_CUDA_TRY(cudaGetLastError());
   }
-  TW__BL_NCCL(ncclGroupStart());
+  TW_NCCL_TRY(ncclGroupStart());
   for (int32_t d = 0; d < b->world; d++) {
     if (d == b->rank) continue;
     ncclResult_t r = ncclSuccess;
@@ -766,7 +741,7 @@ extern "C" tw_status tw__baseline_exchange_packed(tw_baseline_t b, cudaStream_t 
                       ncclGetErrorString(r));
     }
   }
-  TW__BL_NCCL(ncclGroupEnd());
+  TW_NCCL_TRY(ncclGroupEnd());
   return TW_SUCCESS;
 }
 
@@ -783,7 +758,7 @@ extern "C" tw_status tw__baseline_reduce(tw_baseline_t b, const void* local, con
   tw__bl_reduce_kernel<<<grid, threads, 0, stream>>>(
       (const __nv_bfloat16*)local, (const __nv_bfloat16*)recv, b->slot_row, b->weights,
       (__nv_bfloat16*)out, b->tokens, b->top_k, b->hidden, b->recv_rows);
-  TW__BL_CUDA(cudaGetLastError());
+  TW_CUDA_TRY(cudaGetLastError());
   return TW_SUCCESS;
 }
 
@@ -831,8 +806,8 @@ extern "C" tw_status tw__baseline_gemm_grouped(tw_baseline_t b, const void* a, c
   void** table = NULL;
   TW_TRY(tw__bl_group_table(b, a, w, &table));
   const int ng = b->num_groups;
-  TW__BL_CUBLAS(cublasSetStream(b->cublas, stream));
-  TW__BL_CUBLAS(cublasGemmGroupedBatchedEx(
+  TW_CUBLAS_TRY(cublasSetStream(b->cublas, stream));
+  TW_CUBLAS_TRY(cublasGemmGroupedBatchedEx(
       b->cublas, b->g_transa, b->g_transb, b->g_m, b->g_n, b->g_k, b->g_alpha,
       (const void* const*)table, CUDA_R_16BF, b->g_ld_w, (const void* const*)(table + ng),
       CUDA_R_16BF, b->g_ld_a, b->g_beta, table + 2 * ng, CUDA_R_16BF, b->g_ld_c, ng, b->g_size,
@@ -869,7 +844,7 @@ extern "C" tw_status tw__baseline_sequential(tw_baseline_t b, const void* a, con
  * buffer (joined into their streams before the fence) have completed. */
 static tw_status tw__bl_fence(tw_baseline_t b, cudaStream_t stream) {
   if (b->world == 1) return TW_SUCCESS;
-  TW__BL_NCCL(ncclAllReduce(b->fence, b->fence + 1, 1, ncclInt32, ncclSum, b->comm, stream));
+  TW_NCCL_TRY(ncclAllReduce(b->fence, b->fence + 1, 1, ncclInt32, ncclSum, b->comm, stream));
   return TW_SUCCESS;
 }
 
@@ -878,7 +853,7 @@ static tw_status tw__bl_copy_ranges(tw_baseline_t b, const tw__bl_range* list, i
   for (int32_t i = 0; i < n; i++) {
     const tw__bl_range* r = &list[i];
     if (r->valid_rows <= 0) continue;
-    TW__BL_CUDA(cudaMemcpyAsync((char*)b->peer_recv[r->peer] + r->dest_offset,
+    TW_CUDA_TRY(cudaMemcpyAsync((char*)b->peer_recv[r->peer] + r->dest_offset,
                                 (const char*)b->c + (size_t)r->row0 * b->row_bytes,
                                 (size_t)r->valid_rows * b->row_bytes, cudaMemcpyDeviceToDevice,
                                 stream));
@@ -893,18 +868,18 @@ extern "C" tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const 
     return tw__fail(TW_ERR_INVALID_SIZE, "tw__baseline_chunked: chunk_rows %d must be >= 1",
                     chunk_rows);
   if (chunk_rows != b->chunk_rows) tw__bl_build_chunks(b, chunk_rows);
-  TW__BL_CUBLAS(cublasSetStream(b->cublas, stream));
+  TW_CUBLAS_TRY(cublasSetStream(b->cublas, stream));
   /* The copy stream must not run ahead of anything the caller queued before this call. */
-  TW__BL_CUDA(cudaEventRecord(b->chunk_events[b->num_chunks], stream));
-  TW__BL_CUDA(cudaStreamWaitEvent(b->copy_stream, b->chunk_events[b->num_chunks], 0));
+  TW_CUDA_TRY(cudaEventRecord(b->chunk_events[b->num_chunks], stream));
+  TW_CUDA_TRY(cudaStreamWaitEvent(b->copy_stream, b->chunk_events[b->num_chunks], 0));
   for (int32_t c = 0; c < b->num_chunks; c++) {
     for (int32_t g = b->chunk_gemm0[c]; g < b->chunk_gemm0[c + 1]; g++) {
       const tw__bl_range* r = &b->chunk_gemms[g];
       TW_TRY(tw__bl_gemm_range(b, a, w, r->expert, r->row0, r->rows));
     }
     /* The chunk's rows are final once the GEMMs queued before this event have run. */
-    TW__BL_CUDA(cudaEventRecord(b->chunk_events[c], stream));
-    TW__BL_CUDA(cudaStreamWaitEvent(b->copy_stream, b->chunk_events[c], 0));
+    TW_CUDA_TRY(cudaEventRecord(b->chunk_events[c], stream));
+    TW_CUDA_TRY(cudaStreamWaitEvent(b->copy_stream, b->chunk_events[c], 0));
     TW_TRY(tw__bl_copy_ranges(b, b->chunk_copies + b->chunk_copy0[c],
                               b->chunk_copy0[c + 1] - b->chunk_copy0[c], b->copy_stream));
   }
@@ -912,8 +887,8 @@ extern "C" tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const 
     const tw__bl_range* r = &b->local_gemms[g];
     TW_TRY(tw__bl_gemm_range(b, a, w, r->expert, r->row0, r->rows));
   }
-  TW__BL_CUDA(cudaEventRecord(b->copies_done, b->copy_stream));
-  TW__BL_CUDA(cudaStreamWaitEvent(stream, b->copies_done, 0));
+  TW_CUDA_TRY(cudaEventRecord(b->copies_done, b->copy_stream));
+  TW_CUDA_TRY(cudaStreamWaitEvent(stream, b->copies_done, 0));
   TW_TRY(tw__bl_fence(b, stream));
   return tw__baseline_reduce(b, b->c, b->recv, out, stream);
 }
@@ -941,14 +916,14 @@ extern "C" tw_status tw__baseline_rel_diff(const void* x, const void* ref, size_
   TW_CHECK_NULL(x);
   TW_CHECK_NULL(ref);
   TW_CHECK_NULL(scratch);
-  TW__BL_CUDA(cudaMemsetAsync(scratch, 0, 2 * sizeof(uint32_t), stream));
+  TW_CUDA_TRY(cudaMemsetAsync(scratch, 0, 2 * sizeof(uint32_t), stream));
   const size_t blocks = (n + 255) / 256 < 2048 ? (n + 255) / 256 : 2048;
   tw__bl_diff_kernel<<<(unsigned)blocks, 256, 0, stream>>>((const __nv_bfloat16*)x,
                                                            (const __nv_bfloat16*)ref, n, scratch);
-  TW__BL_CUDA(cudaGetLastError());
+  TW_CUDA_TRY(cudaGetLastError());
   uint32_t h[2] = {0, 0};
-  TW__BL_CUDA(cudaMemcpyAsync(h, scratch, sizeof h, cudaMemcpyDeviceToHost, stream));
-  TW__BL_CUDA(cudaStreamSynchronize(stream));
+  TW_CUDA_TRY(cudaMemcpyAsync(h, scratch, sizeof h, cudaMemcpyDeviceToHost, stream));
+  TW_CUDA_TRY(cudaStreamSynchronize(stream));
   float d, r;
   memcpy(&d, &h[0], sizeof d);
   memcpy(&r, &h[1], sizeof r);
@@ -962,6 +937,6 @@ extern "C" tw_status tw__baseline_fill_random(void* dst, size_t n, uint64_t seed
   TW_CHECK_NULL(dst);
   const size_t blocks = (n + 255) / 256 < 4096 ? (n + 255) / 256 : 4096;
   tw__bl_fill_kernel<<<(unsigned)blocks, 256, 0, stream>>>((__nv_bfloat16*)dst, n, seed, scale);
-  TW__BL_CUDA(cudaGetLastError());
+  TW_CUDA_TRY(cudaGetLastError());
   return TW_SUCCESS;
 }

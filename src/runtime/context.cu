@@ -30,6 +30,7 @@
 #include <string.h>
 
 #include "combine.h"
+#include "checks.h"
 #include "core.h"
 #include "kernels.h"
 #include "plan.h"
@@ -99,22 +100,6 @@ struct tw_device_plan {
 };
 
 /* ---- helpers ------------------------------------------------------------------------------ */
-
-#define TW_CUDA_TRY(expr)                                                \
-  do {                                                                   \
-    cudaError_t tw__e = (expr);                                          \
-    if (tw__e != cudaSuccess)                                            \
-      return tw__fail(TW_ERR_CUDA, "%s: %s failed: %s", __func__, #expr, \
-                      cudaGetErrorString(tw__e));                        \
-  } while (0)
-
-#define TW_NCCL_TRY(expr)                                                     \
-  do {                                                                        \
-    ncclResult_t tw__r = (expr);                                              \
-    if (tw__r != ncclSuccess)                                                 \
-      return tw__fail(TW_ERR_NCCL, "%s: %s failed: %s (%s)", __func__, #expr, \
-                      ncclGetErrorString(tw__r), ncclGetLastError(NULL));     \
-  } while (0)
 
 /* Makes the context's device current for the scope of a call and restores the caller's. */
 struct tw__device_guard {
@@ -206,6 +191,35 @@ static tw_status tw__zero_state(tw_context_t ctx) {
   return TW_SUCCESS;
 }
 
+/* The context's part of the consumer's arguments (window, GEMM output, counters, shape, error
+ * word); callers add the plan's part and the timeout. */
+static void tw__consumer_args_init(const struct tw_context* ctx, tw_consumer_args* ca) {
+  memset(ca, 0, sizeof *ca);
+  ca->win = ctx->win;
+  ca->lay = ctx->lay;
+  ca->local_win = (char*)ctx->win_buf;
+  ca->c = ctx->c;
+  ca->band_counters = ctx->band_counters;
+  ca->done = ctx->consumer_done;
+  ca->col_tiles = ctx->col_tiles;
+  ca->tiles_per_unit = ctx->tiles_per_unit;
+  ca->unit_chunks = ctx->unit_chunks;
+  ca->tn = ctx->tn;
+  ca->hidden = ctx->problem.hidden;
+  ca->rank = ctx->rank;
+  ca->world = ctx->world;
+  ca->err = ctx->err;
+}
+
+/* The context's part of the reduction's arguments (window and GEMM output). */
+static void tw__reduce_args_init(const struct tw_context* ctx, tw_reduce_args* ra) {
+  memset(ra, 0, sizeof *ra);
+  ra->lay = ctx->lay;
+  ra->win = ctx->win;
+  ra->local_win = (char*)ctx->win_buf;
+  ra->c = ctx->c;
+}
+
 /* Launches every kernel once (lazy loading; see the file comment) on tiny inputs. */
 static tw_status tw__warm_up(tw_context_t ctx) {
   const int64_t F = ctx->problem.ffn;
@@ -252,32 +266,14 @@ static tw_status tw__warm_up(tw_context_t ctx) {
     if (st != TW_SUCCESS) goto done;
 
     tw_consumer_args ca;
-    memset(&ca, 0, sizeof ca);
-    ca.win = ctx->win;
-    ca.lay = ctx->lay;
-    ca.local_win = (char*)ctx->win_buf;
-    ca.c = ctx->c;
-    ca.band_counters = ctx->band_counters;
-    ca.done = ctx->consumer_done;
-    ca.col_tiles = ctx->col_tiles;
-    ca.tiles_per_unit = ctx->tiles_per_unit;
-    ca.unit_chunks = ctx->unit_chunks;
-    ca.tn = ctx->tn;
-    ca.hidden = ctx->problem.hidden;
-    ca.rank = ctx->rank;
-    ca.world = ctx->world;
-    ca.err = ctx->err;
+    tw__consumer_args_init(ctx, &ca);
     ca.timeout_ns = 1000000;
     st = tw__consumer_launch(&ca, 1, ctx->s_aux);
     if (st != TW_SUCCESS) goto done;
 
     /* world = 1: no waits, no credits. */
     tw_reduce_args ra;
-    memset(&ra, 0, sizeof ra);
-    ra.lay = ctx->lay;
-    ra.win = ctx->win;
-    ra.local_win = (char*)ctx->win_buf;
-    ra.c = ctx->c;
+    tw__reduce_args_init(ctx, &ra);
     ra.hidden = ctx->problem.hidden;
     ra.top_k = ctx->problem.top_k;
     ra.world = 1;
@@ -874,41 +870,23 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   const uint64_t timeout_ns = (uint64_t)ctx->timeout_ms * 1000000ull;
 
   tw_consumer_args ca;
-  memset(&ca, 0, sizeof ca);
-  ca.win = ctx->win;
-  ca.lay = ctx->lay;
-  ca.local_win = (char*)ctx->win_buf;
-  ca.c = ctx->c;
+  tw__consumer_args_init(ctx, &ca);
   ca.bands = d->bands;
   ca.segments = d->segments;
   ca.seg_unit0 = d->seg_unit0;
   ca.num_segments = d->num_segments;
   ca.total_units = d->total_units;
   ca.num_bands = d->num_bands;
-  ca.band_counters = ctx->band_counters;
-  ca.done = ctx->consumer_done;
   ca.wait_bands = mode != TW_COMBINE_COMM_ONLY;
-  ca.col_tiles = ctx->col_tiles;
-  ca.tiles_per_unit = ctx->tiles_per_unit;
-  ca.unit_chunks = ctx->unit_chunks;
-  ca.tn = ctx->tn;
-  ca.hidden = ctx->problem.hidden;
-  ca.rank = ctx->rank;
-  ca.world = ctx->world;
   ca.credit_target = (uint32_t)(ctx->epoch - 1);
   ca.debug_tags = ctx->debug_tags;
   ca.fault = ctx->fault;
   ca.fault_index = ctx->fault_index;
-  ca.err = ctx->err;
   ca.timeout_ns = timeout_ns;
   ctx->fault = TW_FAULT_NONE;
 
   tw_reduce_args ra;
-  memset(&ra, 0, sizeof ra);
-  ra.lay = ctx->lay;
-  ra.win = ctx->win;
-  ra.local_win = (char*)ctx->win_buf;
-  ra.c = ctx->c;
+  tw__reduce_args_init(ctx, &ra);
   ra.slot_row = d->slot_row;
   ra.weights = d->weights;
   ra.out = (uint16_t*)out;

@@ -26,17 +26,7 @@
 #include "kernels.h"
 #include "runtime.h"
 #include "spawn.h"
-#include "tw_test.h"
-
-#define CHECK_CUDA(expr)                                                            \
-  do {                                                                              \
-    cudaError_t tw_e_ = (expr);                                                     \
-    if (tw_e_ != cudaSuccess) {                                                     \
-      fprintf(stderr, "  CUDA error at %s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
-              cudaGetErrorString(tw_e_));                                           \
-      tw_test_failures_++;                                                          \
-    }                                                                               \
-  } while (0)
+#include "tw_test_gpu.h"
 
 typedef struct tw_rank_env {
   int rank, nranks;
@@ -85,8 +75,8 @@ static inline int tw_rank_run_cases(tw_rank_env* env, const tw_rank_case* cases,
 }
 
 /* Sets up NCCL for one rank and runs the cases. */
-static inline int tw_rank_main(int rank, int nranks, const ncclUniqueId* id, const tw_rank_case* cases,
-                        int n) {
+static inline int tw_rank_main(int rank, int nranks, const ncclUniqueId* id,
+                               const tw_rank_case* cases, int n) {
   tw_rank_env env;
   memset(&env, 0, sizeof env);
   env.rank = rank;
@@ -157,8 +147,8 @@ static inline float tw_w2_value(uint64_t salt, int g, int n, int f) {
 }
 
 /* A routing whose rank r keeps the first tokens[r] tokens of a seeded generated routing. */
-static inline tw_status tw_make_routing(const tw_problem* p, tw_router router, const int32_t* tokens,
-                                 uint64_t seed, tw_routing_t* out) {
+static inline tw_status tw_make_routing(const tw_problem* p, tw_router router,
+                                        const int32_t* tokens, uint64_t seed, tw_routing_t* out) {
   tw_routing_t full = NULL;
   tw_status st = tw_routing_generate(p, router, 0.0, p->max_tokens, seed, &full);
   if (st != TW_SUCCESS) return st;
@@ -198,7 +188,7 @@ static inline void tw_fill_w2(const tw_problem* p, int rank, uint64_t salt, uint
 /* Reference out[t] of one token of `rank`, in double from the same bf16 inputs, with the
  * expert rows rounded to bf16 as the GEMM output is. */
 static inline void tw_reference_token(const tw_problem* p, tw_routing_t rt, int rank, int t,
-                               uint64_t salt_h, uint64_t salt_w, double* out) {
+                                      uint64_t salt_h, uint64_t salt_w, double* out) {
   int32_t n_tok = 0;
   const int32_t* ids = NULL;
   const float* ws = NULL;
