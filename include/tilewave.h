@@ -40,28 +40,28 @@ extern "C" {
 /* -------------------------------------------------------------------------------------------- */
 
 /* X(name, value, message). One table gives both the enum and the strings. */
-#define TW_STATUS_TABLE(X)                                                                        \
-  X(TW_SUCCESS, 0, "success")                                                                     \
-  X(TW_ERR_NULL_POINTER, 1, "a required pointer argument is NULL")                                \
-  X(TW_ERR_INVALID_SIZE, 2, "a size or count is zero, negative or too large")                     \
-  X(TW_ERR_INVALID_ARGUMENT, 3, "an argument is out of its documented range")                     \
-  X(TW_ERR_CONFIG_VERSION, 4, "a config struct has the wrong size, magic or version")             \
-  X(TW_ERR_INDIVISIBLE, 5, "the expert count is not divisible by the world size")                 \
-  X(TW_ERR_TOPK_RANGE, 6, "top-k is outside 1..experts")                                          \
-  X(TW_ERR_EXPERT_ID, 7, "an expert id is outside 0..experts-1")                                  \
-  X(TW_ERR_DUPLICATE_EXPERT, 8, "a token names the same expert twice")                            \
-  X(TW_ERR_NONFINITE_WEIGHT, 9, "a gate weight is NaN or infinite")                               \
-  X(TW_ERR_CAPACITY, 10, "more tokens than the declared capacity")                                \
-  X(TW_ERR_ALIGNMENT, 11, "a dimension is not a multiple of what the kernels need")               \
-  X(TW_ERR_UNSUPPORTED, 12, "the requested feature or data type is not supported")                \
-  X(TW_ERR_OUT_OF_MEMORY, 13, "host or device memory allocation failed")                          \
-  X(TW_ERR_IO, 14, "a file could not be read, written or parsed")                                 \
-  X(TW_ERR_NO_DEVICE, 15, "no usable CUDA device")                                                \
-  X(TW_ERR_CUDA, 16, "a CUDA runtime or driver call failed")                                      \
-  X(TW_ERR_CUBLAS, 17, "a cuBLAS call failed")                                                    \
-  X(TW_ERR_NCCL, 18, "an NCCL call failed or the NCCL version does not match")                    \
-  X(TW_ERR_TIMEOUT, 19, "a device-side wait exceeded its timeout (TW_TIMEOUT_MS)")                \
-  X(TW_ERR_STATE, 20, "the object is in the wrong state for this call")                           \
+#define TW_STATUS_TABLE(X)                                                            \
+  X(TW_SUCCESS, 0, "success")                                                         \
+  X(TW_ERR_NULL_POINTER, 1, "a required pointer argument is NULL")                    \
+  X(TW_ERR_INVALID_SIZE, 2, "a size or count is zero, negative or too large")         \
+  X(TW_ERR_INVALID_ARGUMENT, 3, "an argument is out of its documented range")         \
+  X(TW_ERR_CONFIG_VERSION, 4, "a config struct has the wrong size, magic or version") \
+  X(TW_ERR_INDIVISIBLE, 5, "the expert count is not divisible by the world size")     \
+  X(TW_ERR_TOPK_RANGE, 6, "top-k is outside 1..experts")                              \
+  X(TW_ERR_EXPERT_ID, 7, "an expert id is outside 0..experts-1")                      \
+  X(TW_ERR_DUPLICATE_EXPERT, 8, "a token names the same expert twice")                \
+  X(TW_ERR_NONFINITE_WEIGHT, 9, "a gate weight is NaN or infinite")                   \
+  X(TW_ERR_CAPACITY, 10, "more tokens than the declared capacity")                    \
+  X(TW_ERR_ALIGNMENT, 11, "a dimension is not a multiple of what the kernels need")   \
+  X(TW_ERR_UNSUPPORTED, 12, "the requested feature or data type is not supported")    \
+  X(TW_ERR_OUT_OF_MEMORY, 13, "host or device memory allocation failed")              \
+  X(TW_ERR_IO, 14, "a file could not be read, written or parsed")                     \
+  X(TW_ERR_NO_DEVICE, 15, "no usable CUDA device")                                    \
+  X(TW_ERR_CUDA, 16, "a CUDA runtime or driver call failed")                          \
+  X(TW_ERR_CUBLAS, 17, "a cuBLAS call failed")                                        \
+  X(TW_ERR_NCCL, 18, "an NCCL call failed or the NCCL version does not match")        \
+  X(TW_ERR_TIMEOUT, 19, "a device-side wait exceeded its timeout (TW_TIMEOUT_MS)")    \
+  X(TW_ERR_STATE, 20, "the object is in the wrong state for this call")               \
   X(TW_ERR_INTERNAL, 21, "internal error (a bug in tilewave; please report it)")
 
 typedef enum tw_status {
@@ -108,7 +108,7 @@ typedef struct tw_problem {
   tw_dtype dtype;     /* activations and weights; TW_BF16 */
 } tw_problem;
 
-#define TW_PROBLEM_INIT                                                                           \
+#define TW_PROBLEM_INIT \
   { sizeof(tw_problem), TW_PROBLEM_MAGIC, TW_API_VERSION, 1, 0, 0, 0, 0, 0, 0, 0, TW_BF16 }
 
 /* Checks a problem; returns the first violation with a message naming the fix. */
@@ -158,11 +158,11 @@ tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routin
 tw_status tw_routing_write(tw_routing_t routing, const char* path);
 
 typedef struct tw_routing_stats {
-  double r_expert;          /* max_e L_e / (M k / E): 1 is perfectly balanced */
-  int64_t total_tokens;     /* M: tokens over all ranks */
-  int64_t max_expert_load;  /* max_e L_e: assignments to the busiest expert */
-  int64_t min_expert_load;  /* min_e L_e */
-  int64_t max_rank_rows;    /* most (token, k) rows any rank's experts receive */
+  double r_expert;         /* max_e L_e / (M k / E): 1 is perfectly balanced */
+  int64_t total_tokens;    /* M: tokens over all ranks */
+  int64_t max_expert_load; /* max_e L_e: assignments to the busiest expert */
+  int64_t min_expert_load; /* min_e L_e */
+  int64_t max_rank_rows;   /* most (token, k) rows any rank's experts receive */
 } tw_routing_stats;
 
 tw_status tw_routing_stats_get(tw_routing_t routing, tw_routing_stats* stats);
@@ -186,17 +186,17 @@ typedef struct tw_hardware {
   size_t size;
   uint32_t magic;
   uint32_t version;
-  int32_t sm_count;         /* G: SMs available to the operator */
-  int32_t occ_comp;         /* resident producer CTAs per SM */
-  int32_t occ_comm;         /* resident consumer CTAs per SM */
-  int32_t c_max;            /* largest consumer CTA count considered */
-  double tile_tflops;       /* producer throughput per SM in a full wave, TFLOP/s (bf16) */
-  double tile_overhead_us;  /* fixed cost per producer tile (epilogue, signal), us */
-  double link_cta_gbps;     /* NVLink push bandwidth of one consumer CTA, GB/s */
-  double link_peak_gbps;    /* saturated NVLink bandwidth per direction, GB/s */
-  double link_latency_us;   /* fixed cost of one remote segment write + flag, us */
-  double mem_gbps;          /* local device memory bandwidth (read + write), GB/s */
-  double rho_ref;           /* first paper's reference service-rate ratio (eq. 14) */
+  int32_t sm_count;        /* G: SMs available to the operator */
+  int32_t occ_comp;        /* resident producer CTAs per SM */
+  int32_t occ_comm;        /* resident consumer CTAs per SM */
+  int32_t c_max;           /* largest consumer CTA count considered */
+  double tile_tflops;      /* producer throughput per SM in a full wave, TFLOP/s (bf16) */
+  double tile_overhead_us; /* fixed cost per producer tile (epilogue, signal), us */
+  double link_cta_gbps;    /* NVLink push bandwidth of one consumer CTA, GB/s */
+  double link_peak_gbps;   /* saturated NVLink bandwidth per direction, GB/s */
+  double link_latency_us;  /* fixed cost of one remote segment write + flag, us */
+  double mem_gbps;         /* local device memory bandwidth (read + write), GB/s */
+  double rho_ref;          /* first paper's reference service-rate ratio (eq. 14) */
 } tw_hardware;
 
 tw_status tw_hardware_default(tw_hardware* hw);
@@ -217,13 +217,13 @@ typedef struct tw_plan_config {
   size_t size;
   uint32_t magic;
   uint32_t version;
-  int32_t comm_ctas;  /* C: consumer CTAs; 0 = chosen by the model; an explicit value wins */
-  int32_t coalesce;   /* mgb: bands per middle segment; 0 = chosen by the model */
-  int32_t use_model;  /* 1 (default): analytical choice; 0: fixed TW_DEFAULT_COMM_CTAS/COALESCE */
+  int32_t comm_ctas; /* C: consumer CTAs; 0 = chosen by the model; an explicit value wins */
+  int32_t coalesce;  /* mgb: bands per middle segment; 0 = chosen by the model */
+  int32_t use_model; /* 1 (default): analytical choice; 0: fixed TW_DEFAULT_COMM_CTAS/COALESCE */
   const tw_hardware* hardware; /* NULL: TW_CALIBRATION file if set, else built-in defaults */
 } tw_plan_config;
 
-#define TW_PLAN_CONFIG_INIT                                                                       \
+#define TW_PLAN_CONFIG_INIT \
   { sizeof(tw_plan_config), TW_PLAN_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 1, NULL }
 
 #define TW_DEFAULT_COMM_CTAS 8
@@ -238,18 +238,18 @@ tw_status tw_plan_destroy(tw_plan_t plan);
 
 typedef struct tw_plan_summary {
   int32_t rank;
-  int32_t comm_ctas;        /* chosen or given C */
-  int32_t coalesce;         /* chosen or given mgb */
-  int64_t rows;             /* rows of the aligned layout, padding included */
-  int64_t padding_rows;     /* zero rows added at owner boundaries */
-  int64_t tiles;            /* producer tiles in the schedule */
-  int64_t remote_tiles;     /* tiles whose band is sent to another rank */
-  int64_t bands;            /* row bands */
-  int64_t segments;         /* transfer segments */
-  int64_t send_bytes;       /* bytes sent to other ranks */
-  double predicted_us;      /* model's T for the chosen partition */
-  double sequential_us;     /* model's GEMM-then-transfer time */
-  double solve_us;          /* time the model took to decide */
+  int32_t comm_ctas;    /* chosen or given C */
+  int32_t coalesce;     /* chosen or given mgb */
+  int64_t rows;         /* rows of the aligned layout, padding included */
+  int64_t padding_rows; /* zero rows added at owner boundaries */
+  int64_t tiles;        /* producer tiles in the schedule */
+  int64_t remote_tiles; /* tiles whose band is sent to another rank */
+  int64_t bands;        /* row bands */
+  int64_t segments;     /* transfer segments */
+  int64_t send_bytes;   /* bytes sent to other ranks */
+  double predicted_us;  /* model's T for the chosen partition */
+  double sequential_us; /* model's GEMM-then-transfer time */
+  double solve_us;      /* time the model took to decide */
 } tw_plan_summary;
 
 tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary);
@@ -262,15 +262,15 @@ tw_status tw_plan_predict(tw_plan_t plan, int32_t comm_ctas, int32_t coalesce, d
 /* -------------------------------------------------------------------------------------------- */
 
 typedef struct tw_tp_workload {
-  int64_t m;          /* M: global tokens before top-k expansion */
-  int32_t n;          /* N: GEMM2 output width */
-  int32_t k;          /* K: local GEMM2 reduction dimension */
-  int32_t splits;     /* L */
-  int32_t ranks;      /* D */
-  int32_t experts;    /* E: local experts */
+  int64_t m;                  /* M: global tokens before top-k expansion */
+  int32_t n;                  /* N: GEMM2 output width */
+  int32_t k;                  /* K: local GEMM2 reduction dimension */
+  int32_t splits;             /* L */
+  int32_t ranks;              /* D */
+  int32_t experts;            /* E: local experts */
   const int64_t* expert_rows; /* (experts) M_e */
-  int32_t tm, tn;     /* compute tile */
-  int32_t tm_comm, tn_comm; /* communication tile */
+  int32_t tm, tn;             /* compute tile */
+  int32_t tm_comm, tn_comm;   /* communication tile */
 } tw_tp_workload;
 
 /* Evaluates T(C) of equations (2)-(13) for C = 1..hw->c_max (t[C-1] in compute waves) and picks
@@ -291,9 +291,9 @@ typedef struct tw_context* tw_context_t;
 typedef struct tw_device_plan* tw_device_plan_t;
 
 #define TW_CONTEXT_CONFIG_MAGIC 0x74774378u /* "twCx" */
-#define TW_DEFAULT_TIMEOUT_MS 5000           /* bound on every device-side wait */
-#define TW_MAX_COMM_CTAS 64                  /* largest consumer CTA count */
-#define TW_MAX_RANKS 64                      /* largest world size of one context */
+#define TW_DEFAULT_TIMEOUT_MS 5000          /* bound on every device-side wait */
+#define TW_MAX_COMM_CTAS 64                 /* largest consumer CTA count */
+#define TW_MAX_RANKS 64                     /* largest world size of one context */
 
 typedef enum tw_debug_tags {
   TW_DEBUG_TAGS_OFF = 0,
@@ -317,7 +317,7 @@ typedef struct tw_context_config {
                             clamped to the column tiles of a band */
 } tw_context_config;
 
-#define TW_CONTEXT_CONFIG_INIT                                                                    \
+#define TW_CONTEXT_CONFIG_INIT \
   { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0 }
 
 /* Creates a context for one rank. COLLECTIVE over `comm`: every rank calls it with the same
@@ -370,7 +370,7 @@ typedef struct tw_combine_options {
   int32_t comm_ctas; /* C for this call, 1..max_comm_ctas; 0 = the plan's choice */
 } tw_combine_options;
 
-#define TW_COMBINE_OPTIONS_INIT                                                                   \
+#define TW_COMBINE_OPTIONS_INIT \
   { sizeof(tw_combine_options), TW_COMBINE_OPTIONS_MAGIC, TW_API_VERSION, TW_COMBINE_OVERLAP, 0 }
 
 /* GEMM2 + combine + weighted reduction of one MoE layer. COLLECTIVE: every rank calls it, in the

@@ -18,47 +18,47 @@
 /* Failures of the current test; a test passes when it records none. */
 static int tw_test_failures_ = 0;
 
-#define CHECK(cond)                                                                               \
-  do {                                                                                            \
-    if (!(cond)) {                                                                                \
-      fprintf(stderr, "  CHECK failed at %s:%d: %s\n", __FILE__, __LINE__, #cond);             \
-      tw_test_failures_++;                                                                        \
-    }                                                                                             \
+#define CHECK(cond)                                                                \
+  do {                                                                             \
+    if (!(cond)) {                                                                 \
+      fprintf(stderr, "  CHECK failed at %s:%d: %s\n", __FILE__, __LINE__, #cond); \
+      tw_test_failures_++;                                                         \
+    }                                                                              \
   } while (0)
 
 /* Like CHECK, with a printf-style explanation. */
-#define CHECKF(cond, ...)                                                                         \
-  do {                                                                                            \
-    if (!(cond)) {                                                                                \
-      fprintf(stderr, "  CHECK failed at %s:%d: %s: ", __FILE__, __LINE__, #cond);             \
-      fprintf(stderr, __VA_ARGS__);                                                               \
-      fprintf(stderr, "\n");                                                                      \
-      tw_test_failures_++;                                                                        \
-    }                                                                                             \
+#define CHECKF(cond, ...)                                                          \
+  do {                                                                             \
+    if (!(cond)) {                                                                 \
+      fprintf(stderr, "  CHECK failed at %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                                \
+      fprintf(stderr, "\n");                                                       \
+      tw_test_failures_++;                                                         \
+    }                                                                              \
   } while (0)
 
 /* Checks a tilewave call's status, printing the library's detail on mismatch. */
-#define CHECK_STATUS(expr, expected)                                                              \
-  do {                                                                                            \
-    tw_status tw_s_ = (expr);                                                                     \
-    if (tw_s_ != (expected)) {                                                                    \
-      fprintf(stderr, "  CHECK failed at %s:%d: %s returned %s, expected %s (%s)\n", __FILE__,  \
-              __LINE__, #expr, tw_status_string(tw_s_), tw_status_string(expected),              \
-              tw_last_error());                                                                   \
-      tw_test_failures_++;                                                                        \
-    }                                                                                             \
+#define CHECK_STATUS(expr, expected)                                                           \
+  do {                                                                                         \
+    tw_status tw_s_ = (expr);                                                                  \
+    if (tw_s_ != (expected)) {                                                                 \
+      fprintf(stderr, "  CHECK failed at %s:%d: %s returned %s, expected %s (%s)\n", __FILE__, \
+              __LINE__, #expr, tw_status_string(tw_s_), tw_status_string(expected),            \
+              tw_last_error());                                                                \
+      tw_test_failures_++;                                                                     \
+    }                                                                                          \
   } while (0)
 
 #define CHECK_OK(expr) CHECK_STATUS(expr, TW_SUCCESS)
 
-#define CHECK_NEAR(a, b, tol)                                                                     \
-  do {                                                                                            \
-    double tw_a_ = (double)(a), tw_b_ = (double)(b);                                              \
-    if (!(fabs(tw_a_ - tw_b_) <= (tol))) {                                                        \
-      fprintf(stderr, "  CHECK failed at %s:%d: %s = %.9g, %s = %.9g, |diff| > %g\n", __FILE__,  \
-              __LINE__, #a, tw_a_, #b, tw_b_, (double)(tol));                                     \
-      tw_test_failures_++;                                                                        \
-    }                                                                                             \
+#define CHECK_NEAR(a, b, tol)                                                                   \
+  do {                                                                                          \
+    double tw_a_ = (double)(a), tw_b_ = (double)(b);                                            \
+    if (!(fabs(tw_a_ - tw_b_) <= (tol))) {                                                      \
+      fprintf(stderr, "  CHECK failed at %s:%d: %s = %.9g, %s = %.9g, |diff| > %g\n", __FILE__, \
+              __LINE__, #a, tw_a_, #b, tw_b_, (double)(tol));                                   \
+      tw_test_failures_++;                                                                      \
+    }                                                                                           \
   } while (0)
 
 typedef struct tw_test_case {
@@ -66,7 +66,8 @@ typedef struct tw_test_case {
   void (*fn)(void);
 } tw_test_case;
 
-#define TW_TEST(name) {#name, name}
+#define TW_TEST(name) \
+  { #name, name }
 
 static inline int tw_test_run(const tw_test_case* cases, int n) {
   int passed = 0, failed = 0;
@@ -88,10 +89,10 @@ static inline int tw_test_run(const tw_test_case* cases, int n) {
   return failed == 0 ? 0 : 1;
 }
 
-#define TW_TEST_MAIN(...)                                                                         \
-  int main(void) {                                                                                \
-    static const tw_test_case cases[] = {__VA_ARGS__};                                            \
-    return tw_test_run(cases, (int)(sizeof cases / sizeof cases[0]));                             \
+#define TW_TEST_MAIN(...)                                             \
+  int main(void) {                                                    \
+    static const tw_test_case cases[] = {__VA_ARGS__};                \
+    return tw_test_run(cases, (int)(sizeof cases / sizeof cases[0])); \
   }
 
 #endif /* TW_TEST_H */

@@ -26,14 +26,14 @@ static inline void tw_test_require_gpus(int needed) {
   }
 }
 
-#define CHECK_CUDA(expr)                                                                          \
-  do {                                                                                            \
-    cudaError_t tw_e_ = (expr);                                                                   \
-    if (tw_e_ != cudaSuccess) {                                                                   \
-      fprintf(stderr, "  CUDA error at %s:%d: %s: %s\n", __FILE__, __LINE__, #expr,             \
-              cudaGetErrorString(tw_e_));                                                         \
-      tw_test_failures_++;                                                                        \
-    }                                                                                             \
+#define CHECK_CUDA(expr)                                                            \
+  do {                                                                              \
+    cudaError_t tw_e_ = (expr);                                                     \
+    if (tw_e_ != cudaSuccess) {                                                     \
+      fprintf(stderr, "  CUDA error at %s:%d: %s: %s\n", __FILE__, __LINE__, #expr, \
+              cudaGetErrorString(tw_e_));                                           \
+      tw_test_failures_++;                                                          \
+    }                                                                               \
   } while (0)
 
 #endif /* TW_TEST_GPU_H */

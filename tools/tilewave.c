@@ -20,12 +20,15 @@ static const tw_cli_command commands[] = {
     {"version", "print the library version", cmd_version},
     {"plan", "plan a rank and show the model's choice of C and mgb (no GPU)", tw_cli_plan},
     {"bench-gemm", "producer GEMM vs cuBLAS (TFLOP/s, signal cost)", tw_cli_bench_gemm},
-    {"bench", "overlapped GEMM2 + combine vs sequential, unfused and chunked baselines", tw_cli_bench},
+    {"bench", "overlapped GEMM2 + combine vs sequential, unfused and chunked baselines",
+     tw_cli_bench},
     {"sweep", "every C and mgb of one point: oracle, the model's choice, regret", tw_cli_sweep},
 };
 
 static void usage(FILE* f) {
-  fprintf(f, "usage: tilewave <command> [options]   (tilewave <command> --help for its options)\n\ncommands:\n");
+  fprintf(f,
+          "usage: tilewave <command> [options]   (tilewave <command> --help for its "
+          "options)\n\ncommands:\n");
   for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
     fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
 }

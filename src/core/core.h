@@ -27,21 +27,26 @@ tw_status tw__fail(tw_status status, const char* fmt, ...) TW__PRINTF(2, 3);
 void tw__clear_error(void);
 
 /* Propagates a failing status unchanged (its detail is already recorded). */
-#define TW_TRY(expr)                                                                              \
-  do {                                                                                            \
-    tw_status tw__s = (expr);                                                                     \
-    if (tw__s != TW_SUCCESS) return tw__s;                                                        \
+#define TW_TRY(expr)                       \
+  do {                                     \
+    tw_status tw__s = (expr);              \
+    if (tw__s != TW_SUCCESS) return tw__s; \
   } while (0)
 
-#define TW_CHECK_NULL(ptr)                                                                        \
-  do {                                                                                            \
-    if ((ptr) == NULL)                                                                            \
-      return tw__fail(TW_ERR_NULL_POINTER, "%s: argument '%s' is NULL; pass a valid pointer",    \
-                      __func__, #ptr);                                                            \
+#define TW_CHECK_NULL(ptr)                                                                    \
+  do {                                                                                        \
+    if ((ptr) == NULL)                                                                        \
+      return tw__fail(TW_ERR_NULL_POINTER, "%s: argument '%s' is NULL; pass a valid pointer", \
+                      __func__, #ptr);                                                        \
   } while (0)
 
 /* Logging: TW_DEBUG=WARN|INFO|TRACE (default WARN), to stderr. */
-typedef enum tw_log_level { TW_LOG_NONE = 0, TW_LOG_WARN = 1, TW_LOG_INFO = 2, TW_LOG_TRACE = 3 } tw_log_level;
+typedef enum tw_log_level {
+  TW_LOG_NONE = 0,
+  TW_LOG_WARN = 1,
+  TW_LOG_INFO = 2,
+  TW_LOG_TRACE = 3
+} tw_log_level;
 tw_log_level tw__log_level(void);
 void tw__log(tw_log_level level, const char* fmt, ...) TW__PRINTF(2, 3);
 #define TW_WARN(...) tw__log(TW_LOG_WARN, __VA_ARGS__)

@@ -13,8 +13,8 @@
 
 const char* tw_status_string(tw_status status) {
   switch (status) {
-#define TW__STATUS_CASE(name, value, msg)                                                         \
-  case name:                                                                                      \
+#define TW__STATUS_CASE(name, value, msg) \
+  case name:                              \
     return #name ": " msg;
     TW_STATUS_TABLE(TW__STATUS_CASE)
 #undef TW__STATUS_CASE
@@ -29,9 +29,13 @@ int tw_version(void) {
 /* One buffer per thread, so concurrent callers never see each other's messages. */
 static _Thread_local char tw__last_error[1024];
 
-const char* tw_last_error(void) { return tw__last_error; }
+const char* tw_last_error(void) {
+  return tw__last_error;
+}
 
-void tw__clear_error(void) { tw__last_error[0] = '\0'; }
+void tw__clear_error(void) {
+  tw__last_error[0] = '\0';
+}
 
 tw_status tw__fail(tw_status status, const char* fmt, ...) {
   va_list ap;

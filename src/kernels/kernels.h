@@ -29,26 +29,26 @@ typedef enum tw_signal_scope {
 } tw_signal_scope;
 
 typedef enum tw_epilogue {
-  TW_EPILOGUE_STORE = 0,  /* C = A B^T */
-  TW_EPILOGUE_SWIGLU = 1  /* GEMM1: B holds [gate | up] (2N rows); C = silu(A Bg^T) * (A Bu^T) */
+  TW_EPILOGUE_STORE = 0, /* C = A B^T */
+  TW_EPILOGUE_SWIGLU = 1 /* GEMM1: B holds [gate | up] (2N rows); C = silu(A Bg^T) * (A Bu^T) */
 } tw_epilogue;
 
 typedef struct tw_gemm_args {
-  const void* a;           /* (rows, k) bf16 row-major: the layout's rows */
-  const void* b;           /* (experts, n_b, k) bf16: nn.Linear weight per expert, n_b = n, or
-                              2n for TW_EPILOGUE_SWIGLU */
-  void* c;                 /* (rows, n) bf16 row-major */
-  int32_t rows, k, n;      /* n: output columns */
+  const void* a;      /* (rows, k) bf16 row-major: the layout's rows */
+  const void* b;      /* (experts, n_b, k) bf16: nn.Linear weight per expert, n_b = n, or
+                         2n for TW_EPILOGUE_SWIGLU */
+  void* c;            /* (rows, n) bf16 row-major */
+  int32_t rows, k, n; /* n: output columns */
   int32_t experts;
-  const tw_tile* tiles;    /* (num_tiles) device array, execution order */
+  const tw_tile* tiles; /* (num_tiles) device array, execution order */
   int32_t num_tiles;
-  int32_t tm, tn;          /* tile shape the tiles were planned for */
-  int32_t grid;            /* P: persistent CTAs (CTA j takes tiles j, j+P, ...); 0 = all SMs */
+  int32_t tm, tn; /* tile shape the tiles were planned for */
+  int32_t grid;   /* P: persistent CTAs (CTA j takes tiles j, j+P, ...); 0 = all SMs */
   tw_signal_scope scope;
   uint32_t* band_counters; /* (num_bands) device; +1 per finished tile of the band; NULL if none */
   tw_epilogue epilogue;
-  int32_t variant;         /* kernel version: 0 = default (fastest validated), 1 = simple
-                              (WMMA, any supported shape), 2 = TMA + wgmma; for tests/benches */
+  int32_t variant; /* kernel version: 0 = default (fastest validated), 1 = simple
+                      (WMMA, any supported shape), 2 = TMA + wgmma; for tests/benches */
 } tw_gemm_args;
 
 /* Launches the producer. Counters are only ever incremented: after epoch e (1-based) band b's

@@ -17,12 +17,12 @@
 /* Device-side error report: the first failing thread's report wins; the host reads it after the
  * launch and turns it into a tw_status. */
 typedef struct tw_dev_error {
-  int32_t status;   /* tw_status, 0 = none */
-  int32_t where;    /* which wait: TW_WAIT_* */
-  int32_t index;    /* band / segment / source index that timed out */
-  uint32_t seen;    /* counter value seen */
-  uint32_t target;  /* value waited for */
-  int32_t rank;     /* rank of the waiting kernel */
+  int32_t status;  /* tw_status, 0 = none */
+  int32_t where;   /* which wait: TW_WAIT_* */
+  int32_t index;   /* band / segment / source index that timed out */
+  uint32_t seen;   /* counter value seen */
+  uint32_t target; /* value waited for */
+  int32_t rank;    /* rank of the waiting kernel */
   int32_t pad_[2];
 } tw_dev_error;
 
