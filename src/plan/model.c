@@ -71,6 +71,7 @@ typedef struct tw__model_tables {
   tw_hardware hw;
   int32_t num_tiles;
   double tau_tile_us; /* one producer tile */
+  double inv_tau_us;  /* 1 / tau_tile_us (wave skipping in tw__eval) */
   double reduce_us;   /* owner's weighted reduction */
   double send_bytes;  /* plan->send_bytes */
   /* Per candidate C (index C, 0 unused): constants of the hardware and the tile count. */
@@ -78,6 +79,7 @@ typedef struct tw__model_tables {
   int32_t* prod;   /* (c_max + 1) P(C) */
   double* comp_us; /* (c_max + 1) ceil(num_tiles / P(C)) tau_tile */
   double* inv_agg; /* (c_max + 1) 1 / aggregate link bytes per us, min(C cta, peak) */
+  double* first;   /* (TW__MAX_TABLES, c_max + 1) the decision's scratch: tw__first_terms */
   int32_t ntables;
   tw__seg_table t[TW__MAX_TABLES];
 } tw__model_tables;
@@ -99,6 +101,7 @@ void tw__model_free(struct tw_plan* plan) {
   free(m->prod);
   free(m->comp_us);
   free(m->inv_agg);
+  free(m->first);
   free(m);
   plan->model_tables = NULL;
 }
@@ -195,46 +198,123 @@ oom:
                   S);
 }
 
+/* The decision compares lower bounds with T values exactly (no margin), which needs the shared
+ * quantity, the first wave's term, to have the same bits wherever it is computed. A compiler
+ * that fuses multiply-adds (-ffp-contract=fast, the GNU default on targets with FMA) may fuse
+ * an inlined copy differently from another, so these two functions are kept out of line: one
+ * copy of the arithmetic serves the decision and tw_plan_predict alike. */
+#if defined(__GNUC__) || defined(__clang__)
+#define TW__NOINLINE __attribute__((noinline))
+#else
+#define TW__NOINLINE
+#endif
+
+/* Relative slack for skipping wave terms: a term is skipped only when its value, computed in
+ * floating point, is certain to stay at or below the running maximum. Each term is a sum of at
+ * most TW__MAX_DISTINCT + 2 non-negative products, so its rounding error is below 1e-14
+ * relative; 1e-12 covers it with room. */
+#define TW__SKIP_SLACK (1.0 - 1e-12)
+
+/* For C in [c_lo, c_hi]: out[C - c_lo] = tau + S latency + Q_transfer(0), the term of wave 1 taken
+ * with every segment (the fast form's term for s = 0, w = 1; 0 when there is no segment). For a
+ * table on the plain recurrence, out[C - c_lo] is instead the transfer at the aggregate bandwidth,
+ * tau + S latency + bytes / min(C cta, peak), lowered by 1e-9 relative (it is computed
+ * differently from T, so it gets a margin for rounding): each q_s >= bytes_s / min(C cta,
+ * peak), since with U_s >= C the ceiling only adds and with U_s < C one round of U_s CTAs moves
+ * the segment at min(U_s cta, peak). */
+static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__seg_table* tb,
+                                         int32_t c_lo, int32_t c_hi, double* out) {
+  if (tb->nseg == 0) {
+    for (int32_t c = c_lo; c <= c_hi; c++) out[c - c_lo] = 0.0;
+    return;
+  }
+  const double head = 1.0 * m->tau_tile_us + (double)tb->nseg * m->hw.link_latency_us;
+  const int32_t d = tb->ndistinct;
+  if (d == 0) {
+    for (int32_t c = c_lo; c <= c_hi; c++)
+      out[c - c_lo] = (head + tb->total_bytes * m->inv_agg[c]) * (1.0 - 1e-9);
+    return;
+  }
+  const double* s0 = tb->suffix; /* row s = 0 */
+  for (int32_t c = c_lo; c <= c_hi; c++) {
+    const double* coef = tb->coef + (size_t)c * d;
+    double term = head;
+    for (int32_t i = 0; i < d; i++) term += coef[i] * s0[i];
+    out[c - c_lo] = term;
+  }
+}
+
 /* T(C, mgb) of one table, in microseconds (the fast form; identical in value to the plain
- * recurrence up to floating-point association). Once T is known to exceed `cutoff` it returns
- * early with a value above `cutoff` (not T); DBL_MAX gives T exactly. */
-static double tw__eval(const tw__model_tables* m, const tw__seg_table* tb, int32_t c,
-                       double cutoff) {
+ * recurrence up to floating-point association). first = tw__first_terms' value at C. Once T is
+ * known to exceed `cutoff` it returns early with a value above `cutoff` (not T); DBL_MAX gives
+ * T exactly.
+ *
+ * The maximum starts at the compute end (T = max(F_last, compute end) + reduce, and max is
+ * exact in floating point, so folding it in first changes no bit of T). Waves are skipped when
+ * they cannot raise it: the term of wave w is w tau + Q(s_w), Q(s) = (S - s) latency + the
+ * service of segments s.., and Q is non-increasing in s (suffix sums of non-negative bytes and
+ * latencies) while s_w is non-decreasing in w. So every wave w' in (w, w + k] has a term at
+ * most term(w) + k tau, and once the running maximum f is at least that (with TW__SKIP_SLACK
+ * against rounding), those k waves need not be evaluated. When the link is the bottleneck the
+ * service drains faster than tau per wave and the skips grow geometrically: a handful of terms
+ * instead of one per wave. Skipping only leaves out terms that are <= f, so the maximum, and
+ * hence T, is bit for bit the one the full loop gives. */
+static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_table* tb, int32_t c,
+                                    double first, double cutoff) {
   const tw_hardware* hw = &m->hw;
   const int32_t p = m->prod[c];
   const double tau = m->tau_tile_us;
   const double comp_end = m->comp_us[c];
-  double f = 0.0;
-  if (tb->nseg > 0) {
-    const double lat = hw->link_latency_us;
-    if (tb->ndistinct > 0) {
-      const int32_t d = tb->ndistinct;
-      const double* coef = tb->coef + (size_t)c * d;
-      /* One term per wave: its first ready segment s, A = w tau plus all later service. */
-      int64_t start = 0;
-      for (int64_t w = 1; start <= tb->last_tile; w++, start += p) {
-        const int32_t s = tb->first_seg[start];
-        if (tb->run_last[s] >= start + p) continue; /* nothing becomes ready in wave w */
-        const double* sb = tb->suffix + (size_t)s * d;
-        double term = (double)w * tau + (double)(tb->nseg - s) * lat;
-        for (int32_t i = 0; i < d; i++) term += coef[i] * sb[i];
+  const double reduce = m->reduce_us;
+  if (tb->nseg == 0) return comp_end + reduce;
+  const double lat = hw->link_latency_us;
+  if (tb->ndistinct > 0) {
+    const int32_t d = tb->ndistinct;
+    const double* coef = tb->coef + (size_t)c * d;
+    const int64_t last_wave = (int64_t)tb->last_tile / p + 1; /* wave of the last segment */
+    double f = comp_end;
+    if (f + reduce > cutoff) return f + reduce;
+    /* One term per wave: its first ready segment s, A = w tau plus all later service. */
+    int64_t w = 1, start = 0; /* start = (w - 1) P: first tile index of wave w */
+    while (w <= last_wave) {
+      const int32_t s = tb->first_seg[start];
+      if (tb->run_last[s] < start + p) { /* something becomes ready in wave w */
+        double term;
+        if (w == 1) {
+          term = first; /* s = 0: the first term, computed once by tw__first_terms */
+        } else {
+          const double* sb = tb->suffix + (size_t)s * d;
+          term = (double)w * tau + (double)(tb->nseg - s) * lat;
+          for (int32_t i = 0; i < d; i++) term += coef[i] * sb[i];
+        }
         if (term > f) {
           f = term;
           /* Already worse than the best candidate: the rest cannot make T smaller. */
-          if (f + m->reduce_us > cutoff) return f + m->reduce_us;
+          if (f + reduce > cutoff) return f + reduce;
+        }
+        /* Waves w + 1 .. w + k have terms <= term + k tau <= f (see above). */
+        const double room = (f * TW__SKIP_SLACK - term) * m->inv_tau_us;
+        if (room >= (double)(last_wave - w)) break; /* no later wave can raise f */
+        if (room >= 1.0) {
+          const int64_t k = (int64_t)room;
+          w += k;
+          start += k * p;
         }
       }
-    } else {
-      for (int32_t s = 0; s < tb->nseg; s++) {
-        const double a = (double)(tb->run_last[s] / p + 1) * tau;
-        const double q = (double)tw__cdiv(tb->seg_units[s], c) * tb->seg_bytes[s] /
-                             ((double)tb->seg_units[s] * tw__cta_bw(hw, c, tb->seg_units[s])) +
-                         lat;
-        f = fmax(a, f) + q;
-      }
+      w++;
+      start += p;
     }
+    return f + reduce;
   }
-  return fmax(f, comp_end) + m->reduce_us;
+  double f = 0.0;
+  for (int32_t s = 0; s < tb->nseg; s++) {
+    const double a = (double)(tb->run_last[s] / p + 1) * tau;
+    const double q = (double)tw__cdiv(tb->seg_units[s], c) * tb->seg_bytes[s] /
+                         ((double)tb->seg_units[s] * tw__cta_bw(hw, c, tb->seg_units[s])) +
+                     lat;
+    f = fmax(a, f) + q;
+  }
+  return fmax(f, comp_end) + reduce;
 }
 
 /* Reference: the recurrence segment by segment on the plan's current segments (tests compare
@@ -276,64 +356,66 @@ static int tw__better(double t, int32_t c, int32_t mgb, double bt, int32_t bc, i
   return c < bc || (c == bc && mgb > bmgb);
 }
 
-/* Lower bound of T(C) for one table: the first wave's term of the unrolled recurrence with its
- * wave taken as 1 (every segment's service after time tau_tile), or the compute end. */
-static double tw__lower_bound(const tw__model_tables* m, const tw__seg_table* tb, int32_t c) {
-  double lb = m->comp_us[c];
-  if (tb->nseg > 0) {
-    double comm = m->tau_tile_us + (double)tb->nseg * m->hw.link_latency_us;
-    if (tb->ndistinct > 0) {
-      const double* coef = tb->coef + (size_t)c * tb->ndistinct;
-      for (int32_t i = 0; i < tb->ndistinct; i++) comm += coef[i] * tb->suffix[i];
-    } else {
-      comm += tb->total_bytes * m->inv_agg[c];
-    }
-    if (comm > lb) lb = comm;
-  }
-  return lb + m->reduce_us;
+/* Does a candidate (c, mgb) whose T is at least `lb` still have a chance against the best
+ * (bt, bc, bmgb)? Only with a smaller T, or the same T and a better tie rank. */
+static int tw__may_win(double lb, int32_t c, int32_t mgb, double bt, int32_t bc, int32_t bmgb) {
+  if (lb < bt) return 1;
+  if (lb > bt) return 0;
+  return c < bc || (c == bc && mgb > bmgb);
 }
 
-/* The decision: searches C in [c_lo, c_hi] over the tables of `use` (bit i = table i).
+/* The decision: the best (C, mgb) over C in [c_lo, c_hi] and the tables of `use` (bit i =
+ * table i), by T, then the smaller C, then the larger mgb; the same answer as evaluating every
+ * candidate, found by best-first branch and bound:
  *
- * Two bounds prune it: the compute end, non-decreasing in C, and the transfer side at the
- * aggregate bandwidth, fixed + bytes / min(C cta, peak), non-increasing in C (q_s >= bytes_s /
- * min(C cta, peak): with U_s >= C the ceiling only adds, with U_s < C one round of U_s CTAs
- * moves the segment at min(U_s cta, peak)). Candidates are seeded where the larger of the two
- * bounds is smallest, so the first exact values are already close to the optimum. */
+ *   1. a lower bound of every candidate, lb = max(first term, compute end) + reduce (a few
+ *      multiply-adds each), noting the candidate that ranks first by (lb, C, -mgb);
+ *   2. that candidate's exact T: usually T equals its bound (link-bound shapes: T is the first
+ *      wave's term), and then it is the answer, since no bound is below it and equal bounds
+ *      rank after it;
+ *   3. every other candidate whose bound still lets it win (tw__may_win) is evaluated, with
+ *      the best T as cutoff so that a loser stops at its first term above it.
+ *
+ * The bound is exact in floating point, lb <= T bit for bit, so it is compared without margin
+ * and no candidate that could win or tie is skipped: T = max(f, compute end) + reduce where f
+ * is the maximum of the wave terms; the first wave with a ready segment has s = 0 and A_0 >= 1;
+ * when A_0 = 1 its term is the very value tw__first_terms gave (tw__eval reuses it), and when
+ * A_0 > 1 it exceeds that value by at least tau, far beyond rounding. max and the same + reduce
+ * keep the order. (Plain-recurrence tables get the margin inside tw__first_terms.) */
 static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, unsigned use,
                       int32_t* best_c, int32_t* best_table, double* best_t) {
-  const tw_hardware* hw = &m->hw;
+  const size_t stride = (size_t)m->c_max + 1;
+  const double reduce = m->reduce_us;
   double bt = DBL_MAX;
   int32_t bc = 0, bi = -1, bmgb = 0;
-  /* Tables from the largest mgb down: fewer segments usually means less fixed latency, so the
-   * first table tends to give the tightest bound. */
-  for (int32_t k = m->ntables - 1; k >= 0; k--) {
-    const int32_t i = k; /* tables are built in ascending mgb order (explicit one last) */
+  for (int32_t i = 0; i < m->ntables; i++) {
     if (!(use & (1u << i))) continue;
     const tw__seg_table* tb = &m->t[i];
-    const double fixed =
-        tb->nseg > 0 ? m->tau_tile_us + (double)tb->nseg * hw->link_latency_us + m->reduce_us : 0.0;
-    /* Seed: the C whose cheap bound max(compute end, transfer bound) is smallest. */
-    int32_t seed = c_lo;
-    double seed_lb = DBL_MAX;
+    double* first = m->first + (size_t)i * stride;
+    tw__first_terms(m, tb, c_lo, c_hi, first + c_lo);
     for (int32_t c = c_lo; c <= c_hi; c++) {
-      double lb = m->comp_us[c] + m->reduce_us;
-      if (tb->nseg > 0) {
-        const double comm = fixed + tb->total_bytes * m->inv_agg[c];
-        if (comm > lb) lb = comm;
-      }
-      if (lb < seed_lb) seed_lb = lb, seed = c;
+      const double comp = m->comp_us[c];
+      const double lb = (first[c] > comp ? first[c] : comp) + reduce;
+      if (tw__better(lb, c, tb->mgb, bt, bc, bmgb)) bt = lb, bc = c, bi = i, bmgb = tb->mgb;
     }
-    const double ts = tw__eval(m, tb, seed, bt * (1.0 + 1e-9));
-    if (tw__better(ts, seed, tb->mgb, bt, bc, bmgb)) bt = ts, bc = seed, bi = i, bmgb = tb->mgb;
+  }
+  if (bi < 0) {
+    *best_c = 0, *best_table = -1, *best_t = 0.0;
+    return;
+  }
+  const int32_t first_i = bi, first_c = bc;
+  bt = tw__eval(m, &m->t[bi], bc, m->first[(size_t)bi * stride + bc], DBL_MAX);
+  for (int32_t i = 0; i < m->ntables; i++) {
+    if (!(use & (1u << i))) continue;
+    const tw__seg_table* tb = &m->t[i];
+    const double* first = m->first + (size_t)i * stride;
     for (int32_t c = c_lo; c <= c_hi; c++) {
-      if (c == seed) continue;
-      /* A margin keeps candidates whose T may equal the best up to rounding (ties matter). */
-      const double bound = bt * (1.0 + 1e-9);
-      if (tb->nseg > 0 && fixed + tb->total_bytes * m->inv_agg[c] > bound) continue;
-      if (m->comp_us[c] + m->reduce_us > bound) break; /* compute end only grows with C */
-      if (tw__lower_bound(m, tb, c) > bound) continue;
-      const double t = tw__eval(m, tb, c, bound);
+      const double comp = m->comp_us[c];
+      /* The compute end only grows with C: no later C can win either. */
+      if (comp + reduce > bt) break;
+      const double lb = (first[c] > comp ? first[c] : comp) + reduce;
+      if (!tw__may_win(lb, c, tb->mgb, bt, bc, bmgb) || (i == first_i && c == first_c)) continue;
+      const double t = tw__eval(m, tb, c, first[c], bt);
       if (tw__better(t, c, tb->mgb, bt, bc, bmgb)) bt = t, bc = c, bi = i, bmgb = tb->mgb;
     }
   }
@@ -360,6 +442,7 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
   const double k = (double)plan->problem.ffn;
   m->tau_tile_us = 2.0 * (double)plan->tm * (double)plan->tn * k / (m->hw.tile_tflops * 1e6) +
                    m->hw.tile_overhead_us;
+  m->inv_tau_us = 1.0 / m->tau_tile_us;
   /* The owner reads each of its (token, k) rows (received or local) and writes each token. */
   const int64_t top_k = plan->problem.top_k;
   int64_t own_rows = plan->recv_rows;
@@ -373,7 +456,8 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
   m->prod = malloc((size_t)(hw->c_max + 1) * sizeof *m->prod);
   m->comp_us = malloc((size_t)(hw->c_max + 1) * sizeof *m->comp_us);
   m->inv_agg = malloc((size_t)(hw->c_max + 1) * sizeof *m->inv_agg);
-  if (!m->prod || !m->comp_us || !m->inv_agg)
+  m->first = malloc((size_t)TW__MAX_TABLES * (size_t)(hw->c_max + 1) * sizeof *m->first);
+  if (!m->prod || !m->comp_us || !m->inv_agg || !m->first)
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   for (int32_t c = 1; c <= hw->c_max; c++) {
     m->prod[c] = tw__producers(hw, c);
@@ -483,6 +567,8 @@ tw_status tw_plan_predict(tw_plan_t plan, int32_t comm_ctas, int32_t coalesce, d
                     "tw_plan_predict: coalesce = %d; the plan has predictions for 1, 2, 4 and "
                     "its own coalesce (%d)",
                     coalesce, plan->coalesce);
-  *t_us = tw__eval(m, &m->t[i], comm_ctas, DBL_MAX);
+  double first[1];
+  tw__first_terms(m, &m->t[i], comm_ctas, comm_ctas, first);
+  *t_us = tw__eval(m, &m->t[i], comm_ctas, first[0], DBL_MAX);
   return TW_SUCCESS;
 }
