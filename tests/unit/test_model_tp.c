@@ -236,6 +236,71 @@ static void test_random_choice_is_argmin(void) {
   }
 }
 
+/* The plain recurrence of eq. (2)-(13) with 64-bit integer divisions, written as in the paper:
+ * tw_tp_select computes its ceilings differently (shifts, floating-point quotients) and must
+ * give the same T bit for bit. */
+static void plain_t(const tw_tp_workload* w, const tw_hardware* hw, double* t) {
+#define CDIV(a, b) (((a) + (b)-1) / (b))
+  const int64_t split_cols = CDIV((int64_t)w->n, (int64_t)w->splits);
+  int64_t row_tiles = 0;
+  for (int e = 0; e < w->experts; e++) row_tiles += CDIV(w->expert_rows[e], (int64_t)w->tm);
+  const int64_t w_comp = row_tiles * CDIV(split_cols, (int64_t)w->tn);
+  const int64_t w_comm = CDIV(CDIV(w->m, (int64_t)w->ranks), (int64_t)w->tm_comm) *
+                         CDIV(split_cols, (int64_t)w->tn_comm);
+  const double rho = hw->rho_ref * (352.0 / (double)w->k) *
+                     (128.0 * 128.0 / ((double)w->tm * (double)w->tn)) * ((double)w->ranks / 4.0);
+  for (int32_t c = 1; c <= hw->c_max; c++) {
+    const int64_t p =
+        (int64_t)hw->occ_comp * (hw->sm_count - CDIV((int64_t)c, (int64_t)hw->occ_comm));
+    const double q = rho * (double)CDIV(w_comm, (int64_t)c);
+    double f = 0.0;
+    for (int32_t s = 0; s < w->splits; s++)
+      f = fmax((double)CDIV((int64_t)(s + 1) * w_comp, p), f) + q;
+    t[c - 1] = f;
+  }
+#undef CDIV
+}
+
+/* Random workloads and machines, tile heights that are and are not powers of two, and sizes
+ * large enough to take the integer-division fallback: T equals the plain recurrence exactly. */
+static void test_random_equals_plain(void) {
+  for (int iter = 0; iter < 2000; iter++) {
+    tw_hardware hw;
+    CHECK_OK(tw_hardware_default(&hw));
+    hw.sm_count = 8 + (int32_t)(rng() % 200);
+    hw.occ_comp = 1 + (int32_t)(rng() % 4);
+    hw.occ_comm = 1 + (int32_t)(rng() % 4);
+    hw.c_max = 1 + (int32_t)(rng() % (uint64_t)((hw.sm_count - 1) * hw.occ_comm));
+    hw.rho_ref = 0.5 + (double)(rng() % 1000) / 50.0;
+    int64_t rows[64];
+    tw_tp_workload w = {0};
+    w.experts = 1 + (int32_t)(rng() % 64);
+    const int big = iter % 50 == 0; /* dividends beyond the floating-point path's range */
+    for (int e = 0; e < w.experts; e++)
+      rows[e] = big ? (int64_t)(rng() >> 20) : (int64_t)(rng() % 5000);
+    w.expert_rows = rows;
+    w.m = big ? (int64_t)1 << 55 : 1 + (int64_t)(rng() % 200000);
+    w.n = 64 + (int32_t)(rng() % 8192);
+    w.k = 16 + (int32_t)(rng() % 8192);
+    w.splits = 1 + (int32_t)(rng() % 6);
+    w.ranks = 1 + (int32_t)(rng() % 16);
+    const int32_t tiles[6] = {64, 128, 256, 96, 80, 192};
+    w.tm = tiles[rng() % 6];
+    w.tn = tiles[rng() % 6];
+    w.tm_comm = big ? 1 : tiles[rng() % 6];
+    w.tn_comm = tiles[rng() % 6];
+    static double t[4096], want[4096];
+    int32_t c = 0;
+    CHECK_OK(tw_tp_select(&w, &hw, &c, t));
+    plain_t(&w, &hw, want);
+    int bad = 0;
+    for (int32_t i = 0; i < hw.c_max; i++) bad += t[i] != want[i];
+    CHECKF(bad == 0 && c >= 1 && c <= hw.c_max, "iteration %d: %d of %d T values differ (C* %d)",
+           iter, bad, hw.c_max, c);
+  }
+}
+
 TW_TEST_MAIN(TW_TEST(test_two_splits_table), TW_TEST(test_plateau_tie_breaker),
              TW_TEST(test_full_tie_smaller_c), TW_TEST(test_rho_and_occupancy),
-             TW_TEST(test_invalid_inputs), TW_TEST(test_random_choice_is_argmin))
+             TW_TEST(test_invalid_inputs), TW_TEST(test_random_choice_is_argmin),
+             TW_TEST(test_random_equals_plain))
