@@ -236,11 +236,26 @@ static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__se
     return;
   }
   const double* s0 = tb->suffix; /* row s = 0 */
-  for (int32_t c = c_lo; c <= c_hi; c++) {
-    const double* coef = tb->coef + (size_t)c * d;
-    double term = head;
-    for (int32_t i = 0; i < d; i++) term += coef[i] * s0[i];
-    out[c - c_lo] = term;
+  const double* coef = tb->coef + (size_t)c_lo * d;
+  /* The candidate factors give d <= 4 (segments of 1..mgb bands): unrolled, the same additions
+   * in the same order as the general loop (and as tw__eval's). */
+  if (d == 1) {
+    for (int32_t c = c_lo; c <= c_hi; c++, coef += 1) out[c - c_lo] = head + coef[0] * s0[0];
+  } else if (d == 2) {
+    for (int32_t c = c_lo; c <= c_hi; c++, coef += 2)
+      out[c - c_lo] = head + coef[0] * s0[0] + coef[1] * s0[1];
+  } else if (d == 3) {
+    for (int32_t c = c_lo; c <= c_hi; c++, coef += 3)
+      out[c - c_lo] = head + coef[0] * s0[0] + coef[1] * s0[1] + coef[2] * s0[2];
+  } else if (d == 4) {
+    for (int32_t c = c_lo; c <= c_hi; c++, coef += 4)
+      out[c - c_lo] = head + coef[0] * s0[0] + coef[1] * s0[1] + coef[2] * s0[2] + coef[3] * s0[3];
+  } else {
+    for (int32_t c = c_lo; c <= c_hi; c++, coef += d) {
+      double term = head;
+      for (int32_t i = 0; i < d; i++) term += coef[i] * s0[i];
+      out[c - c_lo] = term;
+    }
   }
 }
 
@@ -372,9 +387,9 @@ static int tw__may_win(double lb, int32_t c, int32_t mgb, double bt, int32_t bc,
  *      multiply-adds each), noting the candidate that ranks first by (lb, C, -mgb);
  *   2. that candidate's exact T: usually T equals its bound (link-bound shapes: T is the first
  *      wave's term), and then it is the answer, since no bound is below it and equal bounds
- *      rank after it;
- *   3. every other candidate whose bound still lets it win (tw__may_win) is evaluated, with
- *      the best T as cutoff so that a loser stops at its first term above it.
+ *      rank after it: the search ends here;
+ *   3. otherwise every other candidate whose bound still lets it win (tw__may_win) is evaluated,
+ * with the best T as cutoff so that a loser stops at its first term above it.
  *
  * The bound is exact in floating point, lb <= T bit for bit, so it is compared without margin
  * and no candidate that could win or tie is skipped: T = max(f, compute end) + reduce where f
@@ -404,7 +419,12 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
     return;
   }
   const int32_t first_i = bi, first_c = bc;
+  const double first_lb = bt;
   bt = tw__eval(m, &m->t[bi], bc, m->first[(size_t)bi * stride + bc], DBL_MAX);
+  if (bt == first_lb) { /* step 2: T reached the smallest bound */
+    *best_c = bc, *best_table = bi, *best_t = bt;
+    return;
+  }
   for (int32_t i = 0; i < m->ntables; i++) {
     if (!(use & (1u << i))) continue;
     const tw__seg_table* tb = &m->t[i];

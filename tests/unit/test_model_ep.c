@@ -414,7 +414,87 @@ static void test_real_plan_no_remote(void) {
   tw_plan_destroy(plan);
 }
 
+/* Randomized: random machines (link rates, latency, tile speed, c_max, occupancies) and real
+ * plans of every preset, router, rank count and rank. The decision (best-first search over
+ * bounds, wave skipping) must pick the argmin of tw_plan_predict with the tie rules, for a free
+ * choice and for each fixed mgb (1, 2, 4 and a random explicit one); and the prediction of every
+ * (C, mgb) must equal the segment-by-segment recurrence. */
+static uint64_t ep_rng_state = 0;
+static uint64_t ep_rng(void) {
+  ep_rng_state ^= ep_rng_state << 13;
+  ep_rng_state ^= ep_rng_state >> 7;
+  ep_rng_state ^= ep_rng_state << 17;
+  return ep_rng_state;
+}
+static double ep_uniform(double lo, double hi) {
+  return lo + (hi - lo) * (double)(ep_rng() >> 11) / 9007199254740992.0;
+}
+
+static void test_random_hardware_equivalence(void) {
+  const tw_router routers[3] = {TW_ROUTER_BALANCED, TW_ROUTER_MODERATE_SKEW, TW_ROUTER_STRESS_SKEW};
+  const uint64_t seed = (uint64_t)time(NULL) * 2654435761u + 1;
+  ep_rng_state = seed;
+  printf("  random seed %llu\n", (unsigned long long)seed);
+  int checked = 0;
+  for (int iter = 0; iter < 100; iter++) {
+    tw_hardware hw;
+    CHECK_OK(tw_hardware_default(&hw));
+    hw.link_cta_gbps = ep_uniform(4.0, 80.0);
+    hw.link_peak_gbps = ep_uniform(50.0, 900.0);
+    hw.link_latency_us = iter % 7 == 0 ? 0.0 : ep_uniform(0.05, 5.0);
+    hw.tile_tflops = ep_uniform(1.0, 10.0);
+    hw.tile_overhead_us = ep_uniform(0.0, 2.0);
+    hw.occ_comm = 1 + (int32_t)(ep_rng() % 2);
+    hw.occ_comp = 1 + (int32_t)(ep_rng() % 2);
+    hw.c_max = 1 + (int32_t)(ep_rng() % 48);
+    const int p = (int)(ep_rng() % (uint64_t)tw_preset_count());
+    const int32_t world = 1 << (ep_rng() % 4); /* 1, 2, 4, 8 */
+    const int32_t tokens = 256 + (int32_t)(ep_rng() % 8192);
+    const int32_t rank = (int32_t)(ep_rng() % (uint64_t)world);
+    const tw_router router = routers[ep_rng() % 3];
+    const uint64_t rseed = ep_rng();
+    const int32_t odd_mgb = 3 + (int32_t)(ep_rng() % 30); /* explicit, outside {1, 2, 4} */
+    for (int j = -1; j < 4; j++) {                        /* -1: free choice; else mgb fixed */
+      const int32_t mgb = j < 0 ? 0 : j < 3 ? mgbs[j] : odd_mgb;
+      tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+      cfg.hardware = &hw;
+      cfg.coalesce = mgb;
+      tw_plan_t plan = NULL;
+      tw_status st = make_plan(tw_preset_name(p), world, tokens, router, rseed, rank, &cfg, &plan);
+      if (st == TW_ERR_INDIVISIBLE) break;
+      CHECK_OK(st);
+      if (plan == NULL) break;
+      char what[160];
+      snprintf(what, sizeof what, "iter %d %s W %d rank %d tokens %d mgb %d", iter,
+               tw_preset_name(p), world, rank, tokens, cfg.coalesce);
+      if (j < 0) {
+        check_choice_is_argmin(plan, what);
+      } else {
+        /* Fixed mgb (an odd one can have segments of up to 32 bands, where late waves
+         * matter): argmin over C, and every C against the recurrence on these segments. */
+        double bt = 0;
+        int32_t bc = 0;
+        for (int32_t c = 1; c <= hw.c_max; c++) {
+          double fast = 0, plain = 0;
+          CHECK_OK(tw_plan_predict(plan, c, mgb, &fast));
+          CHECK_OK(tw__model_eval_plain(plan, c, &plain));
+          CHECKF(fabs(fast - plain) <= 1e-9 * plain, "%s C %d: fast %.12g, recurrence %.12g", what,
+                 c, fast, plain);
+          if (bc == 0 || fast < bt) bt = fast, bc = c;
+        }
+        CHECKF(plan->coalesce == mgb && plan->comm_ctas == bc && plan->predicted_us == bt,
+               "%s: chose C %d T %.12g; argmin C %d T %.12g", what, plan->comm_ctas,
+               plan->predicted_us, bc, bt);
+      }
+      tw_plan_destroy(plan);
+      checked++;
+    }
+  }
+  CHECKF(checked >= 100, "only %d plans were checked", checked);
+}
+
 TW_TEST_MAIN(TW_TEST(test_hand_plan_table), TW_TEST(test_hand_plan_explicit_and_defaults),
              TW_TEST(test_hand_plan_no_remote), TW_TEST(test_real_plans_argmin),
              TW_TEST(test_real_plans_explicit_and_off), TW_TEST(test_monotonic_in_link),
-             TW_TEST(test_large_explicit_coalesce), TW_TEST(test_real_plan_no_remote))
+             TW_TEST(test_large_explicit_coalesce), TW_TEST(test_real_plan_no_remote),
+             TW_TEST(test_random_hardware_equivalence))
