@@ -235,27 +235,14 @@ static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__se
       out[c - c_lo] = (head + tb->total_bytes * m->inv_agg[c]) * (1.0 - 1e-9);
     return;
   }
+  /* A plain loop: unrolling it per d measured no faster on a decision that runs cold (right
+   * after its tables are built), where code size counts as much as arithmetic. */
   const double* s0 = tb->suffix; /* row s = 0 */
   const double* coef = tb->coef + (size_t)c_lo * d;
-  /* The candidate factors give d <= 4 (segments of 1..mgb bands): unrolled, the same additions
-   * in the same order as the general loop (and as tw__eval's). */
-  if (d == 1) {
-    for (int32_t c = c_lo; c <= c_hi; c++, coef += 1) out[c - c_lo] = head + coef[0] * s0[0];
-  } else if (d == 2) {
-    for (int32_t c = c_lo; c <= c_hi; c++, coef += 2)
-      out[c - c_lo] = head + coef[0] * s0[0] + coef[1] * s0[1];
-  } else if (d == 3) {
-    for (int32_t c = c_lo; c <= c_hi; c++, coef += 3)
-      out[c - c_lo] = head + coef[0] * s0[0] + coef[1] * s0[1] + coef[2] * s0[2];
-  } else if (d == 4) {
-    for (int32_t c = c_lo; c <= c_hi; c++, coef += 4)
-      out[c - c_lo] = head + coef[0] * s0[0] + coef[1] * s0[1] + coef[2] * s0[2] + coef[3] * s0[3];
-  } else {
-    for (int32_t c = c_lo; c <= c_hi; c++, coef += d) {
-      double term = head;
-      for (int32_t i = 0; i < d; i++) term += coef[i] * s0[i];
-      out[c - c_lo] = term;
-    }
+  for (int32_t c = c_lo; c <= c_hi; c++, coef += d) {
+    double term = head;
+    for (int32_t i = 0; i < d; i++) term += coef[i] * s0[i];
+    out[c - c_lo] = term;
   }
 }
 
