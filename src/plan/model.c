@@ -28,9 +28,11 @@
  * sum_j ceil(u_j / C) / u_j bytes_j / bw(C) = sum_u ceil(u / C) / u * suffix_bytes_u(s) / bw(C).
  * tw__model_choose therefore tabulates, once per candidate mgb and before the decision is timed,
  * the running last-tile index t'_s, the first segment at or after each tile index, the distinct
- * unit counts and the per-unit-count suffix byte sums. The decision then evaluates candidates in
- * O(waves x distinct units) without allocating, and skips those that two lower bounds rule out:
- * compute end (non-decreasing in C) and A_0 + total transfer at full parallel bandwidth.
+ * unit counts and the per-unit-count suffix byte sums. The decision then runs without
+ * allocating: an exact lower bound per candidate (first wave's term, compute end), the best-
+ * ranked bound evaluated first (usually it is the answer), the others only if their bound lets
+ * them win; an evaluation skips the waves whose terms cannot raise its maximum (tw__eval,
+ * tw__solve say why each step is exact).
  */
 #include <float.h>
 #include <math.h>
