@@ -372,13 +372,16 @@ static int tw__may_win(double lb, int32_t c, int32_t mgb, double bt, int32_t bc,
  * table i), by T, then the smaller C, then the larger mgb; the same answer as evaluating every
  * candidate, found by best-first branch and bound:
  *
- *   1. a lower bound of every candidate, lb = max(first term, compute end) + reduce (a few
- *      multiply-adds each), noting the candidate that ranks first by (lb, C, -mgb);
- *   2. that candidate's exact T: usually T equals its bound (link-bound shapes: T is the first
- *      wave's term), and then it is the answer, since no bound is below it and equal bounds
- *      rank after it: the search ends here;
- *   3. otherwise every other candidate whose bound still lets it win (tw__may_win) is evaluated,
- * with the best T as cutoff so that a loser stops at its first term above it.
+ *   1. lower bounds lb = max(first term, compute end) + reduce (a few multiply-adds each) of
+ *      one table's candidates (the last table: the largest mgb, usually the winner), and the
+ *      exact T of its best-ranked one: an upper bound of the optimum;
+ *   2. the bounds of the other tables, for C up to the last whose compute end + reduce stays
+ *      within that T (the compute end only grows with C; beyond it every candidate loses);
+ *   3. if the candidate evaluated in 1 ranks first among all bounds by (lb, C, -mgb) and its T
+ *      equals its bound (link-bound shapes: T is the first wave's term), it is the answer, since
+ *      no bound is below it and equal bounds rank after it: the search ends here;
+ *   4. otherwise every other candidate whose bound still lets it win (tw__may_win) is
+ *      evaluated, with the best T as cutoff so that a loser stops at its first term above it.
  *
  * The bound is exact in floating point, lb <= T bit for bit, so it is compared without margin
  * and no candidate that could win or tie is skipped: T = max(f, compute end) + reduce where f
@@ -390,17 +393,29 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
                       int32_t* best_c, int32_t* best_table, double* best_t) {
   const size_t stride = (size_t)m->c_max + 1;
   const double reduce = m->reduce_us;
-  double bt = DBL_MAX;
+  double bt = DBL_MAX; /* best evaluated candidate */
   int32_t bc = 0, bi = -1, bmgb = 0;
-  for (int32_t i = 0; i < m->ntables; i++) {
+  double bl = DBL_MAX; /* best-ranked bound */
+  int32_t lc = 0, li = -1, lmgb = 0;
+  int32_t c_end[TW__MAX_TABLES]; /* bounds exist for C in [c_lo, c_end[i]] */
+  for (int32_t i = m->ntables - 1; i >= 0; i--) {
+    c_end[i] = c_lo - 1;
     if (!(use & (1u << i))) continue;
     const tw__seg_table* tb = &m->t[i];
     double* first = m->first + (size_t)i * stride;
-    tw__first_terms(m, tb, c_lo, c_hi, first + c_lo);
-    for (int32_t c = c_lo; c <= c_hi; c++) {
+    int32_t hi = c_hi;
+    while (hi >= c_lo && m->comp_us[hi] + reduce > bt) hi--; /* step 2 (no-op before step 1) */
+    c_end[i] = hi;
+    if (hi < c_lo) continue;
+    tw__first_terms(m, tb, c_lo, hi, first + c_lo);
+    for (int32_t c = c_lo; c <= hi; c++) {
       const double comp = m->comp_us[c];
       const double lb = (first[c] > comp ? first[c] : comp) + reduce;
-      if (tw__better(lb, c, tb->mgb, bt, bc, bmgb)) bt = lb, bc = c, bi = i, bmgb = tb->mgb;
+      if (tw__better(lb, c, tb->mgb, bl, lc, lmgb)) bl = lb, lc = c, li = i, lmgb = tb->mgb;
+    }
+    if (bi < 0) { /* step 1: the first table's best-ranked bound, evaluated */
+      bt = tw__eval(m, tb, lc, first[lc], DBL_MAX);
+      bc = lc, bi = i, bmgb = tb->mgb;
     }
   }
   if (bi < 0) {
@@ -408,17 +423,15 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
     return;
   }
   const int32_t first_i = bi, first_c = bc;
-  const double first_lb = bt;
-  bt = tw__eval(m, &m->t[bi], bc, m->first[(size_t)bi * stride + bc], DBL_MAX);
-  if (bt == first_lb) { /* step 2: T reached the smallest bound */
+  if (li == first_i && lc == first_c && bt == bl) { /* step 3 */
     *best_c = bc, *best_table = bi, *best_t = bt;
     return;
   }
-  for (int32_t i = 0; i < m->ntables; i++) {
+  for (int32_t i = 0; i < m->ntables; i++) { /* step 4 */
     if (!(use & (1u << i))) continue;
     const tw__seg_table* tb = &m->t[i];
     const double* first = m->first + (size_t)i * stride;
-    for (int32_t c = c_lo; c <= c_hi; c++) {
+    for (int32_t c = c_lo; c <= c_end[i]; c++) {
       const double comp = m->comp_us[c];
       /* The compute end only grows with C: no later C can win either. */
       if (comp + reduce > bt) break;
