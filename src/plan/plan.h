@@ -83,37 +83,37 @@ struct tw_plan {
   int32_t col_tiles;     /* ceil(hidden / tn) */
 
   /* Layout of this rank's GEMM2 input/output rows. */
-  int32_t rows;                /* total rows, padding included */
-  int32_t* expert_row0;        /* (E) first row of each local expert */
-  int32_t* expert_rows;        /* (E) rows of each local expert, padding included */
-  int32_t* expert_real_rows;   /* (E) M_e: rows that carry tokens */
-  tw_row_src* row_src;         /* (rows) source of each row */
+  int32_t rows;              /* total rows, padding included */
+  int32_t* expert_row0;      /* (E) first row of each local expert */
+  int32_t* expert_rows;      /* (E) rows of each local expert, padding included */
+  int32_t* expert_real_rows; /* (E) M_e: rows that carry tokens */
+  tw_row_src* row_src;       /* (rows) source of each row */
 
   /* Schedule: remote bands' tiles first, then local ones. */
   int32_t num_tiles;
-  int32_t num_remote_tiles;    /* tiles[0..num_remote_tiles) are remote */
-  tw_tile* tiles;              /* (num_tiles) */
-  int32_t* expert_order;       /* (E) local experts, descending remote band count */
+  int32_t num_remote_tiles; /* tiles[0..num_remote_tiles) are remote */
+  tw_tile* tiles;           /* (num_tiles) */
+  int32_t* expert_order;    /* (E) local experts, descending remote band count */
 
   /* Combine plan. */
   int32_t num_bands;
-  tw_band* bands;              /* (num_bands) in schedule order */
-  int32_t coalesce;            /* mgb used to build the segments */
+  tw_band* bands;   /* (num_bands) in schedule order */
+  int32_t coalesce; /* mgb used to build the segments */
   int32_t num_segments;
-  tw_segment* segments;        /* (num_segments) in schedule order */
-  int64_t send_bytes;          /* sum of valid rows x row bytes over remote bands */
+  tw_segment* segments; /* (num_segments) in schedule order */
+  int64_t send_bytes;   /* sum of valid rows x row bytes over remote bands */
 
   /* Receive side of this rank (as owner): where each of its (token, slot) rows lands. */
-  int32_t recv_rows;           /* rows other ranks send here */
-  int32_t* slot_row;           /* (tokens[rank], top_k) row index: < recv_rows is the receive
-                                  buffer, >= recv_rows is row (value - recv_rows) of the
-                                  local layout */
-  int32_t* recv_bands;         /* (W) bands this rank receives from each source per call (0
-                                  for itself) */
-  int32_t* stream_first;       /* (W) schedule index of the first remote band bound for each
-                                  rank, -1 if none (segment building) */
-  int32_t* stream_last;        /* (W) schedule index of the last remote band bound for each
-                                  rank, -1 if none */
+  int32_t recv_rows;     /* rows other ranks send here */
+  int32_t* slot_row;     /* (tokens[rank], top_k) row index: < recv_rows is the receive
+                            buffer, >= recv_rows is row (value - recv_rows) of the
+                            local layout */
+  int32_t* recv_bands;   /* (W) bands this rank receives from each source per call (0
+                            for itself) */
+  int32_t* stream_first; /* (W) schedule index of the first remote band bound for each
+                            rank, -1 if none (segment building) */
+  int32_t* stream_last;  /* (W) schedule index of the last remote band bound for each
+                            rank, -1 if none */
 
   /* Partition decision. */
   int32_t comm_ctas;
