@@ -18,5 +18,17 @@ if ! command -v nvcc >/dev/null; then
 fi
 command -v nvcc >/dev/null || { echo "error: nvcc not found; install the CUDA 13 toolkit or put it on PATH" >&2; exit 1; }
 
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "$@"
+# NCCL: the CUDA toolkit's when it ships nccl.h, else the one PyTorch ships (nvidia-nccl wheel),
+# which is also the one loaded at run time next to PyTorch. -DTW_NCCL_ROOT=... overrides both.
+nccl=()
+cuda_inc="$(dirname "$(dirname "$(command -v nvcc)")")/include"
+if [ ! -f "$cuda_inc/nccl.h" ] && [[ " $* " != *" -DTW_NCCL_ROOT="* ]]; then
+  root=$(python3 -c 'import nvidia.nccl as m; print(m.__path__[0])' 2>/dev/null || true)
+  if [ -n "$root" ] && [ -f "$root/include/nccl.h" ]; then
+    echo "using NCCL from $root"
+    nccl=("-DTW_NCCL_ROOT=$root")
+  fi
+fi
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release "${nccl[@]}" "$@"
 cmake --build build -j "$(nproc)"
