@@ -31,6 +31,9 @@ def row(label, args):
 def main():
     header = ("| point | R_expert | C | mgb | predicted us | sequential us | speedup | padding % | "
               "sent MiB |\n|---|---|---|---|---|---|---|---|---|")
+    listing = subprocess.run([TOOL, "plan", "--list-models"], check=True, capture_output=True,
+                             text=True).stdout.splitlines()
+    presets = [line.split()[0] for line in listing if line.strip()]
     for world in (2, 4, 8):
         print("\n## %d ranks\n" % world)
         print(header)
@@ -43,9 +46,6 @@ def main():
                                           str(n), "--ffn", "2048", "--experts",
                                           str(e_local * world), "--topk", "2", "--router", router]),
                               flush=True)
-        presets = subprocess.run([TOOL, "plan", "--list-models"], check=True, capture_output=True,
-                                 text=True).stdout.splitlines()
-        presets = [line.split()[0] for line in presets if line.strip()]
         for name in presets:
             for tokens in (4096, 16384):
                 try:
