@@ -291,7 +291,7 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
       }
     }
   }
-  st = tw__plan_build_segments(pl, TW_DEFAULT_COALESCE);
+  /* The segments are built by the model (tw__model_choose), once per candidate mgb. */
 done:
   tw__scratch_free(&sc);
   return st;
