@@ -161,20 +161,15 @@ static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band
     while (tb->run_last[s] < t) s++; /* ends: run_last[S-1] = run >= t */
     tb->first_seg[t] = s;
   }
-  /* Distinct unit counts; too many -> plain recurrence (ndistinct = 0). */
+  /* Distinct unit counts; too many -> plain recurrence (ndistinct stays 0). */
   int32_t d = 0;
-  for (int32_t s = 0; s < S && d <= TW__MAX_DISTINCT; s++) {
+  for (int32_t s = 0; s < S; s++) {
     int32_t i = 0;
     while (i < d && tb->units[i] != tb->seg_units[s]) i++;
-    if (i == d) {
-      if (d == TW__MAX_DISTINCT) {
-        d = TW__MAX_DISTINCT + 1;
-        break;
-      }
-      tb->units[d++] = tb->seg_units[s];
-    }
+    if (i < d) continue;
+    if (d == TW__MAX_DISTINCT) return TW_SUCCESS;
+    tb->units[d++] = tb->seg_units[s];
   }
-  if (d > TW__MAX_DISTINCT) return TW_SUCCESS;
   tb->ndistinct = d;
   for (int32_t i = 0; i < d; i++) tb->inv_units[i] = 1.0 / (double)tb->units[i];
   tb->suffix = calloc((size_t)(S + 1) * (size_t)d, sizeof *tb->suffix);
