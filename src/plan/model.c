@@ -348,18 +348,11 @@ tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_
   return TW_SUCCESS;
 }
 
-/* Candidate ordering: smaller T; on equal T the smaller C, then the larger mgb. */
+/* Candidate ordering: smaller T; on equal T the smaller C, then the larger mgb (bc = 0: no best
+ * yet). Applied to a lower bound lb <= T, it says whether the candidate may still win. */
 static int tw__better(double t, int32_t c, int32_t mgb, double bt, int32_t bc, int32_t bmgb) {
   if (bc == 0 || t < bt) return 1;
   if (t > bt) return 0;
-  return c < bc || (c == bc && mgb > bmgb);
-}
-
-/* Does a candidate (c, mgb) whose T is at least `lb` still have a chance against the best
- * (bt, bc, bmgb)? Only with a smaller T, or the same T and a better tie rank. */
-static int tw__may_win(double lb, int32_t c, int32_t mgb, double bt, int32_t bc, int32_t bmgb) {
-  if (lb < bt) return 1;
-  if (lb > bt) return 0;
   return c < bc || (c == bc && mgb > bmgb);
 }
 
@@ -375,7 +368,7 @@ static int tw__may_win(double lb, int32_t c, int32_t mgb, double bt, int32_t bc,
  *   3. if the candidate evaluated in 1 ranks first among all bounds by (lb, C, -mgb) and its T
  *      equals its bound (link-bound shapes: T is the first wave's term), it is the answer, since
  *      no bound is below it and equal bounds rank after it: the search ends here;
- *   4. otherwise every other candidate whose bound still lets it win (tw__may_win) is
+ *   4. otherwise every other candidate whose bound still lets it win (tw__better on the bound) is
  *      evaluated, with the best T as cutoff so that a loser stops at its first term above it.
  *
  * The bound is exact in floating point, lb <= T bit for bit, so it is compared without margin
@@ -431,7 +424,7 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
       /* The compute end only grows with C: no later C can win either. */
       if (comp + reduce > bt) break;
       const double lb = (first[c] > comp ? first[c] : comp) + reduce;
-      if (!tw__may_win(lb, c, tb->mgb, bt, bc, bmgb) || (i == first_i && c == first_c)) continue;
+      if (!tw__better(lb, c, tb->mgb, bt, bc, bmgb) || (i == first_i && c == first_c)) continue;
       const double t = tw__eval(m, tb, c, first[c], bt);
       if (tw__better(t, c, tb->mgb, bt, bc, bmgb)) bt = t, bc = c, bi = i, bmgb = tb->mgb;
     }
