@@ -290,15 +290,49 @@ def presets():
 
 
 # ------------------------------------------------------------------------------------------------
+# Owned C handles (Routing, Plan)
+# ------------------------------------------------------------------------------------------------
+
+class _Owned:
+    """A Python object owning one C handle, freed by the C function named _destroy on close(), at
+    the end of a with block or when collected. _h stays None when the constructor failed."""
+    _destroy = None
+    _h = None
+
+    def _handle(self):
+        if not self._h:
+            raise TilewaveError("TW_ERR_STATE", "this %s was closed" % type(self).__name__)
+        return self._h
+
+    def close(self):
+        if self._h:
+            getattr(_load(), self._destroy)(self._h)
+            self._h = ctypes.c_void_p()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+# ------------------------------------------------------------------------------------------------
 # Routings
 # ------------------------------------------------------------------------------------------------
 
 ROUTERS = {"balanced": 0, "moderate_skew": 1, "stress_skew": 2, "target": 3}
 
 
-class Routing:
+class Routing(_Owned):
     """Top-k expert ids and gate weights of every token of every rank (owns a tw_routing_t).
     Build with Routing.generate, Routing.from_arrays or Routing.read."""
+    _destroy = "tw_routing_destroy"
 
     def __init__(self, problem, handle):
         self.problem = problem
@@ -372,15 +406,20 @@ class Routing:
         _check(_load().tw_routing_expert_loads(self._handle(), buf))
         return _np.array(buf[:], dtype=_np.int64) if as_numpy and _np is not None else list(buf)
 
-    def rank(self, r, as_numpy=False):
-        """(expert_ids, weights) of rank r, each (tokens, top_k)."""
+    def _rank(self, r):
+        """(tokens, ids, weights) of rank r as tw_routing_rank gives them (C pointers)."""
         n = ctypes.c_int32()
         ids = ctypes.POINTER(ctypes.c_int32)()
         w = ctypes.POINTER(ctypes.c_float)()
         _check(_load().tw_routing_rank(self._handle(), int(r), ctypes.byref(n), ctypes.byref(ids),
                                        ctypes.byref(w)))
+        return n.value, ids, w
+
+    def rank(self, r, as_numpy=False):
+        """(expert_ids, weights) of rank r, each (tokens, top_k)."""
+        n, ids, w = self._rank(r)
         k = self.problem.top_k
-        cnt = n.value * k
+        cnt = n * k
         flat_ids = ids[:cnt] if cnt else []
         flat_w = w[:cnt] if cnt else []
         return (_shaped(flat_ids, k, as_numpy, "int32"), _shaped(flat_w, k, as_numpy, "float32"))
@@ -388,37 +427,7 @@ class Routing:
     @property
     def tokens(self):
         """Tokens held by each rank."""
-        out = []
-        for r in range(self.problem.world_size):
-            n = ctypes.c_int32()
-            ids = ctypes.POINTER(ctypes.c_int32)()
-            w = ctypes.POINTER(ctypes.c_float)()
-            _check(_load().tw_routing_rank(self._handle(), r, ctypes.byref(n), ctypes.byref(ids),
-                                           ctypes.byref(w)))
-            out.append(n.value)
-        return out
-
-    def _handle(self):
-        if not self._h:
-            raise TilewaveError("TW_ERR_STATE", "this Routing was closed")
-        return self._h
-
-    def close(self):
-        if self._h:
-            _load().tw_routing_destroy(self._h)
-            self._h = ctypes.c_void_p()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+        return [self._rank(r)[0] for r in range(self.problem.world_size)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -475,10 +484,11 @@ class Hardware:
 # Plans
 # ------------------------------------------------------------------------------------------------
 
-class Plan:
+class Plan(_Owned):
     """One rank's GEMM2 + combine plan (owns a tw_plan_t). comm_ctas / coalesce: explicit C and
     mgb (None = the model's choice); use_model=False gives the fixed defaults; hardware: a
     Hardware (None = TW_CALIBRATION file if set, else built-in defaults)."""
+    _destroy = "tw_plan_destroy"
 
     def __init__(self, problem, routing, rank, comm_ctas=None, coalesce=None, use_model=True,
                  hardware=None):
@@ -508,28 +518,6 @@ class Plan:
         _check(_load().tw_plan_predict(self._handle(), int(comm_ctas), int(coalesce),
                                        ctypes.byref(t)))
         return t.value
-
-    def _handle(self):
-        if not self._h:
-            raise TilewaveError("TW_ERR_STATE", "this Plan was closed")
-        return self._h
-
-    def close(self):
-        if getattr(self, "_h", None):
-            _load().tw_plan_destroy(self._h)
-            self._h = ctypes.c_void_p()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 # ------------------------------------------------------------------------------------------------
