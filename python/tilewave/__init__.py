@@ -373,7 +373,13 @@ class Routing(_Owned):
             w_c.append(wa)
             counts.append(ni // k if k > 0 else 0)
         if tokens is not None:
-            counts = [int(t) for t in _flat(tokens)]
+            given = [int(t) for t in _flat(tokens)]
+            # The C side reads tokens[r] x top_k entries: more than the arrays hold would be read
+            # past their end.
+            if len(given) != W or any(t < 0 or t > n for t, n in zip(given, counts)):
+                raise TilewaveError("TW_ERR_INVALID_SIZE", "tokens %s: need %d counts (one per "
+                                    "rank), each 0..tokens in the arrays %s" % (given, W, counts))
+            counts = given
         T = (ctypes.c_int32 * max(W, 1))(*counts)
         I = (ctypes.POINTER(ctypes.c_int32) * max(W, 1))(
             *[ctypes.cast(a, ctypes.POINTER(ctypes.c_int32)) for a in ids_c])

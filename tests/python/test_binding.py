@@ -201,6 +201,12 @@ class TestRouting(unittest.TestCase):
                 tw.Routing.from_arrays(p, ids, w)
             self.assertEqual(cm.exception.status, status)
             self.assertTrue(cm.exception.message)
+        # Explicit token counts beyond the arrays, or not one per rank.
+        for tokens in ([2, 1], [1], [1, 1, 1]):
+            with self.assertRaises(tw.TilewaveError, msg=str(tokens)) as cm:
+                tw.Routing.from_arrays(p, good_ids, good_w, tokens=tokens)
+            self.assertEqual(cm.exception.status, "TW_ERR_INVALID_SIZE")
+        self.assertEqual(tw.Routing.from_arrays(p, good_ids, good_w, tokens=[0, 1]).tokens, [0, 1])
         # More tokens than the capacity.
         many = [[[0, 1]] * 65, [[2, 3]]]
         many_w = [[[0.5, 0.5]] * 65, [[0.5, 0.5]]]
