@@ -547,11 +547,8 @@ def tp_select(m, n, k, splits, ranks, expert_rows, tm, tn, tm_comm=None, tn_comm
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU entry points (torch tensors)
-#
-# The runtime half of the C API (tw_context_create over the caller's ncclComm_t,
-# tw_device_plan_create/upload, tw_moe_combine[_ex], tw_context_check/reset/timings) is bound
-# here: a Context class taking a torch.distributed process group's NCCL communicator and a
-# combine(plan, expert_in, w2, out) taking torch CUDA tensors (data_ptr(), the current stream).
-# Nothing here imports torch; the planning API above must keep working without it.
+# GPU entry points: not bound. The runtime half of the C API (tw_context_create over the caller's
+# ncclComm_t, tw_device_plan_create/upload, tw_moe_combine[_ex], tw_context_check/reset/timings)
+# has no Python wrapper yet; a binding would take torch CUDA tensors (data_ptr(), the current
+# stream) and go here. The planning API above must keep working without torch.
 # ------------------------------------------------------------------------------------------------
