@@ -44,7 +44,7 @@
 
 /* Candidate coalescing factors the model searches when the caller leaves coalesce = 0. */
 static const int32_t tw__mgb_candidates[] = {1, 2, 4};
-#define TW__NUM_MGB_CANDIDATES 3
+#define TW__NUM_MGB_CANDIDATES ((int32_t)(sizeof tw__mgb_candidates / sizeof tw__mgb_candidates[0]))
 /* Candidates plus one explicit coalesce value outside that set. */
 #define TW__MAX_TABLES 4
 /* Distinct unit counts per table for the fast path (the candidates need at most 4); more fall
@@ -75,7 +75,6 @@ typedef struct tw__model_tables {
   double tau_tile_us; /* one producer tile */
   double inv_tau_us;  /* 1 / tau_tile_us (wave skipping in tw__eval) */
   double reduce_us;   /* owner's weighted reduction */
-  double send_bytes;  /* plan->send_bytes */
   /* Per candidate C (index C, 0 unused): constants of the hardware and the tile count. */
   int32_t c_max;
   int32_t* prod;   /* (c_max + 1) P(C) */
@@ -460,7 +459,6 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
     if (plan->row_src[r].owner == plan->rank) own_rows++;
   const double row_bytes = 2.0 * (double)plan->problem.hidden;
   m->reduce_us = (double)(own_rows + own_rows / top_k) * row_bytes / (m->hw.mem_gbps * 1e3);
-  m->send_bytes = (double)plan->send_bytes;
   const tw_hardware* hw = &m->hw;
   m->c_max = hw->c_max;
   m->prod = malloc((size_t)(hw->c_max + 1) * sizeof *m->prod);
@@ -488,9 +486,12 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
     band_last[b] = i; /* ascending i: the last write is the largest index */
   }
   int32_t mgbs[TW__MAX_TABLES], n = 0;
-  for (int32_t i = 0; i < TW__NUM_MGB_CANDIDATES; i++) mgbs[n++] = tw__mgb_candidates[i];
-  if (explicit_mgb > 0 && explicit_mgb != 1 && explicit_mgb != 2 && explicit_mgb != 4)
-    mgbs[n++] = explicit_mgb;
+  int explicit_new = explicit_mgb > 0;
+  for (int32_t i = 0; i < TW__NUM_MGB_CANDIDATES; i++) {
+    mgbs[n++] = tw__mgb_candidates[i];
+    if (tw__mgb_candidates[i] == explicit_mgb) explicit_new = 0;
+  }
+  if (explicit_new) mgbs[n++] = explicit_mgb;
   tw_status st = TW_SUCCESS;
   for (int32_t i = 0; i < n && st == TW_SUCCESS; i++) {
     st = tw__plan_build_segments(plan, mgbs[i]);
@@ -554,7 +555,7 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
   plan->predicted_us = t;
   plan->sequential_us =
       (double)tw__cdiv(m->num_tiles, hw->occ_comp * hw->sm_count) * m->tau_tile_us +
-      m->send_bytes / (hw->link_peak_gbps * 1e3) + m->reduce_us;
+      (double)plan->send_bytes / (hw->link_peak_gbps * 1e3) + m->reduce_us;
   plan->solve_us = 1e6 * (t1 - t0);
   return TW_SUCCESS;
 }
