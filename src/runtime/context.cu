@@ -974,7 +974,3 @@ extern "C" tw_status tw__context_debug_slots(tw_context_t ctx, uint32_t* host, i
     TW_CUDA_TRY(cudaMemcpy(host, ctx->debug_slots, (size_t)count * 4, cudaMemcpyDeviceToHost));
   return TW_SUCCESS;
 }
-
-extern "C" const void* tw__context_gemm_output(tw_context_t ctx) {
-  return ctx == NULL ? NULL : ctx->c;
-}

@@ -29,9 +29,6 @@ tw_status tw__context_inject_fault(tw_context_t ctx, int kind, int index);
  * from another rank, 0xFFFF0000 for a local row. */
 tw_status tw__context_debug_slots(tw_context_t ctx, uint32_t* host, int64_t count);
 
-/* Device pointer to the GEMM output buffer ((rows, hidden) bf16 in the last plan's layout). */
-const void* tw__context_gemm_output(tw_context_t ctx);
-
 #ifdef __cplusplus
 }
 #endif
