@@ -225,7 +225,7 @@ static void test_random_choice_is_argmin(void) {
     int64_t best_delta = 0;
     for (int cc = 1; cc <= 16; cc++) {
       if (fabs(t[cc - 1] - tmin) > 1e-12 * tmin) continue;
-      int64_t p = 132 - cc;
+      int64_t p = (int64_t)hw.occ_comp * (hw.sm_count - (cc + hw.occ_comm - 1) / hw.occ_comm);
       int64_t delta = (wcomp + p - 1) / p * p - wcomp;
       if (expect == 0 || delta < best_delta) {
         expect = cc;
