@@ -10,24 +10,10 @@
  * that a misplaced band offset is caught, and that the bitwise comparison does see a plan that
  * swaps two rows of a token. Seed printed at start; TW_TEST_SEED repeats a run.
  */
-#include <stdint.h>
-#include <time.h>
-
 #include "core.h"
 #include "reference.h"
 #include "tw_test.h"
-
-static uint64_t g_seed;
-
-static uint64_t rng_next(uint64_t* s) { /* splitmix64 */
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-static float rng_sym(uint64_t* s) {
-  return (float)((double)(rng_next(s) >> 11) * 0x1.0p-52 - 1.0);
-}
+#include "tw_test_random.h"
 
 /* Everything one run needs: routing, plans, inputs and outputs of all ranks. */
 typedef struct world {
@@ -41,52 +27,6 @@ typedef struct world {
   double* od[4]; /* (tokens, H) double */
   double* mag[4];
 } world;
-
-static tw_problem make_problem(int32_t W, int32_t H, int32_t F, int32_t E, int32_t K,
-                               int32_t max_tokens, int32_t tm, int32_t tn) {
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = W;
-  p.hidden = H;
-  p.ffn = F;
-  p.experts = E;
-  p.top_k = K;
-  p.max_tokens = max_tokens;
-  p.tile_m = tm;
-  p.tile_n = tn;
-  return p;
-}
-
-/* Random routing with the given per-rank token counts (some may be 0), uniform experts or all
- * of them piled on a few experts of one rank when `pile` is set. */
-static tw_routing_t handmade_routing(const tw_problem* p, const int32_t* tokens, uint64_t* s,
-                                     int pile) {
-  int32_t* ids[4];
-  float* w[4];
-  for (int32_t r = 0; r < p->world_size; r++) {
-    ids[r] = (int32_t*)malloc(sizeof(int32_t) * (tokens[r] * p->top_k + 1));
-    w[r] = (float*)malloc(sizeof(float) * (tokens[r] * p->top_k + 1));
-    for (int32_t t = 0; t < tokens[r]; t++)
-      for (int32_t j = 0; j < p->top_k; j++) {
-        int32_t e, dup;
-        do {
-          uint64_t range =
-              pile && p->top_k < p->experts ? (uint64_t)(p->top_k + 1) : (uint64_t)p->experts;
-          e = (int32_t)(rng_next(s) % range);
-          dup = 0;
-          for (int32_t i = 0; i < j; i++) dup |= ids[r][t * p->top_k + i] == e;
-        } while (dup);
-        ids[r][t * p->top_k + j] = e;
-        w[r][t * p->top_k + j] = rng_sym(s); /* signed, unnormalised: any weights must work */
-      }
-  }
-  tw_routing_t rt = NULL;
-  CHECK_OK(tw_routing_create(p, tokens, (const int32_t* const*)ids, (const float* const*)w, &rt));
-  for (int32_t r = 0; r < p->world_size; r++) {
-    free(ids[r]);
-    free(w[r]);
-  }
-  return rt;
-}
 
 /* Plans for every rank, inputs, and both references. Returns 0 if setup failed. */
 static int world_setup(world* wd, tw_routing_t rt, int32_t C, int32_t mgb, uint64_t* s) {
@@ -104,11 +44,11 @@ static int world_setup(world* wd, tw_routing_t rt, int32_t C, int32_t mgb, uint6
     if (st != TW_SUCCESS) return 0;
   }
   wd->w2 = (float*)malloc(sizeof(float) * (size_t)E * H * F);
-  for (size_t i = 0; i < (size_t)E * H * F; i++) wd->w2[i] = rng_sym(s);
+  for (size_t i = 0; i < (size_t)E * H * F; i++) wd->w2[i] = tw_test_rng_sym(s);
   for (int32_t r = 0; r < W; r++) {
     size_t n = (size_t)rt->tokens[r];
     wd->h[r] = (float*)malloc(sizeof(float) * (n * K * F + 1));
-    for (size_t i = 0; i < n * K * F; i++) wd->h[r][i] = 2.0f * rng_sym(s);
+    for (size_t i = 0; i < n * K * F; i++) wd->h[r][i] = 2.0f * tw_test_rng_sym(s);
     wd->out[r] = (float*)malloc(sizeof(float) * (n * H + 1));
     wd->ref[r] = (float*)malloc(sizeof(float) * (n * H + 1));
     wd->od[r] = (double*)malloc(sizeof(double) * (n * H + 1));
@@ -170,7 +110,7 @@ static int world_compare(world* wd, const char* what, double* worst_rel) {
 
 /* The main sweep: generated routers over W = 1..4 and hand-made routings with empty ranks. */
 static void test_random_routings_bit_exact(void) {
-  uint64_t s = g_seed ^ 0xabc;
+  uint64_t s = tw_test_seed ^ 0xabc;
   static const tw_router routers[3] = {TW_ROUTER_BALANCED, TW_ROUTER_MODERATE_SKEW,
                                        TW_ROUTER_STRESS_SKEW};
   int runs = 0, remote_runs = 0, multi_band = 0;
@@ -178,32 +118,36 @@ static void test_random_routings_bit_exact(void) {
   double t0 = tw__now_seconds();
   for (int iter = 0; iter < 240; iter++) {
     int32_t W = 1 + iter % 4;
-    int32_t EL = 1 + (int32_t)(rng_next(&s) % 3);
+    int32_t EL = 1 + (int32_t)(tw_test_rng_next(&s) % 3);
     int32_t E = W * EL * (W == 1 ? 4 : 1);
-    int32_t K = 1 + (int32_t)(rng_next(&s) % (uint64_t)(E < 4 ? E : 4));
-    int32_t H = 8 * (4 + (int32_t)(rng_next(&s) % 24)); /* 32..216, often not a multiple of TN */
-    int32_t F = 8 * (1 + (int32_t)(rng_next(&s) % 6));
+    int32_t K = 1 + (int32_t)(tw_test_rng_next(&s) % (uint64_t)(E < 4 ? E : 4));
+    int32_t H =
+        8 * (4 + (int32_t)(tw_test_rng_next(&s) % 24)); /* 32..216, often not a multiple of TN */
+    int32_t F = 8 * (1 + (int32_t)(tw_test_rng_next(&s) % 6));
     int32_t tm = (iter / 4) % 2 ? 64 : 128;
     int32_t tn = (iter / 8) % 2 ? 64 : 128;
-    int32_t C = iter % 5 == 4 ? 0 : 1 + (int32_t)(rng_next(&s) % 6); /* 0: the model picks */
-    int32_t mgb = iter % 5 == 4 ? 0 : 1 + (int32_t)(rng_next(&s) % 3);
-    int32_t T = 1 + (int32_t)(rng_next(&s) % 120);
+    int32_t C =
+        iter % 5 == 4 ? 0 : 1 + (int32_t)(tw_test_rng_next(&s) % 6); /* 0: the model picks */
+    int32_t mgb = iter % 5 == 4 ? 0 : 1 + (int32_t)(tw_test_rng_next(&s) % 3);
+    int32_t T = 1 + (int32_t)(tw_test_rng_next(&s) % 120);
     /* Every sixth run is large enough (several bands per destination) for multi-band segments. */
     if (iter % 6 == 5) {
-      T = 400 + (int32_t)(rng_next(&s) % 400);
+      T = 400 + (int32_t)(tw_test_rng_next(&s) % 400);
       if (W > 1) E = W;
-      K = 1 + (int32_t)(rng_next(&s) % (uint64_t)(E < 2 ? E : 2));
+      K = 1 + (int32_t)(tw_test_rng_next(&s) % (uint64_t)(E < 2 ? E : 2));
     }
-    tw_problem p = make_problem(W, H, F, E, K, 840, tm, tn); /* T + 40 at most */
+    tw_problem p = tw_test_problem(W, H, F, E, K, 840, tm, tn); /* T + 40 at most */
     tw_routing_t rt = NULL;
     if (iter % 3 != 2) {
-      CHECK_OK(tw_routing_generate(&p, routers[iter % 3], 0.0, T, rng_next(&s), &rt));
+      CHECK_OK(tw_routing_generate(&p, routers[iter % 3], 0.0, T, tw_test_rng_next(&s), &rt));
     } else {
       int32_t tokens[4];
       for (int32_t r = 0; r < W; r++)
-        tokens[r] = (rng_next(&s) % 3 == 0) ? 0 : 1 + (int32_t)(rng_next(&s) % (uint64_t)(T + 40));
+        tokens[r] = (tw_test_rng_next(&s) % 3 == 0)
+                        ? 0
+                        : 1 + (int32_t)(tw_test_rng_next(&s) % (uint64_t)(T + 40));
       if (W > 1) tokens[iter % W] = 0; /* always at least one empty rank */
-      rt = handmade_routing(&p, tokens, &s, iter % 2);
+      rt = tw_test_random_routing(&p, tokens, &s, iter % 2);
     }
     if (rt == NULL) continue;
     world wd;
@@ -252,11 +196,11 @@ static int find_band(world* wd, int remote, int32_t* rank, int32_t* band) {
 
 /* A band whose publish is skipped must end the execution with TW_ERR_TIMEOUT, promptly. */
 static void test_missing_publish_times_out(void) {
-  uint64_t s = g_seed ^ 0xdef;
-  tw_problem p = make_problem(3, 96, 16, 6, 2, 100, 64, 64);
+  uint64_t s = tw_test_seed ^ 0xdef;
+  tw_problem p = tw_test_problem(3, 96, 16, 6, 2, 100, 64, 64);
   for (int remote = 1; remote >= 0; remote--) {
     tw_routing_t rt = NULL;
-    CHECK_OK(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, 90, rng_next(&s), &rt));
+    CHECK_OK(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, 90, tw_test_rng_next(&s), &rt));
     world wd;
     if (!world_setup(&wd, rt, 3, 2, &s)) {
       world_free(&wd);
@@ -286,10 +230,10 @@ static void test_missing_publish_times_out(void) {
 /* Misplaced rows are caught: a wrong band offset by the cross-checks, two swapped receive rows
  * of one token (which no structural check can see) by the bitwise comparison. */
 static void test_corrupted_plans_are_caught(void) {
-  uint64_t s = g_seed ^ 0x777;
-  tw_problem p = make_problem(2, 64, 16, 4, 2, 120, 64, 64);
+  uint64_t s = tw_test_seed ^ 0x777;
+  tw_problem p = tw_test_problem(2, 64, 16, 4, 2, 120, 64, 64);
   tw_routing_t rt = NULL;
-  CHECK_OK(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, 100, rng_next(&s), &rt));
+  CHECK_OK(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, 100, tw_test_rng_next(&s), &rt));
   world wd;
   if (!world_setup(&wd, rt, 2, 1, &s)) {
     world_free(&wd);
@@ -332,11 +276,5 @@ static void test_corrupted_plans_are_caught(void) {
   world_free(&wd);
 }
 
-static void test_setup(void) {
-  const char* env = getenv("TW_TEST_SEED");
-  g_seed = env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL);
-  printf("  seed %llu (TW_TEST_SEED to repeat)\n", (unsigned long long)g_seed);
-}
-
-TW_TEST_MAIN(TW_TEST(test_setup), TW_TEST(test_random_routings_bit_exact),
+TW_TEST_MAIN(TW_TEST(tw_test_seed_setup), TW_TEST(test_random_routings_bit_exact),
              TW_TEST(test_missing_publish_times_out), TW_TEST(test_corrupted_plans_are_caught))

@@ -8,39 +8,16 @@
  * layer is linear in w2; splitting the same tokens over more ranks does not change the result).
  * Inputs are random from a seed printed at start (TW_TEST_SEED overrides it).
  */
-#include <stdint.h>
-#include <time.h>
-
 #include "reference.h"
 #include "tw_test.h"
+#include "tw_test_random.h"
 
-static uint64_t g_seed;
-
-static uint64_t rng_next(uint64_t* s) { /* splitmix64 */
-  uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-/* Uniform in [-1, 1). */
-static float rng_sym(uint64_t* s) {
-  return (float)((double)(rng_next(s) >> 11) * 0x1.0p-52 - 1.0);
-}
 static void fill(uint64_t* s, float* a, size_t n, float scale) {
-  for (size_t i = 0; i < n; i++) a[i] = scale * rng_sym(s);
+  for (size_t i = 0; i < n; i++) a[i] = scale * tw_test_rng_sym(s);
 }
 
 static tw_problem small_problem(int32_t W, int32_t H, int32_t F, int32_t E, int32_t K) {
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = W;
-  p.hidden = H;
-  p.ffn = F;
-  p.experts = E;
-  p.top_k = K;
-  p.max_tokens = 64;
-  p.tile_m = 64;
-  p.tile_n = 64;
-  return p;
+  return tw_test_problem(W, H, F, E, K, 64, 64, 64);
 }
 
 /* H = 2, F = 1, two experts, one rank: every number below is worked out by hand. */
@@ -80,7 +57,7 @@ static void test_hand_case(void) {
 
 /* Top-k picks the k largest logits in descending order; weights are their softmax. */
 static void test_route_properties(void) {
-  uint64_t s = g_seed ^ 0x1111;
+  uint64_t s = tw_test_seed ^ 0x1111;
   const int32_t H = 24, E = 12, T = 40;
   float* x = (float*)malloc(sizeof(float) * T * H);
   float* router = (float*)malloc(sizeof(float) * H * E);
@@ -125,7 +102,7 @@ static void test_route_properties(void) {
 /* Routing from the router, then the same ids and (float) weights given as a tw_routing, give the
  * same layer output up to the rounding of the weights to float. */
 static void test_router_vs_given_routing(void) {
-  uint64_t s = g_seed ^ 0x2222;
+  uint64_t s = tw_test_seed ^ 0x2222;
   const int32_t W = 2, H = 16, F = 8, E = 8, K = 3;
   tw_problem p = small_problem(W, H, F, E, K);
   int32_t tokens[2] = {7, 0}; /* a rank without tokens too */
@@ -185,39 +162,10 @@ static void test_router_vs_given_routing(void) {
   free(router);
 }
 
-/* A random routing with arbitrary (not normalised, some negative) gate weights. */
-static tw_routing_t random_routing(const tw_problem* p, const int32_t* tokens, uint64_t* s,
-                                   float weight_mul) {
-  int32_t* ids[8];
-  float* w[8];
-  for (int32_t r = 0; r < p->world_size; r++) {
-    ids[r] = (int32_t*)malloc(sizeof(int32_t) * (tokens[r] * p->top_k + 1));
-    w[r] = (float*)malloc(sizeof(float) * (tokens[r] * p->top_k + 1));
-    for (int32_t t = 0; t < tokens[r]; t++)
-      for (int32_t j = 0; j < p->top_k; j++) {
-        int32_t e, dup;
-        do {
-          e = (int32_t)(rng_next(s) % (uint64_t)p->experts);
-          dup = 0;
-          for (int32_t i = 0; i < j; i++) dup |= ids[r][t * p->top_k + i] == e;
-        } while (dup);
-        ids[r][t * p->top_k + j] = e;
-        w[r][t * p->top_k + j] = weight_mul * rng_sym(s);
-      }
-  }
-  tw_routing_t rt = NULL;
-  CHECK_OK(tw_routing_create(p, tokens, (const int32_t* const*)ids, (const float* const*)w, &rt));
-  for (int32_t r = 0; r < p->world_size; r++) {
-    free(ids[r]);
-    free(w[r]);
-  }
-  return rt;
-}
-
 /* Exact identities: gate weights x2 -> output x2 bit for bit; linear in w2; independent of how
  * the tokens are spread over ranks. */
 static void test_linearity_and_distribution(void) {
-  uint64_t s = g_seed ^ 0x3333;
+  uint64_t s = tw_test_seed ^ 0x3333;
   const int32_t H = 16, F = 8, E = 8, K = 2, T = 12;
   tw_problem p1 = small_problem(1, H, F, E, K), p4 = small_problem(4, H, F, E, K);
   float* w1 = (float*)malloc(sizeof(float) * E * 2 * F * H);
@@ -229,12 +177,12 @@ static void test_linearity_and_distribution(void) {
   fill(&s, x, (size_t)T * H, 1.0f);
   /* Multiples of 2^-10 in [-1, 1): their sums are exact in float. */
   for (int32_t i = 0; i < E * H * F; i++) {
-    w2a[i] = ldexpf((float)((int)(rng_next(&s) % 2048) - 1024), -10);
-    w2b[i] = ldexpf((float)((int)(rng_next(&s) % 2048) - 1024), -10);
+    w2a[i] = ldexpf((float)((int)(tw_test_rng_next(&s) % 2048) - 1024), -10);
+    w2b[i] = ldexpf((float)((int)(tw_test_rng_next(&s) % 2048) - 1024), -10);
     w2s[i] = w2a[i] + w2b[i];
   }
   int32_t t1[1] = {T};
-  tw_routing_t r1 = random_routing(&p1, t1, &s, 1.0f);
+  tw_routing_t r1 = tw_test_random_routing(&p1, t1, &s, 0);
   /* Same routing with weights x2 (exact in float). */
   int32_t* ids[1] = {r1->expert_ids[0]};
   float* w2x = (float*)malloc(sizeof(float) * T * K);
@@ -302,11 +250,11 @@ static void test_linearity_and_distribution(void) {
 /* The fp32 GEMM2 + combine stays within the proven bound of the double one, and is not simply
  * equal to it (the comparison can see rounding). */
 static void test_fp32_within_bound(void) {
-  uint64_t s = g_seed ^ 0x4444;
+  uint64_t s = tw_test_seed ^ 0x4444;
   const int32_t W = 3, H = 40, F = 64, E = 6, K = 3;
   tw_problem p = small_problem(W, H, F, E, K);
   int32_t tokens[3] = {9, 0, 13};
-  tw_routing_t rt = random_routing(&p, tokens, &s, 1.0f);
+  tw_routing_t rt = tw_test_random_routing(&p, tokens, &s, 0);
   float* w2 = (float*)malloc(sizeof(float) * E * H * F);
   fill(&s, w2, (size_t)E * H * F, 1.0f);
   float* h[3];
@@ -369,21 +317,15 @@ static void test_bf16_conversions(void) {
   CHECK(tw__ref_f32_to_bf16(INFINITY) == 0x7f80);
   CHECK(isnan(tw__ref_bf16_to_f32(tw__ref_f32_to_bf16(NAN))));
   CHECK(tw__ref_bf16_to_f32(0x3fc0) == 1.5f);
-  uint64_t s = g_seed ^ 0x5555;
+  uint64_t s = tw_test_seed ^ 0x5555;
   for (int i = 0; i < 1000; i++) {
-    float v = 100.0f * rng_sym(&s);
+    float v = 100.0f * tw_test_rng_sym(&s);
     float b = tw__ref_bf16_to_f32(tw__ref_f32_to_bf16(v));
     CHECK(fabsf(b - v) <= fabsf(v) * 0x1p-8f);
     CHECK(tw__ref_f32_to_bf16(b) == tw__ref_f32_to_bf16(v)); /* idempotent */
   }
 }
 
-static void test_setup(void) {
-  const char* env = getenv("TW_TEST_SEED");
-  g_seed = env ? strtoull(env, NULL, 0) : (uint64_t)time(NULL);
-  printf("  seed %llu (TW_TEST_SEED to repeat)\n", (unsigned long long)g_seed);
-}
-
-TW_TEST_MAIN(TW_TEST(test_setup), TW_TEST(test_hand_case), TW_TEST(test_route_properties),
+TW_TEST_MAIN(TW_TEST(tw_test_seed_setup), TW_TEST(test_hand_case), TW_TEST(test_route_properties),
              TW_TEST(test_router_vs_given_routing), TW_TEST(test_linearity_and_distribution),
              TW_TEST(test_fp32_within_bound), TW_TEST(test_bf16_conversions))
