@@ -211,13 +211,19 @@ static void tw__consumer_args_init(const struct tw_context* ctx, tw_consumer_arg
   ca->err = ctx->err;
 }
 
-/* The context's part of the reduction's arguments (window and GEMM output). */
+/* The context's part of the reduction's arguments (window, GEMM output, shape, completion
+ * counter, error word); callers add the plan's part, world and rank, and the timeout. */
 static void tw__reduce_args_init(const struct tw_context* ctx, tw_reduce_args* ra) {
   memset(ra, 0, sizeof *ra);
   ra->lay = ctx->lay;
   ra->win = ctx->win;
   ra->local_win = (char*)ctx->win_buf;
   ra->c = ctx->c;
+  ra->hidden = ctx->problem.hidden;
+  ra->top_k = ctx->problem.top_k;
+  ra->col_tiles = ctx->col_tiles;
+  ra->done = ctx->reduce_done;
+  ra->err = ctx->err;
 }
 
 /* Launches every kernel once (lazy loading; see the file comment) on tiny inputs. */
@@ -274,12 +280,7 @@ static tw_status tw__warm_up(tw_context_t ctx) {
     /* world = 1: no waits, no credits. */
     tw_reduce_args ra;
     tw__reduce_args_init(ctx, &ra);
-    ra.hidden = ctx->problem.hidden;
-    ra.top_k = ctx->problem.top_k;
     ra.world = 1;
-    ra.col_tiles = ctx->col_tiles;
-    ra.done = ctx->reduce_done;
-    ra.err = ctx->err;
     ra.timeout_ns = 1000000;
     st = tw__reduce_launch(&ra, ctx->sm_count, ctx->s_aux);
     if (st != TW_SUCCESS) goto done;
@@ -891,17 +892,12 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ra.weights = d->weights;
   ra.out = (uint16_t*)out;
   ra.tokens = d->tokens;
-  ra.top_k = ctx->problem.top_k;
-  ra.hidden = ctx->problem.hidden;
   ra.recv_rows = d->recv_rows;
   ra.rank = ctx->rank;
   ra.world = ctx->world;
-  ra.col_tiles = ctx->col_tiles;
   ra.debug_tags = ctx->debug_tags;
   ra.debug_slots = ctx->debug_slots;
-  ra.done = ctx->reduce_done;
   memcpy(ra.arrive_target, ctx->arrive_target, sizeof ra.arrive_target);
-  ra.err = ctx->err;
   ra.timeout_ns = timeout_ns;
 
   /* S: producer first (co-residency), K: consumer after `start` (or after the producer). */
