@@ -149,21 +149,16 @@ static int parse_args(int argc, char** argv, plan_opts* o) {
       }
       continue;
     }
-    if (strcmp(a, "--model") == 0) {
-      NEED_VALUE;
-      o->model = v;
-      continue;
-    }
-    if (strcmp(a, "--calibration") == 0) {
-      NEED_VALUE;
-      o->calibration = v;
-      continue;
-    }
-    if (strcmp(a, "--routing") == 0) {
-      NEED_VALUE;
-      o->routing_file = v;
-      continue;
-    }
+#define STR_FLAG(name, field) \
+  if (strcmp(a, name) == 0) { \
+    NEED_VALUE;               \
+    o->field = v;             \
+    continue;                 \
+  }
+    STR_FLAG("--model", model)
+    STR_FLAG("--calibration", calibration)
+    STR_FLAG("--routing", routing_file)
+#undef STR_FLAG
     if (strcmp(a, "--seed") == 0) {
       NEED_VALUE;
       char* end = NULL;
@@ -396,34 +391,27 @@ int tw_cli_plan(int argc, char** argv) {
   else
     st = tw_routing_generate(&prob, o.router, o.router_param, o.tokens, o.seed, &rt);
   if (st != TW_SUCCESS) return plan_fail("building the routing", st);
+  const int32_t r0 = o.all_ranks ? 0 : o.rank;
+  const int32_t r1 = o.all_ranks ? prob.world_size - 1 : o.rank;
+  const int32_t nr = r1 - r0 + 1;
   tw_routing_stats rs;
   int64_t* loads = malloc((size_t)prob.experts * sizeof *loads);
-  if (loads == NULL) {
-    tw_routing_destroy(rt);
-    return plan_fail("routing loads", TW_ERR_OUT_OF_MEMORY);
+  int64_t* rank_rows = calloc((size_t)prob.world_size, sizeof *rank_rows);
+  rank_result* res = calloc((size_t)nr, sizeof *res);
+  if (loads == NULL || rank_rows == NULL || res == NULL) {
+    rc = plan_fail("allocating the tables", TW_ERR_OUT_OF_MEMORY);
+    goto done;
   }
   st = tw_routing_stats_get(rt, &rs);
   if (st == TW_SUCCESS) st = tw_routing_expert_loads(rt, loads);
   if (st != TW_SUCCESS) {
-    free(loads);
-    tw_routing_destroy(rt);
-    return plan_fail("routing statistics", st);
+    rc = plan_fail("routing statistics", st);
+    goto done;
   }
   /* Expert e lives on rank e / (experts / W). */
   const int32_t el = prob.experts / prob.world_size;
-  int64_t* rank_rows = calloc((size_t)prob.world_size, sizeof *rank_rows);
-  if (rank_rows == NULL) {
-    free(loads);
-    tw_routing_destroy(rt);
-    return plan_fail("routing loads", TW_ERR_OUT_OF_MEMORY);
-  }
   for (int32_t e = 0; e < prob.experts; e++) rank_rows[e / el] += loads[e];
 
-  const int32_t r0 = o.all_ranks ? 0 : o.rank;
-  const int32_t r1 = o.all_ranks ? prob.world_size - 1 : o.rank;
-  const int32_t nr = r1 - r0 + 1;
-  rank_result* res = calloc((size_t)nr, sizeof *res);
-  st = res ? TW_SUCCESS : TW_ERR_OUT_OF_MEMORY;
   for (int32_t r = r0; st == TW_SUCCESS && r <= r1; r++)
     st = plan_rank(&prob, rt, r, &cfg, hw.c_max, &res[r - r0]);
   double ep_med = 0, ep_p99 = 0, tp_med = 0, tp_p99 = 0;
