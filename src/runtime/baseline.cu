@@ -893,19 +893,6 @@ extern "C" tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const 
   return tw__baseline_reduce(b, b->c, b->recv, out, stream);
 }
 
-extern "C" tw_status tw__baseline_copy(tw_baseline_t b, cudaStream_t stream) {
-  TW_CHECK_NULL(b);
-  TW_TRY(tw__bl_copy_ranges(b, b->sends, b->num_sends, stream));
-  return tw__bl_fence(b, stream);
-}
-
-extern "C" void* tw__baseline_gemm_out(tw_baseline_t b) {
-  return b ? b->c : NULL;
-}
-extern "C" void* tw__baseline_recv(tw_baseline_t b) {
-  return b ? b->recv : NULL;
-}
-
 /* ---- checks and inputs ----------------------------------------------------------------------- */
 
 extern "C" tw_status tw__baseline_rel_diff(const void* x, const void* ref, size_t n,

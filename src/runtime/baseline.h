@@ -74,8 +74,6 @@ tw_status tw__baseline_exchange(tw_baseline_t b, cudaStream_t stream);
  * rounds up to whole bands). Same arguments and output as tw__baseline_sequential. */
 tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const void* w, void* out,
                                int32_t chunk_rows, cudaStream_t stream);
-/* The copy-engine transfer of every remote row alone (no GEMM), with the same fence. */
-tw_status tw__baseline_copy(tw_baseline_t b, cudaStream_t stream);
 
 /* The weighted reduction of this rank's tokens from a receive buffer and a local GEMM output:
  * out[t] = sum_j weight[t][j] * row(slot_row[t][j]), rows < recv_rows from `recv`, the others from
@@ -85,10 +83,6 @@ tw_status tw__baseline_copy(tw_baseline_t b, cudaStream_t stream);
  * [out] out:   (tokens, H) bf16 */
 tw_status tw__baseline_reduce(tw_baseline_t b, const void* local, const void* recv, void* out,
                               cudaStream_t stream);
-
-/* This baseline's buffers (for tests and for comparing partial results). */
-void* tw__baseline_gemm_out(tw_baseline_t b); /* (rows, H) bf16 */
-void* tw__baseline_recv(tw_baseline_t b);     /* (recv_rows, H) bf16 */
 
 /* Normwise relative difference max|x - ref| / max|ref| over n bf16 values, NaN or Inf anywhere in x
  * giving +Inf. Synchronises `stream`. `scratch` is 2 x uint32 of device memory. */
