@@ -538,6 +538,13 @@ static int tw__next_line(tw__reader* r) {
   }
 }
 
+/* Records again the failure of a shared check (tw_last_error()), prefixed with path:line. */
+static tw_status tw__fail_here(const tw__reader* r, tw_status st) {
+  char msg[768];
+  snprintf(msg, sizeof msg, "%s", tw_last_error());
+  return tw__fail(st, "%s:%ld: %s", r->path, r->line, msg);
+}
+
 /* Parses an int at *s (after spaces); advances *s. Returns 0 on failure. */
 static int tw__parse_int(char** s, int32_t* v) {
   char* end = NULL;
@@ -648,9 +655,7 @@ tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routin
     }
     st = tw__check_token_count(p, r, n);
     if (st != TW_SUCCESS) {
-      char msg[768];
-      snprintf(msg, sizeof msg, "%s", tw_last_error());
-      st = tw__fail(st, "%s:%ld: %s", path, rd.line, msg);
+      st = tw__fail_here(&rd, st);
       goto done;
     }
     if (n > 0) {
@@ -686,9 +691,7 @@ tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routin
       }
       st = tw__check_token(p, r, t, ids, wt, stamp, mark++);
       if (st != TW_SUCCESS) {
-        char msg[768];
-        snprintf(msg, sizeof msg, "%s", tw_last_error());
-        st = tw__fail(st, "%s:%ld: %s", path, rd.line, msg);
+        st = tw__fail_here(&rd, st);
         goto done;
       }
     }
