@@ -8,7 +8,6 @@
  * rank gathers the rows routed to it, computes them, and the owner gathers them back) so that
  * the reference exercises the same data movement the layer does, not just the per-token maths.
  */
-#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -110,19 +109,6 @@ void tw__ref_expert_gemm2(int32_t hidden, int32_t ffn, const double* h, const fl
     for (int32_t f = 0; f < ffn; f++) acc += h[f] * wn[f];
     out[n] = acc;
   }
-}
-
-void tw__ref_expert_ffn(int32_t hidden, int32_t ffn, const float* x, const float* w1,
-                        const float* w2, double* out) {
-  double hbuf[256];
-  double* h = ffn <= 256 ? hbuf : (double*)malloc((size_t)ffn * sizeof(double));
-  if (h == NULL) { /* Only reachable for huge ffn; a reference has no status here. */
-    for (int32_t n = 0; n < hidden; n++) out[n] = NAN;
-    return;
-  }
-  tw__ref_expert_gemm1(hidden, ffn, x, w1, h);
-  tw__ref_expert_gemm2(hidden, ffn, h, w2, out);
-  if (h != hbuf) free(h);
 }
 
 /* Checks the problem fields the references use (a looser check than tw_problem_validate: the

@@ -61,11 +61,6 @@ void tw__ref_expert_gemm1(int32_t hidden, int32_t ffn, const float* x, const flo
 void tw__ref_expert_gemm2(int32_t hidden, int32_t ffn, const double* h, const float* w2,
                           double* out);
 
-/* Whole expert FFN of one token: GEMM1 -> SwiGLU -> GEMM2, in double.
- * [in] x (hidden), w1 (2 ffn, hidden), w2 (hidden, ffn); [out] out (hidden) */
-void tw__ref_expert_ffn(int32_t hidden, int32_t ffn, const float* x, const float* w1,
-                        const float* w2, double* out);
-
 /* The whole MoE layer forward over W simulated ranks, in double: route (top-k over router
  * logits, or the given routing) -> dispatch every (token, slot) row to the rank of its expert
  * -> GEMM1 -> SwiGLU -> GEMM2 on that rank -> combine (rows back to the owner) -> weighted sum.

@@ -46,9 +46,11 @@ static void test_hand_case(void) {
   CHECK_NEAR(o[0], y1[0], 1e-14);
   CHECK_NEAR(o[1], y1[1], 1e-14);
 
-  /* The building block alone. */
-  double f[2];
-  tw__ref_expert_ffn(2, 1, x0, w1, w2, f);
+  /* The building blocks alone: expert 0's GEMM1 -> SwiGLU, then GEMM2. */
+  double hh[1], f[2];
+  tw__ref_expert_gemm1(2, 1, x0, w1, hh);
+  CHECK_NEAR(hh[0], h0, 1e-15);
+  tw__ref_expert_gemm2(2, 1, hh, w2, f);
   CHECK_NEAR(f[0], y0[0], 1e-15);
   CHECK_NEAR(f[1], y0[1], 1e-15);
   CHECK_NEAR(tw__ref_silu(0.0), 0.0, 0.0);
