@@ -29,6 +29,7 @@
 
 #include "baseline.h"
 #include "bench_common.h"
+#include "checks.h"
 #include "cli.h"
 #include "core.h"
 #include "kernels.h"
@@ -142,20 +143,6 @@ static const char* twb_router_name(int r) {
 
 /* ---- one rank's setup and teardown ----------------------------------------------------------- */
 
-#define TWB_CUDA(expr)                                                                        \
-  do {                                                                                        \
-    cudaError_t twb_e = (expr);                                                               \
-    if (twb_e != cudaSuccess)                                                                 \
-      return tw__fail(TW_ERR_CUDA, "bench: %s failed: %s", #expr, cudaGetErrorString(twb_e)); \
-  } while (0)
-
-#define TWB_NCCL(expr)                                                                        \
-  do {                                                                                        \
-    ncclResult_t twb_r = (expr);                                                              \
-    if (twb_r != ncclSuccess)                                                                 \
-      return tw__fail(TW_ERR_NCCL, "bench: %s failed: %s", #expr, ncclGetErrorString(twb_r)); \
-  } while (0)
-
 static void twb_rank_free(twb_rank* s) {
   if (s->stream) cudaStreamSynchronize(s->stream);
   for (int i = 0; i < TWB_NOUT; i++) cudaFree(s->out[i]);
@@ -253,15 +240,15 @@ static tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt,
   if (s->nsets > 4) s->nsets = 4;
   const float w_scale = 1.0f / sqrtf((float)p.ffn);
   for (int i = 0; i < s->nsets; i++) {
-    TWB_CUDA(cudaMalloc(&s->a[i], 2 * a_elems + 256));
-    TWB_CUDA(cudaMalloc(&s->w[i], 2 * w_elems + 256));
+    TW_CUDA_TRY(cudaMalloc(&s->a[i], 2 * a_elems + 256));
+    TW_CUDA_TRY(cudaMalloc(&s->w[i], 2 * w_elems + 256));
     const uint64_t sd = o->seed * 1000003u + (uint64_t)s->rank * 64u + (uint64_t)i * 2u;
     TW_TRY(tw__baseline_fill_random(s->a[i], a_elems, sd, 1.0f, s->stream));
     TW_TRY(tw__baseline_fill_random(s->w[i], w_elems, sd + 1, w_scale, s->stream));
   }
   s->out_elems = (size_t)s->tokens * (size_t)p.hidden;
-  for (int i = 0; i < TWB_NOUT; i++) TWB_CUDA(cudaMalloc(&s->out[i], 2 * s->out_elems + 256));
-  TWB_CUDA(cudaStreamSynchronize(s->stream));
+  for (int i = 0; i < TWB_NOUT; i++) TW_CUDA_TRY(cudaMalloc(&s->out[i], 2 * s->out_elems + 256));
+  TW_CUDA_TRY(cudaStreamSynchronize(s->stream));
   return TW_SUCCESS;
 }
 
@@ -305,7 +292,7 @@ static tw_status twb_run(twb_rank* s, const twb_policy* pol, int set, cudaStream
 }
 
 static tw_status twb_barrier(twb_rank* s) {
-  TWB_NCCL(ncclAllReduce(s->barrier, s->barrier + 1, 1, ncclInt32, ncclSum, s->comm, s->stream));
+  TW_NCCL_TRY(ncclAllReduce(s->barrier, s->barrier + 1, 1, ncclInt32, ncclSum, s->comm, s->stream));
   return TW_SUCCESS;
 }
 
@@ -313,7 +300,7 @@ static tw_status twb_barrier(twb_rank* s) {
 static tw_status twb_max_over_ranks(twb_rank* s, float* v, size_t n) {
   if (s->world == 1 || n == 0) return TW_SUCCESS;
   float* d = NULL;
-  TWB_CUDA(cudaMalloc((void**)&d, sizeof(float) * n));
+  TW_CUDA_TRY(cudaMalloc((void**)&d, sizeof(float) * n));
   tw_status st = TW_SUCCESS;
   cudaError_t e = cudaMemcpyAsync(d, v, sizeof(float) * n, cudaMemcpyHostToDevice, s->stream);
   ncclResult_t r = ncclSuccess;
@@ -342,7 +329,7 @@ static tw_status twb_check(twb_rank* s, const twb_policy* pols, int np, int set,
       TW_TRY(twb_barrier(s));
       TW_TRY(twb_run(s, &pols[i], set, s->stream));
     }
-    TWB_CUDA(cudaStreamSynchronize(s->stream));
+    TW_CUDA_TRY(cudaStreamSynchronize(s->stream));
   }
   TW_TRY(tw_context_check(s->ctx));
   for (int i = 0; i < np; i++) {
@@ -361,8 +348,8 @@ static tw_status twb_check(twb_rank* s, const twb_policy* pols, int np, int set,
 static tw_status twb_time(twb_rank* s, const twb_opts* o, const twb_policy* pols, int np,
                           float* samples, int* last_set) {
   cudaEvent_t e0, e1;
-  TWB_CUDA(cudaEventCreate(&e0));
-  TWB_CUDA(cudaEventCreate(&e1));
+  TW_CUDA_TRY(cudaEventCreate(&e0));
+  TW_CUDA_TRY(cudaEventCreate(&e1));
   tw_status st = TW_SUCCESS;
   const int rounds = o->warmup + o->iters;
   for (int round = 0; round < rounds && st == TW_SUCCESS; round++) {
