@@ -3,10 +3,11 @@
  * defaults, and the "key = value" calibration file that replaces them.
  *
  * The defaults are measured numbers from two H200 GPUs joined by NVLink (NV18); each field below
- * names the measurement it comes from. `tilewave calibrate` measures the same quantities on the
- * machine at hand and writes a file; setting TW_CALIBRATION=<file> makes every plan created with
- * config->hardware == NULL use it. The file is read once per process and cached; a file that does
- * not parse is reported by tw_plan_create (never silently replaced by the defaults).
+ * names the measurement it comes from, or says it is an estimate. A file with the same keys
+ * (written by hand or by tw_hardware_write; no `tilewave calibrate` measures them yet) replaces
+ * them: setting TW_CALIBRATION=<file> makes every plan created with config->hardware == NULL use
+ * it. The file is read once per process and cached; a file that does not parse is reported by
+ * tw_plan_create (never silently replaced by the defaults).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <ctype.h>
