@@ -31,12 +31,12 @@
 
 namespace {
 
-/* v1 geometry: a CTA of 8 warps computes a 128 x 128 sub-tile per pass (a 4 x 2 grid of warps,
- * each 32 x 64 = 2 x 4 WMMA fragments); a tn = 256 tile is two passes, a tm = 64 tile masks the
- * lower half. K advances 32 at a time. */
 /* Kernel used for variant 0 where it covers the shape. */
 constexpr int kDefaultVariant = 4;
 
+/* v1 geometry: a CTA of 8 warps computes a 128 x 128 sub-tile per pass (a 4 x 2 grid of warps,
+ * each 32 x 64 = 2 x 4 WMMA fragments); a tn = 256 tile is two passes, a tm = 64 tile masks the
+ * lower half. K advances 32 at a time. */
 constexpr int kV1Threads = 256;
 constexpr int kV1BM = 128;
 constexpr int kV1BN = 128;
@@ -54,7 +54,7 @@ __device__ __forceinline__ float tw__silu(float x) {
 }
 
 /* Loads a (128, 32) bf16 slice: row r of the slice is global row (row0 + r) of a row-major
- * (nrows, k) matrix, or zeros where that row is out of [row_lo, row_hi). */
+ * (nrows, k) matrix, or zeros where row0 + r >= row_hi. */
 __device__ __forceinline__ void v1_load_slice(__nv_bfloat16 (*dst)[kV1BK + kV1Pad],
                                               const __nv_bfloat16* src, int64_t row0,
                                               int64_t row_hi, int k, int k0) {
@@ -156,8 +156,9 @@ __global__ void __launch_bounds__(kV1Threads) tw_gemm_v1_kernel(tw_gemm_args arg
             __syncwarp();
           }
       } else {
-        /* Reuse the B slice area is not possible (too small for fp32): go fragment by fragment,
-         * gate warps (wn = 0) write silu(gate) to their stage, up warps (wn = 1) multiply. */
+        /* Fragment by fragment: gate warps (wn = 0) write their raw gate fragment to their
+         * stage, up warps (wn = 1) write theirs and combine silu(gate) * up from the gate
+         * partner's stage (warp - 1, same wm); the two barriers order the handover. */
 #pragma unroll
         for (int i = 0; i < 2; i++)
 #pragma unroll
@@ -291,15 +292,18 @@ __device__ __forceinline__ void tw__wgmma_m64n256k16(float* d, uint64_t desc_a, 
  * transaction bytes) and an "empty" mbarrier (one arrival per consumer warp). Warpgroups 1
  * and 2 are consumers: for BM = 128 each computes 64 rows x BN columns, for BM = 64 each computes
  * 64 rows x BN/2 columns, with wgmma m64nNk16 reading both operands from 128B-swizzled shared
- * memory, fp32 accumulators in registers. The epilogue converts to bf16 and stores straight
- * from registers with st.global (masked by tile.rows and n), so rows past tile.rows, which may
- * belong to the next expert, are never written. The producer runs ahead into the next tile
- * while the consumers store, so loads of tile i+1 overlap the epilogue of tile i.
+ * memory, fp32 accumulators in registers. The epilogue converts to bf16; kEpiDirect and
+ * kEpiSignalWarp store straight from registers with st.global (masked by tile.rows and n),
+ * kEpiStaged writes a staging tile that the epilogue warp copies out row by row (only rows <
+ * tile.rows, columns < n); either way rows past tile.rows, which may belong to the next expert,
+ * are never written. The producer runs ahead into the next tile while the consumers store, so
+ * loads of tile i+1 overlap the epilogue of tile i.
  *
  * Shared memory layout (dynamic, 1024-byte aligned base, per stage s):
  *   [s * STAGE_BYTES,                 + BM * 128)       A slice: BM rows x 64 bf16, 128B swizzle
  *   [s * STAGE_BYTES + BM * 128,      + B_ROWS * 128)   B slice: B_ROWS rows x 64 bf16, swizzled
- * then 2 * STAGES mbarriers (8 bytes each): full[0..STAGES), empty[0..STAGES).
+ * then, for kEpiStaged only, the staging tile (BM rows x kStagePitch bytes), then 2 * STAGES + 2
+ * mbarriers (8 bytes each): full[0..STAGES), empty[0..STAGES), epi_ready, epi_done.
  * B_ROWS = BN, or 2 * BN for SwiGLU (gate rows, then up rows).
  */
 
@@ -321,6 +325,10 @@ __device__ __forceinline__ void tw__mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(tw__smem_u32(bar)) : "memory");
 }
 
+/* Spins until the barrier's phase with `parity` has completed (acquire, CTA scope). Unlike
+ * sync.cuh's waits it has no timeout: every mbarrier here is completed by this CTA's own threads
+ * or by TMA loads it issued, never by another CTA or GPU, so it can only hang on a bug in this
+ * kernel, not because a peer is slow or failed. */
 __device__ __forceinline__ void tw__mbar_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n"
@@ -474,7 +482,9 @@ __global__ void __launch_bounds__(384, 1)
                            staging + r * Cfg::kStagePitch, bytes);
           asm volatile("cp.async.bulk.commit_group;" ::: "memory");
           /* NOTES: wait_group 0, NOT .read: .read only covers the reads of the staging buffer;
-           * the release below needs this lane's global writes complete. */
+           * the release below needs this lane's global writes complete. Completion of a bulk
+           * copy includes an implicit generic-async proxy fence, so no fence.proxy.async.global
+           * is needed before the (generic) release. */
           asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
           /* Barrier among every lane that issued writes before lane 0 publishes. */
           __syncwarp();
