@@ -48,7 +48,8 @@ typedef struct exec_rank {
   atomic_int* band_done;   /* (num_bands) tiles of each band published by the producer */
   atomic_int* arrivals;    /* (W) units arrived from each source rank */
   atomic_int* recv_writes; /* (recv_rows) units written into each receive row (diagnostic) */
-  int32_t* expect_units;   /* (W) units each source rank must deliver here */
+  int32_t* expect_units;   /* (W) units the source ranks' plans send here (checked against
+                              this rank's recv_bands, which the receiver waits for) */
   exec_unit* units;        /* (num_units) this rank's transfer units in schedule order */
   int64_t num_units;
 } exec_rank;
@@ -189,12 +190,14 @@ static void* receiver_main(void* arg) {
   int seen = 0;
   for (int32_t s = 0; s < ctx->W; s++) {
     if (s == r) continue;
-    if (!exec_wait(ctx, &rk->arrivals[s], rk->expect_units[s], &seen)) {
+    /* What the own plan says arrives, as on the GPU (check_plans matched it to the senders). */
+    const int32_t expect = plan->recv_bands[s] * ctx->col_tiles;
+    if (!exec_wait(ctx, &rk->arrivals[s], expect, &seen)) {
       if (!atomic_load_explicit(&ctx->abort_flag, memory_order_relaxed))
         exec_fail(ctx, TW_ERR_TIMEOUT,
                   "rank %d receiver: %d of %d units from rank %d arrived "
                   "after %.0f ms",
-                  r, seen, rk->expect_units[s], s, ctx->timeout_s * 1e3);
+                  r, seen, expect, s, ctx->timeout_s * 1e3);
       return NULL;
     }
   }
