@@ -714,7 +714,8 @@ tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream)
   CUtensorMap map_a, map_b;
   const int64_t n_b = SWIGLU ? 2 * (int64_t)args->n : args->n;
   TW_TRY(tw__make_map(&map_a, args->a, args->rows, args->k, BM));
-  TW_TRY(tw__make_map(&map_b, args->b, (int64_t)args->experts * n_b, args->k, SWIGLU ? BN : BN));
+  /* B boxes are BN rows; SwiGLU loads the gate rows and the up rows as two boxes per stage. */
+  TW_TRY(tw__make_map(&map_b, args->b, (int64_t)args->experts * n_b, args->k, BN));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_a, map_b, *args);
   e = cudaGetLastError();
   if (e != cudaSuccess)
