@@ -496,7 +496,7 @@ static void twb_print_header(void) {
 /* Derived numbers of one point. */
 typedef struct twb_derived {
   double seq, ours, gemm, comm, ideal, eff, overlap, speedup, unfused, chunk;
-  const char* seq_variant; /* the faster cuBLAS form: "loop" or "grouped" */
+  const char* seq_variant; /* the fastest sequential form: "loop", "grouped" or "packed" */
   int chunk_rows;
   double max_err;
   int pass;
@@ -586,16 +586,6 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
   /* Candidate coalescing factors, plus the model's if it is none of them. */
   int mgbs[TWB_MAX_DPLANS] = {1, 2, 4, 0};
   int nm = 3;
-  {
-    tw_problem p = TW_PROBLEM_INIT;
-    p.world_size = s->world;
-    p.hidden = pt->hidden;
-    p.ffn = pt->ffn;
-    p.experts = pt->experts;
-    p.top_k = pt->topk;
-    p.max_tokens = pt->tokens;
-    TW_TRY(tw_problem_validate(&p));
-  }
   /* The model's choice comes from the default plan; planned again in setup. */
   TW_TRY(twb_setup(s, o, pt, mgbs, nm));
   tw_plan_t model_plan = NULL;
@@ -660,7 +650,6 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
     st = tw_plan_predict(s->mplans[pols[i].dplan], pols[i].c, s->mgbs[pols[i].dplan], &pred[i]);
 
   /* Correctness of every configuration against the sequential baseline (once each). */
-  float maxerr = 0.f;
   if (st == TW_SUCCESS) {
     st = tw__fill_bf16(s->out[TWB_OUT_SEQ], s->out_elems, TWB_POISON, s->stream);
     if (st == TW_SUCCESS) st = twb_barrier(s);
@@ -676,19 +665,17 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
       st = tw__baseline_rel_diff(s->out[TWB_OUT_OURS], s->out[TWB_OUT_SEQ], s->out_elems,
                                  s->scratch, s->stream, &rel);
     err[i] = isfinite(rel) ? (float)rel : INFINITY;
-    if (err[i] > maxerr) maxerr = err[i];
   }
   if (st == TW_SUCCESS) st = twb_max_over_ranks(s, err, (size_t)np);
-  maxerr = 0.f;
+  float maxerr = 0.f;
   for (int i = 1; i < np; i++)
     if (err[i] > maxerr || !(err[i] == err[i])) maxerr = err[i] == err[i] ? err[i] : INFINITY;
   int last_set = 0;
   if (st == TW_SUCCESS) st = twb_time(s, o, pols, np, samples, &last_set);
   if (st == TW_SUCCESS) st = tw_context_check(s->ctx);
   if (st == TW_SUCCESS && s->rank == 0) {
-    for (int i = 1; i < np; i++)
+    for (int i = 0; i < np; i++)
       tw_bench_stats_of(samples + (size_t)i * o->iters, o->iters, &sts[i]);
-    tw_bench_stats_of(samples, o->iters, &sts[0]);
     int best = 1, model_i = -1;
     for (int i = 1; i < np; i++) {
       if (sts[i].median < sts[best].median) best = i;
@@ -1021,7 +1008,6 @@ static int twb_main(int argc, char** argv, int sweep) {
   /* Points. */
   twb_job job;
   memset(&job, 0, sizeof job);
-  job.o = o;
   twb_point base = {4096, 2048, 16, 2, 8192, TW_ROUTER_BALANCED, 0.0};
   if (o.model) {
     tw_problem p = TW_PROBLEM_INIT;
