@@ -60,6 +60,11 @@ int64_t tw__env_int(const char* name, int64_t fallback);
 tw_status tw__check_header(const char* what, size_t size, size_t expected_size, uint32_t magic,
                            uint32_t expected_magic, uint32_t version);
 
+/* ceil(a / b) for a >= 0, b >= 1. */
+static inline int64_t tw__ceil_div(int64_t a, int64_t b) {
+  return (a + b - 1) / b;
+}
+
 /* Monotonic clock in seconds (host timing of the planner). */
 double tw__now_seconds(void);
 

@@ -49,10 +49,6 @@ tw_status tw_plan_destroy(tw_plan_t plan) {
   return TW_SUCCESS;
 }
 
-static int64_t tw__ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
-
 /* Allocation that never returns NULL for a zero count (n == 0 allocates one element). */
 static void* tw__alloc(size_t n, size_t elem) {
   return malloc((n ? n : 1) * elem);

@@ -107,12 +107,8 @@ void tw__model_free(struct tw_plan* plan) {
   plan->model_tables = NULL;
 }
 
-static int64_t tw__cdiv(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
-
 static int32_t tw__producers(const tw_hardware* hw, int32_t c) {
-  return hw->occ_comp * (hw->sm_count - (int32_t)tw__cdiv(c, hw->occ_comm));
+  return hw->occ_comp * (hw->sm_count - (int32_t)tw__ceil_div(c, hw->occ_comm));
 }
 
 /* Bandwidth of one pushing CTA, bytes per microsecond, when the min(C, units) CTAs that got a
@@ -184,8 +180,8 @@ static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band
   if (!tb->coef) goto oom;
   for (int32_t c = 1; c <= hw->c_max; c++)
     for (int32_t i = 0; i < d; i++)
-      tb->coef[(size_t)c * d + i] =
-          (double)tw__cdiv(tb->units[i], c) * tb->inv_units[i] / tw__cta_bw(hw, c, tb->units[i]);
+      tb->coef[(size_t)c * d + i] = (double)tw__ceil_div(tb->units[i], c) * tb->inv_units[i] /
+                                    tw__cta_bw(hw, c, tb->units[i]);
   return TW_SUCCESS;
 oom:
   return tw__fail(TW_ERR_OUT_OF_MEMORY,
@@ -307,7 +303,7 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
   double f = 0.0;
   for (int32_t s = 0; s < tb->nseg; s++) {
     const double a = (double)(tb->run_last[s] / p + 1) * tau;
-    const double q = (double)tw__cdiv(tb->seg_units[s], c) * tb->seg_bytes[s] /
+    const double q = (double)tw__ceil_div(tb->seg_units[s], c) * tb->seg_bytes[s] /
                          ((double)tb->seg_units[s] * tw__cta_bw(hw, c, tb->seg_units[s])) +
                      lat;
     f = fmax(a, f) + q;
@@ -340,10 +336,10 @@ tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_
     const double unit_bytes = (double)sg->valid_rows * row_bytes / (double)units;
     const int64_t active = units < c ? units : c; /* CTAs that get a unit */
     const double bw = fmin(hw->link_cta_gbps, hw->link_peak_gbps / (double)active) * 1e3;
-    const double q = (double)tw__cdiv(units, c) * unit_bytes / bw + hw->link_latency_us;
+    const double q = (double)tw__ceil_div(units, c) * unit_bytes / bw + hw->link_latency_us;
     f = fmax(a, f) + q;
   }
-  *t_us = fmax(f, (double)tw__cdiv(plan->num_tiles, p) * tau) + m->reduce_us;
+  *t_us = fmax(f, (double)tw__ceil_div(plan->num_tiles, p) * tau) + m->reduce_us;
   return TW_SUCCESS;
 }
 
@@ -469,7 +465,7 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   for (int32_t c = 1; c <= hw->c_max; c++) {
     m->prod[c] = tw__producers(hw, c);
-    m->comp_us[c] = (double)tw__cdiv(m->num_tiles, m->prod[c]) * m->tau_tile_us;
+    m->comp_us[c] = (double)tw__ceil_div(m->num_tiles, m->prod[c]) * m->tau_tile_us;
     m->inv_agg[c] = 1.0 / (fmin((double)c * hw->link_cta_gbps, hw->link_peak_gbps) * 1e3);
   }
 
@@ -554,7 +550,7 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
   plan->comm_ctas = c;
   plan->predicted_us = t;
   plan->sequential_us =
-      (double)tw__cdiv(m->num_tiles, hw->occ_comp * hw->sm_count) * m->tau_tile_us +
+      (double)tw__ceil_div(m->num_tiles, hw->occ_comp * hw->sm_count) * m->tau_tile_us +
       (double)plan->send_bytes / (hw->link_peak_gbps * 1e3) + m->reduce_us;
   plan->solve_us = 1e6 * (t1 - t0);
   return TW_SUCCESS;

@@ -26,10 +26,6 @@
 #define TW__TP_TN_REF 128.0
 #define TW__TP_D_REF 4.0
 
-static int64_t tw__ceil_div(int64_t a, int64_t b) {
-  return (a + b - 1) / b;
-}
-
 /* Operands below this bound may take tw__ceil_div_fp's fast path. */
 #define TW__FP_DIV_LIMIT ((int64_t)1 << 51)
 
