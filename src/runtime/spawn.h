@@ -50,8 +50,9 @@ typedef struct tw_launcher {
 int tw__launcher_detect(tw_launcher* l);
 
 /* Exchanges the unique id through the file named by TW_UNIQUE_ID_FILE: rank 0 creates the id
- * and writes the file atomically (temporary file + rename); the other ranks wait for a file
- * written after their own start, up to timeout_s. Use a fresh path per job. */
+ * and writes the file atomically (temporary file + rename); the other ranks wait, up to timeout_s,
+ * for a file modified at most 120 s before they started looking (an older one is taken for a
+ * previous job's). Use a fresh path per job. */
 tw_status tw__launcher_unique_id(const tw_launcher* l, ncclUniqueId* id, int timeout_s);
 
 /* Runs fn on every rank: as this process's rank under an external launcher (nranks is then the
