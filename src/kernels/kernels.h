@@ -47,12 +47,14 @@ typedef struct tw_gemm_args {
   tw_signal_scope scope;
   uint32_t* band_counters; /* (num_bands) device; +1 per finished tile of the band; NULL if none */
   tw_epilogue epilogue;
-  int32_t variant; /* kernel version: 0 = default (fastest validated), 1 = simple
-                      (WMMA, any supported shape), 2 = TMA + wgmma; for tests/benches */
+  int32_t variant; /* kernel version (sm90_gemm.cu header): 0 = default (4 where it covers
+                      the shape, else 1), 1 = simple (WMMA, any supported shape), 2..4 = TMA +
+                      wgmma with different epilogues; 1..4 for tests/benches */
 } tw_gemm_args;
 
-/* Launches the producer. Counters are only ever incremented: after epoch e (1-based) band b's
- * counter reads e * col_tiles. */
+/* Launches the producer. It only ever increments counters: after e launches (and no reset) band
+ * b's counter reads e * col_tiles. In tw_moe_combine the consumer's last CTA zeroes them after
+ * each call (combine.h). */
 tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stream);
 
 #ifdef __cplusplus

@@ -1,8 +1,9 @@
 /*
  * sync.cuh: the signalling primitives shared by the producer, the consumer and the receiver.
  *
- * NOTES: the protocol is release/acquire on 32-bit counters with monotonically increasing
- * targets (count x epoch), so counters are never reset while kernels run. A writer makes its
+ * NOTES: the protocol is release/acquire on 32-bit counters compared wrap-safely. Arrival and
+ * credit counters only grow (their targets are running totals); band counters count from 0 in
+ * each call and are zeroed by the consumer's last CTA (combine.h). A writer makes its
  * data visible and then publishes with a release reduction; a reader polls with acquire loads
  * until the counter reaches the target, and only then reads the data. Scope `.gpu` is enough
  * when both sides run on one GPU; anything seen by a peer GPU over NVLink needs `.sys`.
