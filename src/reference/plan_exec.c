@@ -78,7 +78,9 @@ typedef struct exec_thread {
   int started;
 } exec_thread;
 
-/* Records the first failure of any thread and tells every other thread to stop. */
+/* Records the first failure of any thread and tells every other thread to stop. Later calls,
+ * among them those of waits that the abort cut short, change nothing: abort_flag is only set
+ * here, after err. */
 static void exec_fail(exec_ctx* ctx, tw_status st, const char* fmt, ...) TW__PRINTF(3, 4);
 static void exec_fail(exec_ctx* ctx, tw_status st, const char* fmt, ...) {
   pthread_mutex_lock(&ctx->err_lock);
@@ -155,12 +157,11 @@ static void* consumer_main(void* arg) {
     for (int32_t b = seg->band0; b < seg->band0 + seg->nbands; b++) {
       int seen = 0;
       if (!exec_wait(ctx, &rk->band_done[b], ctx->col_tiles, &seen)) {
-        if (!atomic_load_explicit(&ctx->abort_flag, memory_order_relaxed))
-          exec_fail(ctx, TW_ERR_TIMEOUT,
-                    "rank %d consumer %d: segment %d (bands %d..%d, to rank "
-                    "%d) not ready after %.0f ms: band %d has %d of %d tiles published",
-                    th->rank, th->index, un->segment, seg->band0, seg->band0 + seg->nbands - 1,
-                    seg->dest, ctx->timeout_s * 1e3, b, seen, ctx->col_tiles);
+        exec_fail(ctx, TW_ERR_TIMEOUT,
+                  "rank %d consumer %d: segment %d (bands %d..%d, to rank "
+                  "%d) not ready after %.0f ms: band %d has %d of %d tiles published",
+                  th->rank, th->index, un->segment, seg->band0, seg->band0 + seg->nbands - 1,
+                  seg->dest, ctx->timeout_s * 1e3, b, seen, ctx->col_tiles);
         return NULL;
       }
     }
@@ -193,22 +194,20 @@ static void* receiver_main(void* arg) {
     /* What the own plan says arrives, as on the GPU (check_plans matched it to the senders). */
     const int32_t expect = plan->recv_bands[s] * ctx->col_tiles;
     if (!exec_wait(ctx, &rk->arrivals[s], expect, &seen)) {
-      if (!atomic_load_explicit(&ctx->abort_flag, memory_order_relaxed))
-        exec_fail(ctx, TW_ERR_TIMEOUT,
-                  "rank %d receiver: %d of %d units from rank %d arrived "
-                  "after %.0f ms",
-                  r, seen, expect, s, ctx->timeout_s * 1e3);
+      exec_fail(ctx, TW_ERR_TIMEOUT,
+                "rank %d receiver: %d of %d units from rank %d arrived "
+                "after %.0f ms",
+                r, seen, expect, s, ctx->timeout_s * 1e3);
       return NULL;
     }
   }
   for (int32_t b = 0; b < plan->num_bands; b++) {
     if (plan->bands[b].dest != r) continue;
     if (!exec_wait(ctx, &rk->band_done[b], ctx->col_tiles, &seen)) {
-      if (!atomic_load_explicit(&ctx->abort_flag, memory_order_relaxed))
-        exec_fail(ctx, TW_ERR_TIMEOUT,
-                  "rank %d receiver: local band %d has %d of %d tiles "
-                  "published after %.0f ms",
-                  r, b, seen, ctx->col_tiles, ctx->timeout_s * 1e3);
+      exec_fail(ctx, TW_ERR_TIMEOUT,
+                "rank %d receiver: local band %d has %d of %d tiles "
+                "published after %.0f ms",
+                r, b, seen, ctx->col_tiles, ctx->timeout_s * 1e3);
       return NULL;
     }
   }
