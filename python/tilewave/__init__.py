@@ -80,7 +80,8 @@ def _load():
 
 class TilewaveError(Exception):
     """A tilewave call failed. .status is the status name (e.g. "TW_ERR_TOPK_RANGE"), .code its
-    value and .message the library's detail (what was wrong and how to fix it)."""
+    value (None when the binding rejected an argument before calling C) and .message the detail
+    (what was wrong and how to fix it)."""
 
     def __init__(self, status, message, code=None):
         self.status = status
