@@ -490,10 +490,10 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
   ctx->local_experts = problem->experts / world;
   ctx->tm = tw__resolve_tile_m(problem);
   ctx->tn = tw__resolve_tile_n(problem);
-  ctx->col_tiles = (problem->hidden + ctx->tn - 1) / ctx->tn;
+  ctx->col_tiles = (int32_t)tw__ceil_div(problem->hidden, ctx->tn);
   int64_t tpu = cfg.unit_tiles > 0 ? cfg.unit_tiles : tw__env_int("TW_CONSUMER_TILES_PER_UNIT", 1);
   ctx->tiles_per_unit = (int32_t)(tpu < 1 ? 1 : tpu > ctx->col_tiles ? ctx->col_tiles : tpu);
-  ctx->unit_chunks = (ctx->col_tiles + ctx->tiles_per_unit - 1) / ctx->tiles_per_unit;
+  ctx->unit_chunks = (int32_t)tw__ceil_div(ctx->col_tiles, ctx->tiles_per_unit);
   int64_t tmo = cfg.timeout_ms > 0 ? cfg.timeout_ms : tw__env_int("TW_TIMEOUT_MS", 0);
   ctx->timeout_ms = (int32_t)(tmo > 0 && tmo < INT32_MAX ? tmo : TW_DEFAULT_TIMEOUT_MS);
   ctx->debug_tags = cfg.debug_tags ? cfg.debug_tags : (tw__env_int("TW_DEBUG_TAGS", 0) != 0);
