@@ -11,7 +11,7 @@
 #   torch_peer.md                PyTorch per-expert matmul + all_to_all_single on the same routing
 #   log.txt                      everything printed, with timings
 # Usage: bench/gpu_bench.sh [quick]   (quick: tokens/rank 8192 only, fewer samples, no GEMM bench)
-# Budget: about 8 minutes on 2 x H200 (build ~2, bench ~2-3, the rest ~2).
+# Time: 111 s in full on 2 x H200 at commit 67fbb54 (build 20 s, bench 37 s; docs/bench.md).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/bench-out}
