@@ -10,6 +10,7 @@
 #define _POSIX_C_SOURCE 200809L /* strcasecmp */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <strings.h>
 
 #include "core.h"
@@ -126,10 +127,11 @@ tw_status tw_problem_preset(const char* name, tw_problem* problem) {
       return TW_SUCCESS;
     }
   }
-  return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                  "unknown preset \"%s\"; use one of granite-3.1-1b-a400m, qwen1.5-moe-a2.7b, "
-                  "deepseek-v2-lite, m-gpt, m-bert, m-trans-xl",
-                  name);
+  char names[512]; /* the preset table's names, so the message never falls behind it */
+  size_t n = 0;
+  for (int i = 0; i < TW__NUM_PRESETS && n < sizeof names; i++)
+    n += (size_t)snprintf(names + n, sizeof names - n, "%s%s", i ? ", " : "", tw__presets[i].name);
+  return tw__fail(TW_ERR_INVALID_ARGUMENT, "unknown preset \"%s\"; use one of %s", name, names);
 }
 
 int tw_preset_count(void) {
