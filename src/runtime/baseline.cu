@@ -48,7 +48,6 @@ struct tw_baseline {
   int32_t rows;          /* layout rows, padding included */
   int32_t recv_rows;     /* rows other ranks send here */
   int32_t tokens, top_k; /* this rank's tokens */
-  int32_t tm;
   size_t row_bytes; /* H x 2 */
   ncclComm_t comm;  /* not owned */
   cublasHandle_t cublas;
@@ -377,7 +376,6 @@ static tw_status tw__bl_create(tw_baseline_t b, const struct tw_plan* const* pla
   b->rows = plan->rows;
   b->recv_rows = plan->recv_rows;
   b->top_k = p->top_k;
-  b->tm = plan->tm;
   b->row_bytes = (size_t)p->hidden * 2;
   b->comm = comm;
   b->chunk_rows = -1;
