@@ -12,13 +12,16 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "core.h"
 #include "plan.h"
 #include "tilewave.h"
 #include "tw_test.h"
 
-/* The call fails with `code` and leaves a detail message. */
+/* The call fails with `code` and leaves a detail message of its own (the previous one is cleared
+ * first: internal entry points do not clear it themselves). */
 #define EXPECT_FAIL(expr, code)                                              \
   do {                                                                       \
+    tw__clear_error();                                                       \
     CHECK_STATUS(expr, code);                                                \
     CHECKF(tw_last_error()[0] != '\0', "%s left no tw_last_error()", #expr); \
   } while (0)
