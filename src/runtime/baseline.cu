@@ -48,8 +48,8 @@ struct tw_baseline {
   int32_t rows;          /* layout rows, padding included */
   int32_t recv_rows;     /* rows other ranks send here */
   int32_t tokens, top_k; /* this rank's tokens */
-  size_t row_bytes; /* H x 2 */
-  ncclComm_t comm;  /* not owned */
+  size_t row_bytes;      /* H x 2 */
+  ncclComm_t comm;       /* not owned */
   cublasHandle_t cublas;
 
   int32_t* expert_row0; /* (E) host */
