@@ -515,7 +515,7 @@ tw_status tw__plan_exec_cpu(tw_routing_t routing, const tw_plan_t* plans, const 
   }
   ctx.tn = plans[0]->tn;
   ctx.col_tiles = plans[0]->col_tiles;
-  if (ctx.tn < 1 || ctx.col_tiles != (ctx.H + ctx.tn - 1) / ctx.tn)
+  if (ctx.tn < 1 || ctx.col_tiles != tw__ceil_div(ctx.H, ctx.tn))
     return tw__fail(TW_ERR_INTERNAL, "%s: tn %d and col_tiles %d do not cover hidden %d", __func__,
                     ctx.tn, ctx.col_tiles, ctx.H);
 
