@@ -3,8 +3,8 @@
 
 Per rank: one torch.matmul per local expert over its rows (expert-major, bf16), a permutation to
 owner-major order, dist.all_to_all_single to the token owners, and the owner's weighted
-reduction of each token's top-k rows (a batched matmul: fp32 sums, bf16 gate weights and result). Times each phase with CUDA events
-around one sequential run; the latency of a sample is the maximum over ranks; medians over the
+reduction of each token's top-k rows (a batched matmul: fp32 sums, bf16 gate weights and
+result). Times each phase with CUDA events around one sequential run; the latency of a sample is the maximum over ranks; medians over the
 timed iterations are printed as a markdown table (the columns of the PyTorch table in the
 project's hardware notes) or JSON.
 
@@ -35,7 +35,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # ------------------------------------------------------------------------------------------------
 
 def read_routing_file(path):
-    """Parses the text format of tw_routing_write: returns (experts, top_k, [ids], [weights])."""
+    """Parses the text format of tw_routing_write: returns (world, experts, top_k, [ids],
+    [weights]), one ids/weights array of shape (tokens, top_k) per rank."""
     with open(path) as f:
         lines = [ln.strip() for ln in f if ln.strip() and not ln.lstrip().startswith("#")]
     head = lines[0].split()
