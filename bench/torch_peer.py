@@ -4,9 +4,9 @@
 Per rank: one torch.matmul per local expert over its rows (expert-major, bf16), a permutation to
 owner-major order, dist.all_to_all_single to the token owners, and the owner's weighted
 reduction of each token's top-k rows (a batched matmul: fp32 sums, bf16 gate weights and
-result). Times each phase with CUDA events around one sequential run; the latency of a sample is the maximum over ranks; medians over the
-timed iterations are printed as a markdown table (the columns of the PyTorch table in the
-project's hardware notes) or JSON.
+result). Times each phase with CUDA events around one sequential run; the latency of a sample
+is the maximum over ranks; medians over the timed iterations are printed as a markdown table
+(the columns of the PyTorch table in the project's hardware notes) or JSON.
 
 Runs without torchrun: it spawns one process per rank itself with torch.multiprocessing and an
 NCCL process group over 127.0.0.1. The routing is, in order of preference: a routing file written
