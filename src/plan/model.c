@@ -71,12 +71,10 @@ typedef struct tw__seg_table {
 /* Everything the decision reads, built once per plan by tw__model_choose. */
 typedef struct tw__model_tables {
   tw_hardware hw;
-  int32_t num_tiles;
   double tau_tile_us; /* one producer tile */
   double inv_tau_us;  /* 1 / tau_tile_us (wave skipping in tw__eval) */
   double reduce_us;   /* owner's weighted reduction */
   /* Per candidate C (index C, 0 unused): constants of the hardware and the tile count. */
-  int32_t c_max;
   int32_t* prod;   /* (c_max + 1) P(C) */
   double* comp_us; /* (c_max + 1) ceil(num_tiles / P(C)) tau_tile */
   double* inv_agg; /* (c_max + 1) 1 / aggregate link bytes per us, min(C cta, peak) */
@@ -374,7 +372,7 @@ static int tw__better(double t, int32_t c, int32_t mgb, double bt, int32_t bc, i
  * keep the order. (Plain-recurrence tables get the margin inside tw__first_terms.) */
 static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, unsigned use,
                       int32_t* best_c, int32_t* best_table, double* best_t) {
-  const size_t stride = (size_t)m->c_max + 1;
+  const size_t stride = (size_t)m->hw.c_max + 1;
   const double reduce = m->reduce_us;
   double bt = DBL_MAX; /* best evaluated candidate */
   int32_t bc = 0, bi = -1, bmgb = 0;
@@ -443,7 +441,6 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
   if (m == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   plan->model_tables = m;
   m->hw = plan->hardware;
-  m->num_tiles = plan->num_tiles;
   const double k = (double)plan->problem.ffn;
   m->tau_tile_us = 2.0 * (double)plan->tm * (double)plan->tn * k / (m->hw.tile_tflops * 1e6) +
                    m->hw.tile_overhead_us;
@@ -456,7 +453,6 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
   const double row_bytes = 2.0 * (double)plan->problem.hidden;
   m->reduce_us = (double)(own_rows + own_rows / top_k) * row_bytes / (m->hw.mem_gbps * 1e3);
   const tw_hardware* hw = &m->hw;
-  m->c_max = hw->c_max;
   m->prod = malloc((size_t)(hw->c_max + 1) * sizeof *m->prod);
   m->comp_us = malloc((size_t)(hw->c_max + 1) * sizeof *m->comp_us);
   m->inv_agg = malloc((size_t)(hw->c_max + 1) * sizeof *m->inv_agg);
@@ -465,7 +461,7 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   for (int32_t c = 1; c <= hw->c_max; c++) {
     m->prod[c] = tw__producers(hw, c);
-    m->comp_us[c] = (double)tw__ceil_div(m->num_tiles, m->prod[c]) * m->tau_tile_us;
+    m->comp_us[c] = (double)tw__ceil_div(plan->num_tiles, m->prod[c]) * m->tau_tile_us;
     m->inv_agg[c] = 1.0 / (fmin((double)c * hw->link_cta_gbps, hw->link_peak_gbps) * 1e3);
   }
 
@@ -550,7 +546,7 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
   plan->comm_ctas = c;
   plan->predicted_us = t;
   plan->sequential_us =
-      (double)tw__ceil_div(m->num_tiles, hw->occ_comp * hw->sm_count) * m->tau_tile_us +
+      (double)tw__ceil_div(plan->num_tiles, hw->occ_comp * hw->sm_count) * m->tau_tile_us +
       (double)plan->send_bytes / (hw->link_peak_gbps * 1e3) + m->reduce_us;
   plan->solve_us = 1e6 * (t1 - t0);
   return TW_SUCCESS;
