@@ -70,8 +70,9 @@ tw_status tw__baseline_exchange_packed(tw_baseline_t b, cudaStream_t stream);
 tw_status tw__baseline_gemm(tw_baseline_t b, const void* a, const void* w, cudaStream_t stream);
 tw_status tw__baseline_exchange(tw_baseline_t b, cudaStream_t stream);
 
-/* Chunked copy-engine pipeline with `chunk_rows` rows per chunk (a multiple of the tile height
- * rounds up to whole bands). Same arguments and output as tw__baseline_sequential. */
+/* Chunked copy-engine pipeline: the remote bands in schedule order, cut into chunks of whole bands
+ * of at least `chunk_rows` rows each (the last chunk may be shorter). Same arguments and output as
+ * tw__baseline_sequential. */
 tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const void* w, void* out,
                                int32_t chunk_rows, cudaStream_t stream);
 
