@@ -349,14 +349,10 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
   TW_TRY(tw_problem_validate(problem));
   TW_CHECK_NULL(routing);
   const tw_problem* p = problem;
-  if (config != NULL) {
+  /* The config's values are checked by the model (tw__model_choose), against the hardware. */
+  if (config != NULL)
     TW_TRY(tw__check_header("tw_plan_config", config->size, sizeof(tw_plan_config), config->magic,
                             TW_PLAN_CONFIG_MAGIC, config->version));
-    if (config->comm_ctas < 0 || config->coalesce < 0)
-      return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                      "config comm_ctas (%d) and coalesce (%d) must be >= 0 (0 = model's choice)",
-                      config->comm_ctas, config->coalesce);
-  }
   const tw_problem* rp = &routing->problem;
   if (rp->world_size != p->world_size || rp->experts != p->experts || rp->top_k != p->top_k)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
