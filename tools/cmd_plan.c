@@ -377,13 +377,6 @@ int tw_cli_plan(int argc, char** argv) {
   cfg.hardware = &hw;
   cfg.comm_ctas = o.comm_ctas;
   cfg.coalesce = o.coalesce;
-  if (o.comm_ctas > hw.c_max) {
-    fprintf(stderr,
-            "tilewave plan: --comm-ctas %d exceeds the hardware's c_max %d; pass 1..%d or a "
-            "calibration with a larger c_max\n",
-            o.comm_ctas, hw.c_max, hw.c_max);
-    return 2;
-  }
 
   tw_routing_t rt = NULL;
   if (o.routing_file)
