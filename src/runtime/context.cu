@@ -382,6 +382,8 @@ static tw_status tw__context_init(tw_context_t ctx) {
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_context_create: %zu bytes of state: %s", n_state * 4,
                     cudaGetErrorString(e));
+  /* Word offsets below (and n_state above) give each error record 8 words. */
+  static_assert(sizeof(tw_dev_error) == 32, "tw_dev_error must stay 32 bytes (8 words)");
   uint32_t* next = ctx->band_counters + tw__align((uint64_t)ctx->bands_max, 32);
   ctx->consumer_done = next;
   ctx->reduce_done = next + 8;
