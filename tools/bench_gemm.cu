@@ -30,7 +30,8 @@ namespace {
 
 struct BenchOpts {
   int rows = 0, k = 0, n = 0, experts = 0; /* one shape; 0 = the default grid */
-  int tm = 128, tn = 0;                    /* tn 0: 256 where n % 256 == 0, else 128 */
+  int tm = 128, tn = 0; /* tn 0: the planner's choice (256 for N >= 2048, else 128); with
+                           --even: 256 where n % 256 == 0, else 128 */
   int grid = 0;
   int variant = 0;
   int reps = 20, warmup = 3;
