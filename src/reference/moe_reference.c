@@ -288,22 +288,22 @@ done:
 
 /* Common checks of the GEMM2 + combine references. */
 static tw_status check_combine_args(const char* fn, tw_routing_t routing, const float* const* h,
-                                    const float* w2, const void* out) {
+                                    const float* w2, const void* const* out) {
   TW_CHECK_NULL(routing);
   TW_CHECK_NULL(h);
   TW_CHECK_NULL(w2);
   TW_CHECK_NULL(out);
   TW_TRY(check_ref_problem(fn, &routing->problem));
   for (int32_t r = 0; r < routing->problem.world_size; r++)
-    if (routing->tokens[r] > 0 && h[r] == NULL)
-      return tw__fail(TW_ERR_NULL_POINTER, "%s: h[%d] is NULL but rank %d has %d tokens", fn, r, r,
-                      routing->tokens[r]);
+    if (routing->tokens[r] > 0 && (h[r] == NULL || out[r] == NULL))
+      return tw__fail(TW_ERR_NULL_POINTER, "%s: %s[%d] is NULL but rank %d has %d tokens", fn,
+                      h[r] == NULL ? "h" : "out", r, r, routing->tokens[r]);
   return TW_SUCCESS;
 }
 
 tw_status tw__ref_gemm2_combine(tw_routing_t routing, const float* const* h, const float* w2,
                                 double* const* out, double* const* mag) {
-  TW_TRY(check_combine_args(__func__, routing, h, w2, out));
+  TW_TRY(check_combine_args(__func__, routing, h, w2, (const void* const*)out));
   const tw_problem* p = &routing->problem;
   const int32_t H = p->hidden, F = p->ffn, K = p->top_k;
   for (int32_t r = 0; r < p->world_size; r++)
@@ -334,7 +334,7 @@ tw_status tw__ref_gemm2_combine(tw_routing_t routing, const float* const* h, con
 
 tw_status tw__ref_gemm2_combine_f32(tw_routing_t routing, const float* const* h, const float* w2,
                                     float* const* out) {
-  TW_TRY(check_combine_args(__func__, routing, h, w2, out));
+  TW_TRY(check_combine_args(__func__, routing, h, w2, (const void* const*)out));
   const tw_problem* p = &routing->problem;
   const int32_t H = p->hidden, F = p->ffn, K = p->top_k;
   for (int32_t r = 0; r < p->world_size; r++)
