@@ -2,9 +2,10 @@
 # gpu_gemm.sh: build, test, sanitize and benchmark the producer GEMM on a GPU machine, in one go.
 # Run from the repository root; logs and tables go to $OUT (default ./gemm-out).
 #   bench/gpu_gemm.sh [all|test|bench|sweep]     (default all)
-# Env: GEMM_VARIANTS (kernel versions to benchmark, default "2"), BENCH_ARGS (extra options for
-# `bench gemm`, e.g. "--reps 10"). Builds with nvcc directly (only the files this needs), so it
-# does not depend on the rest of the tree building.
+# Env: GEMM_VARIANTS (kernel versions to benchmark, default "2"), SWEEP_VARIANTS and SWEEP_GRIDS
+# (versions and persistent grids of the sweep, default "4" and "132 128 124 120 112"), BENCH_ARGS
+# (extra options for `bench gemm`, e.g. "--reps 10"). Builds with nvcc directly (only the files
+# this needs), so it does not depend on the rest of the tree building.
 set -uo pipefail
 OUT=${OUT:-./gemm-out}
 MODE=${1:-all}
