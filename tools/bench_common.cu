@@ -22,7 +22,7 @@ static double tw__bench_pct(const float* sorted, int n, double q) {
   return (double)sorted[lo] + (pos - lo) * ((double)sorted[hi] - (double)sorted[lo]);
 }
 
-extern "C" void tw_bench_stats_of(const float* v, int n, tw_bench_stats* s) {
+extern "C" void tw__bench_stats_of(const float* v, int n, tw__bench_stats* s) {
   memset(s, 0, sizeof *s);
   if (n <= 0) return;
   float* t = (float*)malloc(sizeof(float) * (size_t)n);
@@ -49,7 +49,7 @@ __global__ void tw__bench_delay_kernel(uint64_t ns) {
   } while (now - start < ns);
 }
 
-extern "C" tw_status tw_bench_delay(cudaStream_t stream, int us) {
+extern "C" tw_status tw__bench_delay(cudaStream_t stream, int us) {
   if (us <= 0) return TW_SUCCESS;
   tw__bench_delay_kernel<<<1, 1, 0, stream>>>((uint64_t)us * 1000u);
   cudaError_t e = cudaGetLastError();
@@ -58,7 +58,7 @@ extern "C" tw_status tw_bench_delay(cudaStream_t stream, int us) {
   return TW_SUCCESS;
 }
 
-extern "C" int tw_bench_parse_int(const char* s, long lo, long hi, long* out) {
+extern "C" int tw__bench_parse_int(const char* s, long lo, long hi, long* out) {
   if (s == NULL || *s == '\0') return 0;
   char* end = NULL;
   errno = 0;
@@ -68,7 +68,7 @@ extern "C" int tw_bench_parse_int(const char* s, long lo, long hi, long* out) {
   return 1;
 }
 
-extern "C" int tw_bench_parse_double(const char* s, double* out) {
+extern "C" int tw__bench_parse_double(const char* s, double* out) {
   if (s == NULL || *s == '\0') return 0;
   char* end = NULL;
   errno = 0;

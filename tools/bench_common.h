@@ -16,22 +16,22 @@ extern "C" {
 #endif
 
 /* Order statistics of one policy's samples (microseconds). */
-typedef struct tw_bench_stats {
+typedef struct tw__bench_stats {
   double median, p10, p90, min, mean;
   int n;
-} tw_bench_stats;
+} tw__bench_stats;
 
 /* Sorts a copy of v[0..n) and fills *s; n == 0 gives all zeros. */
-void tw_bench_stats_of(const float* v, int n, tw_bench_stats* s);
+void tw__bench_stats_of(const float* v, int n, tw__bench_stats* s);
 
 /* Enqueues a kernel on `stream` that spins for `us` microseconds on one SM (globaltimer): the host
  * enqueues the timed work while it spins, so that host launch cost that overlaps device work in a
  * real pipeline does not count, and launch cost that does not overlap still does. */
-tw_status tw_bench_delay(cudaStream_t stream, int us);
+tw_status tw__bench_delay(cudaStream_t stream, int us);
 
 /* Strict number parsing for flags: the whole string must be a number within [lo, hi]. */
-int tw_bench_parse_int(const char* s, long lo, long hi, long* out);
-int tw_bench_parse_double(const char* s, double* out);
+int tw__bench_parse_int(const char* s, long lo, long hi, long* out);
+int tw__bench_parse_double(const char* s, double* out);
 
 #ifdef __cplusplus
 }

@@ -358,7 +358,7 @@ static tw_status twb_time(twb_rank* s, const twb_opts* o, const twb_policy* pols
     for (int j = 0; j < np && st == TW_SUCCESS; j++) {
       const int i = (round % 2 == 0) ? j : np - 1 - j;
       if ((st = twb_barrier(s)) != TW_SUCCESS) break;
-      if ((st = tw_bench_delay(s->stream, o->delay_us)) != TW_SUCCESS) break;
+      if ((st = tw__bench_delay(s->stream, o->delay_us)) != TW_SUCCESS) break;
       cudaError_t e = cudaEventRecord(e0, s->stream);
       if (e == cudaSuccess && (st = twb_run(s, &pols[i], set, s->stream)) != TW_SUCCESS) break;
       if (e == cudaSuccess) e = cudaEventRecord(e1, s->stream);
@@ -387,7 +387,7 @@ typedef struct twb_bench_result {
   double predicted_us, model_seq_us;
   int np;
   twb_policy pols[24];
-  tw_bench_stats st[24];
+  tw__bench_stats st[24];
   float err[24];
 } twb_bench_result;
 
@@ -471,7 +471,7 @@ static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point
   if (st == TW_SUCCESS) {
     for (int i = 0; i < r->np; i++) {
       if (err2[i] > r->err[i] && r->pols[i].kind != TWB_CHUNKED) r->err[i] = err2[i];
-      tw_bench_stats_of(samples + (size_t)i * o->iters, o->iters, &r->st[i]);
+      tw__bench_stats_of(samples + (size_t)i * o->iters, o->iters, &r->st[i]);
     }
     /* The last chunked policy of the last round wrote the shared buffer; fold its check in. */
     const int lastc = (o->warmup + o->iters - 1) % 2 == 0
@@ -544,7 +544,7 @@ static void twb_derive(const twb_opts* o, const twb_bench_result* r, twb_derived
 static void twb_print_row(const twb_opts* o, const twb_bench_result* r) {
   twb_derived d;
   twb_derive(o, r, &d);
-  const tw_bench_stats* so = &r->st[twb_policy_index(r, TWB_OURS, 0)];
+  const tw__bench_stats* so = &r->st[twb_policy_index(r, TWB_OURS, 0)];
   printf(
       "| %d | %d | %d | %d | %s | %.1f (%s) | %.1f (%.1f-%.1f) | %.2fx | %.1f | %.1f | %.1f | %.2f "
       "| %.2f | %d | %d | %.1f | %.1f (%d) | %.2e | %s |\n",
@@ -620,7 +620,7 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
   twb_policy* pols = (twb_policy*)calloc((size_t)np, sizeof(twb_policy));
   float* samples = (float*)calloc((size_t)np * (size_t)o->iters, sizeof(float));
   float* err = (float*)calloc((size_t)np, sizeof(float));
-  tw_bench_stats* sts = (tw_bench_stats*)calloc((size_t)np, sizeof(tw_bench_stats));
+  tw__bench_stats* sts = (tw__bench_stats*)calloc((size_t)np, sizeof(tw__bench_stats));
   double* pred = (double*)calloc((size_t)np, sizeof(double));
   if (!pols || !samples || !err || !sts || !pred) {
     free(pols), free(samples), free(err), free(sts), free(pred);
@@ -675,7 +675,7 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
   if (st == TW_SUCCESS) st = tw_context_check(s->ctx);
   if (st == TW_SUCCESS && s->rank == 0) {
     for (int i = 0; i < np; i++)
-      tw_bench_stats_of(samples + (size_t)i * o->iters, o->iters, &sts[i]);
+      tw__bench_stats_of(samples + (size_t)i * o->iters, o->iters, &sts[i]);
     int best = 1, model_i = -1;
     for (int i = 1; i < np; i++) {
       if (sts[i].median < sts[best].median) best = i;
@@ -878,7 +878,7 @@ static int twb_parse_list(const char* s, int* out, int max, long lo, long hi) {
   int n = 0;
   for (char* tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
     long v;
-    if (n >= max || !tw_bench_parse_int(tok, lo, hi, &v)) return -1;
+    if (n >= max || !tw__bench_parse_int(tok, lo, hi, &v)) return -1;
     out[n++] = (int)v;
   }
   return n;
@@ -906,7 +906,7 @@ static int twb_main(int argc, char** argv, int sweep) {
     double x;
 #define TWB_INT(flag, field, lo, hi)                                                   \
   if (strcmp(a, flag) == 0) {                                                          \
-    if (!tw_bench_parse_int(v, lo, hi, &n)) {                                          \
+    if (!tw__bench_parse_int(v, lo, hi, &n)) {                                         \
       fprintf(stderr, "tilewave: %s needs an integer in %ld..%ld\n", flag, (long)(lo), \
               (long)(hi));                                                             \
       return 2;                                                                        \
@@ -971,7 +971,7 @@ static int twb_main(int argc, char** argv, int sweep) {
         o.router = TW_ROUTER_MODERATE_SKEW;
       else if (strcasecmp(v, "stress_skew") == 0)
         o.router = TW_ROUTER_STRESS_SKEW;
-      else if (strncasecmp(v, "target:", 7) == 0 && tw_bench_parse_double(v + 7, &x) && x >= 1.0) {
+      else if (strncasecmp(v, "target:", 7) == 0 && tw__bench_parse_double(v + 7, &x) && x >= 1.0) {
         o.router = TW_ROUTER_TARGET;
         o.router_param = x;
       } else {
@@ -988,13 +988,13 @@ static int twb_main(int argc, char** argv, int sweep) {
     } else if (strcmp(a, "--write-routing") == 0) {
       o.write_routing = v, i++;
     } else if (strcmp(a, "--seed") == 0) {
-      if (!tw_bench_parse_int(v, 0, 0x7fffffffL, &n)) {
+      if (!tw__bench_parse_int(v, 0, 0x7fffffffL, &n)) {
         fprintf(stderr, "tilewave: --seed needs a non-negative integer\n");
         return 2;
       }
       o.seed = (uint64_t)n, i++;
     } else if (strcmp(a, "--tol") == 0) {
-      if (!tw_bench_parse_double(v, &o.tol) || !(o.tol > 0)) {
+      if (!tw__bench_parse_double(v, &o.tol) || !(o.tol > 0)) {
         fprintf(stderr, "tilewave: --tol needs a positive number\n");
         return 2;
       }

@@ -242,7 +242,6 @@ tw_status tw__spawn_local_ranks(int nranks, tw_rank_fn fn, void* arg, int timeou
       }
       for (int i = 0; i < nranks; i++)
         if (pids[i] > 0 && !done[i]) kill(pids[i], SIGKILL);
-      kill_at = -1.0;
       for (int i = 0; i < nranks; i++) {
         if (pids[i] > 0 && !done[i]) {
           int st;
