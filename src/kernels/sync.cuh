@@ -15,6 +15,8 @@
 
 #include <stdint.h>
 
+#include "tilewave.h" /* tw_status codes recorded in tw_dev_error.status */
+
 /* Device-side error report: the first failing thread's report wins; the host reads it after the
  * launch and turns it into a tw_status. */
 typedef struct tw_dev_error {
@@ -83,7 +85,7 @@ __device__ __forceinline__ bool tw_wait_geq(const uint32_t* counter, uint32_t ta
     if ((int32_t)(v - target) >= 0) return true;
     if (err != NULL && *(volatile int32_t*)&err->status != 0) return false;
     if (tw_globaltimer_ns() - start > timeout_ns) {
-      tw_report_error(err, 19 /* TW_ERR_TIMEOUT */, where, index, v, target, rank);
+      tw_report_error(err, TW_ERR_TIMEOUT, where, index, v, target, rank);
       return false;
     }
     __nanosleep(sleep_ns);
