@@ -15,8 +15,6 @@
 extern "C" {
 #endif
 
-typedef uint16_t tw_bf16_bits; /* bf16 as raw bits on the host side */
-
 /* Fills n bf16 values with `bits` (poisoning outputs before a test run). */
 tw_status tw__fill_bf16(void* dst, size_t n, uint16_t bits, cudaStream_t stream);
 

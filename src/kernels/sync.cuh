@@ -29,7 +29,7 @@ typedef struct tw_dev_error {
   int32_t pad_[2];
 } tw_dev_error;
 
-enum { TW_WAIT_BAND = 1, TW_WAIT_ARRIVAL = 2, TW_WAIT_OTHER = 3 };
+enum { TW_WAIT_BAND = 1, TW_WAIT_ARRIVAL = 2 }; /* 3 unused; combine.h continues at 4 */
 
 __device__ __forceinline__ uint32_t tw_ld_acquire_gpu(const uint32_t* p) {
   uint32_t v;
