@@ -19,8 +19,9 @@ static int cmd_version(int argc, char** argv) {
 static const tw_cli_command commands[] = {
     {"version", "print the library version", cmd_version},
     {"plan", "plan a rank and show the model's choice of C and mgb (no GPU)", tw_cli_plan},
-    {"bench-gemm", "producer GEMM vs cuBLAS (TFLOP/s, signal cost)", tw_cli_bench_gemm},
-    {"bench", "overlapped GEMM2 + combine vs sequential, unfused and chunked baselines",
+    {"bench",
+     "overlapped GEMM2 + combine vs sequential, unfused and chunked baselines; `bench gemm`: "
+     "producer GEMM vs cuBLAS",
      tw_cli_bench},
     {"sweep", "every C and mgb of one point: oracle, the model's choice, regret", tw_cli_sweep},
 };

@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
     }
   /* Hand the rest to the benchmark with this version. */
   std::vector<char*> args;
-  static char name[] = "bench-gemm", vflag[] = "--variant";
+  static char name[] = "gemm", vflag[] = "--variant";
   args.push_back(name);
   args.push_back(vflag);
   args.push_back(argv[1]);
