@@ -180,8 +180,9 @@ tw_status tw_routing_destroy(tw_routing_t routing);
 #define TW_HARDWARE_MAGIC 0x74774877u /* "twHw" */
 
 /* What the resource model knows of the machine. tw_hardware_default() gives built-in H200
- * numbers (measured, see the README); `tilewave calibrate` measures and writes a file that
- * tw_hardware_read() loads. */
+ * numbers (each with its source in hardware.c; docs/model.md); a file in the format of
+ * tw_hardware_write() overrides them through tw_hardware_read() or TW_CALIBRATION (a measuring
+ * `tilewave calibrate` does not exist yet). */
 typedef struct tw_hardware {
   size_t size;
   uint32_t magic;

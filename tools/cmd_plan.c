@@ -303,7 +303,9 @@ static tw_status bench_tp(const tw_problem* prob, tw_routing_t rt, const tw_hard
   if (st == TW_SUCCESS) st = tw_routing_expert_loads(rt, loads);
   if (st == TW_SUCCESS) st = tw_routing_stats_get(rt, &rs);
   tw_hardware hw = *hw0;
-  hw.c_max = 16;
+  /* The first paper's 16 candidates, fewer where the machine leaves the producer no SM. */
+  const int32_t c_fit = (hw.sm_count - 1) * hw.occ_comm;
+  hw.c_max = c_fit < 16 ? c_fit : 16;
   tw_tp_workload w = {0};
   w.m = rs.total_tokens > 0 ? rs.total_tokens : 1;
   w.n = prob->hidden;
