@@ -295,7 +295,7 @@ static tw_status bench_ep(const tw_problem* prob, tw_routing_t rt, int32_t rank,
  * expert local with its routed load. Calls are timed in batches of 64 so that the clock's own
  * cost (tens of ns) does not dominate; median and p99 are over batches. */
 static tw_status bench_tp(const tw_problem* prob, tw_routing_t rt, const tw_hardware* hw0, int n,
-                          double* med, double* p99, int32_t* best_c) {
+                          double* med, double* p99, int32_t* best_c, int32_t* candidates) {
   int64_t* loads = malloc((size_t)prob->experts * sizeof *loads);
   double* v = malloc((size_t)n * sizeof *v);
   tw_status st = (loads && v) ? TW_SUCCESS : TW_ERR_OUT_OF_MEMORY;
@@ -306,6 +306,7 @@ static tw_status bench_tp(const tw_problem* prob, tw_routing_t rt, const tw_hard
   /* The first paper's 16 candidates, fewer where the machine leaves the producer no SM. */
   const int32_t c_fit = (hw.sm_count - 1) * hw.occ_comm;
   hw.c_max = c_fit < 16 ? c_fit : 16;
+  *candidates = hw.c_max;
   tw_tp_workload w = {0};
   w.m = rs.total_tokens > 0 ? rs.total_tokens : 1;
   w.n = prob->hidden;
@@ -410,10 +411,11 @@ int tw_cli_plan(int argc, char** argv) {
   for (int32_t r = r0; st == TW_SUCCESS && r <= r1; r++)
     st = plan_rank(&prob, rt, r, &cfg, hw.c_max, &res[r - r0]);
   double ep_med = 0, ep_p99 = 0, tp_med = 0, tp_p99 = 0;
-  int32_t tp_c = 0;
+  int32_t tp_c = 0, tp_n = 0;
   if (st == TW_SUCCESS && o.bench_solve > 0) {
     st = bench_ep(&prob, rt, r0, &cfg, o.bench_solve, &ep_med, &ep_p99);
-    if (st == TW_SUCCESS) st = bench_tp(&prob, rt, &hw, o.bench_solve, &tp_med, &tp_p99, &tp_c);
+    if (st == TW_SUCCESS)
+      st = bench_tp(&prob, rt, &hw, o.bench_solve, &tp_med, &tp_p99, &tp_c, &tp_n);
   }
   if (st != TW_SUCCESS) {
     rc = plan_fail("planning", st);
@@ -526,9 +528,9 @@ int tw_cli_plan(int argc, char** argv) {
     printf("  EP model (rank %d, C 1..%d x mgb {1,2,4}): median %.3f us, p99 %.3f us\n", r0,
            hw.c_max, ep_med, ep_p99);
     printf(
-        "  TP model (first paper, 16 candidates, L 2): median %.3f us, p99 %.3f us (C* %d; "
+        "  TP model (first paper, %d candidates, L 2): median %.3f us, p99 %.3f us (C* %d; "
         "batches of 64 calls)\n",
-        tp_med, tp_p99, tp_c);
+        tp_n, tp_med, tp_p99, tp_c);
   }
   rc = 0;
 done:
