@@ -168,9 +168,11 @@ __global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_
   __syncthreads();
   if (threadIdx.x == 0) tw__announce(s_arrive, a.world, s_pending);
 
-  /* The last CTA to finish zeroes the band counters for the next call. Every CTA's acquire
-   * loads of them precede its increment of `done` (fence, then atomic), and the next producer
-   * is ordered after this kernel by the stream, so nobody can see a half-reset counter. */
+  /* The last CTA to finish zeroes the band counters. Every CTA's acquire loads of them precede
+   * its increment of `done` (fence, then atomic). NOTES: in overlap mode the producer may still
+   * publish local bands after this (nobody waits for them), so this reset alone does not leave
+   * clean counters; the host zeroes them again before every call (context.cu), which is what
+   * the next call relies on. */
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();

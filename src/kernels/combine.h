@@ -5,10 +5,11 @@
  *
  * Counters (all 32-bit, compared wrap-safely):
  *   band counter   local, one per band of this call; the producer adds 1 per finished tile
- *                  (release .gpu); the consumer waits for col_tiles (acquire .gpu). The last
- *                  consumer CTA to finish zeroes them, so every call starts from 0.
- *   arrivals[s]    in the owner's window, one per source rank s; the source's consumer adds 1
- *                  per sent unit (release .sys; recv_bands * unit_chunks units per call);
+ *                  (release .gpu); the consumer waits for col_tiles (acquire .gpu). The host
+ *                  zeroes them before every call (the producer may publish local bands after
+ *                  the consumer's own reset at its end).
+ *   arrivals[s]    in the owner's window, one per source rank s; the source's consumer adds
+ *                  its sent units, batched (release .sys; recv_bands * unit_chunks per call);
  *                  cumulative since the last reset, the host keeps the running target.
  *   credits[d]     in the source's window, one per owner rank d; d's reduction adds 1 per call
  *                  once it has finished reading its receive buffer (release .sys); a source

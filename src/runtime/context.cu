@@ -902,6 +902,12 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   memcpy(ra.arrive_target, ctx->arrive_target, sizeof ra.arrive_target);
   ra.timeout_ns = timeout_ns;
 
+  /* Every call starts from zeroed band counters. The consumer's last CTA zeroes them too, but
+   * in overlap mode the producer may still publish local bands (nobody waits for those) after
+   * that, and the next plan may give such a band's index to a remote band, whose rows would then
+   * look finished before they are. The previous call's consumer has finished here: `stream`
+   * waited for it before that call's reduction. */
+  TW_CUDA_TRY(cudaMemsetAsync(ctx->band_counters, 0, (size_t)d->num_bands * 4, stream));
   /* S: producer first (co-residency), K: consumer after `start` (or after the producer). */
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_start, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_start, stream));

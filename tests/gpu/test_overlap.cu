@@ -136,8 +136,16 @@ static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_i
     const int32_t nt = tokens[env->rank];
     const size_t n_out = (size_t)nt * p.hidden;
 
-    tw_run_mode(env, ctx, dp, &b, nt, p.hidden, TW_COMBINE_OVERLAP, C, b.h_out);
-    tw_run_mode(env, ctx, dp, &b, nt, p.hidden, TW_COMBINE_UNFUSED, C, b.h_out2);
+    /* Odd iterations run unfused first, so that an overlapped call also directly follows the
+     * previous plan's overlapped call: band counters must start every call clean even though
+     * the last producer may publish local bands after the consumer has finished. */
+    if (it % 2 == 0) {
+      tw_run_mode(env, ctx, dp, &b, nt, p.hidden, TW_COMBINE_OVERLAP, C, b.h_out);
+      tw_run_mode(env, ctx, dp, &b, nt, p.hidden, TW_COMBINE_UNFUSED, C, b.h_out2);
+    } else {
+      tw_run_mode(env, ctx, dp, &b, nt, p.hidden, TW_COMBINE_UNFUSED, C, b.h_out2);
+      tw_run_mode(env, ctx, dp, &b, nt, p.hidden, TW_COMBINE_OVERLAP, C, b.h_out);
+    }
     CHECKF(memcmp(b.h_out, b.h_out2, n_out * 2) == 0,
            "rank %d cfg %d iter %d: overlapped and unfused outputs differ", env->rank, cfg_index,
            it);
