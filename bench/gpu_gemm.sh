@@ -2,7 +2,7 @@
 # gpu_gemm.sh: build, test, sanitize and benchmark the producer GEMM on a GPU machine, in one go.
 # Run from the repository root; logs and tables go to $OUT (default ./gemm-out).
 #   bench/gpu_gemm.sh [all|test|bench|sweep]     (default all)
-# Env: GEMM_VARIANTS (kernel versions to benchmark, default "2"), SWEEP_VARIANTS and SWEEP_GRIDS
+# Env: GEMM_VARIANTS (kernel versions to benchmark, default "4", the shipped one), SWEEP_VARIANTS and SWEEP_GRIDS
 # (versions and persistent grids of the sweep, default "4" and "132 128 124 120 112"), BENCH_ARGS
 # (extra options for `bench gemm`, e.g. "--reps 10"). Builds with nvcc directly (only the files
 # this needs), so it does not depend on the rest of the tree building.
@@ -41,12 +41,12 @@ if [ "$MODE" = all ] || [ "$MODE" = test ]; then
   done
 fi
 if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
-  for v in ${GEMM_VARIANTS:-2}; do
+  for v in ${GEMM_VARIANTS:-4}; do
     timeout 120 "$B/gemm_lab" $v ${BENCH_ARGS:-} > "$OUT/bench_v$v.md" 2>&1; echo "bench v$v rc=$?" | tee -a "$S"
     cat "$OUT/bench_v$v.md" | tee -a "$S"
   done
   # Extra points: the small-expert shape with 128-wide tiles, and 64-row tiles.
-  for v in ${GEMM_VARIANTS:-2}; do
+  for v in ${GEMM_VARIANTS:-4}; do
     for extra in "--tn 128" "--tm 64 --tn 128" "--tm 64 --tn 256"; do
       timeout 60 "$B/gemm_lab" $v --rows 8192 --k 1408 --n 2048 --experts 30 $extra ${BENCH_ARGS:-} 2>&1 | grep -E "^\| +[0-9]" | sed "s/^/v$v $extra /" | tee -a "$S"
     done

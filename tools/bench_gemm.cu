@@ -82,9 +82,11 @@ double median(std::vector<float> v) {
   return v.empty() ? 0.0 : (double)v[v.size() / 2];
 }
 
-/* Times the functions of `fns` (each returns 0 on success) interleaved rep by rep (A B C A B C
- * ...), so that clock and power drift hit all of them alike; us[i] gets the median
- * microseconds of fns[i] over reps after warmup rounds. Returns false on a failure. */
+/* Times the functions of `fns` (each returns 0 on success) interleaved rep by rep, so that
+ * clock and power drift hit all of them alike, and with the starting function rotated every rep
+ * (A B C, B C A, C A B, ...): the first call after the host's wait also pays the launch gap,
+ * which must not always land on the same function. us[i] gets the median microseconds of
+ * fns[i] over reps after warmup rounds. Returns false on a failure. */
 template <typename F>
 bool time_interleaved(const std::vector<F>& fns, int warmup, int reps, cudaStream_t s,
                       std::vector<double>& us) {
@@ -98,15 +100,15 @@ bool time_interleaved(const std::vector<F>& fns, int warmup, int reps, cudaStrea
   bool ok = true;
   for (int i = 0; i < reps && ok; i++) {
     cudaEventRecord(ev[0], s);
-    for (size_t f = 0; f < n && ok; f++) {
-      ok = fns[f]() == 0;
-      cudaEventRecord(ev[f + 1], s);
+    for (size_t j = 0; j < n && ok; j++) {
+      ok = fns[(j + i) % n]() == 0;
+      cudaEventRecord(ev[j + 1], s);
     }
     cudaEventSynchronize(ev[n]);
-    for (size_t f = 0; f < n; f++) {
+    for (size_t j = 0; j < n; j++) {
       float t = 0;
-      cudaEventElapsedTime(&t, ev[f], ev[f + 1]);
-      ms[f].push_back(t);
+      cudaEventElapsedTime(&t, ev[j], ev[j + 1]);
+      ms[(j + i) % n].push_back(t);
     }
   }
   for (auto& e : ev) cudaEventDestroy(e);
