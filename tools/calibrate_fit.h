@@ -1,0 +1,66 @@
+/*
+ * calibrate_fit.h: the arithmetic of `tilewave calibrate` (tools/cmd_calibrate.c), kept pure (no
+ * CUDA, no I/O) so that a unit test can check it on synthetic data with a known answer.
+ *
+ * Every fit is a least-squares fit of measured times to the resource model's own formula
+ * (src/plan/model.c, docs/model.md), so that the fitted numbers mean exactly what the model
+ * charges:
+ *   producer  us per wave      = flop_per_tile / (tile_tflops 1e6) + tile_overhead_us
+ *   consumer  us of one call   = busiest_bytes / (link_cta_gbps 1e3) + segments link_latency_us
+ * where busiest_bytes = sum_s ceil(U_s / C) bytes_s / U_s is what the most loaded of C CTAs moves
+ * when every segment is ready at once (the model's F_last with all A_s = 0).
+ */
+#ifndef TW_CALIBRATE_FIT_H
+#define TW_CALIBRATE_FIT_H
+
+#include <stdint.h>
+
+#include "tilewave.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Most points any fit takes. */
+#define TW_CALIB_MAX_POINTS 64
+
+/* Least squares y ~ coef[0] x1 + coef[1] x2 over n points (no implicit intercept: pass x2 = 1 for
+ * one). The columns are scaled to unit norm before the 2x2 normal equations are solved, so that
+ * x1 ~ 1e9 and x2 ~ 1 do not lose precision. resid (n, may be NULL) gets y - fit.
+ * TW_ERR_INVALID_SIZE when n < 2 or n > TW_CALIB_MAX_POINTS; TW_ERR_INVALID_ARGUMENT when the
+ * columns are (numerically) collinear or a value is not finite. */
+tw_status tw__calib_lsq2(const double* x1, const double* x2, const double* y, int n, double coef[2],
+                         double* resid);
+
+/* Producer: us_per_wave[i] measured at flop_per_tile[i] = 2 TM TN K_i. Fits slope and intercept and
+ * converts: tile_tflops = 1 / (slope 1e6) (per-SM TFLOP/s), tile_overhead_us = intercept.
+ * TW_ERR_INVALID_ARGUMENT when the slope is not positive (times that do not grow with K). */
+tw_status tw__calib_fit_producer(const double* flop_per_tile, const double* us_per_wave, int n,
+                                 double* tile_tflops, double* tile_overhead_us, double* resid);
+
+/* Consumer below the link's saturation: us[i] of a call whose busiest CTA moves busiest_bytes[i]
+ * over segments[i] segments. Fits link_cta_gbps = 1 / (slope 1e3) and link_latency_us = the
+ * per-segment coefficient. TW_ERR_INVALID_ARGUMENT when the bandwidth term is not positive. */
+tw_status tw__calib_fit_link(const double* busiest_bytes, const double* segments, const double* us,
+                             int n, double* link_cta_gbps, double* link_latency_us, double* resid);
+
+/* sum_s ceil(units[s] / c) * bytes[s] / units[s]: bytes the busiest of c CTAs moves when the
+ * units of each segment are dealt round-robin (segments with units[s] <= 0 are skipped). */
+double tw__calib_busiest_bytes(const int64_t* units, const double* bytes, int nseg, int c);
+
+/* Aggregate link rate of one call in GB/s: total_bytes / (us - segments latency_us), the
+ * transfer time with the model's per-segment latency taken out. 0 when that time is not
+ * positive. */
+double tw__calib_link_rate(double total_bytes, double us, double segments, double latency_us);
+
+/* Per-wave time from two runs of the same kernel that differ only in their wave count: the
+ * difference cancels the launch and the kernel's fixed start and end costs. 0 when waves are
+ * equal. */
+double tw__calib_per_wave(double us_small, int64_t waves_small, double us_large,
+                          int64_t waves_large);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* TW_CALIBRATE_FIT_H */
