@@ -313,13 +313,26 @@ typedef struct tw_context_config {
   int32_t debug_tags;    /* tw_debug_tags; 0 = env TW_DEBUG_TAGS (0 or 1), else off */
   int32_t max_comm_ctas; /* most consumer CTAs any call may use, 1..TW_MAX_COMM_CTAS; 0 = 64 */
   int32_t timing;        /* 1: record CUDA events per phase (tw_context_timings); 0: none */
-  int32_t unit_tiles;    /* column tiles per consumer transfer unit (each unit ends with one
-                            NVLink round trip); 0 = env TW_CONSUMER_TILES_PER_UNIT, else 1;
-                            clamped to the column tiles of a band */
+  int32_t unit_tiles;    /* column tiles per consumer transfer unit (the unit of work and of
+                            arrival counting); 0 = env TW_CONSUMER_TILES_PER_UNIT, else a whole
+                            band with bulk copies and 1 with register copies; clamped to the
+                            column tiles of a band; must be the same on every rank */
+  int32_t consumer_copy; /* tw_consumer_copy; 0 = env TW_CONSUMER_COPY (`bulk` or `registers`),
+                            else bulk */
 } tw_context_config;
 
+/* How the consumer moves rows to a peer. */
+typedef enum tw_consumer_copy {
+  TW_CONSUMER_COPY_DEFAULT = 0,
+  /* Every thread loads 16-byte vectors and stores them to the peer. */
+  TW_CONSUMER_COPY_REGISTERS = 1,
+  /* One thread streams each unit through shared memory with bulk copies (TMA): loads of later
+   * pieces overlap stores of earlier ones. */
+  TW_CONSUMER_COPY_BULK = 2
+} tw_consumer_copy;
+
 #define TW_CONTEXT_CONFIG_INIT \
-  { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0 }
+  { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0, 0 }
 
 /* Creates a context for one rank. COLLECTIVE over `comm`: every rank calls it with the same
  * problem (problem->world_size must equal the communicator's size) and the same config.
@@ -424,7 +437,8 @@ typedef struct tw_context_info {
   int32_t timeout_ms, debug_tags, max_comm_ctas;
   int64_t window_bytes; /* symmetric window per rank */
   int32_t nccl_version; /* ncclGetVersion() at run time */
-  int32_t unit_tiles;   /* column tiles per consumer transfer unit */
+  int32_t unit_tiles;    /* column tiles per consumer transfer unit */
+  int32_t consumer_copy; /* tw_consumer_copy in use: REGISTERS or BULK */
 } tw_context_info;
 
 tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info);

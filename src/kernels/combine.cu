@@ -29,13 +29,25 @@
  *     red.release.sys. The barriers make every thread's stores happen-before thread 0's release,
  *     and release is cumulative, so an owner that acquires the counter sees all those units'
  *     rows, not just thread 0's.
- * Every wait is bounded (tw_wait_geq); on a timeout the CTA records the error and stops, and
- * the others stop at their next wait.
+ * Two ways to move a unit (tw_consumer_args.copy):
+ *  registers: all 512 threads load 16-byte vectors (8 in flight each) and store them to the
+ *    peer; a unit's loads and stores do not overlap, so one CTA moves only ~17-22 GB/s.
+ *  bulk: thread 0 streams the unit through a ring of shared-memory stages with bulk copies
+ *    (cp.async.bulk: global -> shared with an mbarrier, shared -> peer global in bulk groups),
+ *    loads of later pieces in flight while earlier pieces are stored; stores stay in flight
+ *    across units and are only waited for before an announcement.
+ *  Bulk ordering, on top of 1-3 above: after thread 0's acquires (band counters, credit),
+ *  `fence.proxy.async.global` orders them before its bulk loads and stores (async proxy); before
+ *  each announcement, `cp.async.bulk.wait_group 0` (not .read) completes the peer writes, whose
+ *  completion makes them visible to thread 0, which then releases.
+ * Every wait is bounded (tw_wait_geq, tw__bulk_wait_piece); on a timeout the CTA records the
+ * error and stops, and the others stop at their next wait.
  */
 #include "combine.h"
 
 #include <nccl_device.h>
 
+#include "bulk.cuh"
 #include "core.h"
 
 namespace {
@@ -70,10 +82,142 @@ __device__ __forceinline__ void tw__copy_rows(char* dst, size_t dst_ld_bytes, co
   }
 }
 
+/* ---- bulk copies: thread 0 streams a unit through shared memory ---------------------------- */
+
+constexpr int kBulkStages = 6;
+constexpr uint32_t kBulkStageBytes = 32u << 10;
+constexpr int kBulkSmemBytes = kBulkStages * (int)kBulkStageBytes + kBulkStages * 8;
+
+/* One unit as the bulk path sees it: `rows` rows of `width` bytes at row stride `ld` on both
+ * sides, cut into pieces of at most one stage: several whole rows per piece when rows are
+ * narrow, several pieces per row when they are wide. A unit of whole rows (width == ld) is one
+ * contiguous run: the caller passes it as a single row. */
+struct tw__unit_shape {
+  const char* src;
+  char* dst;
+  size_t ld;
+  size_t width;
+  int rows;
+  int rows_per_piece; /* >= 1 when width <= stage, else 0 */
+  int pieces_per_row; /* >= 1 when width > stage, else 0 */
+  int pieces;
+};
+
+__device__ __forceinline__ tw__unit_shape tw__unit_shape_make(const char* src, char* dst, size_t ld,
+                                                              size_t width, int rows) {
+  if (width == ld) { /* contiguous */
+    width *= (size_t)rows;
+    rows = 1;
+  }
+  tw__unit_shape u = {src, dst, ld, width, rows, 0, 0, 0};
+  if (width <= kBulkStageBytes) {
+    /* Rows per piece: a power of two (no integer division on the device), at least half full. */
+    const int width_log2 = 32 - __clz((int)width - 1); /* ceil(log2(width)) */
+    u.rows_per_piece = (int)(kBulkStageBytes >> width_log2);
+    u.pieces = (rows + u.rows_per_piece - 1) / u.rows_per_piece;
+  } else {
+    u.pieces_per_row = (int)((width + kBulkStageBytes - 1) / kBulkStageBytes);
+    u.pieces = rows * u.pieces_per_row;
+  }
+  return u;
+}
+
+/* Piece p of a unit: `nsub` copies of `bytes` each, from src + i * ld to dst + i * ld, packed
+ * back to back in the stage. */
+__device__ __forceinline__ void tw__unit_piece(const tw__unit_shape& u, int p, size_t* off,
+                                               int* nsub, uint32_t* bytes) {
+  if (u.rows_per_piece > 0) {
+    const int r0 = p * u.rows_per_piece;
+    *off = (size_t)r0 * u.ld;
+    *nsub = min(u.rows_per_piece, u.rows - r0);
+    *bytes = (uint32_t)u.width;
+  } else {
+    const int r = p / u.pieces_per_row;
+    const size_t c = (size_t)(p - r * u.pieces_per_row) * kBulkStageBytes;
+    *off = (size_t)r * u.ld + c;
+    *nsub = 1;
+    *bytes = (uint32_t)min((size_t)kBulkStageBytes, u.width - c);
+  }
+}
+
+/* Thread 0's copy engine: a ring of kBulkStages stages, each with a full barrier. Piece g (a
+ * count over the CTA's whole life) uses stage g % kBulkStages in phase (g / kBulkStages) & 1. */
+struct tw__bulk_pipe {
+  char* stage;    /* (kBulkStages, kBulkStageBytes) shared */
+  uint64_t* full; /* (kBulkStages) shared mbarriers */
+  uint32_t next;  /* pieces loaded so far */
+};
+
+__device__ __forceinline__ void tw__bulk_load_piece(tw__bulk_pipe& pp, const tw__unit_shape& u,
+                                                    int p, uint32_t g) {
+  size_t off;
+  int nsub;
+  uint32_t bytes;
+  tw__unit_piece(u, p, &off, &nsub, &bytes);
+  char* stage = pp.stage + (size_t)(g % kBulkStages) * kBulkStageBytes;
+  uint64_t* full = &pp.full[g % kBulkStages];
+  tw__mbar_expect_tx(full, (uint32_t)nsub * bytes);
+  for (int i = 0; i < nsub; i++)
+    tw__bulk_load(stage + (size_t)i * bytes, u.src + off + (size_t)i * u.ld, bytes, full);
+}
+
+__device__ __forceinline__ void tw__bulk_store_piece(tw__bulk_pipe& pp, const tw__unit_shape& u,
+                                                     int p, uint32_t g) {
+  size_t off;
+  int nsub;
+  uint32_t bytes;
+  tw__unit_piece(u, p, &off, &nsub, &bytes);
+  const char* stage = pp.stage + (size_t)(g % kBulkStages) * kBulkStageBytes;
+  for (int i = 0; i < nsub; i++)
+    tw__bulk_store(u.dst + off + (size_t)i * u.ld, stage + (size_t)i * bytes, bytes);
+  tw__bulk_commit();
+}
+
+/* Waits for piece g's load, bounded like every other wait (a load that never lands would be a
+ * bug or a dead GPU, but the host must hear of it, not hang). */
+__device__ __forceinline__ bool tw__bulk_wait_piece(tw__bulk_pipe& pp, uint32_t g,
+                                                    const tw_consumer_args& a) {
+  uint64_t* full = &pp.full[g % kBulkStages];
+  const uint32_t parity = (g / kBulkStages) & 1u;
+  if (tw__mbar_try_wait(full, parity)) return true;
+  const uint64_t start = tw_globaltimer_ns();
+  while (!tw__mbar_try_wait(full, parity)) {
+    if (tw_globaltimer_ns() - start > a.timeout_ns) {
+      tw_report_error(a.err, TW_ERR_TIMEOUT, TW_WAIT_COPY, (int32_t)g, 0, 0, a.rank);
+      return false;
+    }
+  }
+  return true;
+}
+
+/* Thread 0 only: copies one unit. S - 1 loads run ahead of the store being issued; a stage is
+ * reloaded once the store that read it (issued one step earlier) has finished reading. */
+__device__ __forceinline__ bool tw__bulk_copy_unit(tw__bulk_pipe& pp, const tw__unit_shape& u,
+                                                   const tw_consumer_args& a) {
+  const uint32_t g0 = pp.next;
+  const int ahead = min(kBulkStages - 1, u.pieces);
+  tw__bulk_wait_read<0>(); /* earlier units' stores have read every stage */
+  for (int j = 0; j < ahead; j++) tw__bulk_load_piece(pp, u, j, g0 + j);
+  for (int j = 0; j < u.pieces; j++) {
+    if (!tw__bulk_wait_piece(pp, g0 + j, a)) return false;
+    tw__bulk_store_piece(pp, u, j, g0 + j);
+    const int refill = j + kBulkStages - 1; /* goes to the stage piece j - 1 used */
+    if (refill < u.pieces) {
+      tw__bulk_wait_read<1>(); /* all but the newest store (piece j) have read their stage */
+      tw__bulk_load_piece(pp, u, refill, g0 + refill);
+    }
+  }
+  pp.next = g0 + (uint32_t)u.pieces;
+  return true;
+}
+
 /* Thread 0 only: adds each owner's finished units to its arrival counter (one system-scope
- * release per owner: it waits until this CTA's NVLink stores are acknowledged) and clears them. */
+ * release per owner: it waits until this CTA's NVLink stores are acknowledged) and clears them.
+ * With bulk copies, the peer writes must have completed first (wait_group 0, not .read). */
+template <bool kBulk>
 __device__ __forceinline__ void tw__announce(uint32_t* const* arrive, int world,
                                              uint32_t* pending) {
+  if (kBulk) tw__bulk_wait_all();
   for (int d = 0; d < world; d++) {
     if (pending[d] == 0) continue;
     tw_red_release_sys(arrive[d], pending[d]);
@@ -81,8 +225,12 @@ __device__ __forceinline__ void tw__announce(uint32_t* const* arrive, int world,
   }
 }
 
-__global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_consumer_args a) {
+template <bool kBulk>
+__global__ void __launch_bounds__(kConsumerThreads, 1)
+    tw_consumer_kernel(const tw_consumer_args a) {
+  extern __shared__ __align__(128) char s_bulk[]; /* bulk: stages, then their barriers */
   __shared__ int s_ok;
+  __shared__ int s_copied; /* bulk: thread 0's copy of the unit did not time out */
   __shared__ int s_last;
   __shared__ uint32_t s_pending[64]; /* (world) finished, not yet announced units per owner */
   __shared__ uint32_t* s_arrive[64]; /* (world) our arrival counter in each owner's window */
@@ -96,6 +244,14 @@ __global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_
     s_arrive[d] = reinterpret_cast<uint32_t*>(static_cast<char*>(ncclGetPeerPointer(a.win, 0, d)) +
                                               a.lay.arrive) +
                   a.rank;
+  }
+  if (threadIdx.x == 0) s_copied = 1;
+  tw__bulk_pipe pipe = {s_bulk, reinterpret_cast<uint64_t*>(s_bulk + kBulkStages * kBulkStageBytes),
+                        0};
+  if (kBulk && threadIdx.x == 0) {
+    for (int i = 0; i < kBulkStages; i++) tw__mbar_init(&pipe.full[i], 1);
+    /* Make the initialised barriers visible to the async proxy (the bulk loads complete them). */
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
@@ -121,18 +277,21 @@ __global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_
         bool ready = true;
         for (int b = 0; b < sg.nbands && ready; b++)
           ready = (int32_t)(tw_ld_acquire_gpu(&a.band_counters[sg.band0 + b]) - target) >= 0;
-        if (!ready) tw__announce(s_arrive, a.world, s_pending);
+        if (!ready) tw__announce<kBulk>(s_arrive, a.world, s_pending);
         for (int b = 0; b < sg.nbands && ok; b++)
           ok = tw_wait_geq(&a.band_counters[sg.band0 + b], target, false, a.timeout_ns, a.err,
                            TW_WAIT_BAND, sg.band0 + b, a.rank);
       }
       if (ok && !((credited >> dest) & 1u)) {
         /* The credit wait may block: announce first (this happens at most W times). */
-        tw__announce(s_arrive, a.world, s_pending);
+        tw__announce<kBulk>(s_arrive, a.world, s_pending);
         ok = tw_wait_geq(&credits[dest], a.credit_target, true, a.timeout_ns, a.err, TW_WAIT_CREDIT,
                          dest, a.rank);
         credited |= 1ull << dest;
       }
+      /* The acquires above are generic-proxy loads; the bulk copies that depend on them run in
+       * the async proxy. */
+      if (kBulk) asm volatile("fence.proxy.async.global;" ::: "memory");
       s_ok = ok;
     }
     __syncthreads();
@@ -148,7 +307,13 @@ __global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_
       const char* src =
           reinterpret_cast<const char*>(a.c) + (size_t)band.row0 * row_bytes + (size_t)c0 * 2;
       char* dst = peer + a.lay.data + (size_t)band.dest_offset + (size_t)c0 * 2;
-      tw__copy_rows(dst, row_bytes, src, row_bytes, band.valid_rows, ncols / 8);
+      if (!kBulk) {
+        tw__copy_rows(dst, row_bytes, src, row_bytes, band.valid_rows, ncols / 8);
+      } else if (threadIdx.x == 0) {
+        const tw__unit_shape us =
+            tw__unit_shape_make(src, dst, row_bytes, (size_t)ncols * 2, band.valid_rows);
+        s_copied = tw__bulk_copy_unit(pipe, us, a);
+      }
       if (a.debug_tags) {
         /* One tag per row and one count per (row, column tile): the owner expects exactly
          * col_tiles hits. */
@@ -163,10 +328,11 @@ __global__ void __launch_bounds__(kConsumerThreads) tw_consumer_kernel(const tw_
     }
     /* Every thread's stores above happen-before thread 0's later release (see NOTES, 3). */
     __syncthreads();
+    if (kBulk && !s_copied) break; /* a load timed out (recorded) */
     if (threadIdx.x == 0 && !skip) s_pending[dest]++;
   }
   __syncthreads();
-  if (threadIdx.x == 0) tw__announce(s_arrive, a.world, s_pending);
+  if (threadIdx.x == 0) tw__announce<kBulk>(s_arrive, a.world, s_pending);
 
   /* The last CTA to finish zeroes the band counters. Every CTA's acquire loads of them precede
    * its increment of `done` (fence, then atomic). NOTES: in overlap mode the producer may still
@@ -199,11 +365,28 @@ tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream
       args->unit_chunks != (args->col_tiles + args->tiles_per_unit - 1) / args->tiles_per_unit)
     return tw__fail(TW_ERR_INTERNAL, "consumer: tiles_per_unit %d, unit_chunks %d, col_tiles %d",
                     args->tiles_per_unit, args->unit_chunks, args->col_tiles);
+  if (args->copy != TW_CONSUMER_COPY_REGISTERS && args->copy != TW_CONSUMER_COPY_BULK)
+    return tw__fail(TW_ERR_INTERNAL, "consumer: copy mode %d", args->copy);
   if (args->hidden % 8 != 0 || args->tn % 8 != 0)
     return tw__fail(TW_ERR_ALIGNMENT, "consumer: hidden %d and tile_n %d must be multiples of 8",
                     args->hidden, args->tn);
-  tw_consumer_kernel<<<grid, kConsumerThreads, 0, stream>>>(*args);
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = cudaSuccess;
+  if (args->copy == TW_CONSUMER_COPY_BULK) {
+    /* The opt-in shared memory size is a per-device function attribute: set once per device. */
+    static bool attr_set[64];
+    int dev = 0;
+    e = cudaGetDevice(&dev);
+    if (e == cudaSuccess && (dev >= 64 || !attr_set[dev])) {
+      e = cudaFuncSetAttribute(tw_consumer_kernel<true>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBytes);
+      if (e == cudaSuccess && dev < 64) attr_set[dev] = true;
+    }
+    if (e == cudaSuccess)
+      tw_consumer_kernel<true><<<grid, kConsumerThreads, kBulkSmemBytes, stream>>>(*args);
+  } else {
+    tw_consumer_kernel<false><<<grid, kConsumerThreads, 0, stream>>>(*args);
+  }
+  if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "consumer: launch of %d CTAs failed: %s", grid,
                     cudaGetErrorString(e));

@@ -28,7 +28,7 @@
 #include "sync.cuh"
 
 /* Further kinds of device-side failure (tw_dev_error.where), after sync.cuh's TW_WAIT_*. */
-enum { TW_WAIT_CREDIT = 4, TW_CHECK_TAGS = 5 };
+enum { TW_WAIT_CREDIT = 4, TW_CHECK_TAGS = 5, TW_WAIT_COPY = 6 };
 
 /* Byte offsets of the regions inside every rank's symmetric window (identical on all ranks). */
 typedef struct tw_window_layout {
@@ -57,6 +57,7 @@ typedef struct tw_consumer_args {
   int32_t col_tiles, tn, hidden;
   int32_t tiles_per_unit; /* T: column tiles per transfer unit (1..col_tiles) */
   int32_t unit_chunks;    /* ceil(col_tiles / T): units per band */
+  int32_t copy;           /* TW_CONSUMER_COPY_REGISTERS or _BULK (combine.cu) */
   int32_t rank, world;
   uint32_t credit_target; /* epoch - 1 */
   int32_t debug_tags;

@@ -27,6 +27,7 @@
 
 #include "core.h"
 #include "kernels.h"
+#include "bulk.cuh"
 #include "sync.cuh"
 
 namespace {
@@ -307,40 +308,6 @@ __device__ __forceinline__ void tw__wgmma_m64n256k16(float* d, uint64_t desc_a, 
  * B_ROWS = BN, or 2 * BN for SwiGLU (gate rows, then up rows).
  */
 
-__device__ __forceinline__ uint32_t tw__smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void tw__mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(tw__smem_u32(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void tw__mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(tw__smem_u32(bar)),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void tw__mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(tw__smem_u32(bar)) : "memory");
-}
-
-/* Spins until the barrier's phase with `parity` has completed (acquire, CTA scope). Unlike
- * sync.cuh's waits it has no timeout: every mbarrier here is completed by this CTA's own threads
- * or by TMA loads it issued, never by another CTA or GPU, so it can only hang on a bug in this
- * kernel, not because a peer is slow or failed. */
-__device__ __forceinline__ void tw__mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "TW_WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra TW_WAIT_%=;\n"
-      "}\n" ::"r"(tw__smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-
 /* 2D TMA load of one box at (x = inner K offset, y = row) into shared memory, completing
  * transaction bytes on `bar`. */
 __device__ __forceinline__ void tw__tma_load_2d(void* dst, const CUtensorMap* map, uint64_t* bar,
@@ -420,13 +387,6 @@ __device__ __forceinline__ void tw__consumer_bar() {
   asm volatile("bar.sync 1, 256;" ::: "memory");
 }
 
-/* 1D bulk copy shared -> global (async proxy), tracked by this thread's bulk groups. */
-__device__ __forceinline__ void tw__bulk_store(void* gdst, const void* ssrc, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gdst),
-               "r"(tw__smem_u32(ssrc)), "r"(bytes)
-               : "memory");
-}
-
 template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
 __global__ void __launch_bounds__(384, 1)
     tw_gemm_v2_kernel(const __grid_constant__ CUtensorMap map_a,
@@ -480,12 +440,12 @@ __global__ void __launch_bounds__(384, 1)
           for (int r = lane; r < rows; r += 32)
             tw__bulk_store(C + ((int64_t)tile.row0 + r) * args.n + tile.col0,
                            staging + r * Cfg::kStagePitch, bytes);
-          asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+          tw__bulk_commit();
           /* NOTES: wait_group 0, NOT .read: .read only covers the reads of the staging buffer;
            * the release below needs this lane's global writes complete. Completion of a bulk
            * copy includes an implicit generic-async proxy fence, so no fence.proxy.async.global
            * is needed before the (generic) release. */
-          asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+          tw__bulk_wait_all();
           /* Barrier among every lane that issued writes before lane 0 publishes. */
           __syncwarp();
         }

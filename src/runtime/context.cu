@@ -45,6 +45,7 @@ struct tw_context {
   int32_t tm, tn, col_tiles, local_experts;
   int32_t tiles_per_unit; /* consumer unit width in column tiles (TW_CONSUMER_TILES_PER_UNIT) */
   int32_t unit_chunks;    /* ceil(col_tiles / tiles_per_unit) */
+  int32_t copy;           /* tw_consumer_copy: REGISTERS or BULK */
   int64_t rows_max;       /* GEMM output rows any plan of this problem can need */
   int64_t bands_max;      /* bands (and segments) any plan can have */
   int64_t slots_max;      /* max_tokens * top_k */
@@ -204,6 +205,7 @@ static void tw__consumer_args_init(const struct tw_context* ctx, tw_consumer_arg
   ca->col_tiles = ctx->col_tiles;
   ca->tiles_per_unit = ctx->tiles_per_unit;
   ca->unit_chunks = ctx->unit_chunks;
+  ca->copy = ctx->copy;
   ca->tn = ctx->tn;
   ca->hidden = ctx->problem.hidden;
   ca->rank = ctx->rank;
@@ -436,13 +438,27 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
   }
   if (cfg.timeout_ms < 0 || cfg.debug_tags < 0 || cfg.debug_tags > 1 || cfg.max_comm_ctas < 0 ||
       cfg.max_comm_ctas > TW_MAX_COMM_CTAS || (cfg.timing != 0 && cfg.timing != 1) ||
-      cfg.unit_tiles < 0)
+      cfg.unit_tiles < 0 || cfg.consumer_copy < TW_CONSUMER_COPY_DEFAULT ||
+      cfg.consumer_copy > TW_CONSUMER_COPY_BULK)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_context_create: config timeout_ms %d (>= 0), debug_tags %d (0 or 1), "
-                    "max_comm_ctas %d (0..%d), timing %d (0 or 1), unit_tiles %d (>= 0): one is "
-                    "out of range",
+                    "max_comm_ctas %d (0..%d), timing %d (0 or 1), unit_tiles %d (>= 0), "
+                    "consumer_copy %d (0..2): one is out of range",
                     cfg.timeout_ms, cfg.debug_tags, cfg.max_comm_ctas, TW_MAX_COMM_CTAS, cfg.timing,
-                    cfg.unit_tiles);
+                    cfg.unit_tiles, cfg.consumer_copy);
+  int copy = cfg.consumer_copy;
+  if (copy == TW_CONSUMER_COPY_DEFAULT) {
+    const char* env = getenv("TW_CONSUMER_COPY");
+    if (env == NULL || env[0] == '\0' || strcmp(env, "bulk") == 0)
+      copy = TW_CONSUMER_COPY_BULK;
+    else if (strcmp(env, "registers") == 0)
+      copy = TW_CONSUMER_COPY_REGISTERS;
+    else
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_context_create: TW_CONSUMER_COPY='%s'; use `bulk` or `registers` (or "
+                      "unset it)",
+                      env);
+  }
 
   /* The device communicator's layout is version-bound: headers and library must agree. */
   int nccl_version = 0;
@@ -493,7 +509,11 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
   ctx->tm = tw__resolve_tile_m(problem);
   ctx->tn = tw__resolve_tile_n(problem);
   ctx->col_tiles = (int32_t)tw__ceil_div(problem->hidden, ctx->tn);
-  int64_t tpu = cfg.unit_tiles > 0 ? cfg.unit_tiles : tw__env_int("TW_CONSUMER_TILES_PER_UNIT", 1);
+  ctx->copy = copy;
+  /* Bulk copies move a whole band best: its rows are one contiguous run at both ends. */
+  const int64_t tpu_default = copy == TW_CONSUMER_COPY_BULK ? ctx->col_tiles : 1;
+  int64_t tpu =
+      cfg.unit_tiles > 0 ? cfg.unit_tiles : tw__env_int("TW_CONSUMER_TILES_PER_UNIT", tpu_default);
   ctx->tiles_per_unit = (int32_t)(tpu < 1 ? 1 : tpu > ctx->col_tiles ? ctx->col_tiles : tpu);
   ctx->unit_chunks = (int32_t)tw__ceil_div(ctx->col_tiles, ctx->tiles_per_unit);
   int64_t tmo = cfg.timeout_ms > 0 ? cfg.timeout_ms : tw__env_int("TW_TIMEOUT_MS", 0);
@@ -546,6 +566,7 @@ extern "C" tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info
   info->max_comm_ctas = ctx->max_comm_ctas;
   info->window_bytes = (int64_t)ctx->lay.bytes;
   info->unit_tiles = ctx->tiles_per_unit;
+  info->consumer_copy = ctx->copy;
   int v = 0;
   if (ncclGetVersion(&v) == ncclSuccess) info->nccl_version = v;
   return TW_SUCCESS;

@@ -80,7 +80,7 @@ static void tw_run_mode(tw_rank_env* env, tw_context_t ctx, tw_device_plan_t dp,
 
 static double g_max_rel = 0.0;
 
-static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_index) {
+static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_index, int copy) {
   tw_problem p = TW_PROBLEM_INIT;
   p.world_size = env->nranks;
   p.hidden = cfg->hidden;
@@ -93,6 +93,7 @@ static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_i
   static const int kUnitTiles[] = {1, 4, 1, 3, 1, 2, 64};
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.unit_tiles = kUnitTiles[cfg_index % (int)(sizeof kUnitTiles / sizeof kUnitTiles[0])];
+  cc.consumer_copy = copy;
   tw_context_t ctx = NULL;
   CHECK_OK(tw_context_create(&p, env->comm, &cc, &ctx));
   if (ctx == NULL) return;
@@ -192,10 +193,10 @@ static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_i
   }
   if (env->rank == 0)
     printf(
-        "  cfg %d: E=%d H=%d F=%d k=%d tokens<=%d router=%d mgb=%d unit_tiles=%d: max rel "
+        "  cfg %d: E=%d H=%d F=%d k=%d tokens<=%d router=%d mgb=%d unit_tiles=%d copy=%d: max rel "
         "err %.3e\n",
         cfg_index, cfg->experts, cfg->hidden, cfg->ffn, cfg->top_k, cfg->max_tokens,
-        (int)cfg->router, cfg->mgb, cc.unit_tiles, cfg_max_rel);
+        (int)cfg->router, cfg->mgb, cc.unit_tiles, copy, cfg_max_rel);
   if (cfg_max_rel > g_max_rel) g_max_rel = cfg_max_rel;
   tw_free_buffers(&b);
   CHECK_OK(tw_device_plan_destroy(dp));
@@ -212,20 +213,22 @@ static void test_overlap_matches_unfused_and_reference(tw_rank_env* env) {
       {8, 384, 192, 2, 129, TW_ROUTER_MODERATE_SKEW, 1, 16},
       {64, 2048, 1408, 6, 512, TW_ROUTER_MODERATE_SKEW, 2, 4},
   };
-  /* TW_TEST_QUICK=1 (sanitizer runs): the first configuration, two iterations. */
+  /* TW_TEST_QUICK=1 (sanitizer runs): the first configuration, two iterations. Every
+   * configuration runs with both ways of copying. */
   const int quick = getenv("TW_TEST_QUICK") != NULL;
   const int n = quick ? 1 : (int)(sizeof cfgs / sizeof cfgs[0]);
   for (int i = 0; i < n; i++) {
     tw_overlap_cfg c = cfgs[i];
     if (quick) c.iters = 2;
-    tw_run_config(env, &c, i);
+    tw_run_config(env, &c, i, TW_CONSUMER_COPY_BULK);
+    tw_run_config(env, &c, i, TW_CONSUMER_COPY_REGISTERS);
   }
   if (env->rank == 0)
     printf("  max relative error over all configs: %.3e (bound 8e-3)\n", g_max_rel);
 }
 
 /* Debug tags + identity weights: out decodes to exactly the expected (token, k) payloads. */
-static void test_debug_tags_exactly_once(tw_rank_env* env) {
+static void tw_debug_tags_exactly_once(tw_rank_env* env, int copy) {
   tw_problem p = TW_PROBLEM_INIT;
   p.world_size = env->nranks;
   p.hidden = 256;
@@ -236,6 +239,7 @@ static void test_debug_tags_exactly_once(tw_rank_env* env) {
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.debug_tags = TW_DEBUG_TAGS_CHECK;
   cc.unit_tiles = 2; /* hits must still add up to col_tiles per row */
+  cc.consumer_copy = copy;
   tw_context_t ctx = NULL;
   CHECK_OK(tw_context_create(&p, env->comm, &cc, &ctx));
   if (ctx == NULL) return;
@@ -339,6 +343,11 @@ static void test_debug_tags_exactly_once(tw_rank_env* env) {
 }
 
 /* Every C from 1 to 64 completes (no deadlock) and gives the same bits. */
+static void test_debug_tags_exactly_once(tw_rank_env* env) {
+  tw_debug_tags_exactly_once(env, TW_CONSUMER_COPY_BULK);
+  tw_debug_tags_exactly_once(env, TW_CONSUMER_COPY_REGISTERS);
+}
+
 static void test_no_deadlock_any_c(tw_rank_env* env) {
   tw_problem p = TW_PROBLEM_INIT;
   p.world_size = env->nranks;
@@ -408,7 +417,7 @@ static int tw_cmp_float(const void* a, const void* b) {
 
 /* Phase timings exist in every mode and are sane; prints medians for one realistic shape
  * (informational: this is a correctness test, the bench tool measures performance). */
-static void tw_modes_and_timings(tw_rank_env* env, int unit_tiles, uint16_t** out_copy,
+static void tw_modes_and_timings(tw_rank_env* env, int copy, int unit_tiles, uint16_t** out_copy,
                                  size_t* out_n) {
   const int quick = getenv("TW_TEST_QUICK") != NULL;
   tw_problem p = TW_PROBLEM_INIT;
@@ -421,6 +430,7 @@ static void tw_modes_and_timings(tw_rank_env* env, int unit_tiles, uint16_t** ou
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.timing = 1;
   cc.unit_tiles = unit_tiles;
+  cc.consumer_copy = copy;
   tw_context_t ctx = NULL;
   CHECK_OK(tw_context_create(&p, env->comm, &cc, &ctx));
   if (ctx == NULL) return;
@@ -488,10 +498,11 @@ static void tw_modes_and_timings(tw_rank_env* env, int unit_tiles, uint16_t** ou
     CHECK_OK(tw_context_info_get(ctx, &info));
     if (env->rank == 0) {
       printf(
-          "  H=%d F=%d E=%d k=%d tokens/rank=%d rows=%lld C=%d mgb=%d unit_tiles=%d: medians "
-          "over %d calls\n",
+          "  H=%d F=%d E=%d k=%d tokens/rank=%d rows=%lld C=%d mgb=%d unit_tiles=%d %s copies: "
+          "medians over %d calls\n",
           p.hidden, p.ffn, p.experts, p.top_k, p.max_tokens, (long long)sum.rows, sum.comm_ctas,
-          sum.coalesce, info.unit_tiles, (int)kReps);
+          sum.coalesce, info.unit_tiles,
+          info.consumer_copy == TW_CONSUMER_COPY_BULK ? "bulk" : "register", (int)kReps);
       for (int m = 0; m < 4; m++) {
         qsort(total[m], kReps, sizeof(float), tw_cmp_float);
         qsort(gemm[m], kReps, sizeof(float), tw_cmp_float);
@@ -509,18 +520,32 @@ static void tw_modes_and_timings(tw_rank_env* env, int unit_tiles, uint16_t** ou
   CHECK_OK(tw_context_destroy(ctx));
 }
 
-/* Timings with one column tile per unit and with whole bands; both give the same bits. */
+/* Timings with register copies (one column tile per unit, whole bands) and bulk copies (the
+ * default whole bands, one column tile per unit); all give the same bits. */
 static void test_modes_and_timings(tw_rank_env* env) {
-  uint16_t *narrow = NULL, *wide = NULL;
-  size_t n1 = 0, n2 = 0;
-  tw_modes_and_timings(env, 1, &narrow, &n1);
-  tw_modes_and_timings(env, 64, &wide, &n2);
-  CHECK(narrow != NULL && wide != NULL && n1 == n2);
-  if (narrow != NULL && wide != NULL && n1 == n2)
-    CHECKF(memcmp(narrow, wide, n1 * 2) == 0, "rank %d: outputs differ between unit widths",
-           env->rank);
-  free(narrow);
-  free(wide);
+  static const int kRuns[][2] = {{TW_CONSUMER_COPY_REGISTERS, 1},
+                                 {TW_CONSUMER_COPY_REGISTERS, 64},
+                                 {TW_CONSUMER_COPY_BULK, 0},
+                                 {TW_CONSUMER_COPY_BULK, 1}};
+  uint16_t* first = NULL;
+  size_t n_first = 0;
+  for (int i = 0; i < (int)(sizeof kRuns / sizeof kRuns[0]); i++) {
+    uint16_t* out = NULL;
+    size_t n = 0;
+    tw_modes_and_timings(env, kRuns[i][0], kRuns[i][1], &out, &n);
+    CHECK(out != NULL);
+    if (i == 0) {
+      first = out;
+      n_first = n;
+      continue;
+    }
+    if (first != NULL && out != NULL)
+      CHECKF(n == n_first && memcmp(first, out, n * 2) == 0,
+             "rank %d: outputs differ between copy %d / unit width %d and the first run", env->rank,
+             kRuns[i][0], kRuns[i][1]);
+    free(out);
+  }
+  free(first);
 }
 
 static const tw_rank_case kCases[] = {
