@@ -22,6 +22,8 @@ int tw_cli_plan(int argc, char** argv);
  * `tilewave sweep` (every C and mgb of one point against the model's choice): tools/cmd_bench.c. */
 int tw_cli_bench(int argc, char** argv);
 int tw_cli_sweep(int argc, char** argv);
+/* `tilewave calibrate`: measures the model's machine description (tools/cmd_calibrate.c). */
+int tw_cli_calibrate(int argc, char** argv);
 #ifdef __cplusplus
 }
 #endif

@@ -24,6 +24,8 @@ static const tw_cli_command commands[] = {
      "producer GEMM vs cuBLAS",
      tw_cli_bench},
     {"sweep", "every C and mgb of one point: oracle, the model's choice, regret", tw_cli_sweep},
+    {"calibrate", "measure this machine's model parameters; writes a TW_CALIBRATION file",
+     tw_cli_calibrate},
 };
 
 static void usage(FILE* f) {
