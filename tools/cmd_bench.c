@@ -33,6 +33,7 @@
 #include "cli.h"
 #include "core.h"
 #include "kernels.h"
+#include "oracle.h"
 #include "plan.h"
 #include "spawn.h"
 #include "tilewave.h"
@@ -60,11 +61,16 @@ typedef struct twb_opts {
   int chunks[TWB_MAX_CHUNKS];
   int nchunks;
   double tol;
+  int oracle;         /* sweep --oracle: a workload matrix instead of one point */
+  const char* matrix; /* "quick" or "full" */
+  int list;           /* --list: print the matrix and a time estimate, measure nothing */
+  int solve_reps;     /* tw_plan_create calls timed per point (0 = none) */
 } twb_opts;
 
 typedef struct twb_point {
   int hidden, ffn, experts, topk, tokens, router;
   double router_param;
+  char name[32]; /* sweep --oracle: the preset, or "grid" */
 } twb_point;
 
 enum twb_kind {
@@ -582,12 +588,79 @@ static void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_res
 
 /* ---- sweep ----------------------------------------------------------------------------------- */
 
-static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point* pt) {
-  /* Candidate coalescing factors, plus the model's if it is none of them. */
-  int mgbs[TWB_MAX_DPLANS] = {1, 2, 4, 0};
+/* One sweep point, measured. Policy 0 is the sequential baseline (the correctness reference;
+ * timed only in the single-point sweep), policies 1.. are `ours` at every (C, mgb), index
+ * 1 + m * cmax + (C - 1) for mgbs[m], plus the model's choice where it lies outside that grid. */
+typedef struct twb_sweep_result {
+  int np, cmax;
+  int mgbs[3];
+  twb_policy* pols;     /* (np) */
+  tw__bench_stats* sts; /* (np) medians etc. of the max-over-ranks samples */
+  double* pred;         /* (np) the model's prediction (rank 0's plan); 0 for seq */
+  float* err;           /* (np) normwise error vs the sequential baseline, max over ranks */
+  float maxerr;
+  int best, model_i;                                      /* the oracle's and the model's policy */
+  int model_c_lo, model_c_hi, model_mgb_lo, model_mgb_hi; /* the model's choices over ranks */
+  tw_plan_summary ms; /* the model's choice on rank 0 (default config) */
+  double t_oracle, t_model, regret;
+  /* The model inside tw_plan_create, `--solve-reps` plans with the launch's config: the plan's
+   * own solve_us and the wall time of the whole call, median and p99, max over ranks. */
+  double solve_med, solve_p99, create_med, create_p99;
+  int solve_reps;
+} twb_sweep_result;
+
+static void twb_sweep_result_free(twb_sweep_result* r) {
+  free(r->pols), free(r->sts), free(r->pred), free(r->err);
+  memset(r, 0, sizeof *r);
+}
+
+/* Times this rank's planning as a real launch does it (same problem, routing and default config,
+ * so the model runs): `reps` calls of tw_plan_create, each timed whole around the call and by the
+ * plan's own solve_us (the decision proper, measured inside the library). Every rank times its
+ * own plan at the same time; the result is the worst rank's. */
+static tw_status twb_time_solve(twb_rank* s, int reps, twb_sweep_result* r) {
+  double* v = (double*)malloc(sizeof(double) * 2 * (size_t)reps);
+  if (v == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "sweep: out of host memory");
+  tw_status st = TW_SUCCESS;
+  const tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  for (int i = 0; i < reps && st == TW_SUCCESS; i++) {
+    tw_plan_t plan = NULL;
+    tw_plan_summary sum;
+    const double t0 = tw__now_seconds();
+    st = tw_plan_create(&s->problem, s->routing, s->rank, &cfg, &plan);
+    const double t1 = tw__now_seconds();
+    if (st == TW_SUCCESS) st = tw_plan_summary_get(plan, &sum);
+    tw_plan_destroy(plan);
+    if (st == TW_SUCCESS) {
+      v[i] = sum.solve_us;
+      v[reps + i] = 1e6 * (t1 - t0);
+    }
+  }
+  if (st == TW_SUCCESS) {
+    float q[4];
+    q[0] = (float)tw__oracle_percentile(v, reps, 0.5);
+    q[1] = (float)tw__oracle_percentile(v, reps, 0.99);
+    q[2] = (float)tw__oracle_percentile(v + reps, reps, 0.5);
+    q[3] = (float)tw__oracle_percentile(v + reps, reps, 0.99);
+    st = twb_max_over_ranks(s, q, 4);
+    r->solve_med = q[0], r->solve_p99 = q[1], r->create_med = q[2], r->create_p99 = q[3];
+    r->solve_reps = reps;
+  }
+  free(v);
+  return st;
+}
+
+/* Measures one point: every (C, mgb) of the grid and the model's choice, each checked once against
+ * the sequential baseline, then timed (ABBA rounds, max over ranks); the model's planning time.
+ * Every rank ends with the same result (samples and errors are reduced over ranks). */
+static tw_status twb_sweep_measure(twb_rank* s, const twb_opts* o, const twb_point* pt,
+                                   twb_sweep_result* r) {
+  memset(r, 0, sizeof *r);
+  r->mgbs[0] = 1, r->mgbs[1] = 2, r->mgbs[2] = 4;
+  r->solve_med = r->solve_p99 = r->create_med = r->create_p99 = -1; /* not measured */
   int nm = 3;
-  /* The model's choice comes from the default plan; planned again in setup. */
-  TW_TRY(twb_setup(s, o, pt, mgbs, nm));
+  TW_TRY(twb_setup(s, o, pt, r->mgbs, nm));
+  /* The model's choice: the plan a real launch makes (default config). */
   tw_plan_t model_plan = NULL;
   tw_plan_config mc = TW_PLAN_CONFIG_INIT;
   TW_TRY(tw_plan_create(&s->problem, s->routing, s->rank, &mc, &model_plan));
@@ -595,9 +668,10 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
   tw_status st = tw_plan_summary_get(model_plan, &ms);
   tw_plan_destroy(model_plan);
   TW_TRY(st);
+  r->ms = ms;
   int model_mgb_index = -1;
   for (int i = 0; i < nm; i++)
-    if (mgbs[i] == ms.coalesce) model_mgb_index = i;
+    if (r->mgbs[i] == ms.coalesce) model_mgb_index = i;
   if (model_mgb_index < 0) {
     /* One more device plan for the model's factor. */
     tw_plan_config c2 = TW_PLAN_CONFIG_INIT;
@@ -611,21 +685,35 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
   }
   tw_context_info info;
   TW_TRY(tw_context_info_get(s->ctx, &info));
-  int cmax = o->c_max < info.max_comm_ctas ? o->c_max : info.max_comm_ctas;
-  const int model_in_grid = ms.comm_ctas <= cmax && model_mgb_index < 3;
+  const int cmax = o->c_max < info.max_comm_ctas ? o->c_max : info.max_comm_ctas;
+  r->cmax = cmax;
+  /* Each rank's plan chooses for itself, and a real launch runs every rank at its own choice.
+   * Where all ranks chose the same (C, mgb) inside the grid, that grid cell is the launch; else
+   * one more policy runs every rank at its own choice (the policy count must agree on all ranks:
+   * every policy is collective). */
+  float agree[5] = {(float)ms.comm_ctas, -(float)ms.comm_ctas, (float)ms.coalesce,
+                    -(float)ms.coalesce, ms.comm_ctas <= cmax && model_mgb_index < 3 ? 0.f : 1.f};
+  TW_TRY(twb_max_over_ranks(s, agree, 5));
+  r->model_c_lo = (int)-agree[1], r->model_c_hi = (int)agree[0];
+  r->model_mgb_lo = (int)-agree[3], r->model_mgb_hi = (int)agree[2];
+  const int model_own =
+      agree[4] > 0 || r->model_c_lo != r->model_c_hi || r->model_mgb_lo != r->model_mgb_hi;
 
-  /* Policies: seq (reference), every (C, mgb), and the model's choice if outside the grid. */
-  const int ncfg = cmax * 3 + (model_in_grid ? 0 : 1);
+  /* Policies: seq (reference), every (C, mgb), and the model's own choices where needed. */
+  const int ncfg = cmax * 3 + (model_own ? 1 : 0);
   const int np = 1 + ncfg;
-  twb_policy* pols = (twb_policy*)calloc((size_t)np, sizeof(twb_policy));
+  r->np = np;
+  r->pols = (twb_policy*)calloc((size_t)np, sizeof(twb_policy));
+  r->err = (float*)calloc((size_t)np, sizeof(float));
+  r->sts = (tw__bench_stats*)calloc((size_t)np, sizeof(tw__bench_stats));
+  r->pred = (double*)calloc((size_t)np, sizeof(double));
   float* samples = (float*)calloc((size_t)np * (size_t)o->iters, sizeof(float));
-  float* err = (float*)calloc((size_t)np, sizeof(float));
-  tw__bench_stats* sts = (tw__bench_stats*)calloc((size_t)np, sizeof(tw__bench_stats));
-  double* pred = (double*)calloc((size_t)np, sizeof(double));
-  if (!pols || !samples || !err || !sts || !pred) {
-    free(pols), free(samples), free(err), free(sts), free(pred);
+  if (!r->pols || !samples || !r->err || !r->sts || !r->pred) {
+    free(samples);
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "sweep: out of host memory");
   }
+  twb_policy* pols = r->pols;
+  float* err = r->err;
   pols[0].kind = TWB_SEQ;
   pols[0].out = TWB_OUT_SEQ;
   snprintf(pols[0].name, sizeof pols[0].name, "seq");
@@ -636,18 +724,18 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
       pols[k].c = c;
       pols[k].dplan = m;
       pols[k].out = TWB_OUT_OURS;
-      snprintf(pols[k].name, sizeof pols[k].name, "C%d_mgb%d", c, mgbs[m]);
+      snprintf(pols[k].name, sizeof pols[k].name, "C%d_mgb%d", c, r->mgbs[m]);
     }
-  if (!model_in_grid) {
+  if (model_own) {
     pols[k].kind = TWB_OURS;
     pols[k].c = ms.comm_ctas;
     pols[k].dplan = model_mgb_index;
     pols[k].out = TWB_OUT_OURS;
-    snprintf(pols[k].name, sizeof pols[k].name, "model_C%d_mgb%d", ms.comm_ctas, ms.coalesce);
+    snprintf(pols[k].name, sizeof pols[k].name, "model");
     k++;
   }
   for (int i = 1; i < np && st == TW_SUCCESS; i++)
-    st = tw_plan_predict(s->mplans[pols[i].dplan], pols[i].c, s->mgbs[pols[i].dplan], &pred[i]);
+    st = tw_plan_predict(s->mplans[pols[i].dplan], pols[i].c, s->mgbs[pols[i].dplan], &r->pred[i]);
 
   /* Correctness of every configuration against the sequential baseline (once each). */
   if (st == TW_SUCCESS) {
@@ -667,23 +755,64 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
     err[i] = isfinite(rel) ? (float)rel : INFINITY;
   }
   if (st == TW_SUCCESS) st = twb_max_over_ranks(s, err, (size_t)np);
-  float maxerr = 0.f;
+  r->maxerr = 0.f;
   for (int i = 1; i < np; i++)
-    if (err[i] > maxerr || !(err[i] == err[i])) maxerr = err[i] == err[i] ? err[i] : INFINITY;
+    if (err[i] > r->maxerr || !(err[i] == err[i])) r->maxerr = err[i] == err[i] ? err[i] : INFINITY;
+  /* The matrix times only our configurations (the baseline served as the reference above). */
+  const int first = o->oracle ? 1 : 0;
   int last_set = 0;
-  if (st == TW_SUCCESS) st = twb_time(s, o, pols, np, samples, &last_set);
+  if (st == TW_SUCCESS)
+    st = twb_time(s, o, pols + first, np - first, samples + (size_t)first * o->iters, &last_set);
   if (st == TW_SUCCESS) st = tw_context_check(s->ctx);
-  if (st == TW_SUCCESS && s->rank == 0) {
-    for (int i = 0; i < np; i++)
-      tw__bench_stats_of(samples + (size_t)i * o->iters, o->iters, &sts[i]);
-    int best = 1, model_i = -1;
+  if (st == TW_SUCCESS && o->solve_reps > 0) st = twb_time_solve(s, o->solve_reps, r);
+  if (st == TW_SUCCESS) {
+    for (int i = first; i < np; i++)
+      tw__bench_stats_of(samples + (size_t)i * o->iters, o->iters, &r->sts[i]);
+    r->best = 1;
+    r->model_i = model_own ? np - 1 : -1;
     for (int i = 1; i < np; i++) {
-      if (sts[i].median < sts[best].median) best = i;
-      if (pols[i].c == ms.comm_ctas && s->mgbs[pols[i].dplan] == ms.coalesce) model_i = i;
+      if (r->sts[i].median < r->sts[r->best].median) r->best = i;
+      if (!model_own && pols[i].c == ms.comm_ctas && s->mgbs[pols[i].dplan] == ms.coalesce)
+        r->model_i = i;
     }
-    const double t_oracle = sts[best].median;
-    const double t_model = model_i > 0 ? sts[model_i].median : NAN;
-    const double regret = (t_model - t_oracle) / t_oracle;
+    r->t_oracle = r->sts[r->best].median;
+    r->t_model = r->model_i > 0 ? r->sts[r->model_i].median : NAN;
+    r->regret = tw__oracle_regret(r->t_model, r->t_oracle);
+  }
+  free(samples);
+  return st;
+}
+
+static void twb_range_str(char* buf, size_t n, int lo, int hi) {
+  if (lo == hi)
+    snprintf(buf, n, "%d", lo);
+  else
+    snprintf(buf, n, "%d-%d", lo, hi);
+}
+
+static void twb_sweep_json_configs(FILE* js, const twb_rank* s, const twb_sweep_result* r) {
+  for (int i = 1; i < r->np; i++)
+    fprintf(js,
+            "%s{\"name\": \"%s\", \"comm_ctas\": %d, \"coalesce\": %d, \"median_us\": %.2f, "
+            "\"p10_us\": %.2f, \"p90_us\": %.2f, \"min_us\": %.2f, \"samples\": %d, "
+            "\"predicted_us\": %.2f, \"rel_err\": %.3e}",
+            i > 1 ? ",\n  " : "", r->pols[i].name, r->pols[i].c, s->mgbs[r->pols[i].dplan],
+            r->sts[i].median, r->sts[i].p10, r->sts[i].p90, r->sts[i].min, r->sts[i].n, r->pred[i],
+            r->err[i] < 1e30f ? (double)r->err[i] : 1e30);
+}
+
+/* `tilewave sweep` of one point: the measured table with the model's predictions, the oracle, the
+ * model's choice and its regret (rank 0 prints). */
+static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point* pt) {
+  twb_sweep_result res;
+  tw_status st = twb_sweep_measure(s, o, pt, &res);
+  const twb_sweep_result* r = &res;
+  const twb_policy* pols = r->pols;
+  const tw__bench_stats* sts = r->sts;
+  const tw_plan_summary ms = r->ms;
+  const int best = r->best, cmax = r->cmax;
+  const int* mgbs = r->mgbs;
+  if (st == TW_SUCCESS && s->rank == 0) {
     FILE* js = o->json ? stdout : s->json_out;
     if (js) {
       fprintf(js,
@@ -692,17 +821,14 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
               "%.2f,\n \"oracle\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f},\n "
               "\"model\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f, \"predicted_us\": "
               "%.2f, \"solve_us\": %.3f},\n \"regret\": %.4f, \"max_rel_err\": %.3e, \"pass\": "
-              "%s,\n \"configs\": [",
+              "%s,\n \"solve_us\": {\"median\": %.3f, \"p99\": %.3f}, \"plan_create_us\": "
+              "{\"median\": %.1f, \"p99\": %.1f}, \"solve_reps\": %d,\n \"configs\": [",
               s->world, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
               twb_router_name(pt->router), sts[0].median, pols[best].c, s->mgbs[pols[best].dplan],
-              t_oracle, ms.comm_ctas, ms.coalesce, t_model, ms.predicted_us, ms.solve_us, regret,
-              (double)maxerr, maxerr <= o->tol ? "true" : "false");
-      for (int i = 1; i < np; i++)
-        fprintf(js,
-                "%s{\"comm_ctas\": %d, \"coalesce\": %d, \"median_us\": %.2f, \"p10_us\": %.2f, "
-                "\"p90_us\": %.2f, \"predicted_us\": %.2f, \"rel_err\": %.3e}",
-                i > 1 ? ",\n  " : "", pols[i].c, s->mgbs[pols[i].dplan], sts[i].median, sts[i].p10,
-                sts[i].p90, pred[i], (double)err[i]);
+              r->t_oracle, ms.comm_ctas, ms.coalesce, r->t_model, ms.predicted_us, ms.solve_us,
+              r->regret, (double)r->maxerr, r->maxerr <= o->tol ? "true" : "false", r->solve_med,
+              r->solve_p99, r->create_med, r->create_p99, r->solve_reps);
+      twb_sweep_json_configs(js, s, r);
       fprintf(js, "]}\n");
     }
     if (!o->json) {
@@ -718,22 +844,280 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
         const int i0 = 1 + (c - 1), i1 = 1 + cmax + (c - 1), i2 = 1 + 2 * cmax + (c - 1);
         printf("| %d | %.1f%s | %.1f%s | %.1f%s | %.1f / %.1f / %.1f |\n", c, sts[i0].median,
                i0 == best ? " *" : "", sts[i1].median, i1 == best ? " *" : "", sts[i2].median,
-               i2 == best ? " *" : "", pred[i0], pred[i1], pred[i2]);
+               i2 == best ? " *" : "", r->pred[i0], r->pred[i1], r->pred[i2]);
       }
       printf("\noracle: C=%d mgb=%d %.1f us (speedup over sequential %.2fx)\n", pols[best].c,
-             s->mgbs[pols[best].dplan], t_oracle, sts[0].median / t_oracle);
+             s->mgbs[pols[best].dplan], r->t_oracle, sts[0].median / r->t_oracle);
       printf("model:  C=%d mgb=%d measured %.1f us, predicted %.1f us, decided in %.3f us\n",
-             ms.comm_ctas, ms.coalesce, t_model, ms.predicted_us, ms.solve_us);
-      printf("regret: %.2f%%   correctness: max rel err %.2e vs sequential (%s)\n", 100 * regret,
-             (double)maxerr, maxerr <= o->tol ? "pass" : "FAIL");
+             ms.comm_ctas, ms.coalesce, r->t_model, ms.predicted_us, ms.solve_us);
+      if (r->model_c_lo != r->model_c_hi || r->model_mgb_lo != r->model_mgb_hi)
+        printf("        (the ranks chose C %d..%d, mgb %d..%d; measured with each at its own)\n",
+               r->model_c_lo, r->model_c_hi, r->model_mgb_lo, r->model_mgb_hi);
+      printf("regret: %.2f%%   correctness: max rel err %.2e vs sequential (%s)\n", 100 * r->regret,
+             (double)r->maxerr, r->maxerr <= o->tol ? "pass" : "FAIL");
+      if (r->solve_reps > 0)
+        printf(
+            "planning (%d x tw_plan_create, default config, worst rank): the model's decision "
+            "median %.3f us, p99 %.3f us; the whole call median %.1f us, p99 %.1f us\n",
+            r->solve_reps, r->solve_med, r->solve_p99, r->create_med, r->create_p99);
     }
     fflush(stdout);
   }
-  if (st == TW_SUCCESS && maxerr > o->tol)
+  if (st == TW_SUCCESS && r->maxerr > o->tol)
     st = tw__fail(TW_ERR_INTERNAL, "sweep: an output differs from the sequential baseline by %.3e",
-                  (double)maxerr);
-  free(pols), free(samples), free(err), free(sts), free(pred);
+                  (double)r->maxerr);
+  twb_sweep_result_free(&res);
   return st;
+}
+
+/* ---- sweep --oracle: a workload matrix ------------------------------------------------------- */
+
+/* What rank 0 keeps over the matrix for the summary: per point, the measured median of every
+ * fixed (C, mgb) candidate, index m * c_max + (C - 1) (NaN where not measured), the model's
+ * measured time, and the planning times. */
+typedef struct twb_oracle_acc {
+  int npoints, ncand, done, failed;
+  double* t;       /* (npoints, ncand) */
+  double* t_model; /* (npoints) */
+  double* solve_med;
+  double* solve_p99;
+  double* create_med;
+  double* create_p99;
+  double t_start;
+} twb_oracle_acc;
+
+static void twb_oracle_header(void) {
+  printf(
+      "| # | workload | tokens/rank | K | N | E | top-k | router | model C | model mgb | model us "
+      "| "
+      "predicted us | oracle C | oracle mgb | oracle us | regret | solve us (median / p99) | "
+      "tw_plan_create us (median / p99) | max rel err |\n");
+  printf(
+      "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | "
+      "---: | ---: | ---: | ---: | ---: | ---: |\n");
+  fflush(stdout);
+}
+
+static int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt, int index,
+                            int npoints, twb_oracle_acc* acc, FILE* js, tw_status* status) {
+  const double t0 = tw__now_seconds();
+  twb_sweep_result res;
+  tw_status st = twb_sweep_measure(s, o, pt, &res);
+  const twb_sweep_result* r = &res;
+  const int pass = st == TW_SUCCESS && r->maxerr <= o->tol;
+  if (st == TW_SUCCESS && s->rank == 0) {
+    const tw_plan_summary* ms = &r->ms;
+    const twb_policy* b = &r->pols[r->best];
+    double* row = acc->t + (size_t)index * acc->ncand;
+    for (int j = 0; j < acc->ncand; j++) row[j] = NAN;
+    for (int i = 1; i < 1 + 3 * r->cmax; i++) { /* the grid, not the model's own policy */
+      const int m = r->pols[i].dplan;
+      if (m < 3 && r->pols[i].c <= o->c_max)
+        row[m * o->c_max + r->pols[i].c - 1] = r->sts[i].median;
+    }
+    acc->t_model[index] = r->t_model;
+    acc->solve_med[index] = r->solve_med, acc->solve_p99[index] = r->solve_p99;
+    acc->create_med[index] = r->create_med, acc->create_p99[index] = r->create_p99;
+    acc->done = index + 1;
+    if (!pass) acc->failed++;
+    /* The ranks' choices: "12" when all agree, "11-13" when they differ. */
+    char mc[24], mm[24];
+    twb_range_str(mc, sizeof mc, r->model_c_lo, r->model_c_hi);
+    twb_range_str(mm, sizeof mm, r->model_mgb_lo, r->model_mgb_hi);
+    if (!o->json) {
+      printf(
+          "| %d | %s | %d | %d | %d | %d | %d | %s | %s | %s | %.1f | %.1f | %d | %d | %.1f | "
+          "%.2f%% | %.3f / %.3f | %.1f / %.1f | %.2e%s |\n",
+          index + 1, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
+          twb_router_name(pt->router), mc, mm, r->t_model, ms->predicted_us, b->c,
+          s->mgbs[b->dplan], r->t_oracle, 100 * r->regret, r->solve_med, r->solve_p99,
+          r->create_med, r->create_p99, (double)r->maxerr, pass ? "" : " FAIL");
+      fflush(stdout);
+    }
+    if (js) {
+      fprintf(js,
+              "%s  {\"index\": %d, \"workload\": \"%s\", \"tokens_per_rank\": %d, \"ffn\": %d, "
+              "\"hidden\": %d, \"experts\": %d, \"top_k\": %d, \"router\": \"%s\",\n   "
+              "\"oracle\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f},\n   \"model\": "
+              "{\"comm_ctas\": %d, \"coalesce\": %d, \"comm_ctas_min\": %d, \"comm_ctas_max\": "
+              "%d, \"coalesce_min\": %d, \"coalesce_max\": %d, \"us\": %.2f, \"predicted_us\": "
+              "%.2f, \"sequential_predicted_us\": %.2f},\n   \"regret\": %.5f, \"solve_us\": "
+              "{\"median\": %.3f, \"p99\": %.3f}, \"plan_create_us\": {\"median\": %.1f, \"p99\": "
+              "%.1f}, \"solve_reps\": %d, \"max_rel_err\": %.3e, \"pass\": %s, \"seconds\": %.1f,"
+              "\n   \"configs\": [",
+              index ? ",\n" : "", index + 1, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts,
+              pt->topk, twb_router_name(pt->router), b->c, s->mgbs[b->dplan], r->t_oracle,
+              ms->comm_ctas, ms->coalesce, r->model_c_lo, r->model_c_hi, r->model_mgb_lo,
+              r->model_mgb_hi, r->t_model, ms->predicted_us, ms->sequential_us, r->regret,
+              r->solve_med, r->solve_p99, r->create_med, r->create_p99, r->solve_reps,
+              r->maxerr < 1e30f ? (double)r->maxerr : 1e30, pass ? "true" : "false",
+              tw__now_seconds() - t0);
+      twb_sweep_json_configs(js, s, r);
+      fprintf(js, "]}");
+      fflush(js);
+    }
+    const double el = tw__now_seconds() - acc->t_start;
+    fprintf(stderr,
+            "[oracle %d/%d] %s: model C=%s mgb=%s %.1f us, oracle C=%d mgb=%d %.1f us, regret "
+            "%.2f%%%s; %.1f s; elapsed %.0f s, ETA %.0f s\n",
+            index + 1, npoints, pt->name, mc, mm, r->t_model, b->c, s->mgbs[b->dplan], r->t_oracle,
+            100 * r->regret, pass ? "" : ", FAILED the check", tw__now_seconds() - t0, el,
+            el / (index + 1) * (npoints - index - 1));
+  }
+  twb_sweep_result_free(&res);
+  *status = st;
+  return pass;
+}
+
+/* The matrix's summary (rank 0): the model's mean and max regret, the best single fixed (C, mgb)
+ * and how often the model loses to it, the planning time. Markdown on stdout, JSON to js. */
+static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pts,
+                               const twb_oracle_acc* acc, FILE* js) {
+  const int n = acc->done;
+  tw__oracle_summary sum;
+  memset(&sum, 0, sizeof sum);
+  sum.fixed = -1;
+  const int ok = n > 0 && tw__oracle_summarize(acc->t, n, acc->ncand, acc->t_model, &sum) == 0;
+  int fc = 0, fm = 0;
+  if (ok && sum.fixed >= 0) {
+    fc = sum.fixed % o->c_max + 1;
+    fm = sum.fixed / o->c_max == 0 ? 1 : sum.fixed / o->c_max == 1 ? 2 : 4;
+  }
+  /* Planning time over the matrix: the median and the worst of the per-point medians, the worst
+   * per-point p99 (each already the worst rank's). */
+  double* tmp = (double*)malloc(sizeof(double) * (size_t)(n > 0 ? n : 1));
+  double sm = -1, smax = -1, sp99 = -1, cm = -1, cmaxv = -1, cp99 = -1; /* -1: not measured */
+  if (tmp && n > 0 && o->solve_reps > 0) {
+    memcpy(tmp, acc->solve_med, sizeof(double) * (size_t)n);
+    sm = tw__oracle_percentile(tmp, n, 0.5), smax = tmp[n - 1];
+    memcpy(tmp, acc->solve_p99, sizeof(double) * (size_t)n);
+    sp99 = tw__oracle_percentile(tmp, n, 1.0);
+    memcpy(tmp, acc->create_med, sizeof(double) * (size_t)n);
+    cm = tw__oracle_percentile(tmp, n, 0.5), cmaxv = tmp[n - 1];
+    memcpy(tmp, acc->create_p99, sizeof(double) * (size_t)n);
+    cp99 = tw__oracle_percentile(tmp, n, 1.0);
+  }
+  free(tmp);
+  const double slower_pct = n > 0 ? 100.0 * sum.model_slower / n : 0;
+  if (!o->json) {
+    printf(
+        "\nsweep --oracle --matrix %s: %d point(s), %d rank(s); every (C, mgb) with C 1..%d and "
+        "mgb 1/2/4: median of %d timed round(s) after %d warm-up, each sample the max over "
+        "ranks; %.0f s\n\n",
+        o->matrix, n, world, o->c_max, o->iters, o->warmup, tw__now_seconds() - acc->t_start);
+    printf("| summary | value | bar (issue #5, 2 x H200) |\n| --- | ---: | --- |\n");
+    if (ok) {
+      printf("| model: mean regret | %.2f%% | <= 2%% |\n", 100 * sum.mean_regret);
+      printf("| model: max regret | %.2f%% (point %d, %s) | <= 5%% |\n", 100 * sum.max_regret,
+             sum.max_regret_point + 1, pts[sum.max_regret_point].name);
+      if (sum.fixed >= 0) {
+        printf("| best single fixed (C, mgb) over the matrix | (%d, %d) | |\n", fc, fm);
+        printf("| fixed (%d, %d): mean regret | %.2f%% | |\n", fc, fm, 100 * sum.fixed_mean_regret);
+        printf("| fixed (%d, %d): max regret | %.2f%% | |\n", fc, fm, 100 * sum.fixed_max_regret);
+        printf(
+            "| points where the model's choice is slower than fixed (%d, %d) | %d of %d (%.1f%%); "
+            "%d by more than 1%% | <= 10%% |\n",
+            fc, fm, sum.model_slower, n, slower_pct, sum.model_slower_1pct);
+      } else {
+        printf("| best single fixed (C, mgb) | none measured at every point | |\n");
+      }
+    } else {
+      printf("| model: regret | no point measured | |\n");
+    }
+    if (o->solve_reps > 0 && n > 0) {
+      printf(
+          "| the model's decision in tw_plan_create (%d plans per point, worst rank): median / "
+          "max of the points' medians; max p99 | %.3f / %.3f us; %.3f us | median <= 1 us |\n",
+          o->solve_reps, sm, smax, sp99);
+      printf(
+          "| the whole tw_plan_create: median / max of the points' medians; max p99 | %.1f / "
+          "%.1f us; %.1f us | |\n",
+          cm, cmaxv, cp99);
+    }
+    if (acc->failed)
+      printf("\n%d point(s) FAILED the correctness check (max rel err above --tol %.1e)\n",
+             acc->failed, o->tol);
+    fflush(stdout);
+  }
+  if (js) {
+    fprintf(js,
+            "\n ],\n \"summary\": {\"points\": %d, \"failed\": %d, \"mean_regret\": %.5f, "
+            "\"max_regret\": %.5f, \"max_regret_point\": %d, \"fixed\": {\"comm_ctas\": %d, "
+            "\"coalesce\": %d, \"mean_regret\": %.5f, \"max_regret\": %.5f}, \"model_slower\": %d, "
+            "\"model_slower_1pct\": %d, \"solve_us\": {\"median_of_medians\": %.3f, "
+            "\"max_median\": %.3f, \"max_p99\": %.3f}, \"plan_create_us\": {\"median_of_medians\": "
+            "%.1f, \"max_median\": %.1f, \"max_p99\": %.1f}, \"seconds\": %.1f}}\n",
+            n, acc->failed, ok ? sum.mean_regret : -1.0, ok ? sum.max_regret : -1.0,
+            ok ? sum.max_regret_point + 1 : 0, fc, fm, sum.fixed_mean_regret, sum.fixed_max_regret,
+            sum.model_slower, sum.model_slower_1pct, sm, smax, sp99, cm, cmaxv, cp99,
+            tw__now_seconds() - acc->t_start);
+    fflush(js);
+  }
+}
+
+/* `sweep --oracle --list`: the matrix and a rough time estimate, host only. Per point: rank 0's
+ * plan (default config) gives the model's choice and its predicted time of every candidate; the
+ * estimate is rounds (warm-up + timed + the correctness run) x (the sum of the predictions +
+ * per sample the device delay and ~100 us of barrier and synchronisation), plus ~2 s of setup
+ * (context, inputs) and the solve timing at this machine's planning speed. It is only as good as
+ * the model's predictions (within tens of percent on 2 x H200 so far). */
+static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
+  const int world = o->ranks > 0 ? o->ranks : 2;
+  printf(
+      "sweep --oracle --matrix %s: %d points; estimate for %d ranks, --iters %d --warmup %d, "
+      "C 1..%d x mgb 1/2/4, --solve-reps %d\n\n",
+      o->matrix, n, world, o->iters, o->warmup, o->c_max, o->solve_reps);
+  printf(
+      "| # | workload | tokens/rank | K | N | E | top-k | router | model C | model mgb | "
+      "predicted us | estimated s |\n");
+  printf("| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |\n");
+  double total = 0;
+  const int mgbs[3] = {1, 2, 4};
+  for (int i = 0; i < n; i++) {
+    const twb_point* pt = &pts[i];
+    tw_problem p = TW_PROBLEM_INIT;
+    p.world_size = world;
+    p.hidden = pt->hidden, p.ffn = pt->ffn, p.experts = pt->experts, p.top_k = pt->topk;
+    p.max_tokens = pt->tokens;
+    tw_routing_t rt = NULL;
+    tw_plan_t plan = NULL;
+    const tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+    tw_plan_summary ms;
+    double t_create = 0, sum_pred = 0;
+    tw_status st =
+        tw_routing_generate(&p, (tw_router)pt->router, pt->router_param, pt->tokens, o->seed, &rt);
+    if (st == TW_SUCCESS) {
+      const double t0 = tw__now_seconds();
+      st = tw_plan_create(&p, rt, 0, &cfg, &plan);
+      t_create = tw__now_seconds() - t0;
+    }
+    if (st == TW_SUCCESS) st = tw_plan_summary_get(plan, &ms);
+    int ncand = 0;
+    for (int m = 0; m < 3 && st == TW_SUCCESS; m++)
+      for (int c = 1; c <= o->c_max && st == TW_SUCCESS; c++) {
+        double t = 0;
+        st = tw_plan_predict(plan, c, mgbs[m], &t);
+        sum_pred += t;
+        ncand++;
+      }
+    tw_plan_destroy(plan);
+    tw_routing_destroy(rt);
+    if (st != TW_SUCCESS) {
+      fprintf(stderr, "tilewave sweep: point %d (%s): %s: %s\n", i + 1, pt->name,
+              tw_status_string(st), tw_last_error());
+      return 1;
+    }
+    const int rounds = o->warmup + o->iters + 1;
+    const double est =
+        rounds * (sum_pred + ncand * (o->delay_us + 100.0)) * 1e-6 + 2.0 + o->solve_reps * t_create;
+    total += est;
+    printf("| %d | %s | %d | %d | %d | %d | %d | %s | %d | %d | %.1f | %.1f |\n", i + 1, pt->name,
+           pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk, twb_router_name(pt->router),
+           ms.comm_ctas, ms.coalesce, ms.predicted_us, est);
+  }
+  printf("\nestimated total: %.0f s (%.1f min), plus ~10 s to start the ranks\n", total,
+         total / 60);
+  return 0;
 }
 
 /* ---- ranks ----------------------------------------------------------------------------------- */
@@ -776,6 +1160,30 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
   if (!o->json && rank == 0 && !o->sweep) twb_print_header();
   twb_bench_result* res = (twb_bench_result*)calloc(1, sizeof(twb_bench_result));
   int failures = 0;
+  /* sweep --oracle: rank 0 keeps every point's candidates for the summary. */
+  twb_oracle_acc acc;
+  memset(&acc, 0, sizeof acc);
+  double* acc_buf = NULL;
+  if (o->oracle && rank == 0) {
+    acc.npoints = job->npoints;
+    acc.ncand = 3 * o->c_max;
+    acc.t_start = tw__now_seconds();
+    const size_t n = (size_t)job->npoints;
+    acc_buf = (double*)calloc(n * (size_t)acc.ncand + 5 * n, sizeof(double));
+    if (acc_buf == NULL) st = tw__fail(TW_ERR_OUT_OF_MEMORY, "sweep: out of host memory");
+    acc.t = acc_buf;
+    acc.t_model = acc_buf + n * (size_t)acc.ncand;
+    acc.solve_med = acc.t_model + n, acc.solve_p99 = acc.t_model + 2 * n;
+    acc.create_med = acc.t_model + 3 * n, acc.create_p99 = acc.t_model + 4 * n;
+    if (js)
+      fprintf(js,
+              "{\"command\": \"sweep_oracle\", \"matrix\": \"%s\", \"world_size\": %d, "
+              "\"iters\": %d, \"warmup\": %d, \"c_max\": %d, \"solve_reps\": %d, \"delay_us\": "
+              "%d, \"tol\": %.3e, \"seed\": %llu,\n \"points\": [\n",
+              o->matrix, nranks, o->iters, o->warmup, o->c_max, o->solve_reps, o->delay_us, o->tol,
+              (unsigned long long)o->seed);
+    if (!o->json) twb_oracle_header();
+  }
   for (int i = 0; i < job->npoints && st == TW_SUCCESS && res; i++) {
     const twb_point* pt = &job->points[i];
     if (rank == 0)
@@ -783,7 +1191,9 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
               o->sweep ? "sweep" : "bench", i + 1, job->npoints, pt->tokens, pt->ffn, pt->hidden,
               pt->experts, pt->topk, twb_router_name(pt->router));
     const double t0 = tw__now_seconds();
-    if (o->sweep) {
+    if (o->oracle) {
+      if (!twb_oracle_point(&s, o, pt, i, job->npoints, &acc, js, &st)) failures++;
+    } else if (o->sweep) {
       st = twb_sweep_point(&s, o, pt);
     } else {
       st = twb_bench_point(&s, o, pt, res);
@@ -803,6 +1213,9 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
   }
   if (res == NULL) st = tw__fail(TW_ERR_OUT_OF_MEMORY, "bench: out of host memory");
   if (js && !o->sweep) fprintf(js, "\n]}\n");
+  /* The summary covers the points measured, also when a point stopped the run. */
+  if (o->oracle && rank == 0 && acc_buf) twb_oracle_summary(o, nranks, job->points, &acc, js);
+  free(acc_buf);
   if (s.json_out) fclose(s.json_out);
   fflush(stdout);
   free(res);
@@ -818,7 +1231,8 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
     ncclCommDestroy(s.comm);
   if (st == TW_SUCCESS && failures > 0) {
     if (rank == 0)
-      fprintf(stderr, "tilewave bench: %d point(s) failed the correctness check\n", failures);
+      fprintf(stderr, "tilewave %s: %d point(s) failed the correctness check\n",
+              o->sweep ? "sweep" : "bench", failures);
     return TW_ERR_INTERNAL;
   }
   return (int)st;
@@ -833,10 +1247,27 @@ static void twb_usage(FILE* f, int sweep) {
           "unfused and chunked copy-engine baselines, one process per visible GPU (or one rank\n"
           "under mpirun/torchrun). Every output is checked against ours on every point.\n");
   if (sweep)
-    fprintf(f,
-            "For one point, measures every C in 1..32 and mgb in {1,2,4}; prints the table, the\n"
-            "oracle, the model's choice and its regret.\n\n"
-            "shape (default: tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced):\n");
+    fprintf(
+        f,
+        "For one point, measures every C in 1..32 and mgb in {1,2,4}; prints the table, the\n"
+        "oracle, the model's choice and its regret, and the model's time inside\n"
+        "tw_plan_create.\n\n"
+        "workload matrix (instead of one point; no shape flags):\n"
+        "  --oracle            measure a workload matrix: per point the model's choice, the\n"
+        "                      oracle and the regret (T_model - T_oracle) / T_oracle; then mean\n"
+        "                      and max regret, the best single fixed (C, mgb) over the matrix\n"
+        "                      and on how many points the model is slower than it, and the\n"
+        "                      model's solve time; defaults --iters 5 --warmup 1; the\n"
+        "                      sequential baseline is run once per point as the correctness\n"
+        "                      reference, not timed\n"
+        "  --matrix M          quick (default; 14 points) or full (every preset at tokens/rank\n"
+        "                      1024/4096/16384 and the second paper's grid, x 3 routers: 114\n"
+        "                      points); implies --oracle\n"
+        "  --list              print the matrix and a time estimate from the model's own\n"
+        "                      predictions (rank 0's plan; no GPU needed), measure nothing\n"
+        "  --solve-reps N      tw_plan_create calls timed per point for the solve time\n"
+        "                      (median, p99; default 200, 0 = none)\n\n"
+        "shape (default: tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced):\n");
   else
     fprintf(f,
             "`tilewave bench gemm ...` runs the GEMM benchmark (tools/bench_gemm.cu).\n\n"
@@ -854,12 +1285,13 @@ static void twb_usage(FILE* f, int sweep) {
           "  --comm-ctas C       force C (default: the model's choice)\n"
           "  --coalesce M        force mgb (default: the model's choice)\n"
           "measurement:\n"
-          "  --iters N           timed rounds (default %d)\n"
-          "  --warmup N          untimed rounds (default %d)\n"
+          "  --iters N           timed rounds (default %d%s)\n"
+          "  --warmup N          untimed rounds (default %d%s)\n"
           "  --chunks R[,R...]   chunked baseline rows per chunk (default 1024,2048,4096,8192)\n"
           "  --delay-us U        device delay before each sample (default 300; 0 = count host\n"
           "                      launch time)\n",
-          sweep ? 20 : 50, sweep ? 3 : 5);
+          sweep ? 20 : 50, sweep ? "; 5 with --oracle" : "", sweep ? 3 : 5,
+          sweep ? "; 1 with --oracle" : "");
   if (sweep)
     fprintf(f, "  --c-max C           largest C swept (default 32)\n");
   else
@@ -890,8 +1322,9 @@ static int twb_main(int argc, char** argv, int sweep) {
   o.sweep = sweep;
   o.router = -1;
   o.seed = 1;
-  o.iters = sweep ? 20 : 50;
-  o.warmup = sweep ? 3 : 5;
+  o.iters = -1; /* defaults below, once --oracle is known */
+  o.warmup = -1;
+  o.solve_reps = 200;
   o.timeout_s = 1800;
   o.delay_us = 300;
   o.c_max = 32;
@@ -927,6 +1360,14 @@ static int twb_main(int argc, char** argv, int sweep) {
       o.full = 1;
       continue;
     }
+    if (strcmp(a, "--oracle") == 0 && sweep) {
+      o.oracle = 1;
+      continue;
+    }
+    if (strcmp(a, "--list") == 0 && sweep) {
+      o.list = 1;
+      continue;
+    }
     if (strcmp(a, "--hidden") == 0) shape_given = 1;
     if (strcmp(a, "--ffn") == 0) shape_given = 1;
     if (strcmp(a, "--experts") == 0) shape_given = 1;
@@ -943,6 +1384,7 @@ static int twb_main(int argc, char** argv, int sweep) {
     TWB_INT("--ranks", o.ranks, 1, TW_MAX_RANKS)
     TWB_INT("--timeout", o.timeout_s, 0, 1 << 30)
     TWB_INT("--c-max", o.c_max, 1, TW_MAX_COMM_CTAS)
+    TWB_INT("--solve-reps", o.solve_reps, 0, 1000000)
 #undef TWB_INT
     if (v == NULL) {
       fprintf(stderr, "tilewave %s: unknown option or missing value: %s\n", argv[0], a);
@@ -983,6 +1425,13 @@ static int twb_main(int argc, char** argv, int sweep) {
       i++;
     } else if (strcmp(a, "--routing") == 0) {
       o.routing_file = v, i++, shape_given = 1;
+    } else if (strcmp(a, "--matrix") == 0 && sweep) {
+      tw__oracle_point probe[TW__ORACLE_MAX_POINTS];
+      if (tw__oracle_matrix(v, probe, TW__ORACLE_MAX_POINTS) < 0) {
+        fprintf(stderr, "tilewave sweep: --matrix must be quick or full (got '%s')\n", v);
+        return 2;
+      }
+      o.matrix = v, o.oracle = 1, i++;
     } else if (strcmp(a, "--json-file") == 0) {
       o.json_file = v, i++;
     } else if (strcmp(a, "--write-routing") == 0) {
@@ -1005,43 +1454,89 @@ static int twb_main(int argc, char** argv, int sweep) {
     }
   }
 
+  if (o.list) o.oracle = 1;
+  if (o.iters < 0) o.iters = o.oracle ? 5 : sweep ? 20 : 50;
+  if (o.warmup < 0) o.warmup = o.oracle ? 1 : sweep ? 3 : 5;
+  if (o.oracle) {
+    if (o.matrix == NULL) o.matrix = "quick";
+    const char* conflict = shape_given       ? "--model/--hidden/--ffn/--experts/--topk/--routing"
+                           : o.ntokens       ? "--tokens"
+                           : o.router >= 0   ? "--router"
+                           : o.write_routing ? "--write-routing"
+                           : o.comm_ctas     ? "--comm-ctas"
+                           : o.coalesce      ? "--coalesce"
+                                             : NULL;
+    if (conflict) {
+      fprintf(stderr,
+              "tilewave sweep: --oracle measures its own workload matrix (--matrix quick|full); "
+              "drop %s\n",
+              conflict);
+      return 2;
+    }
+  }
+
   /* Points. */
   twb_job job;
   memset(&job, 0, sizeof job);
-  twb_point base = {4096, 2048, 16, 2, 8192, TW_ROUTER_BALANCED, 0.0};
-  if (o.model) {
-    tw_problem p = TW_PROBLEM_INIT;
-    if (tw_problem_preset(o.model, &p) != TW_SUCCESS) {
-      fprintf(stderr, "tilewave: %s\n", tw_last_error());
-      return 2;
+  if (o.oracle) {
+    tw__oracle_point* m =
+        (tw__oracle_point*)calloc(TW__ORACLE_MAX_POINTS, sizeof(tw__oracle_point));
+    job.points = (twb_point*)calloc(TW__ORACLE_MAX_POINTS, sizeof(twb_point));
+    const int n = m && job.points ? tw__oracle_matrix(o.matrix, m, TW__ORACLE_MAX_POINTS) : -1;
+    for (int i = 0; i < n; i++) {
+      twb_point* pt = &job.points[i];
+      pt->hidden = m[i].hidden, pt->ffn = m[i].ffn, pt->experts = m[i].experts;
+      pt->topk = m[i].topk, pt->tokens = m[i].tokens, pt->router = m[i].router;
+      snprintf(pt->name, sizeof pt->name, "%s", m[i].name);
     }
-    base.hidden = p.hidden, base.ffn = p.ffn, base.experts = p.experts, base.topk = p.top_k;
+    free(m);
+    if (n < 0) {
+      free(job.points);
+      fprintf(stderr, "tilewave sweep: cannot build the %s matrix\n", o.matrix);
+      return 1;
+    }
+    job.npoints = n;
+    if (o.list) {
+      const int rc = twb_oracle_list(&o, job.points, job.npoints);
+      free(job.points);
+      return rc;
+    }
+  } else {
+    twb_point base = {4096, 2048, 16, 2, 8192, TW_ROUTER_BALANCED, 0.0, ""};
+    if (o.model) {
+      tw_problem p = TW_PROBLEM_INIT;
+      if (tw_problem_preset(o.model, &p) != TW_SUCCESS) {
+        fprintf(stderr, "tilewave: %s\n", tw_last_error());
+        return 2;
+      }
+      base.hidden = p.hidden, base.ffn = p.ffn, base.experts = p.experts, base.topk = p.top_k;
+    }
+    if (o.hidden) base.hidden = o.hidden;
+    if (o.ffn) base.ffn = o.ffn;
+    if (o.experts) base.experts = o.experts;
+    if (o.topk) base.topk = o.topk;
+    if (o.router >= 0) base.router = o.router, base.router_param = o.router_param;
+    const int routers[3] = {TW_ROUTER_BALANCED, TW_ROUTER_MODERATE_SKEW, TW_ROUTER_STRESS_SKEW};
+    const int nrouters = o.full && o.router < 0 ? 3 : 1;
+    int default_tokens[2] = {8192, 16384};
+    const int* toks = o.ntokens ? o.tokens : default_tokens;
+    int ntoks = o.ntokens ? o.ntokens : (shape_given || sweep ? 1 : 2);
+    const int grid = !shape_given && !sweep;
+    const int hs[2] = {4096, 8192}, es[5] = {4, 8, 16, 32, 64};
+    job.points = (twb_point*)calloc(64 + (size_t)ntoks * 2 * 5 * 3, sizeof(twb_point));
+    if (job.points == NULL) return 1;
+    for (int t = 0; t < ntoks; t++)
+      for (int h = 0; h < (grid ? 2 : 1); h++)
+        for (int e = 0; e < (grid ? 5 : 1); e++)
+          for (int r = 0; r < nrouters; r++) {
+            twb_point pt = base;
+            pt.tokens = toks[t];
+            if (grid) pt.hidden = hs[h], pt.experts = es[e];
+            if (nrouters > 1) pt.router = routers[r], pt.router_param = 0.0;
+            job.points[job.npoints++] = pt;
+          }
   }
-  if (o.hidden) base.hidden = o.hidden;
-  if (o.ffn) base.ffn = o.ffn;
-  if (o.experts) base.experts = o.experts;
-  if (o.topk) base.topk = o.topk;
-  if (o.router >= 0) base.router = o.router, base.router_param = o.router_param;
-  const int routers[3] = {TW_ROUTER_BALANCED, TW_ROUTER_MODERATE_SKEW, TW_ROUTER_STRESS_SKEW};
-  const int nrouters = o.full && o.router < 0 ? 3 : 1;
-  int default_tokens[2] = {8192, 16384};
-  const int* toks = o.ntokens ? o.tokens : default_tokens;
-  int ntoks = o.ntokens ? o.ntokens : (shape_given || sweep ? 1 : 2);
-  const int grid = !shape_given && !sweep;
-  const int hs[2] = {4096, 8192}, es[5] = {4, 8, 16, 32, 64};
-  job.points = (twb_point*)calloc(64 + (size_t)ntoks * 2 * 5 * 3, sizeof(twb_point));
-  if (job.points == NULL) return 1;
-  for (int t = 0; t < ntoks; t++)
-    for (int h = 0; h < (grid ? 2 : 1); h++)
-      for (int e = 0; e < (grid ? 5 : 1); e++)
-        for (int r = 0; r < nrouters; r++) {
-          twb_point pt = base;
-          pt.tokens = toks[t];
-          if (grid) pt.hidden = hs[h], pt.experts = es[e];
-          if (nrouters > 1) pt.router = routers[r], pt.router_param = 0.0;
-          job.points[job.npoints++] = pt;
-        }
-  if (sweep && job.npoints > 1) job.npoints = 1;
+  if (sweep && !o.oracle && job.npoints > 1) job.npoints = 1;
   job.o = o;
 
   int nranks = o.ranks;

@@ -7,6 +7,7 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tilewave.h"
@@ -89,6 +90,19 @@ int tw__oracle_matrix(const char* which, tw__oracle_point* out, int cap) {
     return n;
   }
   return -1;
+}
+
+static int tw__oracle_cmp(const void* a, const void* b) {
+  const double x = *(const double*)a, y = *(const double*)b;
+  return x < y ? -1 : x > y ? 1 : 0;
+}
+
+double tw__oracle_percentile(double* v, int n, double q) {
+  if (v == NULL || n < 1) return NAN;
+  qsort(v, (size_t)n, sizeof *v, tw__oracle_cmp);
+  const double pos = q * (double)(n - 1);
+  const int lo = (int)pos, hi = lo + 1 < n ? lo + 1 : lo;
+  return v[lo] + (pos - lo) * (v[hi] - v[lo]);
 }
 
 double tw__oracle_regret(double t_chosen, double t_oracle) {

@@ -32,6 +32,10 @@ typedef struct tw__oracle_point {
  *            router and every token count at least once. */
 int tw__oracle_matrix(const char* which, tw__oracle_point* out, int cap);
 
+/* Percentile q in [0, 1] of v[0..n) by linear interpolation between order statistics (numpy's
+ * default, as the benchmark's p10/p90). Sorts v in place; n < 1 gives NaN. */
+double tw__oracle_percentile(double* v, int n, double q);
+
 /* Regret of a chosen time against the oracle's: (t_chosen - t_oracle) / t_oracle. */
 double tw__oracle_regret(double t_chosen, double t_oracle);
 

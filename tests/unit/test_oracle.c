@@ -69,6 +69,21 @@ static void test_no_fixed_candidate(void) {
   CHECK(s.model_slower == 0);
 }
 
+/* Order statistics as numpy.percentile: {5, 1, 3, 2, 4}: median 3, p99 = 4 + 0.96 (5 - 4). */
+static void test_percentile(void) {
+  double v[5] = {5, 1, 3, 2, 4};
+  CHECK_NEAR(tw__oracle_percentile(v, 5, 0.5), 3.0, 1e-12);
+  CHECK_NEAR(tw__oracle_percentile(v, 5, 0.99), 4.96, 1e-12);
+  CHECK(v[0] == 1 && v[4] == 5); /* sorted in place */
+  double w[4] = {0.8, 0.2, 0.6, 0.4};
+  CHECK_NEAR(tw__oracle_percentile(w, 4, 0.5), 0.5, 1e-12);
+  CHECK_NEAR(tw__oracle_percentile(w, 4, 0.0), 0.2, 1e-12);
+  CHECK_NEAR(tw__oracle_percentile(w, 4, 1.0), 0.8, 1e-12);
+  double one = 7.25;
+  CHECK(tw__oracle_percentile(&one, 1, 0.99) == 7.25);
+  CHECK(isnan(tw__oracle_percentile(w, 0, 0.5)));
+}
+
 static void test_bad_input(void) {
   const double t[2] = {1, 2};
   double tm[1] = {1};
@@ -191,5 +206,5 @@ static void test_matrices(void) {
 }
 
 TW_TEST_MAIN(TW_TEST(test_hand_computed), TW_TEST(test_ties_and_small_losses),
-             TW_TEST(test_no_fixed_candidate), TW_TEST(test_bad_input),
+             TW_TEST(test_no_fixed_candidate), TW_TEST(test_percentile), TW_TEST(test_bad_input),
              TW_TEST(test_random_properties), TW_TEST(test_matrices))
