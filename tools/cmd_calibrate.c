@@ -6,7 +6,8 @@
  * Each number is fitted to the formula the model charges it in (src/plan/model.c), so that the
  * file means what the model reads (fits: calibrate_fit.c; method and caveats: docs/calibrate.md):
  *   sm_count          the device's multiprocessor count
- *   tile_tflops,      the producer GEMM alone (kernels API, no consumer) on P = SMs - 8 CTAs, on
+ *   tile_tflops,      the producer GEMM alone (kernels API, band signals on, no consumer) on
+ *                     P = SMs - 8 CTAs (a typical C beside it), on
  *   tile_overhead_us  two balanced problems per K that differ only in their wave count: the time
  *                     difference over the wave difference is one wave's time without the launch
  *                     and the kernel's fixed costs; least squares of it against 2 TM TN K over
@@ -17,9 +18,10 @@
  *                     (tw_context_timings: comm_ms is the consumer kernel alone, the owner's
  *                     reduction is timed apart). Below saturation the model charges a call
  *                     busiest_bytes(C) / link_cta + segments * latency; the two mgb give two
- *                     segment counts for the same bytes, so least squares over C <= 4 separates
- *                     the per-CTA rate from the per-segment latency
- *   link_peak_gbps    the largest aggregate rate over C, bytes / (time - segments * latency)
+ *                     segment counts for the same bytes, so least squares over the C below
+ *                     saturation (aggregate rate <= half the plateau; at least C = 1, 2)
+ *                     separates the per-CTA rate from the per-segment latency
+ *   link_peak_gbps    the plateau: the largest aggregate rate (bytes / time) over C
  *   mem_gbps          a device-to-device copy: (read + write bytes) / time, as the default was
  *                     measured (the reduction's own rate is printed beside it)
  * occ_comp and occ_comm keep their defaults: the library does not expose its kernels'
@@ -98,7 +100,8 @@ typedef struct twc_state {
   int link_ok, nlink_c, link_tokens, link_experts, unit_tiles;
   twc_link_point* link; /* (world * TWC_NLINK) */
   double link_resid[TW_CALIB_MAX_POINTS];
-  double agg_gbps[TWC_NC]; /* mean over ranks and mgb of bytes / (us - segments latency) */
+  double agg_gbps[TWC_NC]; /* mean over ranks and mgb of bytes / us */
+  int fit_cmax, nfit;      /* the link fit took the points with C <= fit_cmax */
   double reduce_us, reduce_bytes;
   char link_note[200], prod_note[200];
 } twc_state;
@@ -427,19 +430,41 @@ static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
   s->reduce_bytes = (double)my_tokens * (p.top_k + 1) * p.hidden * 2.0;
   s->reduce_us = mine[(ncs - 1) * TWC_NMGB].reduce_us;
 
-  /* Fit below saturation: C <= 4, both mgb, every rank. */
+  /* Aggregate rate per C (mean over ranks and mgb of bytes / time): the plateau is the peak,
+   * and the C whose rate is at most half of it are below saturation, where the per-CTA rate and
+   * the per-segment latency are fitted (always C = 1 and 2: two C and two mgb per rank). */
+  double peak = 0;
+  for (int ci = 0; ci < ncs; ci++) {
+    double sum = 0;
+    for (int r = 0; r < s->world; r++)
+      for (int m = 0; m < TWC_NMGB; m++) {
+        const twc_link_point* q = &s->link[r * TWC_NLINK + ci * TWC_NMGB + m];
+        sum += q->us > 0 ? q->total_bytes / q->us * 1e-3 : 0.0;
+      }
+    s->agg_gbps[ci] = sum / (s->world * TWC_NMGB);
+    if (s->agg_gbps[ci] > peak) peak = s->agg_gbps[ci];
+  }
+  if (!(peak > 0))
+    return tw__fail(TW_ERR_INTERNAL, "calibrate: the consumer moved no bytes (empty plans?)");
+  s->fit_cmax = twc_cs[0];
+  for (int ci = 1; ci < ncs; ci++)
+    if (ci < 2 || s->agg_gbps[ci] <= 0.5 * peak)
+      s->fit_cmax = twc_cs[ci];
+    else
+      break;
   double bx[TW_CALIB_MAX_POINTS], sg[TW_CALIB_MAX_POINTS], us[TW_CALIB_MAX_POINTS];
   int n = 0;
   for (int r = 0; r < s->world; r++)
     for (int i = 0; i < ncs * TWC_NMGB; i++) {
       const twc_link_point* q = &s->link[r * TWC_NLINK + i];
-      if (q->c <= 4 && n < TW_CALIB_MAX_POINTS) {
+      if (q->c <= s->fit_cmax && n < TW_CALIB_MAX_POINTS) {
         bx[n] = q->busiest_bytes;
         sg[n] = q->segments;
         us[n] = q->us;
         n++;
       }
     }
+  s->nfit = n;
   TW_TRY(tw__calib_fit_link(bx, sg, us, n, &s->hw.link_cta_gbps, &s->hw.link_latency_us,
                             s->link_resid));
   if (s->hw.link_latency_us < 0) {
@@ -447,22 +472,9 @@ static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
              "fitted latency %.3f us per segment < 0 (noise): written as 0", s->hw.link_latency_us);
     s->hw.link_latency_us = 0;
   }
-  double peak = 0;
-  for (int ci = 0; ci < ncs; ci++) {
-    double sum = 0;
-    for (int r = 0; r < s->world; r++)
-      for (int m = 0; m < TWC_NMGB; m++) {
-        const twc_link_point* q = &s->link[r * TWC_NLINK + ci * TWC_NMGB + m];
-        sum += tw__calib_link_rate(q->total_bytes, q->us, q->segments, s->hw.link_latency_us);
-      }
-    s->agg_gbps[ci] = sum / (s->world * TWC_NMGB);
-    if (s->agg_gbps[ci] > peak) peak = s->agg_gbps[ci];
-  }
-  if (!(peak > 0))
-    return tw__fail(TW_ERR_INTERNAL,
-                    "calibrate: no positive link rate (the fitted latency %.2f us per segment "
-                    "exceeds the measured times)",
-                    s->hw.link_latency_us);
+  /* The peak is the raw plateau, as the default was measured: taking the model's serial
+   * per-segment latency out of the short high-C calls would overstate it wherever the CTAs
+   * overlap their latencies. */
   s->hw.link_peak_gbps = peak;
   s->link_ok = 1;
   return TW_SUCCESS;
@@ -518,7 +530,6 @@ static void twc_print(const twc_state* s) {
     printf(
         "| C | mgb | rank | segments | MiB sent | busiest CTA MiB | us | fit us | in fit | "
         "GB/s aggregate |\n|---|---|---|---|---|---|---|---|---|---|\n");
-    int k = 0;
     for (int r = 0; r < s->world; r++)
       for (int i = 0; i < s->nlink_c * TWC_NMGB; i++) {
         const twc_link_point* q = &s->link[r * TWC_NLINK + i];
@@ -526,14 +537,13 @@ static void twc_print(const twc_state* s) {
             q->busiest_bytes / (h->link_cta_gbps * 1e3) + q->segments * h->link_latency_us;
         printf("| %.0f | %.0f | %d | %.0f | %.1f | %.2f | %.1f | %.1f | %s | %.1f |\n", q->c,
                q->mgb, r, q->segments, q->total_bytes / 1048576.0, q->busiest_bytes / 1048576.0,
-               q->us, fit, q->c <= 4 ? "yes" : "no", q->total_bytes / q->us * 1e-3);
-        if (q->c <= 4) k++;
+               q->us, fit, q->c <= s->fit_cmax ? "yes" : "no", q->total_bytes / q->us * 1e-3);
       }
     printf(
-        "fit over C <= 4 (%d points): us = busiest bytes / (%.2f GB/s x 1e3) + segments x "
-        "%.3f us (beyond C = 4 the link saturates and the times exceed the fit)\n",
-        k, h->link_cta_gbps, h->link_latency_us);
-    printf("aggregate rate, latency removed, mean over ranks and mgb:");
+        "fit over C <= %d (%d points; the C whose rate stays within half the plateau): us = "
+        "busiest bytes / (%.2f GB/s x 1e3) + segments x %.3f us\n",
+        s->fit_cmax, s->nfit, h->link_cta_gbps, h->link_latency_us);
+    printf("aggregate rate (bytes / time), mean over ranks and mgb:");
     for (int ci = 0; ci < s->nlink_c; ci++) printf(" C=%d %.0f", twc_cs[ci], s->agg_gbps[ci]);
     printf(" GB/s\n");
     if (s->link_note[0]) printf("note: %s\n", s->link_note);
@@ -561,12 +571,12 @@ static void twc_print(const twc_state* s) {
            d->mem_gbps, h->mem_gbps, s->copy_bytes / 1048576.0);
   }
   if (s->link_ok) {
-    printf("| link_cta_gbps | %.2f | %.2f | consumer alone, C <= 4, bytes term of the fit |\n",
-           d->link_cta_gbps, h->link_cta_gbps);
+    printf("| link_cta_gbps | %.2f | %.2f | consumer alone, C <= %d, bytes term of the fit |\n",
+           d->link_cta_gbps, h->link_cta_gbps, s->fit_cmax);
     printf(
-        "| link_latency_us | %.3f | %.3f | consumer alone, C <= 4, per-segment term (mgb 1 vs "
+        "| link_latency_us | %.3f | %.3f | consumer alone, C <= %d, per-segment term (mgb 1 vs "
         "4) |\n",
-        d->link_latency_us, h->link_latency_us);
+        d->link_latency_us, h->link_latency_us, s->fit_cmax);
     printf("| link_peak_gbps | %.1f | %.1f | consumer alone, largest aggregate rate over C |\n",
            d->link_peak_gbps, h->link_peak_gbps);
   } else {
