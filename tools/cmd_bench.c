@@ -978,7 +978,7 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
   memset(&sum, 0, sizeof sum);
   sum.fixed = -1;
   const int ok = n > 0 && tw__oracle_summarize(acc->t, n, acc->ncand, acc->t_model, &sum) == 0;
-  int fc = 0, fm = 0;
+  int fc = -1, fm = -1; /* the best fixed (C, mgb); -1: none */
   if (ok && sum.fixed >= 0) {
     fc = sum.fixed % o->c_max + 1;
     fm = sum.fixed / o->c_max == 0 ? 1 : sum.fixed / o->c_max == 1 ? 2 : 4;
