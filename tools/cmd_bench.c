@@ -1005,7 +1005,7 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
         "mgb 1/2/4: median of %d timed round(s) after %d warm-up, each sample the max over "
         "ranks; %.0f s\n\n",
         o->matrix, n, world, o->c_max, o->iters, o->warmup, tw__now_seconds() - acc->t_start);
-    printf("| summary | value | bar (issue #5, 2 x H200) |\n| --- | ---: | --- |\n");
+    printf("| summary | value | target (2 x H200) |\n| --- | ---: | --- |\n");
     if (ok) {
       printf("| model: mean regret | %.2f%% | <= 2%% |\n", 100 * sum.mean_regret);
       printf("| model: max regret | %.2f%% (point %d, %s) | <= 5%% |\n", 100 * sum.max_regret,
