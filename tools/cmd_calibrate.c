@@ -613,7 +613,7 @@ static tw_status twc_write_json(const twc_state* s, const char* path) {
   twc_json_hw(f, "defaults", &s->def);
   fprintf(f, ",\n");
   twc_json_hw(f, "measured", &s->hw);
-  fprintf(f, ",\n  \"measured_fields\": [\"sm_count\", \"c_max\"%s%s],\n",
+  fprintf(f, ",\n  \"measured_fields\": [\"sm_count\"%s%s],\n",
           s->prod_ok ? ", \"tile_tflops\", \"tile_overhead_us\", \"mem_gbps\"" : "",
           s->link_ok ? ", \"link_cta_gbps\", \"link_latency_us\", \"link_peak_gbps\"" : "");
   fprintf(f, "  \"producer\": {\"tm\": %d, \"tn\": %d, \"grid\": %d, \"n\": %d, \"points\": [",
