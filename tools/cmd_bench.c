@@ -40,6 +40,7 @@
 
 #define TWB_MAX_TOKENS_LIST 8
 #define TWB_MAX_CHUNKS 8
+#define TWB_MAX_ONLY 64
 #define TWB_L2_BYTES (60ull << 20)
 #define TWB_POISON 0x7FC1u /* a bf16 NaN: an element nobody wrote fails the check */
 
@@ -61,16 +62,19 @@ typedef struct twb_opts {
   int chunks[TWB_MAX_CHUNKS];
   int nchunks;
   double tol;
-  int oracle;         /* sweep --oracle: a workload matrix instead of one point */
-  const char* matrix; /* "quick" or "full" */
-  int list;           /* --list: print the matrix and a time estimate, measure nothing */
-  int solve_reps;     /* tw_plan_create calls timed per point (0 = none) */
+  int oracle;             /* sweep --oracle: a workload matrix instead of one point */
+  const char* matrix;     /* "quick" or "full" */
+  int list;               /* --list: print the matrix and a time estimate, measure nothing */
+  int solve_reps;         /* tw_plan_create calls timed per point (0 = none) */
+  int only[TWB_MAX_ONLY]; /* --points: 1-based matrix indices to measure; nonly = 0: all */
+  int nonly;
 } twb_opts;
 
 typedef struct twb_point {
   int hidden, ffn, experts, topk, tokens, router;
   double router_param;
   char name[32]; /* sweep --oracle: the preset, or "grid" */
+  int index;     /* sweep --oracle: 1-based index in the matrix (as --list numbers it) */
 } twb_point;
 
 enum twb_kind {
@@ -928,7 +932,7 @@ static int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt,
       printf(
           "| %d | %s | %d | %d | %d | %d | %d | %s | %s | %s | %.1f | %.1f | %d | %d | %.1f | "
           "%.2f%% | %.3f / %.3f | %.1f / %.1f | %.2e%s |\n",
-          index + 1, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
+          pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
           twb_router_name(pt->router), mc, mm, r->t_model, ms->predicted_us, b->c,
           s->mgbs[b->dplan], r->t_oracle, 100 * r->regret, r->solve_med, r->solve_p99,
           r->create_med, r->create_p99, (double)r->maxerr, pass ? "" : " FAIL");
@@ -945,7 +949,7 @@ static int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt,
               "{\"median\": %.3f, \"p99\": %.3f}, \"plan_create_us\": {\"median\": %.1f, \"p99\": "
               "%.1f}, \"solve_reps\": %d, \"max_rel_err\": %.3e, \"pass\": %s, \"seconds\": %.1f,"
               "\n   \"configs\": [",
-              index ? ",\n" : "", index + 1, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts,
+              index ? ",\n" : "", pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts,
               pt->topk, twb_router_name(pt->router), b->c, s->mgbs[b->dplan], r->t_oracle,
               ms->comm_ctas, ms->coalesce, r->model_c_lo, r->model_c_hi, r->model_mgb_lo,
               r->model_mgb_hi, r->t_model, ms->predicted_us, ms->sequential_us, r->regret,
@@ -958,11 +962,11 @@ static int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt,
     }
     const double el = tw__now_seconds() - acc->t_start;
     fprintf(stderr,
-            "[oracle %d/%d] %s: model C=%s mgb=%s %.1f us, oracle C=%d mgb=%d %.1f us, regret "
+            "[oracle %d/%d] #%d %s: model C=%s mgb=%s %.1f us, oracle C=%d mgb=%d %.1f us, regret "
             "%.2f%%%s; %.1f s; elapsed %.0f s, ETA %.0f s\n",
-            index + 1, npoints, pt->name, mc, mm, r->t_model, b->c, s->mgbs[b->dplan], r->t_oracle,
-            100 * r->regret, pass ? "" : ", FAILED the check", tw__now_seconds() - t0, el,
-            el / (index + 1) * (npoints - index - 1));
+            index + 1, npoints, pt->index, pt->name, mc, mm, r->t_model, b->c, s->mgbs[b->dplan],
+            r->t_oracle, 100 * r->regret, pass ? "" : ", FAILED the check", tw__now_seconds() - t0,
+            el, el / (index + 1) * (npoints - index - 1));
   }
   twb_sweep_result_free(&res);
   *status = st;
@@ -1009,7 +1013,7 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
     if (ok) {
       printf("| model: mean regret | %.2f%% | <= 2%% |\n", 100 * sum.mean_regret);
       printf("| model: max regret | %.2f%% (point %d, %s) | <= 5%% |\n", 100 * sum.max_regret,
-             sum.max_regret_point + 1, pts[sum.max_regret_point].name);
+             pts[sum.max_regret_point].index, pts[sum.max_regret_point].name);
       if (sum.fixed >= 0) {
         printf("| best single fixed (C, mgb) over the matrix | (%d, %d) | |\n", fc, fm);
         printf("| fixed (%d, %d): mean regret | %.2f%% | |\n", fc, fm, 100 * sum.fixed_mean_regret);
@@ -1048,9 +1052,9 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
             "\"max_median\": %.3f, \"max_p99\": %.3f}, \"plan_create_us\": {\"median_of_medians\": "
             "%.1f, \"max_median\": %.1f, \"max_p99\": %.1f}, \"seconds\": %.1f}}\n",
             n, acc->failed, ok ? sum.mean_regret : -1.0, ok ? sum.max_regret : -1.0,
-            ok ? sum.max_regret_point + 1 : 0, fc, fm, sum.fixed_mean_regret, sum.fixed_max_regret,
-            sum.model_slower, sum.model_slower_1pct, sm, smax, sp99, cm, cmaxv, cp99,
-            tw__now_seconds() - acc->t_start);
+            ok ? pts[sum.max_regret_point].index : 0, fc, fm, sum.fixed_mean_regret,
+            sum.fixed_max_regret, sum.model_slower, sum.model_slower_1pct, sm, smax, sp99, cm,
+            cmaxv, cp99, tw__now_seconds() - acc->t_start);
     fflush(js);
   }
 }
@@ -1103,7 +1107,7 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
     tw_plan_destroy(plan);
     tw_routing_destroy(rt);
     if (st != TW_SUCCESS) {
-      fprintf(stderr, "tilewave sweep: point %d (%s): %s: %s\n", i + 1, pt->name,
+      fprintf(stderr, "tilewave sweep: point %d (%s): %s: %s\n", pt->index, pt->name,
               tw_status_string(st), tw_last_error());
       return 1;
     }
@@ -1111,9 +1115,9 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
     const double est =
         rounds * (sum_pred + ncand * (o->delay_us + 100.0)) * 1e-6 + 2.0 + o->solve_reps * t_create;
     total += est;
-    printf("| %d | %s | %d | %d | %d | %d | %d | %s | %d | %d | %.1f | %.1f |\n", i + 1, pt->name,
-           pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk, twb_router_name(pt->router),
-           ms.comm_ctas, ms.coalesce, ms.predicted_us, est);
+    printf("| %d | %s | %d | %d | %d | %d | %d | %s | %d | %d | %.1f | %.1f |\n", pt->index,
+           pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
+           twb_router_name(pt->router), ms.comm_ctas, ms.coalesce, ms.predicted_us, est);
   }
   printf("\nestimated total: %.0f s (%.1f min), plus ~10 s to start the ranks\n", total,
          total / 60);
@@ -1266,7 +1270,9 @@ static void twb_usage(FILE* f, int sweep) {
         "  --list              print the matrix and a time estimate from the model's own\n"
         "                      predictions (rank 0's plan; no GPU needed), measure nothing\n"
         "  --solve-reps N      tw_plan_create calls timed per point for the solve time\n"
-        "                      (median, p99; default 200, 0 = none)\n\n"
+        "                      (median, p99; default 200, 0 = none)\n"
+        "  --points I[,I...]   only these points of the matrix (1-based, as --list numbers\n"
+        "                      them; e.g. to resume after a point that stopped the run)\n\n"
         "shape (default: tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced):\n");
   else
     fprintf(f,
@@ -1432,6 +1438,16 @@ static int twb_main(int argc, char** argv, int sweep) {
         return 2;
       }
       o.matrix = v, o.oracle = 1, i++;
+    } else if (strcmp(a, "--points") == 0 && sweep) {
+      o.nonly = twb_parse_list(v, o.only, TWB_MAX_ONLY, 1, TW__ORACLE_MAX_POINTS);
+      if (o.nonly <= 0) {
+        fprintf(stderr,
+                "tilewave sweep: --points needs matrix indices (1-based) separated by "
+                "commas, at most %d\n",
+                TWB_MAX_ONLY);
+        return 2;
+      }
+      o.oracle = 1, i++;
     } else if (strcmp(a, "--json-file") == 0) {
       o.json_file = v, i++;
     } else if (strcmp(a, "--write-routing") == 0) {
@@ -1488,6 +1504,7 @@ static int twb_main(int argc, char** argv, int sweep) {
       pt->hidden = m[i].hidden, pt->ffn = m[i].ffn, pt->experts = m[i].experts;
       pt->topk = m[i].topk, pt->tokens = m[i].tokens, pt->router = m[i].router;
       snprintf(pt->name, sizeof pt->name, "%s", m[i].name);
+      pt->index = i + 1;
     }
     free(m);
     if (n < 0) {
@@ -1496,13 +1513,34 @@ static int twb_main(int argc, char** argv, int sweep) {
       return 1;
     }
     job.npoints = n;
+    if (o.nonly > 0) {
+      /* --points: a subset, in the order given (indices as --list numbers them). */
+      twb_point* sub = (twb_point*)calloc((size_t)o.nonly, sizeof(twb_point));
+      if (sub == NULL) {
+        free(job.points);
+        return 1;
+      }
+      for (int i = 0; i < o.nonly; i++) {
+        if (o.only[i] > n) {
+          fprintf(stderr, "tilewave sweep: --points %d: the %s matrix has %d points\n", o.only[i],
+                  o.matrix, n);
+          free(sub);
+          free(job.points);
+          return 2;
+        }
+        sub[i] = job.points[o.only[i] - 1];
+      }
+      free(job.points);
+      job.points = sub;
+      job.npoints = o.nonly;
+    }
     if (o.list) {
       const int rc = twb_oracle_list(&o, job.points, job.npoints);
       free(job.points);
       return rc;
     }
   } else {
-    twb_point base = {4096, 2048, 16, 2, 8192, TW_ROUTER_BALANCED, 0.0, ""};
+    twb_point base = {4096, 2048, 16, 2, 8192, TW_ROUTER_BALANCED, 0.0, "", 0};
     if (o.model) {
       tw_problem p = TW_PROBLEM_INIT;
       if (tw_problem_preset(o.model, &p) != TW_SUCCESS) {
