@@ -9,7 +9,8 @@
  *    had skipped a publish; that consumer times out, and then its owner's reduction does too.
  * After each fault: tw_context_check() returns TW_ERR_TIMEOUT on both ranks within a few
  * timeouts, the next call is refused with TW_ERR_STATE, and after tw_context_reset() the output
- * is bit-identical to the one from before the fault. Exits 77 with fewer than 2 GPUs.
+ * is bit-identical to the one from before the fault. Every case runs with both ways the
+ * consumer copies (bulk and registers). Exits 77 with fewer than 2 GPUs.
  */
 #include "overlap_common.h"
 
@@ -24,9 +25,10 @@ typedef struct tw_fixture {
   void *expert_in, *w2, *out;
   uint16_t *good, *now;
   size_t n_out;
+  int units; /* transfer units this rank's consumer sends per call */
 } tw_fixture;
 
-static int tw_fixture_init(tw_rank_env* env, tw_fixture* fx) {
+static int tw_fixture_init(tw_rank_env* env, tw_fixture* fx, int copy) {
   memset(fx, 0, sizeof *fx);
   tw_problem p = TW_PROBLEM_INIT;
   p.world_size = env->nranks;
@@ -38,6 +40,7 @@ static int tw_fixture_init(tw_rank_env* env, tw_fixture* fx) {
   fx->p = p;
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.timeout_ms = TW_TEST_TIMEOUT_MS;
+  cc.consumer_copy = copy;
   CHECK_OK(tw_context_create(&p, env->comm, &cc, &fx->ctx));
   if (fx->ctx == NULL) return 0;
   tw_context_info info;
@@ -52,6 +55,10 @@ static int tw_fixture_init(tw_rank_env* env, tw_fixture* fx) {
   pc.coalesce = 2;
   CHECK_OK(tw_plan_create(&p, fx->rt, env->rank, &pc, &fx->plan));
   if (fx->dp == NULL || fx->plan == NULL) return 0;
+  /* Units = remote bands x units per band: the faults below name units that exist. */
+  const int chunks = (fx->plan->col_tiles + info.unit_tiles - 1) / info.unit_tiles;
+  fx->units = fx->plan->num_remote_tiles / fx->plan->col_tiles * chunks;
+  CHECKF(fx->units >= 2, "rank %d sends %d units; the faults need 2", env->rank, fx->units);
   const int E = p.experts / p.world_size;
   fx->n_out = (size_t)p.max_tokens * p.hidden;
   uint16_t* in = (uint16_t*)malloc((size_t)fx->plan->rows * p.ffn * 2 + 2);
@@ -118,30 +125,36 @@ static void tw_fault_round(tw_rank_env* env, tw_fixture* fx, int fault, int vict
   }
 }
 
+static const int kCopies[] = {TW_CONSUMER_COPY_BULK, TW_CONSUMER_COPY_REGISTERS};
+
 static void test_missing_arrival_times_out_everywhere(tw_rank_env* env) {
-  tw_fixture fx;
-  if (tw_fixture_init(env, &fx)) {
-    tw_clean_call(env, &fx, fx.good);
-    tw_fault_round(env, &fx, TW_FAULT_SKIP_UNIT, 0, 0);
-    tw_fault_round(env, &fx, TW_FAULT_SKIP_UNIT, 1, 3);
+  for (int c = 0; c < 2; c++) {
+    tw_fixture fx;
+    if (tw_fixture_init(env, &fx, kCopies[c])) {
+      tw_clean_call(env, &fx, fx.good);
+      tw_fault_round(env, &fx, TW_FAULT_SKIP_UNIT, 0, 0);
+      tw_fault_round(env, &fx, TW_FAULT_SKIP_UNIT, 1, fx.units - 1);
+    }
+    tw_fixture_free(&fx);
   }
-  tw_fixture_free(&fx);
 }
 
 static void test_missing_band_publish_times_out_everywhere(tw_rank_env* env) {
-  tw_fixture fx;
-  if (tw_fixture_init(env, &fx)) {
-    tw_clean_call(env, &fx, fx.good);
-    tw_fault_round(env, &fx, TW_FAULT_BAND_STUCK, 1, 0);
-    tw_fault_round(env, &fx, TW_FAULT_BAND_STUCK, 0, 5);
-    /* Several clean calls in flight after the resets. */
-    for (int i = 0; i < 8; i++)
-      CHECK_OK(tw_moe_combine(fx.ctx, fx.dp, fx.expert_in, fx.w2, fx.out, env->stream));
-    CHECK_OK(tw_context_check(fx.ctx));
-    CHECK_CUDA(cudaMemcpy(fx.now, fx.out, fx.n_out * 2, cudaMemcpyDeviceToHost));
-    CHECK(memcmp(fx.good, fx.now, fx.n_out * 2) == 0);
+  for (int c = 0; c < 2; c++) {
+    tw_fixture fx;
+    if (tw_fixture_init(env, &fx, kCopies[c])) {
+      tw_clean_call(env, &fx, fx.good);
+      tw_fault_round(env, &fx, TW_FAULT_BAND_STUCK, 1, 0);
+      tw_fault_round(env, &fx, TW_FAULT_BAND_STUCK, 0, fx.units - 1);
+      /* Several clean calls in flight after the resets. */
+      for (int i = 0; i < 8; i++)
+        CHECK_OK(tw_moe_combine(fx.ctx, fx.dp, fx.expert_in, fx.w2, fx.out, env->stream));
+      CHECK_OK(tw_context_check(fx.ctx));
+      CHECK_CUDA(cudaMemcpy(fx.now, fx.out, fx.n_out * 2, cudaMemcpyDeviceToHost));
+      CHECK(memcmp(fx.good, fx.now, fx.n_out * 2) == 0);
+    }
+    tw_fixture_free(&fx);
   }
-  tw_fixture_free(&fx);
 }
 
 static const tw_rank_case kCases[] = {
