@@ -4,8 +4,11 @@
  */
 #include <math.h>
 
+#include <stdlib.h>
+
 #include "calibrate_fit.h"
 #include "core.h"
+#include "plan.h"
 
 tw_status tw__calib_lsq2(const double* x1, const double* x2, const double* y, int n, double coef[2],
                          double* resid) {
@@ -103,4 +106,26 @@ double tw__calib_per_wave(double us_small, int64_t waves_small, double us_large,
                           int64_t waves_large) {
   if (waves_large == waves_small) return 0.0;
   return (us_large - us_small) / (double)(waves_large - waves_small);
+}
+
+tw_status tw__calib_plan_segments(const struct tw_plan* plan, int64_t** units, double** bytes,
+                                  double* total) {
+  TW_CHECK_NULL(units);
+  TW_CHECK_NULL(bytes);
+  *units = NULL;
+  *bytes = NULL;
+  TW_CHECK_NULL(plan);
+  TW_CHECK_NULL(total);
+  const int32_t n = plan->num_segments;
+  *units = (int64_t*)calloc((size_t)(n > 0 ? n : 1), sizeof(int64_t));
+  *bytes = (double*)calloc((size_t)(n > 0 ? n : 1), sizeof(double));
+  if (*units == NULL || *bytes == NULL)
+    return tw__fail(TW_ERR_OUT_OF_MEMORY, "calibrate: out of host memory");
+  *total = 0;
+  for (int32_t i = 0; i < n; i++) {
+    (*units)[i] = (int64_t)plan->segments[i].nbands * plan->col_tiles;
+    (*bytes)[i] = (double)plan->segments[i].valid_rows * plan->problem.hidden * 2.0;
+    *total += (*bytes)[i];
+  }
+  return TW_SUCCESS;
 }

@@ -53,6 +53,14 @@ double tw__calib_busiest_bytes(const int64_t* units, const double* bytes, int ns
  * positive. */
 double tw__calib_link_rate(double total_bytes, double us, double segments, double latency_us);
 
+struct tw_plan;
+/* The model's view of a plan's remote segments: units[s] = nbands_s col_tiles (one band x one
+ * column tile per unit, as model.c counts them, whatever unit width the consumer uses) and
+ * bytes[s] = valid_rows_s hidden 2; *total = sum of bytes (the plan's send_bytes). The arrays
+ * (plan->num_segments, at least 1) are malloc'ed; the caller frees them, also on failure. */
+tw_status tw__calib_plan_segments(const struct tw_plan* plan, int64_t** units, double** bytes,
+                                  double* total);
+
 /* Per-wave time from two runs of the same kernel that differ only in their wave count: the
  * difference cancels the launch and the kernel's fixed start and end costs. 0 when waves are
  * equal. */

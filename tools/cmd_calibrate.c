@@ -305,25 +305,6 @@ typedef struct twc_link_bufs {
   double* d_points; /* device (world * TWC_NLINK * 7) */
 } twc_link_bufs;
 
-/* This rank's remote segments of `plan` as (units, bytes) for tw__calib_busiest_bytes, with the
- * model's units (one band x one column tile, U_s = nbands_s col_tiles), whatever unit width the
- * consumer actually uses: the fit gives the numbers that make the model's formula match. */
-static tw_status twc_segments(const struct tw_plan* pl, int64_t** units, double** bytes,
-                              double* total) {
-  const int n = pl->num_segments;
-  *units = (int64_t*)calloc((size_t)(n > 0 ? n : 1), sizeof(int64_t));
-  *bytes = (double*)calloc((size_t)(n > 0 ? n : 1), sizeof(double));
-  if (*units == NULL || *bytes == NULL)
-    return tw__fail(TW_ERR_OUT_OF_MEMORY, "calibrate: out of host memory");
-  *total = 0;
-  for (int i = 0; i < n; i++) {
-    (*units)[i] = (int64_t)pl->segments[i].nbands * pl->col_tiles;
-    (*bytes)[i] = (double)pl->segments[i].valid_rows * pl->problem.hidden * 2.0;
-    *total += (*bytes)[i];
-  }
-  return TW_SUCCESS;
-}
-
 static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
   const int tokens = s->o.quick ? 4096 : 8192, reps = s->o.quick ? 5 : 11, warmup = 2;
   tw_problem p = TW_PROBLEM_INIT;
@@ -400,7 +381,7 @@ static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
       twc_link_point* q = &mine[ci * TWC_NMGB + m];
       int64_t* units = NULL;
       double* bytes = NULL;
-      tw_status st = twc_segments(b->plans[m], &units, &bytes, &q->total_bytes);
+      tw_status st = tw__calib_plan_segments(b->plans[m], &units, &bytes, &q->total_bytes);
       if (st == TW_SUCCESS) {
         q->c = twc_cs[ci];
         q->mgb = twc_mgbs[m];

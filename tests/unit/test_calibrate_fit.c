@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "calibrate_fit.h"
+#include "plan.h"
 #include "tilewave.h"
 #include "tw_test.h"
 #include "tw_test_random.h"
@@ -137,6 +138,62 @@ static void test_refusals(void) {
   CHECK_NEAR(c[1], 0.0, 1e-9);
 }
 
+/* The link measurement's own problem (2 ranks, 8192 tokens, K 2048, N 4096, 16 experts, top-2,
+ * balanced, a random seed): the segments' bytes add up to the plan's send_bytes, mgb 4 has fewer
+ * segments than mgb 1, and times made with the model's formula at C <= 2 give the rate and the
+ * latency back through the same fit the command runs. */
+static void test_link_on_real_plans(void) {
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = 2;
+  p.hidden = 4096;
+  p.ffn = 2048;
+  p.experts = 16;
+  p.top_k = 2;
+  p.max_tokens = 8192;
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, 8192, tw_test_seed, &rt));
+  tw_hardware def;
+  CHECK_OK(tw_hardware_default(&def));
+  const double gbps = 16.0, lat = 2.7;
+  double bx[16], sg[16], us[16];
+  int n = 0;
+  for (int rank = 0; rank < 2 && rt; rank++) {
+    int32_t nseg[2] = {0, 0};
+    for (int m = 0; m < 2; m++) {
+      tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+      cfg.comm_ctas = 8;
+      cfg.coalesce = m == 0 ? 1 : 4;
+      cfg.hardware = &def;
+      tw_plan_t plan = NULL;
+      CHECK_OK(tw_plan_create(&p, rt, rank, &cfg, &plan));
+      if (plan == NULL) continue;
+      int64_t* units = NULL;
+      double* bytes = NULL;
+      double total = -1;
+      CHECK_OK(tw__calib_plan_segments(plan, &units, &bytes, &total));
+      CHECKF(total == (double)plan->send_bytes, "segments carry %.0f bytes, send_bytes %lld", total,
+             (long long)plan->send_bytes);
+      CHECK(total > 0);
+      nseg[m] = plan->num_segments;
+      for (int c = 1; c <= 2; c++) {
+        bx[n] = tw__calib_busiest_bytes(units, bytes, plan->num_segments, c);
+        sg[n] = plan->num_segments;
+        us[n] = bx[n] / (gbps * 1e3) + sg[n] * lat;
+        n++;
+      }
+      free(units);
+      free(bytes);
+      tw_plan_destroy(plan);
+    }
+    CHECKF(nseg[1] < nseg[0], "rank %d: %d segments at mgb 4, %d at mgb 1", rank, nseg[1], nseg[0]);
+  }
+  double g = 0, l = 0;
+  CHECK_OK(tw__calib_fit_link(bx, sg, us, n, &g, &l, NULL));
+  CHECK_NEAR(g, gbps, 1e-6);
+  CHECK_NEAR(l, lat, 1e-6);
+  tw_routing_destroy(rt);
+}
+
 TW_TEST_MAIN(TW_TEST(tw_test_seed_setup), TW_TEST(test_producer_exact),
-             TW_TEST(test_producer_noisy), TW_TEST(test_link_exact), TW_TEST(test_busiest_bytes),
-             TW_TEST(test_refusals))
+             TW_TEST(test_producer_noisy), TW_TEST(test_link_exact),
+             TW_TEST(test_link_on_real_plans), TW_TEST(test_busiest_bytes), TW_TEST(test_refusals))
