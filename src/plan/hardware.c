@@ -43,14 +43,14 @@ tw_status tw_hardware_default(tw_hardware* hw) {
    * cost of a remote SM-store transfer (intercept of the 256 KiB / 1 MiB rows of the SM-store
    * table, which also includes a kernel launch and an NVLink round trip). */
   hw->tile_overhead_us = 0.5;
-  /* What tilewave's consumer moves per CTA, measured (2 x H200, 2026-11-30, sweep of C = 1..32
-   * at 8192 tokens/rank, K 2048, N 4096, 16 experts, top-2; bench/results/): C = 1 sends the
-   * 64 MiB remote half in 3.8 ms, about 17 GB/s with the fixed costs included, and the times
-   * down to C = 12 fall as 1/C; with 16 GB/s the model's T(C) is within 5% on average of the
-   * measured curve. Raw NCCL-window pushes reach 50 GB/s per CTA (2 CTAs 99, 4 CTAs 200 GB/s),
-   * so the consumer's copy loop leaves a factor of three on the table: recalibrate when it
-   * improves (`TW_CALIBRATION`). */
-  hw->link_cta_gbps = 16.0;
+  /* What tilewave's consumer (bulk copies) moves per CTA while the producer runs beside it,
+   * measured (2 x H200, 2026-11-30, sweep of C = 1..32 at 8192 tokens/rank, K 2048, N 4096,
+   * 16 experts, top-2; dev/NOTES.md section 4): the 67 MB remote half takes, after the ~60 us
+   * reduction, 1.79 ms at C = 1 (37 GB/s per CTA), 0.98 ms at C = 2 (34), 0.74 ms at C = 3 (30)
+   * and 0.50 ms at C = 5 (27): the per-CTA rate falls as the consumer shares memory with the
+   * GEMM. 28 GB/s is the rate in the range where the choice is made (C = 4..8); with it the
+   * model picks C = 8 there, 0.8% from the measured optimum. (Register copies moved 16 GB/s.) */
+  hw->link_cta_gbps = 28.0;
   /* Same table: 16 CTAs 348, 32 CTAs 351, 64 CTAs 359 GB/s per direction; 351 is the plateau
    * over the C range the model considers (c_max = 32). */
   hw->link_peak_gbps = 351.0;
