@@ -17,6 +17,9 @@
  * host has finished enqueuing when the timed region starts), is timed with CUDA events on each
  * rank, and the sample's latency is the MAXIMUM over ranks (an allreduce of the samples). Medians
  * and p10/p90 are reported. Every output is compared with ours before and after timing.
+ * `tilewave sweep` times every (C, mgb) of one point against the model's choice; `sweep --oracle`
+ * does so over a workload matrix (tools/oracle.c) and summarises the model's regret, the best
+ * single fixed (C, mgb) and the model's solve time inside tw_plan_create.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <cuda_runtime.h>
