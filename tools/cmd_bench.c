@@ -905,72 +905,89 @@ static void twb_oracle_header(void) {
   fflush(stdout);
 }
 
+/* Rank 0, before the first point: the JSON's opening and the table's header. */
+static void twb_oracle_begin(const twb_opts* o, int nranks, FILE* js) {
+  if (js)
+    fprintf(js,
+            "{\"command\": \"sweep_oracle\", \"matrix\": \"%s\", \"world_size\": %d, "
+            "\"iters\": %d, \"warmup\": %d, \"c_max\": %d, \"solve_reps\": %d, \"delay_us\": "
+            "%d, \"tol\": %.3e, \"seed\": %llu,\n \"points\": [\n",
+            o->matrix, nranks, o->iters, o->warmup, o->c_max, o->solve_reps, o->delay_us, o->tol,
+            (unsigned long long)o->seed);
+  if (!o->json) twb_oracle_header();
+}
+
+/* Rank 0: records a measured point for the summary, prints its row (stdout), JSON and progress
+ * (stderr). t0: when the point started. */
+static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_point* pt, int index,
+                              int npoints, twb_oracle_acc* acc, FILE* js, const twb_sweep_result* r,
+                              int pass, double t0) {
+  const tw_plan_summary* ms = &r->ms;
+  const twb_policy* b = &r->pols[r->best];
+  double* row = acc->t + (size_t)index * acc->ncand;
+  for (int j = 0; j < acc->ncand; j++) row[j] = NAN;
+  for (int i = 1; i < 1 + 3 * r->cmax; i++) { /* the grid, not the model's own policy */
+    const int m = r->pols[i].dplan;
+    if (m < 3 && r->pols[i].c <= o->c_max) row[m * o->c_max + r->pols[i].c - 1] = r->sts[i].median;
+  }
+  acc->t_model[index] = r->t_model;
+  acc->solve_med[index] = r->solve_med, acc->solve_p99[index] = r->solve_p99;
+  acc->create_med[index] = r->create_med, acc->create_p99[index] = r->create_p99;
+  acc->done = index + 1;
+  if (!pass) acc->failed++;
+  /* The ranks' choices: "12" when all agree, "11-13" when they differ. */
+  char mc[24], mm[24];
+  twb_range_str(mc, sizeof mc, r->model_c_lo, r->model_c_hi);
+  twb_range_str(mm, sizeof mm, r->model_mgb_lo, r->model_mgb_hi);
+  if (!o->json) {
+    printf(
+        "| %d | %s | %d | %d | %d | %d | %d | %s | %s | %s | %.1f | %.1f | %d | %d | %.1f | "
+        "%.2f%% | %.3f / %.3f | %.1f / %.1f | %.2e%s |\n",
+        pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
+        twb_router_name(pt->router), mc, mm, r->t_model, ms->predicted_us, b->c, s->mgbs[b->dplan],
+        r->t_oracle, 100 * r->regret, r->solve_med, r->solve_p99, r->create_med, r->create_p99,
+        (double)r->maxerr, pass ? "" : " FAIL");
+    fflush(stdout);
+  }
+  if (js) {
+    fprintf(js,
+            "%s  {\"index\": %d, \"workload\": \"%s\", \"tokens_per_rank\": %d, \"ffn\": %d, "
+            "\"hidden\": %d, \"experts\": %d, \"top_k\": %d, \"router\": \"%s\",\n   "
+            "\"oracle\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f},\n   \"model\": "
+            "{\"comm_ctas\": %d, \"coalesce\": %d, \"comm_ctas_min\": %d, \"comm_ctas_max\": "
+            "%d, \"coalesce_min\": %d, \"coalesce_max\": %d, \"us\": %.2f, \"predicted_us\": "
+            "%.2f, \"sequential_predicted_us\": %.2f},\n   \"regret\": %.5f, \"solve_us\": "
+            "{\"median\": %.3f, \"p99\": %.3f}, \"plan_create_us\": {\"median\": %.1f, \"p99\": "
+            "%.1f}, \"solve_reps\": %d, \"max_rel_err\": %.3e, \"pass\": %s, \"seconds\": %.1f,"
+            "\n   \"configs\": [",
+            index ? ",\n" : "", pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts,
+            pt->topk, twb_router_name(pt->router), b->c, s->mgbs[b->dplan], r->t_oracle,
+            ms->comm_ctas, ms->coalesce, r->model_c_lo, r->model_c_hi, r->model_mgb_lo,
+            r->model_mgb_hi, r->t_model, ms->predicted_us, ms->sequential_us, r->regret,
+            r->solve_med, r->solve_p99, r->create_med, r->create_p99, r->solve_reps,
+            r->maxerr < 1e30f ? (double)r->maxerr : 1e30, pass ? "true" : "false",
+            tw__now_seconds() - t0);
+    twb_sweep_json_configs(js, s, r);
+    fprintf(js, "]}");
+    fflush(js);
+  }
+  const double el = tw__now_seconds() - acc->t_start;
+  fprintf(stderr,
+          "[oracle %d/%d] #%d %s: model C=%s mgb=%s %.1f us, oracle C=%d mgb=%d %.1f us, regret "
+          "%.2f%%%s; %.1f s; elapsed %.0f s, ETA %.0f s\n",
+          index + 1, npoints, pt->index, pt->name, mc, mm, r->t_model, b->c, s->mgbs[b->dplan],
+          r->t_oracle, 100 * r->regret, pass ? "" : ", FAILED the check", tw__now_seconds() - t0,
+          el, el / (index + 1) * (npoints - index - 1));
+}
+
 static int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt, int index,
                             int npoints, twb_oracle_acc* acc, FILE* js, tw_status* status) {
   const double t0 = tw__now_seconds();
   twb_sweep_result res;
   tw_status st = twb_sweep_measure(s, o, pt, &res);
-  const twb_sweep_result* r = &res;
-  const int pass = st == TW_SUCCESS && r->maxerr <= o->tol;
-  if (st == TW_SUCCESS && s->rank == 0) {
-    const tw_plan_summary* ms = &r->ms;
-    const twb_policy* b = &r->pols[r->best];
-    double* row = acc->t + (size_t)index * acc->ncand;
-    for (int j = 0; j < acc->ncand; j++) row[j] = NAN;
-    for (int i = 1; i < 1 + 3 * r->cmax; i++) { /* the grid, not the model's own policy */
-      const int m = r->pols[i].dplan;
-      if (m < 3 && r->pols[i].c <= o->c_max)
-        row[m * o->c_max + r->pols[i].c - 1] = r->sts[i].median;
-    }
-    acc->t_model[index] = r->t_model;
-    acc->solve_med[index] = r->solve_med, acc->solve_p99[index] = r->solve_p99;
-    acc->create_med[index] = r->create_med, acc->create_p99[index] = r->create_p99;
-    acc->done = index + 1;
-    if (!pass) acc->failed++;
-    /* The ranks' choices: "12" when all agree, "11-13" when they differ. */
-    char mc[24], mm[24];
-    twb_range_str(mc, sizeof mc, r->model_c_lo, r->model_c_hi);
-    twb_range_str(mm, sizeof mm, r->model_mgb_lo, r->model_mgb_hi);
-    if (!o->json) {
-      printf(
-          "| %d | %s | %d | %d | %d | %d | %d | %s | %s | %s | %.1f | %.1f | %d | %d | %.1f | "
-          "%.2f%% | %.3f / %.3f | %.1f / %.1f | %.2e%s |\n",
-          pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-          twb_router_name(pt->router), mc, mm, r->t_model, ms->predicted_us, b->c,
-          s->mgbs[b->dplan], r->t_oracle, 100 * r->regret, r->solve_med, r->solve_p99,
-          r->create_med, r->create_p99, (double)r->maxerr, pass ? "" : " FAIL");
-      fflush(stdout);
-    }
-    if (js) {
-      fprintf(js,
-              "%s  {\"index\": %d, \"workload\": \"%s\", \"tokens_per_rank\": %d, \"ffn\": %d, "
-              "\"hidden\": %d, \"experts\": %d, \"top_k\": %d, \"router\": \"%s\",\n   "
-              "\"oracle\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f},\n   \"model\": "
-              "{\"comm_ctas\": %d, \"coalesce\": %d, \"comm_ctas_min\": %d, \"comm_ctas_max\": "
-              "%d, \"coalesce_min\": %d, \"coalesce_max\": %d, \"us\": %.2f, \"predicted_us\": "
-              "%.2f, \"sequential_predicted_us\": %.2f},\n   \"regret\": %.5f, \"solve_us\": "
-              "{\"median\": %.3f, \"p99\": %.3f}, \"plan_create_us\": {\"median\": %.1f, \"p99\": "
-              "%.1f}, \"solve_reps\": %d, \"max_rel_err\": %.3e, \"pass\": %s, \"seconds\": %.1f,"
-              "\n   \"configs\": [",
-              index ? ",\n" : "", pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts,
-              pt->topk, twb_router_name(pt->router), b->c, s->mgbs[b->dplan], r->t_oracle,
-              ms->comm_ctas, ms->coalesce, r->model_c_lo, r->model_c_hi, r->model_mgb_lo,
-              r->model_mgb_hi, r->t_model, ms->predicted_us, ms->sequential_us, r->regret,
-              r->solve_med, r->solve_p99, r->create_med, r->create_p99, r->solve_reps,
-              r->maxerr < 1e30f ? (double)r->maxerr : 1e30, pass ? "true" : "false",
-              tw__now_seconds() - t0);
-      twb_sweep_json_configs(js, s, r);
-      fprintf(js, "]}");
-      fflush(js);
-    }
-    const double el = tw__now_seconds() - acc->t_start;
-    fprintf(stderr,
-            "[oracle %d/%d] #%d %s: model C=%s mgb=%s %.1f us, oracle C=%d mgb=%d %.1f us, regret "
-            "%.2f%%%s; %.1f s; elapsed %.0f s, ETA %.0f s\n",
-            index + 1, npoints, pt->index, pt->name, mc, mm, r->t_model, b->c, s->mgbs[b->dplan],
-            r->t_oracle, 100 * r->regret, pass ? "" : ", FAILED the check", tw__now_seconds() - t0,
-            el, el / (index + 1) * (npoints - index - 1));
-  }
+  const int pass = st == TW_SUCCESS && res.maxerr <= o->tol;
+  if (st == TW_SUCCESS && s->rank == 0)
+    twb_oracle_report(s, o, pt, index, npoints, acc, js, &res, pass, t0);
   twb_sweep_result_free(&res);
   *status = st;
   return pass;
@@ -1182,14 +1199,7 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
     acc.t_model = acc_buf + n * (size_t)acc.ncand;
     acc.solve_med = acc.t_model + n, acc.solve_p99 = acc.t_model + 2 * n;
     acc.create_med = acc.t_model + 3 * n, acc.create_p99 = acc.t_model + 4 * n;
-    if (js)
-      fprintf(js,
-              "{\"command\": \"sweep_oracle\", \"matrix\": \"%s\", \"world_size\": %d, "
-              "\"iters\": %d, \"warmup\": %d, \"c_max\": %d, \"solve_reps\": %d, \"delay_us\": "
-              "%d, \"tol\": %.3e, \"seed\": %llu,\n \"points\": [\n",
-              o->matrix, nranks, o->iters, o->warmup, o->c_max, o->solve_reps, o->delay_us, o->tol,
-              (unsigned long long)o->seed);
-    if (!o->json) twb_oracle_header();
+    twb_oracle_begin(o, nranks, js);
   }
   for (int i = 0; i < job->npoints && st == TW_SUCCESS && res; i++) {
     const twb_point* pt = &job->points[i];
