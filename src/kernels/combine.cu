@@ -231,7 +231,6 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   extern __shared__ __align__(128) char s_bulk[]; /* bulk: stages, then their barriers */
   __shared__ int s_ok;
   __shared__ int s_copied; /* bulk: thread 0's copy of the unit did not time out */
-  __shared__ int s_last;
   __shared__ uint32_t s_pending[64]; /* (world) finished, not yet announced units per owner */
   __shared__ uint32_t* s_arrive[64]; /* (world) our arrival counter in each owner's window */
   const size_t row_bytes = (size_t)a.hidden * 2;
@@ -333,23 +332,6 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   }
   __syncthreads();
   if (threadIdx.x == 0) tw__announce<kBulk>(s_arrive, a.world, s_pending);
-
-  /* The last CTA to finish zeroes the band counters. Every CTA's acquire loads of them precede
-   * its increment of `done` (fence, then atomic). NOTES: in overlap mode the producer may still
-   * publish local bands after this (nobody waits for them), so this reset alone does not leave
-   * clean counters; the host zeroes them again before every call (context.cu), which is what
-   * the next call relies on. */
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    s_last = atomicAdd(a.done, 1u) == gridDim.x - 1;
-    if (s_last) __threadfence();
-  }
-  __syncthreads();
-  if (s_last) {
-    for (int b = threadIdx.x; b < a.num_bands; b += blockDim.x) a.band_counters[b] = 0;
-    if (threadIdx.x == 0) *a.done = 0;
-  }
 }
 
 }  // namespace
