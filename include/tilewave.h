@@ -32,7 +32,8 @@ extern "C" {
 #define TW_VERSION_MAJOR 0
 #define TW_VERSION_MINOR 1
 #define TW_VERSION_PATCH 0
-/* Version of the config structs below; bumped whenever any of them changes layout. */
+/* Version of the config structs below; bumped whenever any of them changes layout, except for a
+ * field appended at the end that the size field tells apart (tw_plan_config.schedule). */
 #define TW_API_VERSION 1
 
 /* -------------------------------------------------------------------------------------------- */
@@ -214,6 +215,16 @@ typedef struct tw_plan* tw_plan_t;
 
 #define TW_PLAN_CONFIG_MAGIC 0x7477506cu /* "twPl" */
 
+/* The order in which the producer computes a rank's tiles (docs/model.md). */
+typedef enum tw_schedule {
+  TW_SCHEDULE_AUTO = 0,         /* the model predicts both schedules and keeps the faster */
+  TW_SCHEDULE_REMOTE_FIRST = 1, /* every expert's remote bands, then every expert's local bands:
+                                   transfers start earliest, but an expert with remote and local
+                                   rows has its weights read twice */
+  TW_SCHEDULE_EXPERT_MAJOR = 2  /* expert after expert, each its remote bands then its local ones:
+                                   every expert's weights are read once */
+} tw_schedule;
+
 typedef struct tw_plan_config {
   size_t size;
   uint32_t magic;
@@ -222,16 +233,21 @@ typedef struct tw_plan_config {
   int32_t coalesce;  /* mgb: bands per middle segment; 0 = chosen by the model */
   int32_t use_model; /* 1 (default): analytical choice; 0: fixed TW_DEFAULT_COMM_CTAS/COALESCE */
   const tw_hardware* hardware; /* NULL: TW_CALIBRATION file if set, else built-in defaults */
+  /* tw_schedule; 0 = env TW_SCHEDULE if set, else the model's choice (TW_DEFAULT_SCHEDULE when
+   * use_model = 0). Appended later: a config whose size ends at `hardware` (built against an
+   * earlier tilewave.h) is accepted and plans as TW_SCHEDULE_AUTO. */
+  int32_t schedule;
 } tw_plan_config;
 
 #define TW_PLAN_CONFIG_INIT \
-  { sizeof(tw_plan_config), TW_PLAN_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 1, NULL }
+  { sizeof(tw_plan_config), TW_PLAN_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 1, NULL, TW_SCHEDULE_AUTO }
 
 #define TW_DEFAULT_COMM_CTAS 8
 #define TW_DEFAULT_COALESCE 2
+#define TW_DEFAULT_SCHEDULE TW_SCHEDULE_REMOTE_FIRST
 
 /* Plans rank `rank`'s GEMM2 + combine: the remote-owner-aligned row layout of its local experts,
- * the remote-first tile schedule, the combine plan (band destinations, offsets, segments) and
+ * the tile schedule (config->schedule), the combine plan (band destinations, offsets, segments) and
  * the consumer partition (C, mgb). Pure host work; no GPU needed. */
 tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_t rank,
                          const tw_plan_config* config, tw_plan_t* plan);
@@ -251,11 +267,15 @@ typedef struct tw_plan_summary {
   double predicted_us;  /* model's T for the chosen partition */
   double sequential_us; /* model's GEMM-then-transfer time */
   double solve_us;      /* time the model took to decide */
+  int32_t schedule;     /* the plan's tw_schedule (REMOTE_FIRST or EXPERT_MAJOR, never AUTO) */
+  double gemm_us;       /* model's GEMM alone on every SM: max(compute waves, memory traffic) */
 } tw_plan_summary;
 
+/* Fills `summary`. This struct has no size field: schedule and gemm_us were appended, so a caller
+ * built against an earlier tilewave.h must be rebuilt before it calls this. */
 tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary);
 
-/* Model prediction for one candidate (C, mgb) of this plan, in microseconds. */
+/* Model prediction for one candidate (C, mgb) of this plan (its schedule), in microseconds. */
 tw_status tw_plan_predict(tw_plan_t plan, int32_t comm_ctas, int32_t coalesce, double* t_us);
 
 /* -------------------------------------------------------------------------------------------- */

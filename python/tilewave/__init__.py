@@ -142,7 +142,7 @@ class _CPlanConfig(ctypes.Structure):
     _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint32),
                 ("version", ctypes.c_uint32), ("comm_ctas", ctypes.c_int32),
                 ("coalesce", ctypes.c_int32), ("use_model", ctypes.c_int32),
-                ("hardware", ctypes.POINTER(_CHardware))]
+                ("hardware", ctypes.POINTER(_CHardware)), ("schedule", ctypes.c_int32)]
 
 
 class _CPlanSummary(ctypes.Structure):
@@ -152,7 +152,8 @@ class _CPlanSummary(ctypes.Structure):
                 ("remote_tiles", ctypes.c_int64), ("bands", ctypes.c_int64),
                 ("segments", ctypes.c_int64), ("send_bytes", ctypes.c_int64),
                 ("predicted_us", ctypes.c_double), ("sequential_us", ctypes.c_double),
-                ("solve_us", ctypes.c_double)]
+                ("solve_us", ctypes.c_double), ("schedule", ctypes.c_int32),
+                ("gemm_us", ctypes.c_double)]
 
 
 class _CTpWorkload(ctypes.Structure):
@@ -491,21 +492,28 @@ class Hardware:
 # Plans
 # ------------------------------------------------------------------------------------------------
 
+SCHEDULES = {"auto": 0, "remote-first": 1, "expert-major": 2}  # tw_schedule
+
+
 class Plan(_Owned):
     """One rank's GEMM2 + combine plan (owns a tw_plan_t). comm_ctas / coalesce: explicit C and
     mgb (None = the model's choice); use_model=False gives the fixed defaults; hardware: a
-    Hardware (None = TW_CALIBRATION file if set, else built-in defaults)."""
+    Hardware (None = TW_CALIBRATION file if set, else built-in defaults); schedule: "auto" (None:
+    env TW_SCHEDULE, else the model's choice), "remote-first" or "expert-major"."""
     _destroy = "tw_plan_destroy"
 
     def __init__(self, problem, routing, rank, comm_ctas=None, coalesce=None, use_model=True,
-                 hardware=None):
+                 hardware=None, schedule=None):
         self.problem = problem
         self.routing = routing  # keeps the routing alive at least as long as the plan
         self.rank = rank
         hw = hardware._c() if hardware is not None else None
+        if schedule is not None and schedule not in SCHEDULES:
+            raise ValueError("schedule %r: give one of %s" % (schedule, ", ".join(SCHEDULES)))
         cfg = _CPlanConfig(ctypes.sizeof(_CPlanConfig), _PLAN_CONFIG_MAGIC, _API_VERSION,
                            int(comm_ctas or 0), int(coalesce or 0), 1 if use_model else 0,
-                           ctypes.pointer(hw) if hw is not None else None)
+                           ctypes.pointer(hw) if hw is not None else None,
+                           SCHEDULES[schedule or "auto"])
         h = ctypes.c_void_p()
         _check(_load().tw_plan_create(ctypes.byref(problem._c()), routing._handle(), int(rank),
                                       ctypes.byref(cfg), ctypes.byref(h)))
@@ -514,7 +522,8 @@ class Plan(_Owned):
     @property
     def summary(self):
         """dict: rank, comm_ctas, coalesce, rows, padding_rows, tiles, remote_tiles, bands,
-        segments, send_bytes, predicted_us, sequential_us, solve_us."""
+        segments, send_bytes, predicted_us, sequential_us, solve_us, schedule (1 remote-first,
+        2 expert-major), gemm_us."""
         s = _CPlanSummary()
         _check(_load().tw_plan_summary_get(self._handle(), ctypes.byref(s)))
         return {name: getattr(s, name) for name, _ in _CPlanSummary._fields_}

@@ -1,7 +1,8 @@
 /*
  * layout.c: builds one rank's plan from a routing: the remote-owner-aligned row layout of its
- * local experts, the remote-first tile schedule, the combine plan (band destinations and
- * receive offsets), the receive-side map of its own tokens, and the transfer segments.
+ * local experts, the tile schedule (remote-first or expert-major), the combine plan (band
+ * destinations and receive offsets), the receive-side map of its own tokens, and the transfer
+ * segments.
  *
  * The rules (second paper, Algorithm 1, with the choices fixed in plan.h and DESIGN.md):
  *  - layout: expert e's rows are grouped by owner in the order (r+1)%W, ..., (r+W-1)%W, then r
@@ -10,16 +11,25 @@
  *    within a group rows are in (token, slot) order; experts follow each other in index order.
  *    Starting each rank's owner cycle at r+1 spreads the first transfers of different ranks
  *    over different destinations.
- *  - schedule: experts sorted by remote band count (descending, ties by index); every remote
- *    band's column tiles first, expert by expert, then every local band's tiles, same order.
+ *  - schedule: experts sorted by remote band count (descending, ties by index), then either
+ *    remote-first (the second paper's: every remote band's column tiles, expert by expert, then
+ *    every local band's tiles, same expert order) or expert-major (expert by expert, each its
+ *    remote bands, groups in layout order, then its local bands). Remote-first starts the
+ *    transfers earliest; expert-major reads each expert's weights in one pass where remote-first
+ *    reads those of an expert with remote and local rows twice, once per pass. Both are
+ *    permutations of the bands in layout order (kept in layout_bands), so the model can try both
+ *    on one layout (tw__plan_set_schedule). Either way a group's bands are consecutive in the
+ *    schedule, which is what a segment needs.
  *  - receive side at owner o: rows by source rank s (ascending, s != o), then s's local experts
  *    in index order, then (token, slot) order, dense. Sender and receiver derive the same offsets
  *    from the same routing, so no metadata exchange is needed.
  * Everything is O(routed rows + W * E) and allocates once per plan.
  */
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "core.h"
 #include "plan.h"
@@ -34,6 +44,9 @@ static void tw__plan_free(struct tw_plan* plan) {
   free(plan->row_src);
   free(plan->tiles);
   free(plan->expert_order);
+  free(plan->layout_bands);
+  free(plan->expert_band0);
+  free(plan->expert_local_band0);
   free(plan->bands);
   free(plan->segments);
   free(plan->slot_row);
@@ -112,14 +125,16 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
   pl->expert_rows = tw__alloc((size_t)E, sizeof(int32_t));
   pl->expert_real_rows = tw__alloc((size_t)E, sizeof(int32_t));
   pl->expert_order = tw__alloc((size_t)E, sizeof(int32_t));
+  pl->expert_band0 = tw__alloc((size_t)E + 1, sizeof(int32_t));
+  pl->expert_local_band0 = tw__alloc((size_t)E, sizeof(int32_t));
   pl->recv_bands = tw__alloc((size_t)W, sizeof(int32_t));
   pl->stream_first = tw__alloc((size_t)W, sizeof(int32_t));
   pl->stream_last = tw__alloc((size_t)W, sizeof(int32_t));
   pl->slot_row = tw__alloc((size_t)rt->tokens[rank] * (size_t)K, sizeof(int32_t));
   if (!sc.cnt || !sc.grp_row0 || !sc.cursor || !sc.dest_row || !sc.before || !sc.own ||
       !sc.recv_base || !sc.own_run || !sc.keys || !pl->expert_row0 || !pl->expert_rows ||
-      !pl->expert_real_rows || !pl->expert_order || !pl->recv_bands || !pl->stream_first ||
-      !pl->stream_last || !pl->slot_row) {
+      !pl->expert_real_rows || !pl->expert_order || !pl->expert_band0 || !pl->expert_local_band0 ||
+      !pl->recv_bands || !pl->stream_first || !pl->stream_last || !pl->slot_row) {
     st = tw__fail(TW_ERR_OUT_OF_MEMORY, "plan: out of host memory");
     goto done;
   }
@@ -144,7 +159,7 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
 
   /* Layout: groups of each expert in owner order r+1, ..., r+W-1, r; remote groups padded. */
   int64_t row = 0;
-  int32_t num_bands = 0, num_remote_bands = 0;
+  int32_t num_bands = 0;
   for (int32_t e = 0; e < E; e++) {
     int64_t e_row0 = row, e_real = 0;
     int32_t remote_bands = 0;
@@ -167,7 +182,6 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
     pl->expert_real_rows[e] = (int32_t)e_real;
     sc.keys[e].remote_bands = remote_bands;
     sc.keys[e].expert = e;
-    num_remote_bands += remote_bands;
   }
   pl->rows = (int32_t)row;
   qsort(sc.keys, (size_t)E, sizeof *sc.keys, tw__order_cmp);
@@ -177,9 +191,10 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
    * within its group (owners ascending, tokens ascending, slots ascending). */
   pl->row_src = tw__alloc((size_t)pl->rows, sizeof(tw_row_src));
   pl->bands = tw__alloc((size_t)num_bands, sizeof(tw_band));
+  pl->layout_bands = tw__alloc((size_t)num_bands, sizeof(tw_band));
   pl->segments = tw__alloc((size_t)num_bands, sizeof(tw_segment)); /* worst case: one per band */
   pl->tiles = tw__alloc((size_t)num_bands * (size_t)pl->col_tiles, sizeof(tw_tile));
-  if (!pl->row_src || !pl->bands || !pl->segments || !pl->tiles) {
+  if (!pl->row_src || !pl->bands || !pl->layout_bands || !pl->segments || !pl->tiles) {
     st = tw__fail(TW_ERR_OUT_OF_MEMORY, "plan: out of host memory (%d rows, %d bands)", pl->rows,
                   num_bands);
     goto done;
@@ -208,57 +223,46 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
     }
   }
 
-  /* Bands in schedule order: remote bands (experts in expert_order, groups in layout order,
-   * bands in row order), then local bands the same way. */
+  /* Bands in layout order: expert by expert, groups in layout order (owners r+1, ..., r-1, then
+   * r: an expert's remote bands come before its local ones), bands in row order. The schedule
+   * orders them (tw__plan_set_schedule). */
   int32_t nb = 0;
   int64_t send_rows = 0;
-  for (int32_t pass = 0; pass < 2; pass++) {
-    for (int32_t i = 0; i < E; i++) {
-      int32_t e = pl->expert_order[i];
-      for (int32_t q = 1; q <= W; q++) {
-        int32_t o = (rank + q) % W;
-        int is_local = o == rank;
-        if (is_local != (pass == 1)) continue;
-        size_t gi = (size_t)e * W + o;
-        int32_t c = sc.cnt[gi];
-        for (int32_t b = 0; (int64_t)b * TM < c; b++) {
-          tw_band* band = &pl->bands[nb++];
-          int32_t valid = c - b * TM < TM ? c - b * TM : TM;
-          band->expert = e;
-          band->row0 = sc.grp_row0[gi] + b * TM;
-          band->rows = is_local ? valid : TM; /* remote groups are whole bands */
-          band->valid_rows = valid;
-          band->dest = o;
-          band->segment = -1;
-          band->dest_offset = is_local ? -1 : (sc.dest_row[gi] + (int64_t)b * TM) * row_bytes;
-          if (!is_local) send_rows += valid;
-        }
+  for (int32_t e = 0; e < E; e++) {
+    pl->expert_band0[e] = nb;
+    for (int32_t q = 1; q <= W; q++) {
+      int32_t o = (rank + q) % W;
+      int is_local = o == rank;
+      if (is_local) pl->expert_local_band0[e] = nb;
+      size_t gi = (size_t)e * W + o;
+      int32_t c = sc.cnt[gi];
+      for (int32_t b = 0; (int64_t)b * TM < c; b++) {
+        tw_band* band = &pl->layout_bands[nb++];
+        int32_t valid = c - b * TM < TM ? c - b * TM : TM;
+        band->expert = e;
+        band->row0 = sc.grp_row0[gi] + b * TM;
+        band->rows = is_local ? valid : TM; /* remote groups are whole bands */
+        band->valid_rows = valid;
+        band->dest = o;
+        band->segment = -1;
+        band->dest_offset = is_local ? -1 : (sc.dest_row[gi] + (int64_t)b * TM) * row_bytes;
+        if (!is_local) send_rows += valid;
       }
     }
   }
+  pl->expert_band0[E] = nb;
+  if (nb != num_bands) {
+    st = tw__fail(TW_ERR_INTERNAL, "plan: %d bands placed, %d counted", nb, num_bands);
+    goto done;
+  }
   pl->num_bands = nb;
   pl->send_bytes = send_rows * row_bytes;
-  for (int32_t d = 0; d < W; d++) pl->stream_first[d] = pl->stream_last[d] = -1;
-  for (int32_t i = 0; i < num_remote_bands; i++) {
-    int32_t d = pl->bands[i].dest;
-    if (pl->stream_first[d] < 0) pl->stream_first[d] = i;
-    pl->stream_last[d] = i;
-  }
-
-  /* Tiles: every column tile of each band, bands in schedule order. */
   pl->num_tiles = nb * pl->col_tiles;
-  pl->num_remote_tiles = num_remote_bands * pl->col_tiles;
-  for (int32_t i = 0, t = 0; i < nb; i++) {
-    for (int32_t c = 0; c < pl->col_tiles; c++, t++) {
-      tw_tile* tile = &pl->tiles[t];
-      memset(tile, 0, sizeof *tile);
-      tile->row0 = pl->bands[i].row0;
-      tile->rows = pl->bands[i].rows;
-      tile->expert = pl->bands[i].expert;
-      tile->col0 = c * pl->tn;
-      tile->band = i;
-    }
-  }
+  /* The model tabulates an AUTO plan in expert-major order first (tw__model_choose). */
+  st = tw__plan_set_schedule(pl, pl->schedule_request == TW_SCHEDULE_REMOTE_FIRST
+                                     ? TW_SCHEDULE_REMOTE_FIRST
+                                     : TW_SCHEDULE_EXPERT_MAJOR);
+  if (st != TW_SUCCESS) goto done;
 
   /* Receive side: rows others return here, ordered by source rank then its expert index, which
    * is ascending global expert id with our own experts skipped. */
@@ -291,6 +295,110 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
 done:
   tw__scratch_free(&sc);
   return st;
+}
+
+tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
+  TW_CHECK_NULL(plan);
+  if (schedule != TW_SCHEDULE_REMOTE_FIRST && schedule != TW_SCHEDULE_EXPERT_MAJOR)
+    return tw__fail(
+        TW_ERR_INVALID_ARGUMENT,
+        "schedule %d: give TW_SCHEDULE_REMOTE_FIRST (1) or TW_SCHEDULE_EXPERT_MAJOR (2)", schedule);
+  if (plan->layout_bands == NULL) {
+    if (plan->schedule == schedule) return TW_SUCCESS;
+    return tw__fail(TW_ERR_STATE,
+                    "plan: no bands in layout order to build schedule %d from (a plan built by "
+                    "hand keeps its own order); build the plan with tw_plan_create",
+                    schedule);
+  }
+  const int32_t E = plan->local_experts, rank = plan->rank, W = plan->problem.world_size;
+  const tw_band* lb = plan->layout_bands;
+  /* Expert-major: each expert's bands as the layout has them (remote groups, then the local one).
+   * Remote-first: two passes over expert_order, [expert_band0, expert_local_band0) then
+   * [expert_local_band0, expert_band0 + 1). */
+  int32_t nb = 0;
+  for (int32_t pass = 0; pass < 2; pass++) {
+    if (pass == 1 && schedule == TW_SCHEDULE_EXPERT_MAJOR) break;
+    for (int32_t i = 0; i < E; i++) {
+      const int32_t e = plan->expert_order[i];
+      int32_t b0 = plan->expert_band0[e], b1 = plan->expert_band0[e + 1];
+      if (schedule == TW_SCHEDULE_REMOTE_FIRST) {
+        if (pass == 0)
+          b1 = plan->expert_local_band0[e];
+        else
+          b0 = plan->expert_local_band0[e];
+      }
+      for (int32_t b = b0; b < b1; b++) plan->bands[nb++] = lb[b];
+    }
+  }
+  if (nb != plan->num_bands)
+    return tw__fail(TW_ERR_INTERNAL, "plan: schedule %d holds %d of %d bands", schedule, nb,
+                    plan->num_bands);
+  /* Streams and remote tile count over the whole order: under expert-major a destination's
+   * bands are spread over the schedule, with local bands between them. */
+  int32_t nremote = 0;
+  for (int32_t d = 0; d < W; d++) plan->stream_first[d] = plan->stream_last[d] = -1;
+  for (int32_t i = 0; i < nb; i++) {
+    const int32_t d = plan->bands[i].dest;
+    if (d == rank) continue;
+    nremote++;
+    if (plan->stream_first[d] < 0) plan->stream_first[d] = i;
+    plan->stream_last[d] = i;
+  }
+  plan->num_remote_tiles = nremote * plan->col_tiles;
+  /* Tiles: every column tile of each band, bands in schedule order. */
+  for (int32_t i = 0, t = 0; i < nb; i++) {
+    for (int32_t c = 0; c < plan->col_tiles; c++, t++) {
+      tw_tile* tile = &plan->tiles[t];
+      memset(tile, 0, sizeof *tile);
+      tile->row0 = plan->bands[i].row0;
+      tile->rows = plan->bands[i].rows;
+      tile->expert = plan->bands[i].expert;
+      tile->col0 = c * plan->tn;
+      tile->band = i;
+    }
+  }
+  plan->num_segments = 0; /* the bands' segment fields are -1 (copied from layout_bands) */
+  plan->schedule = schedule;
+  return TW_SUCCESS;
+}
+
+/* TW_SCHEDULE's value: TW_SCHEDULE_* or -1 when it is not a schedule name. */
+static int32_t tw__schedule_parse(const char* s) {
+  if (strcasecmp(s, "remote-first") == 0) return TW_SCHEDULE_REMOTE_FIRST;
+  if (strcasecmp(s, "expert-major") == 0) return TW_SCHEDULE_EXPERT_MAJOR;
+  if (strcasecmp(s, "auto") == 0) return TW_SCHEDULE_AUTO;
+  return -1;
+}
+
+tw_status tw__schedule_resolve(const tw_plan_config* config, int32_t* schedule) {
+  TW_CHECK_NULL(schedule);
+  *schedule = TW_SCHEDULE_AUTO;
+  /* Read on every plan (not cached): a process may change it between plans, e.g. a benchmark
+   * that measures both schedules. A bad value is an error even when the config decides, so that
+   * a typo never goes unnoticed. */
+  const char* env = getenv("TW_SCHEDULE");
+  int32_t from_env = TW_SCHEDULE_AUTO;
+  if (env != NULL && env[0] != '\0') {
+    from_env = tw__schedule_parse(env);
+    if (from_env < 0)
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "TW_SCHEDULE=\"%s\" is not a schedule; set remote-first, expert-major or "
+                      "auto, or unset it",
+                      env);
+  }
+  int32_t from_config = TW_SCHEDULE_AUTO;
+  if (config != NULL && config->size >= offsetof(tw_plan_config, schedule) + sizeof(int32_t)) {
+    from_config = config->schedule;
+    if (from_config != TW_SCHEDULE_AUTO && from_config != TW_SCHEDULE_REMOTE_FIRST &&
+        from_config != TW_SCHEDULE_EXPERT_MAJOR)
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_plan_config.schedule = %d; give 0 (TW_SCHEDULE_AUTO: env TW_SCHEDULE, "
+                      "else the model's choice), 1 (TW_SCHEDULE_REMOTE_FIRST) or 2 "
+                      "(TW_SCHEDULE_EXPERT_MAJOR)",
+                      from_config);
+  }
+  *schedule = from_config != TW_SCHEDULE_AUTO ? from_config : from_env;
+  return TW_SUCCESS;
 }
 
 tw_status tw__plan_build_segments(struct tw_plan* plan, int32_t coalesce) {
@@ -349,10 +457,18 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
   TW_TRY(tw_problem_validate(problem));
   TW_CHECK_NULL(routing);
   const tw_problem* p = problem;
-  /* The config's values are checked by the model (tw__model_choose), against the hardware. */
-  if (config != NULL)
-    TW_TRY(tw__check_header("tw_plan_config", config->size, sizeof(tw_plan_config), config->magic,
-                            TW_PLAN_CONFIG_MAGIC, config->version));
+  /* The config's values are checked by the model (tw__model_choose), against the hardware, and
+   * the schedule by tw__schedule_resolve. A config of the size before `schedule` was appended
+   * (same magic and version) is a caller built against the earlier tilewave.h: it is read up to
+   * `hardware` and plans as TW_SCHEDULE_AUTO, like a NULL config. */
+  if (config != NULL) {
+    const size_t v1_size = offsetof(tw_plan_config, schedule);
+    TW_TRY(tw__check_header("tw_plan_config", config->size,
+                            config->size == v1_size ? v1_size : sizeof(tw_plan_config),
+                            config->magic, TW_PLAN_CONFIG_MAGIC, config->version));
+  }
+  int32_t schedule = TW_SCHEDULE_AUTO;
+  TW_TRY(tw__schedule_resolve(config, &schedule));
   const tw_problem* rp = &routing->problem;
   if (rp->world_size != p->world_size || rp->experts != p->experts || rp->top_k != p->top_k)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
@@ -377,6 +493,7 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
   pl->tm = tw__resolve_tile_m(p);
   pl->tn = tw__resolve_tile_n(p);
   pl->col_tiles = (int32_t)tw__ceil_div(p->hidden, pl->tn);
+  pl->schedule_request = schedule;
   tw_status st = tw__plan_build(pl, routing);
   if (st == TW_SUCCESS) st = tw__model_choose(pl, config);
   if (st != TW_SUCCESS) {
@@ -407,5 +524,7 @@ tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary) {
   summary->predicted_us = plan->predicted_us;
   summary->sequential_us = plan->sequential_us;
   summary->solve_us = plan->solve_us;
+  summary->schedule = plan->schedule;
+  summary->gemm_us = plan->gemm_us;
   return TW_SUCCESS;
 }

@@ -2,19 +2,30 @@
  * model.c: the analytical resource manager for the expert-parallel return path.
  *
  * Before each launch it picks how many consumer CTAs (C) forward finished row bands and how many
- * bands a middle segment coalesces (mgb), from the plan's real schedule and segments. It
- * generalises the first paper's wave recurrence (model_tp.c) from splits to segments:
+ * bands a middle segment coalesces (mgb), from the plan's real schedule and segments, and, when
+ * the caller leaves the schedule to it, which schedule (remote-first or expert-major) the plan
+ * keeps. It generalises the first paper's wave recurrence (model_tp.c) from splits to segments:
  *
- *   tau_tile        = 2 TM TN K / (tile_tflops 1e12) + tile_overhead_us   (one producer tile)
+ *   tau_comp        = 2 TM TN K / (tile_tflops 1e12) + tile_overhead_us   (one producer tile)
  *   P(C)            = occ_comp (G - ceil(C / occ_comm))                   (producer CTAs)
+ *   waves(C)        = ceil(num_tiles / P)
+ *   mem_us          = (weight bytes x runs + A bytes + C bytes) / mem_gbps (the schedule's traffic)
+ *   tau_tile(C)     = max(tau_comp, mem_us / waves(C))                    (one wave of tiles)
  *   A_s(C)          = floor(t_s / P) + 1 waves, t_s = schedule index of segment s's last tile
  *   q_s(C)          = ceil(U_s / C) tau_unit_s(C) + link_latency_us,  U_s = nbands_s col_tiles
  *   tau_unit_s(C)   = unit_bytes_s / min(link_cta_gbps, link_peak_gbps / min(C, U_s))
  *   F_s             = max(A_s tau_tile, F_{s-1}) + q_s,   F_{-1} = 0
- *   T(C, mgb)       = max(F_last, ceil(num_tiles / P) tau_tile) + reduce_us
+ *   T(C, mgb)       = max(F_last, max(waves tau_comp, mem_us)) + reduce_us
  *
  * where unit_bytes_s is the segment's bytes over its units (its average unit) and reduce_us is
  * the owner's weighted reduction (reads every (token, k) row, writes every token) at mem_gbps.
+ * The memory term: the producer cannot finish before it has moved its bytes through device
+ * memory, each expert's hidden x ffn weights once per run of consecutive bands of that expert in
+ * the schedule (2 runs under remote-first for an expert with remote and local rows, 1 under
+ * expert-major), the input rows and the output rows once; the traffic is taken as spread evenly
+ * over the waves, so a wave lasts the longer of its compute and its share of the traffic
+ * (tw__model_gemm_bytes, docs/model.md). With the schedule left to the model, both schedules'
+ * tables are built and searched together, and the plan is rebuilt in the winner's order.
  * The link is shared by the CTAs that have a unit of the segment, min(C, U_s) of them: a CTA
  * left without a unit does not load the link (charging it would make T grow linearly with C
  * for segments narrower than C, which the measured store bandwidth does not do).
@@ -45,8 +56,10 @@
 /* Candidate coalescing factors the model searches when the caller leaves coalesce = 0. */
 static const int32_t tw__mgb_candidates[] = {1, 2, 4};
 #define TW__NUM_MGB_CANDIDATES ((int32_t)(sizeof tw__mgb_candidates / sizeof tw__mgb_candidates[0]))
-/* Candidates plus one explicit coalesce value outside that set. */
-#define TW__MAX_TABLES 4
+/* Schedules one decision compares (remote-first and expert-major). */
+#define TW__MAX_SCHED 2
+/* Per schedule: the candidates plus one explicit coalesce value outside that set. */
+#define TW__MAX_TABLES (TW__MAX_SCHED * (TW__NUM_MGB_CANDIDATES + 1))
 /* Distinct unit counts per table for the fast path (the candidates need at most 4); more fall
  * back to the plain recurrence. */
 #define TW__MAX_DISTINCT 8
@@ -54,6 +67,11 @@ static const int32_t tw__mgb_candidates[] = {1, 2, 4};
 /* The segments of one coalescing factor, in the form the fast evaluation reads. */
 typedef struct tw__seg_table {
   int32_t mgb;
+  int32_t slot;       /* schedule slot (tw__model_tables.sched) whose order the segments follow */
+  int32_t key;        /* tie rank: among equal T and C the larger wins (mgb, then remote-first) */
+  int32_t twin;       /* a table searched before this one whose bound is <= this one's at every
+                         C and which wins ties: this one's bounds are computed only if the search
+                         gets to step 4 (tw__solve); -1 if none */
   int32_t nseg;       /* S */
   int32_t ndistinct;  /* distinct unit counts; 0 when the plain recurrence is used */
   int32_t last_tile;  /* t'_{S-1}: running last-tile index of the last segment; -1 if S = 0 */
@@ -71,12 +89,17 @@ typedef struct tw__seg_table {
 /* Everything the decision reads, built once per plan by tw__model_choose. */
 typedef struct tw__model_tables {
   tw_hardware hw;
-  double tau_tile_us; /* one producer tile */
-  double inv_tau_us;  /* 1 / tau_tile_us (wave skipping in tw__eval) */
-  double reduce_us;   /* owner's weighted reduction */
+  double tau_comp_us;            /* one producer tile's compute */
+  double reduce_us;              /* owner's weighted reduction */
+  int32_t nsched;                /* schedules tabulated: 1, or 2 when the model chooses */
+  int32_t sched[TW__MAX_SCHED];  /* TW_SCHEDULE_* of each slot */
+  double mem_us[TW__MAX_SCHED];  /* the producer's memory traffic over mem_gbps, per slot */
+  double gemm_us[TW__MAX_SCHED]; /* GEMM alone on every SM: max(waves tau_comp, mem_us) */
   /* Per candidate C (index C, 0 unused): constants of the hardware and the tile count. */
   int32_t* prod;   /* (c_max + 1) P(C) */
-  double* comp_us; /* (c_max + 1) ceil(num_tiles / P(C)) tau_tile */
+  double* tau_us;  /* (nsched, c_max + 1) tau_tile(C) = max(tau_comp, mem_us / waves(C)) */
+  double* inv_tau; /* (nsched, c_max + 1) 1 / tau_us (wave skipping in tw__eval) */
+  double* comp_us; /* (nsched, c_max + 1) compute end max(waves(C) tau_comp, mem_us) */
   double* inv_agg; /* (c_max + 1) 1 / aggregate link bytes per us, min(C cta, peak) */
   double* first;   /* (TW__MAX_TABLES, c_max + 1) the decision's scratch: tw__first_terms */
   int32_t ntables;
@@ -98,6 +121,8 @@ void tw__model_free(struct tw_plan* plan) {
   tw__model_tables* m = (tw__model_tables*)plan->model_tables;
   for (int32_t i = 0; i < m->ntables; i++) tw__table_free(&m->t[i]);
   free(m->prod);
+  free(m->tau_us);
+  free(m->inv_tau);
   free(m->comp_us);
   free(m->inv_agg);
   free(m->first);
@@ -205,11 +230,11 @@ oom:
  * relative; 1e-12 covers it with room. */
 #define TW__SKIP_SLACK (1.0 - 1e-12)
 
-/* For C in [c_lo, c_hi]: out[C - c_lo] = tau + S latency + Q_transfer(0), the term of wave 1 taken
- * with every segment (the fast form's term for s = 0, w = 1; 0 when there is no segment). For a
- * table on the plain recurrence, out[C - c_lo] is instead the transfer at the aggregate bandwidth,
- * tau + S latency + bytes / min(C cta, peak), lowered by 1e-9 relative (it is computed
- * differently from T, so it gets a margin for rounding): each q_s >= bytes_s / min(C cta,
+/* For C in [c_lo, c_hi]: out[C - c_lo] = tau(C) + S latency + Q_transfer(0), the term of wave 1
+ * taken with every segment (the fast form's term for s = 0, w = 1; 0 when there is no segment).
+ * For a table on the plain recurrence, out[C - c_lo] is instead the transfer at the aggregate
+ * bandwidth, tau(C) + S latency + bytes / min(C cta, peak), lowered by 1e-9 relative (it is
+ * computed differently from T, so it gets a margin for rounding): each q_s >= bytes_s / min(C cta,
  * peak), since with U_s >= C the ceiling only adds and with U_s < C one round of U_s CTAs moves
  * the segment at min(U_s cta, peak). */
 static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__seg_table* tb,
@@ -218,11 +243,12 @@ static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__se
     for (int32_t c = c_lo; c <= c_hi; c++) out[c - c_lo] = 0.0;
     return;
   }
-  const double head = 1.0 * m->tau_tile_us + (double)tb->nseg * m->hw.link_latency_us;
+  const double lat_all = (double)tb->nseg * m->hw.link_latency_us;
+  const double* tau = m->tau_us + (size_t)tb->slot * ((size_t)m->hw.c_max + 1);
   const int32_t d = tb->ndistinct;
   if (d == 0) {
     for (int32_t c = c_lo; c <= c_hi; c++)
-      out[c - c_lo] = (head + tb->total_bytes * m->inv_agg[c]) * (1.0 - 1e-9);
+      out[c - c_lo] = (tau[c] + lat_all + tb->total_bytes * m->inv_agg[c]) * (1.0 - 1e-9);
     return;
   }
   /* A plain loop: unrolling it per d measured no faster on a decision that runs cold (right
@@ -230,7 +256,7 @@ static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__se
   const double* s0 = tb->suffix; /* row s = 0 */
   const double* coef = tb->coef + (size_t)c_lo * d;
   for (int32_t c = c_lo; c <= c_hi; c++, coef += d) {
-    double term = head;
+    double term = tau[c] + lat_all;
     for (int32_t i = 0; i < d; i++) term += coef[i] * s0[i];
     out[c - c_lo] = term;
   }
@@ -243,7 +269,7 @@ static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__se
  *
  * The maximum starts at the compute end (T = max(F_last, compute end) + reduce, and max is
  * exact in floating point, so folding it in first changes no bit of T). Waves are skipped when
- * they cannot raise it: the term of wave w is w tau + Q(s_w), Q(s) = (S - s) latency + the
+ * they cannot raise it: the term of wave w is w tau(C) + Q(s_w), Q(s) = (S - s) latency + the
  * service of segments s.., and Q is non-increasing in s (suffix sums of non-negative bytes and
  * latencies) while s_w is non-decreasing in w. So every wave w' in (w, w + k] has a term at
  * most term(w) + k tau, and once the running maximum f is at least that (with TW__SKIP_SLACK
@@ -255,8 +281,9 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
                                     double first, double cutoff) {
   const tw_hardware* hw = &m->hw;
   const int32_t p = m->prod[c];
-  const double tau = m->tau_tile_us;
-  const double comp_end = m->comp_us[c];
+  const size_t at = (size_t)tb->slot * ((size_t)hw->c_max + 1) + (size_t)c;
+  const double tau = m->tau_us[at];
+  const double comp_end = m->comp_us[at];
   const double reduce = m->reduce_us;
   if (tb->nseg == 0) return comp_end + reduce;
   const double lat = hw->link_latency_us;
@@ -285,7 +312,7 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
           if (f + reduce > cutoff) return f + reduce;
         }
         /* Waves w + 1 .. w + k have terms <= term + k tau <= f (see above). */
-        const double room = (f * TW__SKIP_SLACK - term) * m->inv_tau_us;
+        const double room = (f * TW__SKIP_SLACK - term) * m->inv_tau[at];
         if (room >= (double)(last_wave - w)) break; /* no later wave can raise f */
         if (room >= 1.0) {
           const int64_t k = (int64_t)room;
@@ -309,8 +336,9 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
   return fmax(f, comp_end) + reduce;
 }
 
-/* Reference: the recurrence segment by segment on the plan's current segments (tests compare
- * the fast form against it). */
+/* Reference: the recurrence segment by segment on the plan's current segments and order (tests
+ * compare the fast form against it). The memory term is recomputed from the plan's current band
+ * order, not read from the tables. */
 tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_us) {
   TW_CHECK_NULL(plan);
   TW_CHECK_NULL(t_us);
@@ -319,7 +347,9 @@ tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_
     return tw__fail(TW_ERR_STATE, "model: the plan has no model tables; create it first");
   const tw_hardware* hw = &m->hw;
   const int32_t p = tw__producers(hw, c);
-  const double tau = m->tau_tile_us;
+  const int64_t waves = tw__ceil_div(plan->num_tiles, p);
+  const double mem_us = tw__model_gemm_bytes(plan) / (hw->mem_gbps * 1e3);
+  const double tau = waves > 0 ? fmax(m->tau_comp_us, mem_us / (double)waves) : m->tau_comp_us;
   const double row_bytes = 2.0 * (double)plan->problem.hidden;
   double f = 0.0;
   for (int32_t s = 0; s < plan->num_segments; s++) {
@@ -337,28 +367,40 @@ tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_
     const double q = (double)tw__ceil_div(units, c) * unit_bytes / bw + hw->link_latency_us;
     f = fmax(a, f) + q;
   }
-  *t_us = fmax(f, (double)tw__ceil_div(plan->num_tiles, p) * tau) + m->reduce_us;
+  *t_us = fmax(f, fmax((double)waves * m->tau_comp_us, mem_us)) + m->reduce_us;
   return TW_SUCCESS;
 }
 
-/* Candidate ordering: smaller T; on equal T the smaller C, then the larger mgb (bc = 0: no best
- * yet). Applied to a lower bound lb <= T, it says whether the candidate may still win. */
-static int tw__better(double t, int32_t c, int32_t mgb, double bt, int32_t bc, int32_t bmgb) {
+/* Candidate ordering: smaller T; on equal T the smaller C, then the larger key (the larger mgb,
+ * then remote-first: tw__table_key) (bc = 0: no best yet). Applied to a lower bound lb <= T, it
+ * says whether the candidate may still win. */
+static int tw__better(double t, int32_t c, int32_t key, double bt, int32_t bc, int32_t bkey) {
   if (bc == 0 || t < bt) return 1;
   if (t > bt) return 0;
-  return c < bc || (c == bc && mgb > bmgb);
+  return c < bc || (c == bc && key > bkey);
 }
 
-/* The decision: the best (C, mgb) over C in [c_lo, c_hi] and the tables of `use` (bit i =
- * table i), by T, then the smaller C, then the larger mgb; the same answer as evaluating every
- * candidate, found by best-first branch and bound:
+/* Tie rank of a table: the larger mgb wins a tie (fewer segments, fewer latencies the model may
+ * underestimate), then remote-first, the schedule the model cannot tell apart from expert-major
+ * on such a tie and the one whose transfers start earliest. */
+static int32_t tw__table_key(int32_t mgb, int32_t schedule) {
+  return 2 * mgb + (schedule == TW_SCHEDULE_REMOTE_FIRST);
+}
+
+/* The decision: the best (C, mgb, schedule) over C in [c_lo, c_hi] and the tables of `use` (bit
+ * i = table i; one table per mgb and schedule), by T, then the smaller C, then the larger key
+ * (mgb, then remote-first); the same answer as evaluating every candidate, found by best-first
+ * branch and bound:
  *
  *   1. lower bounds lb = max(first term, compute end) + reduce (a few multiply-adds each) of
- *      one table's candidates (the last table: the largest mgb, usually the winner), and the
- *      exact T of its best-ranked one: an upper bound of the optimum;
+ *      one table's candidates (the last table: the largest mgb of the last schedule tabulated,
+ *      usually the winner), and the exact T of its best-ranked one: an upper bound of the
+ *      optimum;
  *   2. the bounds of the other tables, for C up to the last whose compute end + reduce stays
- *      within that T (the compute end only grows with C; beyond it every candidate loses);
- *   3. if the candidate evaluated in 1 ranks first among all bounds by (lb, C, -mgb) and its T
+ *      within that T (the compute end max(waves(C) tau_comp, mem_us) only grows with C; beyond
+ *      it every candidate loses; a schedule whose memory traffic alone exceeds that T is not
+ *      looked at);
+ *   3. if the candidate evaluated in 1 ranks first among all bounds by (lb, C, -key) and its T
  *      equals its bound (link-bound shapes: T is the first wave's term), it is the answer, since
  *      no bound is below it and equal bounds rank after it: the search ends here;
  *   4. otherwise every other candidate whose bound still lets it win (tw__better on the bound) is
@@ -375,28 +417,38 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
   const size_t stride = (size_t)m->hw.c_max + 1;
   const double reduce = m->reduce_us;
   double bt = DBL_MAX; /* best evaluated candidate */
-  int32_t bc = 0, bi = -1, bmgb = 0;
+  int32_t bc = 0, bi = -1, bkey = 0;
   double bl = DBL_MAX; /* best-ranked bound */
-  int32_t lc = 0, li = -1, lmgb = 0;
-  int32_t c_end[TW__MAX_TABLES]; /* bounds exist for C in [c_lo, c_end[i]] */
+  int32_t lc = 0, li = -1, lkey = 0;
+  int32_t c_end[TW__MAX_TABLES]; /* candidates C in [c_lo, c_end[i]] are left */
+  unsigned lazy = 0;             /* tables whose bounds are not computed yet (bit i) */
   for (int32_t i = m->ntables - 1; i >= 0; i--) {
     c_end[i] = c_lo - 1;
     if (!(use & (1u << i))) continue;
     const tw__seg_table* tb = &m->t[i];
+    const double* comp_us = m->comp_us + (size_t)tb->slot * stride;
     double* first = m->first + (size_t)i * stride;
     int32_t hi = c_hi;
-    while (hi >= c_lo && m->comp_us[hi] + reduce > bt) hi--; /* step 2 (no-op before step 1) */
+    while (hi >= c_lo && comp_us[hi] + reduce > bt) hi--; /* step 2 (no-op before step 1) */
     c_end[i] = hi;
     if (hi < c_lo) continue;
+    /* Dominated by a twin whose bounds are known at every C left here (its compute end is no
+     * larger, so its c_end is no smaller): every bound of this table ranks after the twin's
+     * bound at the same C, so it cannot rank before the candidate evaluated in step 1 unless a
+     * twin's bound does; step 3 holds without it, step 4 computes it. */
+    if (tb->twin >= 0 && (use & (1u << tb->twin)) && c_end[tb->twin] >= hi) {
+      lazy |= 1u << i;
+      continue;
+    }
     tw__first_terms(m, tb, c_lo, hi, first + c_lo);
     for (int32_t c = c_lo; c <= hi; c++) {
-      const double comp = m->comp_us[c];
+      const double comp = comp_us[c];
       const double lb = (first[c] > comp ? first[c] : comp) + reduce;
-      if (tw__better(lb, c, tb->mgb, bl, lc, lmgb)) bl = lb, lc = c, li = i, lmgb = tb->mgb;
+      if (tw__better(lb, c, tb->key, bl, lc, lkey)) bl = lb, lc = c, li = i, lkey = tb->key;
     }
     if (bi < 0) { /* step 1: the first table's best-ranked bound, evaluated */
       bt = tw__eval(m, tb, lc, first[lc], DBL_MAX);
-      bc = lc, bi = i, bmgb = tb->mgb;
+      bc = lc, bi = i, bkey = tb->key;
     }
   }
   if (bi < 0) {
@@ -411,15 +463,18 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
   for (int32_t i = 0; i < m->ntables; i++) { /* step 4 */
     if (!(use & (1u << i))) continue;
     const tw__seg_table* tb = &m->t[i];
-    const double* first = m->first + (size_t)i * stride;
+    const double* comp_us = m->comp_us + (size_t)tb->slot * stride;
+    double* first = m->first + (size_t)i * stride;
+    if ((lazy & (1u << i)) && c_end[i] >= c_lo)
+      tw__first_terms(m, tb, c_lo, c_end[i], first + c_lo);
     for (int32_t c = c_lo; c <= c_end[i]; c++) {
-      const double comp = m->comp_us[c];
+      const double comp = comp_us[c];
       /* The compute end only grows with C: no later C can win either. */
       if (comp + reduce > bt) break;
       const double lb = (first[c] > comp ? first[c] : comp) + reduce;
-      if (!tw__better(lb, c, tb->mgb, bt, bc, bmgb) || (i == first_i && c == first_c)) continue;
+      if (!tw__better(lb, c, tb->key, bt, bc, bkey) || (i == first_i && c == first_c)) continue;
       const double t = tw__eval(m, tb, c, first[c], bt);
-      if (tw__better(t, c, tb->mgb, bt, bc, bmgb)) bt = t, bc = c, bi = i, bmgb = tb->mgb;
+      if (tw__better(t, c, tb->key, bt, bc, bkey)) bt = t, bc = c, bi = i, bkey = tb->key;
     }
   }
   *best_c = bc;
@@ -427,24 +482,97 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
   *best_t = bt;
 }
 
-static int32_t tw__find_table(const tw__model_tables* m, int32_t mgb) {
+/* The table of (schedule, mgb), or -1. */
+static int32_t tw__find_table(const tw__model_tables* m, int32_t schedule, int32_t mgb) {
   for (int32_t i = 0; i < m->ntables; i++)
-    if (m->t[i].mgb == mgb) return i;
+    if (m->t[i].mgb == mgb && m->sched[m->t[i].slot] == schedule) return i;
   return -1;
 }
 
-/* Builds the per-plan constants and one table per candidate mgb (rebuilding the plan's
- * segments for each). Leaves the segments of the last table built. */
-static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
+double tw__model_gemm_bytes(const struct tw_plan* plan) {
+  /* A run is a maximal stretch of consecutive bands of one expert in the schedule: its tiles
+   * run at about the same time, so each weight column slice is fetched from device memory once
+   * and served from L2 to the run's other bands. Between two runs of an expert under
+   * remote-first lie the other experts' remote bands (tens of MB of weights each at the
+   * shapes this matters for), so the second run fetches the weights again. */
+  int64_t runs = 0;
+  for (int32_t i = 0; i < plan->num_bands; i++)
+    runs += i == 0 || plan->bands[i].expert != plan->bands[i - 1].expert;
+  const double h = (double)plan->problem.hidden, k = (double)plan->problem.ffn;
+  return 2.0 * ((double)runs * h * k + (double)plan->rows * (k + h)); /* bf16 / fp16 */
+}
+
+/* The schedule-dependent constants of slot `slot` for the plan's current order. */
+static void tw__model_slot(tw__model_tables* m, const struct tw_plan* plan, int32_t slot) {
+  const tw_hardware* hw = &m->hw;
+  const size_t stride = (size_t)hw->c_max + 1;
+  const double tau = m->tau_comp_us;
+  const double mem_us = tw__model_gemm_bytes(plan) / (hw->mem_gbps * 1e3);
+  m->sched[slot] = plan->schedule;
+  m->mem_us[slot] = mem_us;
+  m->gemm_us[slot] =
+      fmax((double)tw__ceil_div(plan->num_tiles, hw->occ_comp * hw->sm_count) * tau, mem_us);
+  double* tau_us = m->tau_us + (size_t)slot * stride;
+  double* inv_tau = m->inv_tau + (size_t)slot * stride;
+  double* comp_us = m->comp_us + (size_t)slot * stride;
+  for (int32_t c = 1; c <= hw->c_max; c++) {
+    /* A wave lasts the longer of its compute and its share of the traffic; the compute end,
+     * max(waves tau, mem_us), is non-decreasing in C, which tw__solve relies on. */
+    const int64_t waves = tw__ceil_div(plan->num_tiles, m->prod[c]);
+    tau_us[c] = waves > 0 ? fmax(tau, mem_us / (double)waves) : tau;
+    inv_tau[c] = 1.0 / tau_us[c];
+    comp_us[c] = fmax((double)waves * tau, mem_us);
+  }
+}
+
+/* Whether table a's bound is >= table b's at every C, bit for bit: the same first-term inputs
+ * (segment count, unit counts in the same order, their byte sums; hence the same coefficients
+ * and the same arithmetic) with a per-wave time and a compute end no smaller at any C. Rounding
+ * is monotone, so the sums and maxima keep the order. */
+static int tw__bounds_dominated(const tw__model_tables* m, const tw__seg_table* a,
+                                const tw__seg_table* b) {
+  if (a->nseg != b->nseg || a->ndistinct != b->ndistinct || a->total_bytes != b->total_bytes)
+    return 0;
+  for (int32_t i = 0; i < a->ndistinct; i++)
+    if (a->units[i] != b->units[i] || (a->nseg > 0 && a->suffix[i] != b->suffix[i])) return 0;
+  const size_t stride = (size_t)m->hw.c_max + 1;
+  const double* ta = m->tau_us + (size_t)a->slot * stride;
+  const double* tb = m->tau_us + (size_t)b->slot * stride;
+  const double* ca = m->comp_us + (size_t)a->slot * stride;
+  const double* cb = m->comp_us + (size_t)b->slot * stride;
+  for (int32_t c = 1; c <= m->hw.c_max; c++)
+    if (ta[c] < tb[c] || ca[c] < cb[c]) return 0;
+  return 1;
+}
+
+/* Gives each table of an earlier slot the later slot's table of the same mgb as twin when its
+ * bounds are dominated by it and it loses ties to it (tw__solve searches later tables first). */
+static void tw__find_twins(tw__model_tables* m) {
+  for (int32_t i = 0; i < m->ntables; i++) {
+    tw__seg_table* a = &m->t[i];
+    a->twin = -1;
+    for (int32_t j = i + 1; j < m->ntables && a->twin < 0; j++) {
+      const tw__seg_table* b = &m->t[j];
+      if (b->mgb == a->mgb && b->slot != a->slot && b->key > a->key &&
+          tw__bounds_dominated(m, a, b))
+        a->twin = j;
+    }
+  }
+}
+
+/* Builds the per-plan constants and, for each schedule of `scheds` (the plan's bands and tiles
+ * reordered for each), one table per candidate mgb (rebuilding the plan's segments for each).
+ * Leaves the plan in the last schedule's order with the segments of its last table. */
+static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
+                                   const int32_t* scheds, int32_t nsched) {
   tw__model_free(plan);
   tw__model_tables* m = calloc(1, sizeof *m);
   if (m == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   plan->model_tables = m;
   m->hw = plan->hardware;
   const double k = (double)plan->problem.ffn;
-  m->tau_tile_us = 2.0 * (double)plan->tm * (double)plan->tn * k / (m->hw.tile_tflops * 1e6) +
+  m->tau_comp_us = 2.0 * (double)plan->tm * (double)plan->tn * k / (m->hw.tile_tflops * 1e6) +
                    m->hw.tile_overhead_us;
-  m->inv_tau_us = 1.0 / m->tau_tile_us;
   /* The owner reads each of its (token, k) rows (received or local) and writes each token. */
   const int64_t top_k = plan->problem.top_k;
   int64_t own_rows = plan->recv_rows;
@@ -453,47 +581,57 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb) {
   const double row_bytes = 2.0 * (double)plan->problem.hidden;
   m->reduce_us = (double)(own_rows + own_rows / top_k) * row_bytes / (m->hw.mem_gbps * 1e3);
   const tw_hardware* hw = &m->hw;
-  m->prod = malloc((size_t)(hw->c_max + 1) * sizeof *m->prod);
-  m->comp_us = malloc((size_t)(hw->c_max + 1) * sizeof *m->comp_us);
-  m->inv_agg = malloc((size_t)(hw->c_max + 1) * sizeof *m->inv_agg);
-  m->first = malloc((size_t)TW__MAX_TABLES * (size_t)(hw->c_max + 1) * sizeof *m->first);
-  if (!m->prod || !m->comp_us || !m->inv_agg || !m->first)
+  const size_t stride = (size_t)hw->c_max + 1;
+  m->prod = malloc(stride * sizeof *m->prod);
+  m->tau_us = malloc((size_t)nsched * stride * sizeof *m->tau_us);
+  m->inv_tau = malloc((size_t)nsched * stride * sizeof *m->inv_tau);
+  m->comp_us = malloc((size_t)nsched * stride * sizeof *m->comp_us);
+  m->inv_agg = malloc(stride * sizeof *m->inv_agg);
+  m->first = malloc((size_t)TW__MAX_TABLES * stride * sizeof *m->first);
+  if (!m->prod || !m->tau_us || !m->inv_tau || !m->comp_us || !m->inv_agg || !m->first)
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   for (int32_t c = 1; c <= hw->c_max; c++) {
     m->prod[c] = tw__producers(hw, c);
-    m->comp_us[c] = (double)tw__ceil_div(plan->num_tiles, m->prod[c]) * m->tau_tile_us;
     m->inv_agg[c] = 1.0 / (fmin((double)c * hw->link_cta_gbps, hw->link_peak_gbps) * 1e3);
   }
 
-  int32_t* band_last =
-      malloc((size_t)(plan->num_bands > 0 ? plan->num_bands : 1) * sizeof *band_last);
-  if (band_last == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
-  for (int32_t b = 0; b < plan->num_bands; b++) band_last[b] = -1;
-  for (int32_t i = 0; i < plan->num_tiles; i++) {
-    const int32_t b = plan->tiles[i].band;
-    if (b < 0 || b >= plan->num_bands) {
-      free(band_last);
-      return tw__fail(TW_ERR_INTERNAL, "model: tile %d names band %d of %d", i, b, plan->num_bands);
-    }
-    band_last[b] = i; /* ascending i: the last write is the largest index */
-  }
-  int32_t mgbs[TW__MAX_TABLES], n = 0;
+  int32_t mgbs[TW__NUM_MGB_CANDIDATES + 1], n = 0;
   int explicit_new = explicit_mgb > 0;
   for (int32_t i = 0; i < TW__NUM_MGB_CANDIDATES; i++) {
     mgbs[n++] = tw__mgb_candidates[i];
     if (tw__mgb_candidates[i] == explicit_mgb) explicit_new = 0;
   }
   if (explicit_new) mgbs[n++] = explicit_mgb;
+  int32_t* band_last =
+      malloc((size_t)(plan->num_bands > 0 ? plan->num_bands : 1) * sizeof *band_last);
+  if (band_last == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   tw_status st = TW_SUCCESS;
-  for (int32_t i = 0; i < n && st == TW_SUCCESS; i++) {
-    st = tw__plan_build_segments(plan, mgbs[i]);
-    if (st == TW_SUCCESS) {
-      plan->coalesce = mgbs[i];
-      st = tw__table_build(plan, band_last, hw, &m->t[i]);
-      m->ntables = i + 1;
+  for (int32_t slot = 0; slot < nsched && st == TW_SUCCESS; slot++) {
+    if (plan->schedule != scheds[slot]) st = tw__plan_set_schedule(plan, scheds[slot]);
+    if (st != TW_SUCCESS) break;
+    m->nsched = slot + 1;
+    tw__model_slot(m, plan, slot);
+    for (int32_t b = 0; b < plan->num_bands; b++) band_last[b] = -1;
+    for (int32_t i = 0; i < plan->num_tiles && st == TW_SUCCESS; i++) {
+      const int32_t b = plan->tiles[i].band;
+      if (b < 0 || b >= plan->num_bands)
+        st = tw__fail(TW_ERR_INTERNAL, "model: tile %d names band %d of %d", i, b, plan->num_bands);
+      else
+        band_last[b] = i; /* ascending i: the last write is the largest index */
+    }
+    for (int32_t i = 0; i < n && st == TW_SUCCESS; i++) {
+      st = tw__plan_build_segments(plan, mgbs[i]);
+      if (st == TW_SUCCESS) {
+        tw__seg_table* tb = &m->t[m->ntables++]; /* counted even if partly built: freed later */
+        st = tw__table_build(plan, band_last, hw, tb);
+        tb->mgb = mgbs[i];
+        tb->slot = slot;
+        tb->key = tw__table_key(mgbs[i], scheds[slot]);
+      }
     }
   }
   free(band_last);
+  if (st == TW_SUCCESS) tw__find_twins(m);
   return st;
 }
 
@@ -502,6 +640,7 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
   TW_TRY(tw__hardware_resolve(config ? config->hardware : NULL, &plan->hardware));
   const tw_hardware* hw = &plan->hardware;
   int32_t fixed_c = 0, fixed_mgb = 0, use_model = 1;
+  /* Only the fields before `schedule` are read: an old-size config ends there. */
   if (config != NULL) {
     if (config->comm_ctas < 0 || config->comm_ctas > hw->c_max)
       return tw__fail(TW_ERR_INVALID_ARGUMENT,
@@ -524,7 +663,25 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
     if (fixed_c == 0) fixed_c = TW_DEFAULT_COMM_CTAS < hw->c_max ? TW_DEFAULT_COMM_CTAS : hw->c_max;
     if (fixed_mgb == 0) fixed_mgb = TW_DEFAULT_COALESCE;
   }
-  TW_TRY(tw__model_prepare(plan, fixed_mgb));
+  /* Schedules to compare: the one asked for, or both. Remote-first is tabulated last: the
+   * search starts from the last table, and with remote-first's best evaluated first a tie
+   * (common on link-bound shapes, where both schedules have the same transfers) is settled by
+   * the bounds alone, since ties go to remote-first. The planner builds an AUTO plan in
+   * expert-major order, so that tabulating reorders it once. */
+  const int32_t req = plan->schedule_request;
+  if (req != TW_SCHEDULE_AUTO && req != TW_SCHEDULE_REMOTE_FIRST && req != TW_SCHEDULE_EXPERT_MAJOR)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "model: schedule request %d; give 0, 1 or 2", req);
+  int32_t scheds[TW__MAX_SCHED], nsched = 1;
+  if (req != TW_SCHEDULE_AUTO) {
+    scheds[0] = req;
+  } else if (!use_model) {
+    scheds[0] = TW_DEFAULT_SCHEDULE;
+  } else {
+    scheds[0] = TW_SCHEDULE_EXPERT_MAJOR;
+    scheds[1] = TW_SCHEDULE_REMOTE_FIRST;
+    nsched = 2;
+  }
+  TW_TRY(tw__model_prepare(plan, fixed_mgb, scheds, nsched));
   const tw__model_tables* m = (const tw__model_tables*)plan->model_tables;
 
   /* The decision proper: tables are built, nothing is allocated from here on. */
@@ -540,20 +697,21 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
 
   if (c == 0 || ti < 0)
     return tw__fail(TW_ERR_INTERNAL, "model: no candidate (C in %d..%d) was evaluated", c_lo, c_hi);
-  const int32_t mgb = m->t[ti].mgb;
-  if (plan->coalesce != mgb) TW_TRY(tw__plan_build_segments(plan, mgb));
+  const int32_t mgb = m->t[ti].mgb, slot = m->t[ti].slot;
+  if (plan->schedule != m->sched[slot]) TW_TRY(tw__plan_set_schedule(plan, m->sched[slot]));
+  if (plan->coalesce != mgb || plan->num_segments == 0) TW_TRY(tw__plan_build_segments(plan, mgb));
   plan->coalesce = mgb;
   plan->comm_ctas = c;
   plan->predicted_us = t;
+  plan->gemm_us = m->gemm_us[slot];
   plan->sequential_us =
-      (double)tw__ceil_div(plan->num_tiles, hw->occ_comp * hw->sm_count) * m->tau_tile_us +
-      (double)plan->send_bytes / (hw->link_peak_gbps * 1e3) + m->reduce_us;
+      m->gemm_us[slot] + (double)plan->send_bytes / (hw->link_peak_gbps * 1e3) + m->reduce_us;
   plan->solve_us = 1e6 * (t1 - t0);
   return TW_SUCCESS;
 }
 
-tw_status tw_plan_predict(tw_plan_t plan, int32_t comm_ctas, int32_t coalesce, double* t_us) {
-  tw__clear_error();
+tw_status tw__model_predict(const struct tw_plan* plan, int32_t schedule, int32_t comm_ctas,
+                            int32_t coalesce, double* t_us, double* gemm_us) {
   TW_CHECK_NULL(plan);
   TW_CHECK_NULL(t_us);
   const tw__model_tables* m = (const tw__model_tables*)plan->model_tables;
@@ -564,14 +722,22 @@ tw_status tw_plan_predict(tw_plan_t plan, int32_t comm_ctas, int32_t coalesce, d
   if (comm_ctas < 1 || comm_ctas > m->hw.c_max)
     return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw_plan_predict: comm_ctas = %d; give 1..%d",
                     comm_ctas, m->hw.c_max);
-  const int32_t i = tw__find_table(m, coalesce);
+  const int32_t i = tw__find_table(m, schedule, coalesce);
   if (i < 0)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw_plan_predict: coalesce = %d; the plan has predictions for 1, 2, 4 and "
-                    "its own coalesce (%d)",
-                    coalesce, plan->coalesce);
+                    "tw_plan_predict: coalesce = %d, schedule %d; the plan has predictions for "
+                    "1, 2, 4 and its own coalesce (%d), for its schedule (%d) and, when the model "
+                    "chose it, the other one",
+                    coalesce, schedule, plan->coalesce, plan->schedule);
   double first[1];
   tw__first_terms(m, &m->t[i], comm_ctas, comm_ctas, first);
   *t_us = tw__eval(m, &m->t[i], comm_ctas, first[0], DBL_MAX);
+  if (gemm_us != NULL) *gemm_us = m->gemm_us[m->t[i].slot];
   return TW_SUCCESS;
+}
+
+tw_status tw_plan_predict(tw_plan_t plan, int32_t comm_ctas, int32_t coalesce, double* t_us) {
+  tw__clear_error();
+  TW_CHECK_NULL(plan);
+  return tw__model_predict(plan, plan->schedule, comm_ctas, coalesce, t_us, NULL);
 }

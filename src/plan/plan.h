@@ -89,11 +89,25 @@ struct tw_plan {
   int32_t* expert_real_rows; /* (E) M_e: rows that carry tokens */
   tw_row_src* row_src;       /* (rows) source of each row */
 
-  /* Schedule: remote bands' tiles first, then local ones. */
+  /* Schedule: every band's column tiles together, bands in the order of `schedule`:
+   * remote-first (all experts' remote bands, then all local bands) or expert-major (expert by
+   * expert, each its remote bands then its local bands); experts in expert_order either way. */
+  int32_t schedule;         /* TW_SCHEDULE_REMOTE_FIRST or TW_SCHEDULE_EXPERT_MAJOR: the order of
+                               bands and tiles now */
+  int32_t schedule_request; /* the caller's: TW_SCHEDULE_AUTO (the model picks) or one of them */
   int32_t num_tiles;
-  int32_t num_remote_tiles; /* tiles[0..num_remote_tiles) are remote */
-  tw_tile* tiles;           /* (num_tiles) */
-  int32_t* expert_order;    /* (E) local experts, descending remote band count */
+  int32_t num_remote_tiles;    /* tiles whose band is remote; they are tiles[0..num_remote_tiles)
+                                  only under remote-first */
+  tw_tile* tiles;              /* (num_tiles) */
+  int32_t* expert_order;       /* (E) local experts, descending remote band count */
+  tw_band* layout_bands;       /* (num_bands) the bands in layout (row) order, segment -1: each
+                                  schedule is a permutation of it; NULL in a plan built by hand,
+                                  which then keeps its one order */
+  int32_t* expert_band0;       /* (E + 1) expert e's bands are layout_bands[expert_band0[e] ..
+                                  expert_band0[e + 1]): remote ones first (the layout puts the
+                                  local group last) */
+  int32_t* expert_local_band0; /* (E) first local band of e in layout_bands (expert_band0[e + 1]
+                                  when e has no local rows) */
 
   /* Combine plan. */
   int32_t num_bands;
@@ -120,6 +134,7 @@ struct tw_plan {
   double predicted_us;
   double sequential_us;
   double solve_us;
+  double gemm_us; /* the GEMM alone on every SM, this schedule (compute waves vs memory) */
 
   /* Resource-model tables (model.c): per candidate coalescing factor, the segments' ready tiles,
    * unit counts and suffix byte sums, built by tw__model_choose and read by the decision and
@@ -134,10 +149,25 @@ int32_t tw__resolve_tile_m(const tw_problem* p);
 /* Builds plan->segments for a coalescing factor (replaces any previous ones; the array is sized
  * for the worst case at plan creation, so rebuilding never allocates). Planner (layout.c). */
 tw_status tw__plan_build_segments(struct tw_plan* plan, int32_t coalesce);
+/* Puts plan->bands and plan->tiles in the order of `schedule` (TW_SCHEDULE_REMOTE_FIRST or
+ * TW_SCHEDULE_EXPERT_MAJOR) from layout_bands, and recomputes num_remote_tiles and stream_first /
+ * stream_last; clears the segments (num_segments 0, every band's segment -1), which the caller
+ * rebuilds. O(tiles), never allocates. A plan without layout_bands can only keep its schedule
+ * (TW_ERR_STATE otherwise). Planner (layout.c). */
+tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule);
+/* Resolves the schedule a plan is built for: config->schedule when the config has the field and
+ * sets it, else env TW_SCHEDULE (remote-first | expert-major | auto) when set, else
+ * TW_SCHEDULE_AUTO. A bad value in either is TW_ERR_INVALID_ARGUMENT naming the fix; the
+ * environment is read on every call and checked even when the config decides. Planner. */
+tw_status tw__schedule_resolve(const tw_plan_config* config, int32_t* schedule);
 
 /* Chooses the partition: sets plan->comm_ctas, coalesce (rebuilding the segments),
- * predicted_us, sequential_us and solve_us. An explicit config->comm_ctas / coalesce wins;
- * config->use_model == 0 gives TW_DEFAULT_COMM_CTAS / TW_DEFAULT_COALESCE. Model (model.c). */
+ * predicted_us, sequential_us, gemm_us and solve_us, and the schedule: plan->schedule_request
+ * when it names one, else (TW_SCHEDULE_AUTO) the faster prediction of the two, with the plan's
+ * bands, tiles and segments rebuilt in that order (TW_DEFAULT_SCHEDULE when use_model is 0). An
+ * explicit config->comm_ctas / coalesce wins; config->use_model == 0 gives
+ * TW_DEFAULT_COMM_CTAS / TW_DEFAULT_COALESCE. Reads only the config fields before `schedule`
+ * (an old-size config has no more). Model (model.c). */
 tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config);
 
 /* Hardware description (hardware.c). validate: checks header and ranges. resolve: copies `given`
@@ -150,6 +180,15 @@ void tw__model_free(struct tw_plan* plan);
 /* The EP model's recurrence evaluated segment by segment on the plan's current segments, for
  * tests against the fast form (model.c). tw_plan_predict is also defined in model.c. */
 tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t comm_ctas, double* t_us);
+/* tw_plan_predict for either schedule the model tabulated (both when it chose between them;
+ * TW_ERR_INVALID_ARGUMENT for one it did not), and the GEMM-alone time of that schedule on every
+ * SM (gemm_us may be NULL). For tests and tools (model.c). */
+tw_status tw__model_predict(const struct tw_plan* plan, int32_t schedule, int32_t comm_ctas,
+                            int32_t coalesce, double* t_us, double* gemm_us);
+/* Bytes the producer moves through device memory in the plan's current order: each expert's
+ * weights (hidden x ffn) once per run of consecutive bands of that expert, the input rows
+ * (rows x ffn) and the output rows (rows x hidden), 2 bytes an element (model.c). */
+double tw__model_gemm_bytes(const struct tw_plan* plan);
 
 #ifdef __cplusplus
 }

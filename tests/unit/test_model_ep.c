@@ -1,10 +1,11 @@
 /*
  * test_model_ep.c: the expert-parallel resource model (model.c). A hand-built plan whose T(C,
- * mgb) table is computed by hand below; then real plans from the planner: the choice is the
- * argmin of tw_plan_predict over every candidate, the fast evaluation equals the segment-by-
- * segment recurrence, explicit settings win, the selector can be switched off, more link
- * bandwidth never hurts, and a plan with nothing to send costs compute + reduce at the
- * smallest C.
+ * mgb) table is computed by hand below, once compute-bound and once bound by its memory traffic;
+ * then real plans from the planner: the choice is the argmin of the predictions over every
+ * candidate (both schedules when the model chooses the schedule), the fast evaluation equals the
+ * segment-by-segment recurrence, explicit settings win, the selector can be switched off, more
+ * link bandwidth never hurts, a plan with nothing to send costs compute (or memory) + reduce at
+ * the smallest C, and the memory term sends a weight-heavy plan to the expert-major schedule.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -32,24 +33,29 @@
  *     C = 1    2*0.5+1 = 2      4*0.5+1 = 3      8*0.5+1 = 5
  *     C = 2    1*0.5+1 = 1.5    2*0.5+1 = 2      4*0.5+1 = 3
  *     C = 3    1*0.5+1 = 1.5    2*0.75+1 = 2.5   3*0.75+1 = 3.25   (U=2: only 2 CTAs push)
- *   reduce: owner rows = recv 128 + local 64 = 192, tokens 96, (192 + 96) x 256 B / 73728 B/us
- *   = 1 us.
- * A_s = floor(t_s / P) + 1; F_s = max(A_s, F_{s-1}) + q_s; T = max(F, ceil(14/P)) + 1.
+ *   reduce: owner rows = recv 128 + local 64 = 192, tokens 96, (192 + 96) x 256 B / 737280 B/us
+ *   = 0.1 us.
+ *   memory: one run of the expert's bands: weights 128 x 1000 + rows 448 x (1000 + 128), 2 B
+ *   each = 1266688 B, / 737280 B/us = 1.718 us: under one wave's compute at every C (a wave
+ *   lasts max(1, 1.718 / waves) = 1 us with 4, 5, 7 waves), so the table is compute-bound.
+ * A_s = floor(t_s / P) + 1; F_s = max(A_s, F_{s-1}) + q_s; T = max(F, ceil(14/P)) + 0.1.
  *   C=1 (P 4, compute 4):
- *     mgb 1: A 1 1 2 2 3 3, q 2: F 3 5 7 9 11 13 -> T 14
- *     mgb 2: A 1 2 3 3, q 2 3 3 2: F 3, 6, 9, 11 -> T 12
- *     mgb 4: A 1 3 3, q 2 5 2: F 3, 8, 10 -> T 11
+ *     mgb 1: A 1 1 2 2 3 3, q 2: F 3 5 7 9 11 13 -> T 13.1
+ *     mgb 2: A 1 2 3 3, q 2 3 3 2: F 3, 6, 9, 11 -> T 11.1
+ *     mgb 4: A 1 3 3, q 2 5 2: F 3, 8, 10 -> T 10.1
  *   C=2 (P 3, compute 5):
- *     mgb 1: A 1 2 2 3 4 4, q 1.5: F 2.5 4 5.5 7 8.5 10 -> T 11
- *     mgb 2: A 1 2 4 4, q 1.5 2 2 1.5: F 2.5, 4.5, 6.5, 8 -> T 9
- *     mgb 4: A 1 4 4, q 1.5 3 1.5: F 2.5, 7, 8.5 -> T 9.5
+ *     mgb 1: A 1 2 2 3 4 4, q 1.5: F 2.5 4 5.5 7 8.5 10 -> T 10.1
+ *     mgb 2: A 1 2 4 4, q 1.5 2 2 1.5: F 2.5, 4.5, 6.5, 8 -> T 8.1
+ *     mgb 4: A 1 4 4, q 1.5 3 1.5: F 2.5, 7, 8.5 -> T 8.6
  *   C=3 (P 2, compute 7):
- *     mgb 1: A 1 2 3 4 5 6, q 1.5: F 2.5 4 5.5 7 8.5 10 -> T 11
- *     mgb 2: A 1 3 5 6, q 1.5 2.5 2.5 1.5: F 2.5, 5.5, 8, 9.5 -> T 10.5
- *     mgb 4: A 1 5 6, q 1.5 3.25 1.5: F 2.5, 8.25, 9.75 -> T 10.75
- * Best: C = 2, mgb = 2, T = 9. Sequential: ceil(14/5) = 3 waves + 98304 B / 32768 B/us + 1 = 7.
+ *     mgb 1: A 1 2 3 4 5 6, q 1.5: F 2.5 4 5.5 7 8.5 10 -> T 10.1
+ *     mgb 2: A 1 3 5 6, q 1.5 2.5 2.5 1.5: F 2.5, 5.5, 8, 9.5 -> T 9.6
+ *     mgb 4: A 1 5 6, q 1.5 3.25 1.5: F 2.5, 8.25, 9.75 -> T 9.85
+ * Best: C = 2, mgb = 2, T = 8.1. Sequential: ceil(14/5) = 3 waves + 98304 B / 32768 B/us + 0.1
+ * = 6.1. The plan has one expert, so remote-first and expert-major are the same order; it is
+ * labelled remote-first and cannot be reordered (no layout_bands).
  */
-static const double hand_t[3][3] = {{14, 12, 11}, {11, 9, 9.5}, {11, 10.5, 10.75}};
+static const double hand_t[3][3] = {{13.1, 11.1, 10.1}, {10.1, 8.1, 8.6}, {10.1, 9.6, 9.85}};
 static const int32_t mgbs[3] = {1, 2, 4};
 
 typedef struct hand_plan {
@@ -75,6 +81,7 @@ static void hand_build(hand_plan* h, int remote) {
   p->problem = prob;
   p->rank = 0;
   p->local_experts = 1;
+  p->schedule = p->schedule_request = TW_SCHEDULE_REMOTE_FIRST;
   p->tm = p->tn = 64;
   p->col_tiles = 2;
   p->rows = 448;
@@ -118,7 +125,7 @@ static void hand_build(hand_plan* h, int remote) {
   h->hw.link_cta_gbps = 16.384;
   h->hw.link_peak_gbps = 32.768;
   h->hw.link_latency_us = 1.0;
-  h->hw.mem_gbps = 73.728;
+  h->hw.mem_gbps = 737.28;
 }
 
 static tw_plan_config hand_config(hand_plan* h, int32_t c, int32_t mgb, int32_t use_model) {
@@ -145,8 +152,11 @@ static void test_hand_plan_table(void) {
   CHECK(h.plan.comm_ctas == 2);
   CHECK(h.plan.coalesce == 2);
   CHECK(h.plan.num_segments == 4); /* the plan keeps the chosen mgb's segments */
-  CHECK_NEAR(h.plan.predicted_us, 9.0, 1e-9);
-  CHECK_NEAR(h.plan.sequential_us, 7.0, 1e-9);
+  CHECK_NEAR(h.plan.predicted_us, 8.1, 1e-9);
+  CHECK_NEAR(h.plan.sequential_us, 6.1, 1e-9);
+  CHECK_NEAR(h.plan.gemm_us, 3.0, 1e-9);
+  CHECK(h.plan.schedule == TW_SCHEDULE_REMOTE_FIRST);
+  CHECK_NEAR(tw__model_gemm_bytes(&h.plan), 1266688.0, 1e-6);
   CHECK(h.plan.solve_us >= 0.0 && h.plan.solve_us < 1e4);
   /* The segment-by-segment recurrence on the kept segments agrees at every C. */
   for (int c = 1; c <= 3; c++) {
@@ -172,11 +182,11 @@ static void test_hand_plan_explicit_and_defaults(void) {
     int32_t c, mgb, use_model, want_c, want_mgb;
     double want_t;
   } cases[] = {
-      {3, 0, 1, 3, 2, 10.5}, /* C fixed: best mgb at C = 3 (row 3 of the table) */
-      {0, 4, 1, 2, 4, 9.5},  /* mgb fixed: best C in column mgb = 4 */
-      {1, 1, 1, 1, 1, 14.0}, /* both fixed: the model only predicts */
-      {0, 0, 0, 3, 2, 10.5}, /* selector off: TW_DEFAULT_COMM_CTAS (8) capped at c_max 3, mgb 2 */
-      {1, 0, 0, 1, 2, 12.0}, /* selector off, C given: C 1, default mgb 2 */
+      {3, 0, 1, 3, 2, 9.6},  /* C fixed: best mgb at C = 3 (row 3 of the table) */
+      {0, 4, 1, 2, 4, 8.6},  /* mgb fixed: best C in column mgb = 4 */
+      {1, 1, 1, 1, 1, 13.1}, /* both fixed: the model only predicts */
+      {0, 0, 0, 3, 2, 9.6},  /* selector off: TW_DEFAULT_COMM_CTAS (8) capped at c_max 3, mgb 2 */
+      {1, 0, 0, 1, 2, 11.1}, /* selector off, C given: C 1, default mgb 2 */
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     tw_plan_config cfg = hand_config(&h, cases[i].c, cases[i].mgb, cases[i].use_model);
@@ -187,14 +197,14 @@ static void test_hand_plan_explicit_and_defaults(void) {
   }
   /* An explicit coalesce outside {1, 2, 4} is tabulated and predicted too: mgb 3 gives
    * {0} {1,2,3} {4} {5}: last tiles 1 7 9 11, units 2 6 2 2. At C = 2 (P 3): A 1 3 4 4,
-   * q 1.5, 3*0.5+1 = 2.5, 1.5, 1.5: F 2.5, 5.5, 7, 8.5 -> T = max(8.5, 5) + 1 = 9.5. */
+   * q 1.5, 3*0.5+1 = 2.5, 1.5, 1.5: F 2.5, 5.5, 7, 8.5 -> T = max(8.5, 5) + 0.1 = 8.6. */
   tw_plan_config cfg = hand_config(&h, 2, 3, 1);
   CHECK_OK(tw__model_choose(&h.plan, &cfg));
   CHECK(h.plan.coalesce == 3 && h.plan.comm_ctas == 2);
-  CHECK_NEAR(h.plan.predicted_us, 9.5, 1e-9);
+  CHECK_NEAR(h.plan.predicted_us, 8.6, 1e-9);
   double t = 0;
   CHECK_OK(tw_plan_predict(&h.plan, 2, 3, &t));
-  CHECK_NEAR(t, 9.5, 1e-9);
+  CHECK_NEAR(t, 8.6, 1e-9);
   /* Out-of-range settings are rejected with a message. */
   cfg = hand_config(&h, 4, 0, 1);
   CHECK_STATUS(tw__model_choose(&h.plan, &cfg), TW_ERR_INVALID_ARGUMENT);
@@ -210,8 +220,9 @@ static void test_hand_plan_explicit_and_defaults(void) {
 
 /* Nothing to send: T = compute end + reduce, so the smallest C (most producers) wins, and every
  * mgb ties (-> the largest, 4).
- *   own rows = all 448 local + 128 received = 576, tokens 288: (576 + 288) x 256 B / 73728 B/us
- *   = 3 us. Compute: C=1 ceil(14/4) = 4, C=2 ceil(14/3) = 5, C=3 ceil(14/2) = 7. T = 7, 8, 10. */
+ *   own rows = all 448 local + 128 received = 576, tokens 288: (576 + 288) x 256 B / 737280 B/us
+ *   = 0.3 us. Compute: C=1 ceil(14/4) = 4, C=2 ceil(14/3) = 5, C=3 ceil(14/2) = 7 (memory 1.718
+ *   us). T = 4.3, 5.3, 7.3. */
 static void test_hand_plan_no_remote(void) {
   static hand_plan h;
   hand_build(&h, 0);
@@ -220,20 +231,107 @@ static void test_hand_plan_no_remote(void) {
   CHECK(h.plan.num_segments == 0);
   CHECK(h.plan.comm_ctas == 1);
   CHECK(h.plan.coalesce == 4);
-  CHECK_NEAR(h.plan.predicted_us, 7.0, 1e-9);
-  const double want[3] = {7, 8, 10};
+  CHECK_NEAR(h.plan.predicted_us, 4.3, 1e-9);
+  const double want[3] = {4.3, 5.3, 7.3};
   for (int c = 1; c <= 3; c++)
     for (int j = 0; j < 3; j++) {
       double t = 0;
       CHECK_OK(tw_plan_predict(&h.plan, c, mgbs[j], &t));
       CHECK_NEAR(t, want[c - 1], 1e-9);
     }
-  /* Sequential: ceil(14/5) = 3 waves + 0 bytes + 3 = 6. */
-  CHECK_NEAR(h.plan.sequential_us, 6.0, 1e-9);
+  /* Sequential: ceil(14/5) = 3 waves + 0 bytes + 0.3 = 3.3. */
+  CHECK_NEAR(h.plan.sequential_us, 3.3, 1e-9);
+  tw__model_free(&h.plan);
+}
+
+/* The same plan with ten times less memory bandwidth (73728 B/us): its traffic, 1266688 B, takes
+ * 1237/72 = 17.18 us, more than the compute end at any C (4, 5, 7 waves of 1 us), so a wave lasts
+ * 17.18 / waves and the compute end is 17.18 us everywhere; reduce = 1 us.
+ *   C=1 (P 4, 4 waves, tau 1237/288 = 4.295), mgb 4: A 1 3 3, q 2 5 2:
+ *     F tau + 2, 3 tau + 5, 3 tau + 7 = 19.885 -> T = 3 tau + 8 = 20.885
+ *   C=2 (P 3, 5 waves, tau 1237/360 = 3.436), mgb 2: A 1 2 4 4, q 1.5 2 2 1.5:
+ *     F 4.936, 2 tau + 2, 4 tau + 2, 4 tau + 3.5 = 17.244 -> T = 4 tau + 4.5 = 18.244
+ *   C=3 (P 2, 7 waves, tau 1237/504 = 2.454), mgb 1: A 1..6, q 1.5: F_5 = 6 tau + 1.5 = 16.226,
+ *     below the memory end -> T = 1237/72 + 1 = 18.181
+ * GEMM alone (5 SMs, 3 waves): max(3, 17.18) = 17.18; sequential 17.18 + 3 + 1. */
+static void test_hand_plan_memory_bound(void) {
+  static hand_plan h;
+  hand_build(&h, 1);
+  h.hw.mem_gbps = 73.728;
+  tw_plan_config cfg = hand_config(&h, 0, 0, 1);
+  CHECK_OK(tw__model_choose(&h.plan, &cfg));
+  const double mem = 1237.0 / 72.0;
+  const struct {
+    int32_t c, mgb;
+    double t;
+  } cells[3] = {{1, 4, 3 * 1237.0 / 288 + 8}, {2, 2, 4 * 1237.0 / 360 + 4.5}, {3, 1, mem + 1}};
+  for (int i = 0; i < 3; i++) {
+    double t = 0;
+    CHECK_OK(tw_plan_predict(&h.plan, cells[i].c, cells[i].mgb, &t));
+    CHECKF(fabs(t - cells[i].t) < 1e-9, "T(C=%d, mgb=%d) = %.12g, hand %.12g", cells[i].c,
+           cells[i].mgb, t, cells[i].t);
+  }
+  CHECK_NEAR(h.plan.gemm_us, mem, 1e-9);
+  CHECK_NEAR(h.plan.sequential_us, mem + 4.0, 1e-9);
+  /* The decision is the argmin of the table, and the recurrence agrees on its segments. */
+  double bt = 0;
+  int32_t bc = 0, bm = 0;
+  for (int32_t c = 1; c <= 3; c++)
+    for (int j = 0; j < 3; j++) {
+      double t = 0;
+      CHECK_OK(tw_plan_predict(&h.plan, c, mgbs[j], &t));
+      CHECK(t >= mem + 1.0 - 1e-9); /* nothing ends before the traffic does */
+      if (bc == 0 || t < bt || (t == bt && (c < bc || (c == bc && mgbs[j] > bm))))
+        bt = t, bc = c, bm = mgbs[j];
+    }
+  CHECK(h.plan.comm_ctas == bc && h.plan.coalesce == bm && h.plan.predicted_us == bt);
+  for (int32_t c = 1; c <= 3; c++) {
+    double fast = 0, plain = 0;
+    CHECK_OK(tw_plan_predict(&h.plan, c, bm, &fast));
+    CHECK_OK(tw__model_eval_plain(&h.plan, c, &plain));
+    CHECK_NEAR(fast, plain, 1e-9 * plain);
+  }
+  /* A plan built by hand has one order: asking the model to choose cannot reorder it. */
+  h.plan.schedule_request = TW_SCHEDULE_AUTO;
+  CHECK_STATUS(tw__model_choose(&h.plan, &cfg), TW_ERR_STATE);
   tw__model_free(&h.plan);
 }
 
 /* ---- Real plans --------------------------------------------------------------------------- */
+
+static const int32_t scheds[2] = {TW_SCHEDULE_REMOTE_FIRST, TW_SCHEDULE_EXPERT_MAJOR};
+
+/* Whether the model tabulated `schedule` for this plan: both when it chose the schedule (the
+ * plans passed here all have the selector on). */
+static int tabulated(tw_plan_t plan, int32_t schedule) {
+  return schedule == plan->schedule || plan->schedule_request == TW_SCHEDULE_AUTO;
+}
+
+/* The best candidate by the model's rules (T, then C, then the larger mgb, then remote-first)
+ * over every tabulated schedule, C in 1..c_max and mgb in mgb_list. */
+typedef struct best_cand {
+  double t;
+  int32_t c, mgb, schedule;
+} best_cand;
+
+static best_cand argmin_all(tw_plan_t plan, const int32_t* mgb_list, int n_mgb) {
+  best_cand b = {0, 0, 0, 0};
+  int32_t bkey = 0;
+  for (int si = 0; si < 2; si++) {
+    if (!tabulated(plan, scheds[si])) continue;
+    for (int32_t c = 1; c <= plan->hardware.c_max; c++)
+      for (int j = 0; j < n_mgb; j++) {
+        double t = 0;
+        CHECK_OK(tw__model_predict(plan, scheds[si], c, mgb_list[j], &t, NULL));
+        const int32_t key = 2 * mgb_list[j] + (scheds[si] == TW_SCHEDULE_REMOTE_FIRST);
+        if (b.c == 0 || t < b.t || (t == b.t && (c < b.c || (c == b.c && key > bkey)))) {
+          b = (best_cand){t, c, mgb_list[j], scheds[si]};
+          bkey = key;
+        }
+      }
+  }
+  return b;
+}
 
 static tw_status make_plan(const char* preset, int32_t world, int32_t tokens, tw_router router,
                            uint64_t seed, int32_t rank, const tw_plan_config* cfg,
@@ -251,26 +349,19 @@ static tw_status make_plan(const char* preset, int32_t world, int32_t tokens, tw
   return st;
 }
 
-/* Checks that the plan's choice is the argmin over every candidate of tw_plan_predict, with
- * ties to the smaller C, then the larger mgb; and that the fast form equals the recurrence. */
-static void check_choice_is_argmin(tw_plan_t plan, const char* what) {
+/* Checks that the plan's choice is the argmin over every candidate (both schedules when the
+ * model chose the schedule), with ties to the smaller C, then the larger mgb, then remote-first;
+ * and that the fast form equals the recurrence. other_too: also reorders the plan into every
+ * tabulated schedule and mgb and checks each table against the recurrence (slow on big plans),
+ * then restores the plan's choice. */
+static void check_choice_is_argmin(tw_plan_t plan, const char* what, int other_too) {
   tw_plan_summary s;
   CHECK_OK(tw_plan_summary_get(plan, &s));
-  double bt = 0;
-  int32_t bc = 0, bm = 0;
-  for (int32_t c = 1; c <= plan->hardware.c_max; c++)
-    for (int j = 0; j < 3; j++) {
-      double t = 0;
-      CHECK_OK(tw_plan_predict(plan, c, mgbs[j], &t));
-      if (bc == 0 || t < bt || (t == bt && (c < bc || (c == bc && mgbs[j] > bm)))) {
-        bt = t;
-        bc = c;
-        bm = mgbs[j];
-      }
-    }
-  CHECKF(s.comm_ctas == bc && s.coalesce == bm && s.predicted_us == bt,
-         "%s: chose C %d mgb %d T %.9g; argmin is C %d mgb %d T %.9g", what, s.comm_ctas,
-         s.coalesce, s.predicted_us, bc, bm, bt);
+  const best_cand b = argmin_all(plan, mgbs, 3);
+  CHECKF(s.comm_ctas == b.c && s.coalesce == b.mgb && s.schedule == b.schedule &&
+             s.predicted_us == b.t,
+         "%s: chose C %d mgb %d schedule %d T %.9g; argmin is C %d mgb %d schedule %d T %.9g", what,
+         s.comm_ctas, s.coalesce, s.schedule, s.predicted_us, b.c, b.mgb, b.schedule, b.t);
   for (int32_t c = 1; c <= plan->hardware.c_max; c++) {
     double fast = 0, plain = 0;
     CHECK_OK(tw_plan_predict(plan, c, s.coalesce, &fast));
@@ -278,7 +369,26 @@ static void check_choice_is_argmin(tw_plan_t plan, const char* what) {
     CHECKF(fabs(fast - plain) <= 1e-9 * plain, "%s C %d: fast %.12g, recurrence %.12g", what, c,
            fast, plain);
   }
-  CHECK(s.sequential_us > 0.0 && s.predicted_us > 0.0);
+  CHECK(s.sequential_us > 0.0 && s.predicted_us > 0.0 && s.gemm_us > 0.0);
+  CHECK(s.sequential_us >= s.gemm_us);
+  if (!other_too) return;
+  for (int si = 0; si < 2; si++) {
+    if (!tabulated(plan, scheds[si])) continue;
+    for (int j = 0; j < 3; j++) {
+      CHECK_OK(tw__plan_set_schedule(plan, scheds[si]));
+      CHECK_OK(tw__plan_build_segments(plan, mgbs[j]));
+      for (int32_t c = 1; c <= plan->hardware.c_max; c++) {
+        double fast = 0, plain = 0;
+        CHECK_OK(tw__model_predict(plan, scheds[si], c, mgbs[j], &fast, NULL));
+        CHECK_OK(tw__model_eval_plain(plan, c, &plain));
+        CHECKF(fabs(fast - plain) <= 1e-9 * plain,
+               "%s schedule %d mgb %d C %d: fast %.12g, recurrence %.12g", what, scheds[si],
+               mgbs[j], c, fast, plain);
+      }
+    }
+  }
+  CHECK_OK(tw__plan_set_schedule(plan, s.schedule));
+  CHECK_OK(tw__plan_build_segments(plan, s.coalesce));
 }
 
 static void test_real_plans_argmin(void) {
@@ -299,7 +409,7 @@ static void test_real_plans_argmin(void) {
         if (plan == NULL) continue;
         char what[128];
         snprintf(what, sizeof what, "%s W %d router %d", tw_preset_name(p), w, r);
-        check_choice_is_argmin(plan, what);
+        check_choice_is_argmin(plan, what, 1);
         tw_plan_destroy(plan);
         checked++;
       }
@@ -331,7 +441,7 @@ static void test_real_plans_explicit_and_off(void) {
   plan = NULL;
   CHECK_OK(make_plan("qwen1.5-moe-a2.7b", 2, 4096, TW_ROUTER_BALANCED, 11, 0, NULL, &plan));
   if (plan) {
-    check_choice_is_argmin(plan, "NULL config");
+    check_choice_is_argmin(plan, "NULL config", 0);
     tw_plan_destroy(plan);
   }
 }
@@ -380,14 +490,15 @@ static void test_monotonic_in_link(void) {
     CHECK_OK(make_plan("deepseek-v2-lite", 2, 4096, TW_ROUTER_MODERATE_SKEW, 77 + v, 1, &c1, &p1));
     CHECK_OK(make_plan("deepseek-v2-lite", 2, 4096, TW_ROUTER_MODERATE_SKEW, 77 + v, 1, &c2, &p2));
     if (p1 && p2) {
-      for (int32_t c = 1; c <= base.c_max; c++)
-        for (int j = 0; j < 3; j++) {
-          double t1 = 0, t2 = 0;
-          CHECK_OK(tw_plan_predict(p1, c, mgbs[j], &t1));
-          CHECK_OK(tw_plan_predict(p2, c, mgbs[j], &t2));
-          CHECKF(t2 <= t1 * (1 + 1e-12), "variant %d C %d mgb %d: %.9g > %.9g", v, c, mgbs[j], t2,
-                 t1);
-        }
+      for (int si = 0; si < 2; si++) /* the model chose the schedule: both are tabulated */
+        for (int32_t c = 1; c <= base.c_max; c++)
+          for (int j = 0; j < 3; j++) {
+            double t1 = 0, t2 = 0;
+            CHECK_OK(tw__model_predict(p1, scheds[si], c, mgbs[j], &t1, NULL));
+            CHECK_OK(tw__model_predict(p2, scheds[si], c, mgbs[j], &t2, NULL));
+            CHECKF(t2 <= t1 * (1 + 1e-12), "variant %d schedule %d C %d mgb %d: %.9g > %.9g", v,
+                   scheds[si], c, mgbs[j], t2, t1);
+          }
       CHECK(p2->predicted_us <= p1->predicted_us * (1 + 1e-12));
     }
     tw_plan_destroy(p1);
@@ -409,7 +520,14 @@ static void test_real_plan_no_remote(void) {
   const int32_t p = hw->occ_comp * (hw->sm_count - 1);
   const double reduce =
       (double)tokens * (plan->problem.top_k + 1) * plan->problem.hidden * 2 / (hw->mem_gbps * 1e3);
-  const double want = (double)((plan->num_tiles + p - 1) / p) * tau + reduce;
+  /* Memory: every expert with rows is one run (all bands are local, either schedule). */
+  int64_t used = 0;
+  for (int32_t e = 0; e < plan->local_experts; e++) used += plan->expert_real_rows[e] > 0;
+  const double bytes = 2.0 * ((double)used * plan->problem.hidden * plan->problem.ffn +
+                              (double)plan->rows * (plan->problem.hidden + plan->problem.ffn));
+  const double mem = bytes / (hw->mem_gbps * 1e3);
+  const double comp = (double)((plan->num_tiles + p - 1) / p) * tau;
+  const double want = (comp > mem ? comp : mem) + reduce;
   CHECK_NEAR(plan->predicted_us, want, 1e-9 * want);
   tw_plan_destroy(plan);
 }
@@ -447,6 +565,8 @@ static void test_random_hardware_equivalence(void) {
     hw.occ_comm = 1 + (int32_t)(ep_rng() % 2);
     hw.occ_comp = 1 + (int32_t)(ep_rng() % 2);
     hw.c_max = 1 + (int32_t)(ep_rng() % 48);
+    hw.mem_gbps = iter % 5 == 0 ? ep_uniform(50.0, 400.0) : ep_uniform(400.0, 8000.0);
+    const int32_t schedule = (int32_t)(ep_rng() % 3); /* auto, remote-first, expert-major */
     const int p = (int)(ep_rng() % (uint64_t)tw_preset_count());
     const int32_t world = 1 << (ep_rng() % 4); /* 1, 2, 4, 8 */
     const int32_t tokens = 256 + (int32_t)(ep_rng() % 8192);
@@ -459,32 +579,34 @@ static void test_random_hardware_equivalence(void) {
       tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
       cfg.hardware = &hw;
       cfg.coalesce = mgb;
+      cfg.schedule = schedule;
       tw_plan_t plan = NULL;
       tw_status st = make_plan(tw_preset_name(p), world, tokens, router, rseed, rank, &cfg, &plan);
       if (st == TW_ERR_INDIVISIBLE) break;
       CHECK_OK(st);
       if (plan == NULL) break;
       char what[160];
-      snprintf(what, sizeof what, "iter %d %s W %d rank %d tokens %d mgb %d", iter,
-               tw_preset_name(p), world, rank, tokens, cfg.coalesce);
+      snprintf(what, sizeof what, "iter %d %s W %d rank %d tokens %d mgb %d schedule %d", iter,
+               tw_preset_name(p), world, rank, tokens, cfg.coalesce, schedule);
+      if (schedule != TW_SCHEDULE_AUTO) CHECK(plan->schedule == schedule);
       if (j < 0) {
-        check_choice_is_argmin(plan, what);
+        check_choice_is_argmin(plan, what, 0);
       } else {
         /* Fixed mgb (an odd one can have segments of up to 32 bands, where late waves
-         * matter): argmin over C, and every C against the recurrence on these segments. */
-        double bt = 0;
-        int32_t bc = 0;
+         * matter): argmin over C (and both schedules when the model chose), and every C
+         * against the recurrence on these segments. */
         for (int32_t c = 1; c <= hw.c_max; c++) {
           double fast = 0, plain = 0;
           CHECK_OK(tw_plan_predict(plan, c, mgb, &fast));
           CHECK_OK(tw__model_eval_plain(plan, c, &plain));
           CHECKF(fabs(fast - plain) <= 1e-9 * plain, "%s C %d: fast %.12g, recurrence %.12g", what,
                  c, fast, plain);
-          if (bc == 0 || fast < bt) bt = fast, bc = c;
         }
-        CHECKF(plan->coalesce == mgb && plan->comm_ctas == bc && plan->predicted_us == bt,
-               "%s: chose C %d T %.12g; argmin C %d T %.12g", what, plan->comm_ctas,
-               plan->predicted_us, bc, bt);
+        const best_cand b = argmin_all(plan, &mgb, 1);
+        CHECKF(plan->coalesce == mgb && plan->comm_ctas == b.c && plan->predicted_us == b.t &&
+                   plan->schedule == b.schedule,
+               "%s: chose C %d schedule %d T %.12g; argmin C %d schedule %d T %.12g", what,
+               plan->comm_ctas, plan->schedule, plan->predicted_us, b.c, b.schedule, b.t);
       }
       tw_plan_destroy(plan);
       checked++;
@@ -493,8 +615,105 @@ static void test_random_hardware_equivalence(void) {
   CHECKF(checked >= 100, "only %d plans were checked", checked);
 }
 
+/* Plans one rank of a custom shape (2 ranks, balanced top-2) with the given schedule. */
+static tw_status custom_plan(int32_t hidden, int32_t ffn, int32_t experts, int32_t tokens,
+                             int32_t schedule, uint64_t seed, tw_plan_t* plan) {
+  tw_problem prob = TW_PROBLEM_INIT;
+  prob.world_size = 2;
+  prob.hidden = hidden;
+  prob.ffn = ffn;
+  prob.experts = experts;
+  prob.top_k = 2;
+  prob.max_tokens = tokens;
+  tw_routing_t rt = NULL;
+  tw_status st = tw_routing_generate(&prob, TW_ROUTER_BALANCED, 0.0, tokens, seed, &rt);
+  if (st != TW_SUCCESS) return st;
+  tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  cfg.schedule = schedule;
+  st = tw_plan_create(&prob, rt, 0, &cfg, plan);
+  tw_routing_destroy(rt);
+  return st;
+}
+
+/* Experts of the plan with both remote and local rows: the ones remote-first reads twice. */
+static int64_t split_experts(tw_plan_t plan) {
+  int64_t n = 0;
+  for (int32_t e = 0; e < plan->local_experts; e++)
+    n += plan->expert_local_band0[e] > plan->expert_band0[e] &&
+         plan->expert_band0[e + 1] > plan->expert_local_band0[e];
+  return n;
+}
+
+/* Weight-heavy: 64 local experts of H 4096 x F 2048 (16.8 MB of weights each) and about 64 rows
+ * each, so the weights dominate the producer's traffic and remote-first reads them twice. The
+ * model must see it (GEMM and T both slower under remote-first) and choose expert-major. Then
+ * compute-heavy: 2 local experts with 16384 rows each, where the weights are a rounding error
+ * and the choice may go either way, but never to the slower prediction: the model's choice
+ * equals the better of the two schedules planned explicitly, bit for bit. */
+static void test_schedule_choice(void) {
+  const uint64_t seed = (uint64_t)time(NULL);
+  printf("  routing seed %llu\n", (unsigned long long)seed);
+  tw_plan_t rf = NULL, em = NULL, au = NULL;
+  CHECK_OK(custom_plan(4096, 2048, 128, 2048, TW_SCHEDULE_REMOTE_FIRST, seed, &rf));
+  CHECK_OK(custom_plan(4096, 2048, 128, 2048, TW_SCHEDULE_EXPERT_MAJOR, seed, &em));
+  CHECK_OK(custom_plan(4096, 2048, 128, 2048, TW_SCHEDULE_AUTO, seed, &au));
+  if (rf && em && au) {
+    const int64_t split = split_experts(rf);
+    CHECKF(split >= 48, "only %lld of 64 experts have remote and local rows", (long long)split);
+    const double w = 4096.0 * 2048.0 * 2.0;
+    CHECK_NEAR(tw__model_gemm_bytes(rf) - tw__model_gemm_bytes(em), (double)split * w, 1.0);
+    printf("  weight-heavy: GEMM %.1f us remote-first, %.1f us expert-major; T %.1f / %.1f us\n",
+           rf->gemm_us, em->gemm_us, rf->predicted_us, em->predicted_us);
+    CHECK(em->gemm_us < 0.8 * rf->gemm_us);
+    CHECK(em->predicted_us < rf->predicted_us);
+    CHECK(au->schedule == TW_SCHEDULE_EXPERT_MAJOR);
+    CHECK(au->predicted_us == em->predicted_us && au->comm_ctas == em->comm_ctas &&
+          au->coalesce == em->coalesce);
+    check_choice_is_argmin(au, "weight-heavy", 1);
+  }
+  tw_plan_destroy(rf);
+  tw_plan_destroy(em);
+  tw_plan_destroy(au);
+  rf = em = au = NULL;
+  CHECK_OK(custom_plan(4096, 2048, 4, 16384, TW_SCHEDULE_REMOTE_FIRST, seed + 1, &rf));
+  CHECK_OK(custom_plan(4096, 2048, 4, 16384, TW_SCHEDULE_EXPERT_MAJOR, seed + 1, &em));
+  CHECK_OK(custom_plan(4096, 2048, 4, 16384, TW_SCHEDULE_AUTO, seed + 1, &au));
+  if (rf && em && au) {
+    printf("  compute-heavy: GEMM %.1f us remote-first, %.1f us expert-major; T %.1f / %.1f us\n",
+           rf->gemm_us, em->gemm_us, rf->predicted_us, em->predicted_us);
+    const tw_plan_t best = em->predicted_us < rf->predicted_us ? em : rf; /* ties: remote-first */
+    CHECK(au->schedule == best->schedule && au->predicted_us == best->predicted_us);
+    CHECK(au->comm_ctas == best->comm_ctas && au->coalesce == best->coalesce);
+    /* Compute-bound: the traffic does not decide; both GEMMs are the compute waves. */
+    CHECK(rf->gemm_us == em->gemm_us);
+    check_choice_is_argmin(au, "compute-heavy", 0);
+  }
+  tw_plan_destroy(rf);
+  tw_plan_destroy(em);
+  tw_plan_destroy(au);
+  /* The model's choice never loses to either schedule, on every preset. */
+  for (int p = 0; p < tw_preset_count(); p++) {
+    tw_plan_config c1 = TW_PLAN_CONFIG_INIT, c2 = TW_PLAN_CONFIG_INIT, c3 = TW_PLAN_CONFIG_INIT;
+    c1.schedule = TW_SCHEDULE_REMOTE_FIRST;
+    c2.schedule = TW_SCHEDULE_EXPERT_MAJOR;
+    tw_plan_t a = NULL, b = NULL, c = NULL;
+    CHECK_OK(make_plan(tw_preset_name(p), 2, 4096, TW_ROUTER_MODERATE_SKEW, seed + p, 0, &c1, &a));
+    CHECK_OK(make_plan(tw_preset_name(p), 2, 4096, TW_ROUTER_MODERATE_SKEW, seed + p, 0, &c2, &b));
+    CHECK_OK(make_plan(tw_preset_name(p), 2, 4096, TW_ROUTER_MODERATE_SKEW, seed + p, 0, &c3, &c));
+    if (a && b && c) {
+      const double want = a->predicted_us <= b->predicted_us ? a->predicted_us : b->predicted_us;
+      CHECKF(c->predicted_us == want, "%s: chose %.9g, remote-first %.9g, expert-major %.9g",
+             tw_preset_name(p), c->predicted_us, a->predicted_us, b->predicted_us);
+    }
+    tw_plan_destroy(a);
+    tw_plan_destroy(b);
+    tw_plan_destroy(c);
+  }
+}
+
 TW_TEST_MAIN(TW_TEST(test_hand_plan_table), TW_TEST(test_hand_plan_explicit_and_defaults),
-             TW_TEST(test_hand_plan_no_remote), TW_TEST(test_real_plans_argmin),
+             TW_TEST(test_hand_plan_no_remote), TW_TEST(test_hand_plan_memory_bound),
+             TW_TEST(test_schedule_choice), TW_TEST(test_real_plans_argmin),
              TW_TEST(test_real_plans_explicit_and_off), TW_TEST(test_monotonic_in_link),
              TW_TEST(test_large_explicit_coalesce), TW_TEST(test_real_plan_no_remote),
              TW_TEST(test_random_hardware_equivalence))

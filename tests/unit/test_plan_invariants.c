@@ -7,9 +7,14 @@
  * exactly once; a simulated combine (each remote band's valid rows copied to its destination's
  * receive buffer at dest_offset, local rows taken in place) hands every owner back exactly its
  * own rows through slot_row; padding sits only at the tail of remote groups; offsets into one
- * receive buffer never overlap and cover it exactly; remote tiles come first; experts follow the
- * documented order; segments follow the first/last/mgb rules. The seed is printed; set
- * TW_TEST_SEED to replay a run and TW_TEST_WORLDS to change the number of random worlds (5000).
+ * receive buffer never overlap and cover it exactly; the schedule is the one asked for (remote-
+ * first: remote tiles first, experts in the documented order in each half; expert-major: each
+ * expert's tiles together, experts in the documented order, remote bands before local ones);
+ * segments follow the first/last/mgb rules, list every remote band once, in schedule order, and
+ * become ready in the order the consumer walks them. Every random world is planned under both
+ * schedules (and some under the model's choice), and the two plans must share one layout. The
+ * seed is printed; set TW_TEST_SEED to replay a run and TW_TEST_WORLDS to change the number of
+ * random worlds (5000).
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <stdint.h>
@@ -146,22 +151,26 @@ static int64_t cdiv(int64_t a, int64_t b) {
 /* Segment rules for one plan at its current coalesce factor. */
 static void check_segments(const struct tw_plan* pl, int32_t mgb) {
   int32_t W = pl->problem.world_size;
+  const int32_t nb = pl->num_bands;
   CHECK(pl->coalesce == mgb);
-  int32_t nremote = pl->num_remote_tiles / pl->col_tiles;
-  int32_t* covered = calloc((size_t)pl->num_bands + 1, sizeof *covered);
+  int32_t* covered = calloc((size_t)nb + 1, sizeof *covered);
+  int32_t* band_last = malloc(((size_t)nb + 1) * sizeof *band_last); /* last tile of each band */
   int32_t* first_seg = malloc((size_t)W * sizeof *first_seg);
   int32_t* last_seg = malloc((size_t)W * sizeof *last_seg);
+  for (int32_t i = 0; i < nb; i++) band_last[i] = -1;
+  for (int32_t t = 0; t < pl->num_tiles; t++)
+    if (pl->tiles[t].band >= 0 && pl->tiles[t].band < nb) band_last[pl->tiles[t].band] = t;
   for (int32_t d = 0; d < W; d++) first_seg[d] = last_seg[d] = -1;
-  int32_t prev_band0 = -1;
+  int32_t prev_band0 = -1, prev_ready = -1;
   for (int32_t s = 0; s < pl->num_segments; s++) {
     const tw_segment* sg = &pl->segments[s];
     CHECKF(sg->band0 > prev_band0, "segments out of order at %d", s);
     prev_band0 = sg->band0;
     CHECK(sg->nbands >= 1);
-    CHECK(sg->band0 >= 0 && sg->band0 + sg->nbands <= nremote);
-    if (sg->nbands < 1 || sg->band0 < 0 || sg->band0 + sg->nbands > nremote) continue;
+    CHECK(sg->band0 >= 0 && sg->band0 + sg->nbands <= nb);
+    if (sg->nbands < 1 || sg->band0 < 0 || sg->band0 + sg->nbands > nb) continue;
     const tw_band* b0 = &pl->bands[sg->band0];
-    int32_t valid = 0;
+    int32_t valid = 0, ready = -1;
     for (int32_t i = 0; i < sg->nbands; i++) {
       const tw_band* b = &pl->bands[sg->band0 + i];
       covered[sg->band0 + i]++;
@@ -173,17 +182,28 @@ static void check_segments(const struct tw_plan* pl, int32_t mgb) {
       CHECK(b->dest_offset == b0->dest_offset + (int64_t)i * pl->tm * pl->problem.hidden * 2);
       if (i + 1 < sg->nbands) CHECK(b->valid_rows == pl->tm);
       valid += b->valid_rows;
+      if (band_last[sg->band0 + i] > ready) ready = band_last[sg->band0 + i];
     }
     CHECK(sg->src_row0 == b0->row0);
     CHECK(sg->valid_rows == valid);
     CHECK(sg->ready_tiles == sg->nbands * pl->col_tiles);
     CHECK(sg->dest_offset == b0->dest_offset);
+    /* The consumer walks the segments in order: each one's last tile comes later in the
+     * schedule than the previous one's, so it never waits on a segment that finishes after the
+     * one behind it. */
+    CHECKF(ready > prev_ready, "segment %d is ready at tile %d, segment %d at tile %d", s, ready,
+           s - 1, prev_ready);
+    prev_ready = ready;
     if (first_seg[sg->dest] < 0) first_seg[sg->dest] = s;
     last_seg[sg->dest] = s;
   }
-  for (int32_t i = 0; i < nremote; i++)
-    CHECKF(covered[i] == 1, "band %d covered %d", i, covered[i]);
-  for (int32_t i = nremote; i < pl->num_bands; i++) CHECK(pl->bands[i].segment == -1);
+  /* Every remote band in exactly one segment, wherever the schedule puts it; local bands none. */
+  for (int32_t i = 0; i < nb; i++) {
+    if (pl->bands[i].dest != pl->rank)
+      CHECKF(covered[i] == 1, "remote band %d covered %d", i, covered[i]);
+    else
+      CHECK(covered[i] == 0 && pl->bands[i].segment == -1);
+  }
   /* Stream rules: first and last one band; middle ones at most mgb and greedy (a short middle
    * segment ends at a group boundary or right before the stream's last band). */
   for (int32_t s = 0; s < pl->num_segments; s++) {
@@ -196,14 +216,15 @@ static void check_segments(const struct tw_plan* pl, int32_t mgb) {
     CHECK(sg->nbands <= mgb);
     if (sg->nbands < mgb) {
       int32_t next = sg->band0 + sg->nbands;
-      int group_end = next >= nremote || pl->bands[next].dest != d ||
+      int group_end = next >= nb || pl->bands[next].dest != d ||
                       pl->bands[next].expert != pl->bands[sg->band0].expert;
-      int before_last = next < nremote && pl->segments[last_seg[d]].band0 == next;
+      int before_last = next < nb && pl->segments[last_seg[d]].band0 == next;
       CHECKF(group_end || before_last, "segment %d (%d bands) is shorter than mgb %d for no reason",
              s, sg->nbands, mgb);
     }
   }
   free(covered);
+  free(band_last);
   free(first_seg);
   free(last_seg);
 }
@@ -297,20 +318,41 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
     CHECK(pl->num_bands == expected_bands);
     int32_t nremote = 0;
     int64_t send_rows = 0;
-    int32_t order_pos = 0, prev_expert = -1, prev_row0 = -1, in_local = 0;
+    int32_t order_pos = 0, prev_expert = -1, prev_row0 = -1, in_local = 0, expert_local = 0;
+    const int em = pl->schedule == TW_SCHEDULE_EXPERT_MAJOR;
+    CHECK(em || pl->schedule == TW_SCHEDULE_REMOTE_FIRST);
+    int32_t* run_seen = calloc((size_t)E, sizeof *run_seen); /* expert-major: runs per expert */
+    int32_t* stream_first = malloc((size_t)W * sizeof *stream_first);
+    int32_t* stream_last = malloc((size_t)W * sizeof *stream_last);
+    for (int32_t d = 0; d < W; d++) stream_first[d] = stream_last[d] = -1;
     for (int32_t i = 0; i < pl->num_bands; i++) {
       const tw_band* b = &pl->bands[i];
       int local = b->dest == r;
+      CHECK(b->expert >= 0 && b->expert < E);
+      if (b->expert < 0 || b->expert >= E) continue;
       if (!local) {
-        CHECKF(!in_local, "remote band %d after a local band", i);
         nremote++;
-      } else if (!in_local) {
-        in_local = 1;
-        order_pos = 0;
-        prev_expert = -1;
+        if (stream_first[b->dest] < 0) stream_first[b->dest] = i;
+        stream_last[b->dest] = i;
       }
-      /* Expert sequence follows expert_order within each half, rows ascending per expert. */
+      if (!em) {
+        /* Remote-first: every remote band before every local one; the expert sequence follows
+         * expert_order within each half, rows ascending per expert. */
+        if (!local) {
+          CHECKF(!in_local, "remote band %d after a local band", i);
+        } else if (!in_local) {
+          in_local = 1;
+          order_pos = 0;
+          prev_expert = -1;
+        }
+      }
       if (b->expert != prev_expert) {
+        /* Expert-major: one run per expert, experts in expert_order, remote bands first. */
+        if (em) {
+          CHECKF(run_seen[b->expert] == 0, "band %d: expert %d's bands are split", i, b->expert);
+          run_seen[b->expert]++;
+          expert_local = 0;
+        }
         while (order_pos < E && pl->expert_order[order_pos] != b->expert) order_pos++;
         CHECKF(order_pos < E, "band %d: expert %d out of order", i, b->expert);
         order_pos++;
@@ -318,9 +360,14 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
       } else {
         CHECK(b->row0 > prev_row0);
       }
+      if (em) {
+        if (local)
+          expert_local = 1;
+        else
+          CHECKF(!expert_local, "band %d: a remote band of expert %d after a local one", i,
+                 b->expert);
+      }
       prev_row0 = b->row0;
-      CHECK(b->expert >= 0 && b->expert < E);
-      if (b->expert < 0 || b->expert >= E) continue;
       int32_t e0 = pl->expert_row0[b->expert], e_rows = pl->expert_rows[b->expert];
       CHECK((b->row0 - e0) % TM == 0);
       CHECK(b->row0 >= e0 && b->row0 + b->rows <= e0 + e_rows);
@@ -358,15 +405,39 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
     CHECK(pl->num_tiles == pl->num_bands * pl->col_tiles);
     CHECK(pl->num_remote_tiles == nremote * pl->col_tiles);
     CHECK(pl->send_bytes == send_rows * row_bytes);
-    /* Tiles: each band's column tiles together, in band order; remote tiles first. */
+    for (int32_t d = 0; d < W; d++)
+      CHECKF(pl->stream_first[d] == stream_first[d] && pl->stream_last[d] == stream_last[d],
+             "rank %d stream %d: first/last %d/%d, bands say %d/%d", r, d, pl->stream_first[d],
+             pl->stream_last[d], stream_first[d], stream_last[d]);
+    /* Tiles: each band's column tiles together, in band order; remote-first: remote tiles
+     * first; expert-major: each expert's tiles contiguous, its remote tiles before its local
+     * ones. */
+    int32_t* tile_seen = calloc((size_t)E, sizeof *tile_seen);
+    int tile_local = 0;
     for (int32_t t = 0; t < pl->num_tiles; t++) {
       const tw_tile* tl = &pl->tiles[t];
       const tw_band* b = &pl->bands[t / pl->col_tiles];
       CHECK(tl->band == t / pl->col_tiles);
       CHECK(tl->col0 == (t % pl->col_tiles) * pl->tn && tl->col0 < p->hidden);
       CHECK(tl->row0 == b->row0 && tl->rows == b->rows && tl->expert == b->expert);
-      CHECK((t < pl->num_remote_tiles) == (b->dest != r));
+      if (!em) {
+        CHECK((t < pl->num_remote_tiles) == (b->dest != r));
+      } else if (tl->expert >= 0 && tl->expert < E) {
+        if (t == 0 || tl->expert != pl->tiles[t - 1].expert) {
+          CHECKF(tile_seen[tl->expert]++ == 0, "tile %d: expert %d's tiles are split", t,
+                 tl->expert);
+          tile_local = 0;
+        }
+        if (b->dest == r)
+          tile_local = 1;
+        else
+          CHECKF(!tile_local, "tile %d: remote tile after a local one of expert %d", t, tl->expert);
+      }
     }
+    free(tile_seen);
+    free(run_seen);
+    free(stream_first);
+    free(stream_last);
     /* Segments at three coalescing factors (the last leaves the plan at mgb 2). */
     check_segments(pl, pl->coalesce);
     static const int32_t mgbs[] = {1, 4, 2};
@@ -428,21 +499,66 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
   free(cnt);
 }
 
-/* Builds all plans of (p, rt) with coalescing mgb, runs check_world, frees. */
-static void plan_and_check(const tw_problem* p, tw_routing_t rt, int32_t mgb) {
+/* Builds all plans of (p, rt) with coalescing mgb and `schedule` (TW_SCHEDULE_AUTO: the
+ * model's choice, which may differ between ranks), runs check_world, frees. */
+static void plan_and_check(const tw_problem* p, tw_routing_t rt, int32_t mgb, int32_t schedule) {
   int32_t W = p->world_size;
   struct tw_plan** plans = calloc((size_t)W, sizeof *plans);
   tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
   cfg.coalesce = mgb;
+  cfg.schedule = schedule;
   int ok = 1;
   for (int32_t r = 0; r < W; r++) {
     tw_status s = tw_plan_create(p, rt, r, &cfg, &plans[r]);
     CHECK_OK(s);
     if (s != TW_SUCCESS) ok = 0;
+    if (s == TW_SUCCESS && schedule != TW_SCHEDULE_AUTO) CHECK(plans[r]->schedule == schedule);
   }
   if (ok) check_world(p, rt, plans);
   for (int32_t r = 0; r < W; r++) tw_plan_destroy(plans[r]);
   free(plans);
+}
+
+/* One layout, two orders: the plans of both schedules agree on everything but the order of
+ * bands and tiles, and their bands are the same set. */
+static void compare_schedules(const tw_problem* p, tw_routing_t rt) {
+  tw_plan_config cf = TW_PLAN_CONFIG_INIT, ce = TW_PLAN_CONFIG_INIT;
+  cf.schedule = TW_SCHEDULE_REMOTE_FIRST;
+  ce.schedule = TW_SCHEDULE_EXPERT_MAJOR;
+  for (int32_t r = 0; r < p->world_size; r++) {
+    tw_plan_t a = NULL, b = NULL;
+    CHECK_OK(tw_plan_create(p, rt, r, &cf, &a));
+    CHECK_OK(tw_plan_create(p, rt, r, &ce, &b));
+    if (a && b) {
+      CHECK(a->rows == b->rows && a->num_bands == b->num_bands && a->num_tiles == b->num_tiles);
+      CHECK(a->num_remote_tiles == b->num_remote_tiles && a->send_bytes == b->send_bytes);
+      CHECK(a->recv_rows == b->recv_rows);
+      for (int32_t i = 0; i < a->rows && a->rows == b->rows; i++)
+        CHECK(a->row_src[i].owner == b->row_src[i].owner &&
+              a->row_src[i].token == b->row_src[i].token &&
+              a->row_src[i].slot == b->row_src[i].slot);
+      int32_t n = 0;
+      CHECK_OK(tw_routing_rank(rt, r, &n, NULL, NULL));
+      for (int32_t i = 0; i < n * p->top_k; i++) CHECK(a->slot_row[i] == b->slot_row[i]);
+      /* Same bands: index them by first row (unique: bands partition the rows). */
+      int32_t* at = malloc(((size_t)a->rows + 1) * sizeof *at);
+      for (int32_t i = 0; i <= a->rows; i++) at[i] = -1;
+      for (int32_t i = 0; i < a->num_bands; i++) at[a->bands[i].row0] = i;
+      for (int32_t i = 0; i < b->num_bands && a->num_bands == b->num_bands; i++) {
+        const tw_band* y = &b->bands[i];
+        const int32_t j = y->row0 >= 0 && y->row0 < a->rows ? at[y->row0] : -1;
+        CHECKF(j >= 0, "rank %d: expert-major band %d (row %d) is not a remote-first band", r, i,
+               y->row0);
+        if (j < 0) continue;
+        const tw_band* x = &a->bands[j];
+        CHECK(x->expert == y->expert && x->rows == y->rows && x->valid_rows == y->valid_rows &&
+              x->dest == y->dest && x->dest_offset == y->dest_offset);
+      }
+      free(at);
+    }
+    tw_plan_destroy(a);
+    tw_plan_destroy(b);
+  }
 }
 
 static void random_problem(tw_problem* p) {
@@ -479,7 +595,13 @@ static void test_random_worlds(void) {
     for (int32_t r = 0; r < p.world_size; r++)
       tokens[r] = mode == MODE_GENERATED ? same : (rnd_unit() < 0.15 ? 0 : rnd_in(1, 200));
     tw_routing_t rt = make_routing(&p, tokens, mode);
-    if (rt) plan_and_check(&p, rt, (int32_t[]){1, 2, 4}[rnd_in(0, 2)]);
+    if (rt) {
+      const int32_t mgb = (int32_t[]){1, 2, 4}[rnd_in(0, 2)];
+      plan_and_check(&p, rt, mgb, TW_SCHEDULE_REMOTE_FIRST);
+      plan_and_check(&p, rt, mgb, TW_SCHEDULE_EXPERT_MAJOR);
+      if (it % 4 == 0) plan_and_check(&p, rt, mgb, TW_SCHEDULE_AUTO);
+      compare_schedules(&p, rt);
+    }
     tw_routing_destroy(rt);
     free(tokens);
     if (tw_test_failures_ != before) {
@@ -504,8 +626,11 @@ static void edge(int32_t W, int32_t experts, int32_t k, int32_t tm, const int32_
   p.tile_m = tm;
   tw_routing_t rt = make_routing(&p, tokens, mode);
   if (rt) {
-    plan_and_check(&p, rt, 1);
-    plan_and_check(&p, rt, 3);
+    for (int32_t s = TW_SCHEDULE_AUTO; s <= TW_SCHEDULE_EXPERT_MAJOR; s++) {
+      plan_and_check(&p, rt, 1, s);
+      plan_and_check(&p, rt, 3, s);
+    }
+    compare_schedules(&p, rt);
   }
   tw_routing_destroy(rt);
 }
