@@ -31,6 +31,7 @@ typedef struct plan_opts {
   const char* router_name;
   uint64_t seed;
   int32_t tile_m, tile_n, comm_ctas, coalesce;
+  int32_t schedule; /* tw_schedule; 0 = TW_SCHEDULE env, else the model's choice */
   const char* calibration;
   const char* routing_file;
   int json;
@@ -51,6 +52,8 @@ static void plan_usage(FILE* f) {
           "  --rank R              rank to show (default 0); --all-ranks shows every rank\n"
           "  --tile-m TM --tile-n TN   GEMM2 tile (default 128 x chosen from H)\n"
           "  --comm-ctas C --coalesce MGB   fix the partition instead of the model's choice\n"
+          "  --schedule S          auto | remote-first | expert-major (default: TW_SCHEDULE, else "
+          "auto)\n"
           "  --calibration FILE    hardware description (default: TW_CALIBRATION, else H200)\n"
           "  --json                machine-readable output\n"
           "  --bench-solve [N]     time the decision N times (default 200): median, p99\n"
@@ -167,6 +170,19 @@ static int parse_args(int argc, char** argv, plan_opts* o) {
       if (v[0] == '\0' || v[0] == '-' || *end != '\0' || errno != 0)
         return plan_bad("--seed: give a non-negative integer (got '%s')", v);
       o->seed = (uint64_t)s;
+      continue;
+    }
+    if (strcmp(a, "--schedule") == 0) {
+      NEED_VALUE;
+      if (strcasecmp(v, "auto") == 0)
+        o->schedule = TW_SCHEDULE_AUTO;
+      else if (strcasecmp(v, "remote-first") == 0)
+        o->schedule = TW_SCHEDULE_REMOTE_FIRST;
+      else if (strcasecmp(v, "expert-major") == 0)
+        o->schedule = TW_SCHEDULE_EXPERT_MAJOR;
+      else
+        return plan_bad(
+            "--schedule: '%s' is not a schedule; use auto, remote-first or expert-major", v);
       continue;
     }
     if (strcmp(a, "--router") == 0) {
@@ -328,6 +344,12 @@ static tw_status bench_tp(const tw_problem* prob, tw_routing_t rt, const tw_hard
   return st;
 }
 
+static const char* schedule_name(int32_t schedule) {
+  return schedule == TW_SCHEDULE_EXPERT_MAJOR   ? "expert-major"
+         : schedule == TW_SCHEDULE_REMOTE_FIRST ? "remote-first"
+                                                : "?";
+}
+
 static void print_problem(const plan_opts* o, const tw_problem* p) {
   printf("problem: %s: H %d, F %d, %d experts, top-%d; %d ranks; ", o->model ? o->model : "custom",
          p->hidden, p->ffn, p->experts, p->top_k, p->world_size);
@@ -380,6 +402,7 @@ int tw_cli_plan(int argc, char** argv) {
   cfg.hardware = &hw;
   cfg.comm_ctas = o.comm_ctas;
   cfg.coalesce = o.coalesce;
+  cfg.schedule = o.schedule;
 
   tw_routing_t rt = NULL;
   if (o.routing_file)
@@ -459,12 +482,14 @@ int tw_cli_plan(int argc, char** argv) {
           "%s\n  {\"rank\": %d, \"rows\": %lld, \"padding_rows\": %lld, \"padding_pct\": %.4f, "
           "\"tiles\": %lld, \"remote_tiles\": %lld, \"bands\": %lld, \"segments\": %lld, "
           "\"send_bytes\": %lld, \"comm_ctas\": %d, \"coalesce\": %d, \"predicted_us\": %.6f, "
-          "\"sequential_us\": %.6f, \"speedup\": %.6f, \"solve_us\": %.6f,\n   \"mgb\": [",
+          "\"sequential_us\": %.6f, \"speedup\": %.6f, \"solve_us\": %.6f, \"schedule\": \"%s\", "
+          "\"gemm_us\": %.6f,\n   \"mgb\": [",
           i ? "," : "", s->rank, (long long)s->rows, (long long)s->padding_rows,
           real > 0 ? 100.0 * (double)s->padding_rows / (double)real : 0.0, (long long)s->tiles,
           (long long)s->remote_tiles, (long long)s->bands, (long long)s->segments,
           (long long)s->send_bytes, s->comm_ctas, s->coalesce, s->predicted_us, s->sequential_us,
-          s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0, s->solve_us);
+          s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0, s->solve_us,
+          schedule_name(s->schedule), s->gemm_us);
       for (int j = 0; j < x->ncol; j++) printf("%s%d", j ? ", " : "", x->mgbs[j]);
       printf("], \"predicted_us_by_c\": [");
       for (int32_t c = 0; c < hw.c_max; c++) {
@@ -511,6 +536,8 @@ int tw_cli_plan(int argc, char** argv) {
         (o.comm_ctas || o.coalesce) ? " (partly or fully fixed by flags)" : "", s->predicted_us,
         s->sequential_us, s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0,
         s->solve_us);
+    printf("schedule: %s%s; GEMM alone on all SMs %.2f us (model)\n", schedule_name(s->schedule),
+           o.schedule ? " (fixed by --schedule)" : "", s->gemm_us);
     printf("predicted T (us), C rows x mgb columns, * = choice:\n    C");
     for (int j = 0; j < x->ncol; j++) printf("     mgb %-3d", x->mgbs[j]);
     printf("\n");
