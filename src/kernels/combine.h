@@ -5,9 +5,8 @@
  *
  * Counters (all 32-bit, compared wrap-safely):
  *   band counter   local, one per band of this call; the producer adds 1 per finished tile
- *                  (release .gpu); the consumer waits for col_tiles on remote bands, the early
- *                  reduction on local ones (acquire .gpu). The host zeroes them before every
- *                  call, on the caller's stream before the producer.
+ *                  (release .gpu); the consumer waits for col_tiles (acquire .gpu). The host
+ *                  zeroes them before every call, on the caller's stream before the producer.
  *   arrivals[s]    in the owner's window, one per source rank s; the source's consumer adds
  *                  its sent units, batched (release .sys; recv_bands * unit_chunks per call);
  *                  cumulative since the last reset, the host keeps the running target.
@@ -67,20 +66,14 @@ typedef struct tw_consumer_args {
 typedef struct tw_reduce_args {
   tw_window_layout lay;
   ncclWindow_t win;
-  char* local_win;               /* this rank's window base */
-  const uint16_t* c;             /* (rows, hidden) bf16 GEMM output (local rows) */
-  const int32_t* slot_row;       /* (tokens, top_k) */
-  const float* weights;          /* (tokens, top_k) gate weights */
-  const int32_t* order;          /* (tokens) tokens in the order their rows become ready */
-  const int32_t* slot_band;      /* (tokens, top_k) band of each local row, -1 for a received row */
-  const uint32_t* band_counters; /* (num_bands) read only by a launch with wait_bands */
-  uint16_t* out;                 /* (tokens, hidden) bf16 */
+  char* local_win;         /* this rank's window base */
+  const uint16_t* c;       /* (rows, hidden) bf16 GEMM output (local rows) */
+  const int32_t* slot_row; /* (tokens, top_k) */
+  const float* weights;    /* (tokens, top_k) gate weights */
+  uint16_t* out;           /* (tokens, hidden) bf16 */
   int32_t tokens, top_k, hidden, recv_rows, rank, world, col_tiles;
-  int32_t wait_bands; /* 1: launched beside the producer: wait for each local band */
-  int32_t total_ctas; /* CTAs of every launch of this call's reduction (they share the work) */
   int32_t debug_tags;
   uint32_t* debug_slots; /* (tokens, top_k) observed (tag << 16 | hits); debug mode only */
-  uint32_t* next;        /* token blocks handed out so far (zero between calls) */
   uint32_t* done;        /* CTA completion counter (zero between calls) */
   uint32_t arrive_target[TW_MAX_RANKS]; /* cumulative arrivals expected from each source */
   tw_dev_error* err;
@@ -89,11 +82,7 @@ typedef struct tw_reduce_args {
 
 /* Consumer: grid CTAs (1..TW_MAX_COMM_CTAS). */
 tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream);
-/* Weighted reduction. One call's reduction may be split over launches that share its work
- * (args->next, args->total_ctas): an early one beside the producer (wait_bands) and the rest
- * after it. tw__reduce_grid: CTAs for the whole work on an idle GPU (at least 1: the last CTA
- * returns the credits). */
-int tw__reduce_grid(int32_t tokens, int sm_count);
-tw_status tw__reduce_launch(const tw_reduce_args* args, int grid, cudaStream_t stream);
+/* Weighted reduction; grid chosen from the work (at least one CTA: it always returns credits). */
+tw_status tw__reduce_launch(const tw_reduce_args* args, int sm_count, cudaStream_t stream);
 
 #endif /* TW_COMBINE_H */

@@ -37,10 +37,6 @@
 #include "runtime.h"
 #include "tilewave.h"
 
-/* CTAs of the early reduction per consumer SM (reduce.cu): enough loads in flight to pull well
- * above one CTA's share of memory bandwidth from the few SMs the producer leaves free. */
-static const int kEarlyReduceCtasPerSm = 4;
-
 struct tw_context {
   tw_problem problem;
   ncclComm_t comm; /* borrowed */
@@ -66,7 +62,6 @@ struct tw_context {
   /* Local device memory. */
   uint16_t* c;             /* (rows_max, hidden) bf16 GEMM output */
   uint32_t* band_counters; /* (bands_max) */
-  uint32_t* reduce_next;   /* reduction token blocks handed out (tw_reduce_args.next) */
   uint32_t* reduce_done;   /* reduction CTA completion counter */
   tw_dev_error* err;       /* device error record */
   tw_dev_error* err_all;   /* (world) gathered records (tw_context_check) */
@@ -77,7 +72,7 @@ struct tw_context {
 
   cudaStream_t s_comm; /* consumer */
   cudaStream_t s_aux;  /* error copies, barriers, warm-up */
-  cudaEvent_t ev_start, ev_gemm_done, ev_comm_done, ev_early_done, ev_call_done, ev_err_copied;
+  cudaEvent_t ev_start, ev_gemm_done, ev_comm_done, ev_call_done, ev_err_copied;
   cudaEvent_t t_start, t_gemm_end, t_comm_start, t_comm_end, t_red_start, t_red_end, t_end;
 
   uint64_t epoch;                       /* calls with communication since the last reset */
@@ -98,13 +93,7 @@ struct tw_device_plan {
   int32_t* seg_unit0;   /* (bands_max + 1) */
   int32_t* slot_row;    /* (slots_max) */
   float* weights;       /* (slots_max) */
-  int32_t* order;       /* (max_tokens) reduction order: tokens by when their rows are ready */
-  int32_t* slot_band;   /* (slots_max) band of each local row, -1 for a received row */
   int32_t* h_seg_unit0; /* host staging of seg_unit0 */
-  int32_t* h_order;     /* host staging of order */
-  int32_t* h_slot_band; /* host staging of slot_band */
-  int32_t* h_row_band;  /* (rows_max) host scratch: band of each local row */
-  int32_t* h_count;     /* (bands_max + 2) host scratch: counting sort of the order */
   int uploaded;
   int32_t rows, recv_rows, num_tiles, num_bands, num_segments, total_units, tokens, comm_ctas;
   int32_t recv_bands[TW_MAX_RANKS];
@@ -139,7 +128,7 @@ static uint64_t tw__align(uint64_t v, uint64_t a) {
 static const char* tw__where_name(int where) {
   switch (where) {
     case TW_WAIT_BAND:
-      return "wait for a band's tiles (consumer or early reduction)";
+      return "consumer wait for a band's tiles";
     case TW_WAIT_COPY:
       return "consumer wait for a bulk load";
     case TW_WAIT_ARRIVAL:
@@ -191,7 +180,6 @@ static tw_status tw__zero_state(tw_context_t ctx) {
   TW_CUDA_TRY(cudaMemsetAsync((char*)ctx->win_buf + ctx->lay.arrive, 0,
                               ctx->lay.bytes - ctx->lay.arrive, ctx->s_aux));
   TW_CUDA_TRY(cudaMemsetAsync(ctx->band_counters, 0, (size_t)ctx->bands_max * 4, ctx->s_aux));
-  TW_CUDA_TRY(cudaMemsetAsync(ctx->reduce_next, 0, 4, ctx->s_aux));
   TW_CUDA_TRY(cudaMemsetAsync(ctx->reduce_done, 0, 4, ctx->s_aux));
   TW_CUDA_TRY(cudaMemsetAsync(ctx->err, 0, sizeof(tw_dev_error), ctx->s_aux));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
@@ -235,8 +223,6 @@ static void tw__reduce_args_init(const struct tw_context* ctx, tw_reduce_args* r
   ra->hidden = ctx->problem.hidden;
   ra->top_k = ctx->problem.top_k;
   ra->col_tiles = ctx->col_tiles;
-  ra->band_counters = ctx->band_counters;
-  ra->next = ctx->reduce_next;
   ra->done = ctx->reduce_done;
   ra->err = ctx->err;
 }
@@ -297,8 +283,7 @@ static tw_status tw__warm_up(tw_context_t ctx) {
     tw__reduce_args_init(ctx, &ra);
     ra.world = 1;
     ra.timeout_ns = 1000000;
-    ra.total_ctas = 1;
-    st = tw__reduce_launch(&ra, 1, ctx->s_aux);
+    st = tw__reduce_launch(&ra, ctx->sm_count, ctx->s_aux);
     if (st != TW_SUCCESS) goto done;
     st = tw__fill_bf16(c, 1, 0, ctx->s_aux);
     if (st != TW_SUCCESS) goto done;
@@ -327,11 +312,10 @@ static void tw__context_free(tw_context_t ctx) {
   cudaFree(ctx->band_counters);
   cudaFreeHost(ctx->h_err);
   cudaFreeHost(ctx->h_err_all);
-  cudaEvent_t* evs[] = {&ctx->ev_start,      &ctx->ev_gemm_done, &ctx->ev_comm_done,
-                        &ctx->ev_early_done, &ctx->ev_call_done, &ctx->ev_err_copied,
-                        &ctx->t_start,       &ctx->t_gemm_end,   &ctx->t_comm_start,
-                        &ctx->t_comm_end,    &ctx->t_red_start,  &ctx->t_red_end,
-                        &ctx->t_end};
+  cudaEvent_t* evs[] = {&ctx->ev_start,     &ctx->ev_gemm_done,  &ctx->ev_comm_done,
+                        &ctx->ev_call_done, &ctx->ev_err_copied, &ctx->t_start,
+                        &ctx->t_gemm_end,   &ctx->t_comm_start,  &ctx->t_comm_end,
+                        &ctx->t_red_start,  &ctx->t_red_end,     &ctx->t_end};
   for (size_t i = 0; i < sizeof evs / sizeof evs[0]; i++)
     if (*evs[i]) cudaEventDestroy(*evs[i]);
   if (ctx->s_comm) cudaStreamDestroy(ctx->s_comm);
@@ -366,8 +350,8 @@ static tw_status tw__context_init(tw_context_t ctx) {
 
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_comm, cudaStreamNonBlocking));
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_aux, cudaStreamNonBlocking));
-  cudaEvent_t* sync_evs[] = {&ctx->ev_start,      &ctx->ev_gemm_done, &ctx->ev_comm_done,
-                             &ctx->ev_early_done, &ctx->ev_call_done, &ctx->ev_err_copied};
+  cudaEvent_t* sync_evs[] = {&ctx->ev_start, &ctx->ev_gemm_done, &ctx->ev_comm_done,
+                             &ctx->ev_call_done, &ctx->ev_err_copied};
   for (size_t i = 0; i < sizeof sync_evs / sizeof sync_evs[0]; i++)
     TW_CUDA_TRY(cudaEventCreateWithFlags(sync_evs[i], cudaEventDisableTiming));
   if (ctx->timing) {
@@ -402,7 +386,6 @@ static tw_status tw__context_init(tw_context_t ctx) {
   /* Word offsets below (and n_state above) give each error record 8 words. */
   static_assert(sizeof(tw_dev_error) == 32, "tw_dev_error must stay 32 bytes (8 words)");
   uint32_t* next = ctx->band_counters + tw__align((uint64_t)ctx->bands_max, 32);
-  ctx->reduce_next = next;
   ctx->reduce_done = next + 8;
   ctx->scratch = (int32_t*)(next + 16);
   ctx->err = (tw_dev_error*)(next + 24); /* 32 bytes */
@@ -667,13 +650,9 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   size_t off_segs = tw__align(off_bands + nb * sizeof(tw_band), 256);
   size_t off_unit0 = tw__align(off_segs + nb * sizeof(tw_segment), 256);
   size_t off_slot = tw__align(off_unit0 + (nb + 1) * 4, 256);
-  const size_t ntok = (size_t)ctx->problem.max_tokens, nrows = (size_t)ctx->rows_max;
   size_t off_w = tw__align(off_slot + ns * 4 + 4, 256);
-  size_t off_order = tw__align(off_w + ns * 4 + 4, 256);
-  size_t off_sband = tw__align(off_order + ntok * 4 + 4, 256);
-  size_t bytes = off_sband + ns * 4 + 4;
-  /* Host staging and scratch, one allocation: seg_unit0, order, slot_band, row_band, count. */
-  d->h_seg_unit0 = (int32_t*)malloc(((nb + 1) + ntok + ns + nrows + (nb + 2)) * 4);
+  size_t bytes = off_w + ns * 4 + 4;
+  d->h_seg_unit0 = (int32_t*)malloc((nb + 1) * 4);
   cudaError_t e = cudaMalloc(&d->mem, bytes);
   if (e != cudaSuccess || d->h_seg_unit0 == NULL) {
     free(d->h_seg_unit0);
@@ -689,12 +668,6 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   d->seg_unit0 = (int32_t*)(m + off_unit0);
   d->slot_row = (int32_t*)(m + off_slot);
   d->weights = (float*)(m + off_w);
-  d->order = (int32_t*)(m + off_order);
-  d->slot_band = (int32_t*)(m + off_sband);
-  d->h_order = d->h_seg_unit0 + nb + 1;
-  d->h_slot_band = d->h_order + ntok;
-  d->h_row_band = d->h_slot_band + ns;
-  d->h_count = d->h_row_band + nrows;
   *out = d;
   return TW_SUCCESS;
 }
@@ -711,38 +684,6 @@ extern "C" tw_status tw_device_plan_destroy(tw_device_plan_t d) {
   free(d->h_seg_unit0);
   free(d);
   return TW_SUCCESS;
-}
-
-/* The reduction's view of a plan (reduce.cu): each slot's local band (-1 for a received row) and
- * the tokens sorted by the last schedule position among their local bands (bands are numbered in
- * schedule order), received-only tokens first; a stable counting sort, O(tokens + bands). Slot
- * rows must have been validated. */
-static void tw__reduce_order(tw_device_plan_t d, const struct tw_plan* plan, int32_t tokens) {
-  const int32_t k = plan->problem.top_k, nb = plan->num_bands;
-  for (int32_t b = 0; b < nb; b++) {
-    const tw_band* band = &plan->bands[b];
-    if (band->dest == plan->rank)
-      for (int32_t r = band->row0; r < band->row0 + band->valid_rows; r++) d->h_row_band[r] = b;
-  }
-  int32_t* count = d->h_count; /* (nb + 2): key + 1 in 0..nb, then prefix sums */
-  memset(count, 0, (size_t)(nb + 2) * 4);
-  for (int32_t t = 0; t < tokens; t++) {
-    int32_t key = -1;
-    for (int32_t j = 0; j < k; j++) {
-      const int32_t r = plan->slot_row[(size_t)t * k + j];
-      const int32_t b = r < plan->recv_rows ? -1 : d->h_row_band[r - plan->recv_rows];
-      d->h_slot_band[(size_t)t * k + j] = b;
-      if (b > key) key = b;
-    }
-    count[key + 2]++;
-  }
-  for (int32_t i = 1; i < nb + 2; i++) count[i] += count[i - 1];
-  for (int32_t t = 0; t < tokens; t++) {
-    int32_t key = -1;
-    for (int32_t j = 0; j < k; j++)
-      if (d->h_slot_band[(size_t)t * k + j] > key) key = d->h_slot_band[(size_t)t * k + j];
-    d->h_order[count[key + 1]++] = t;
-  }
 }
 
 extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, tw_routing_t routing,
@@ -818,7 +759,6 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
                       "local rows; the plan and the routing do not belong together",
                       (long long)i, plan->slot_row[i], plan->recv_rows, plan->rows);
   }
-  tw__reduce_order(d, plan, tokens);
   int32_t recv_from[TW_MAX_RANKS];
   for (int s = 0; s < ctx->world; s++) {
     recv_from[s] = s == ctx->rank ? 0 : plan->recv_bands[s];
@@ -845,10 +785,6 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
                                 cudaMemcpyHostToDevice, stream));
     TW_CUDA_TRY(
         cudaMemcpyAsync(d->weights, weights, (size_t)nslots * 4, cudaMemcpyHostToDevice, stream));
-    TW_CUDA_TRY(cudaMemcpyAsync(d->slot_band, d->h_slot_band, (size_t)nslots * 4,
-                                cudaMemcpyHostToDevice, stream));
-    TW_CUDA_TRY(
-        cudaMemcpyAsync(d->order, d->h_order, (size_t)tokens * 4, cudaMemcpyHostToDevice, stream));
   }
   d->rows = plan->rows;
   d->recv_rows = plan->recv_rows;
@@ -974,8 +910,6 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   tw__reduce_args_init(ctx, &ra);
   ra.slot_row = d->slot_row;
   ra.weights = d->weights;
-  ra.order = d->order;
-  ra.slot_band = d->slot_band;
   ra.out = (uint16_t*)out;
   ra.tokens = d->tokens;
   ra.recv_rows = d->recv_rows;
@@ -985,15 +919,10 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ra.debug_slots = ctx->debug_slots;
   memcpy(ra.arrive_target, ctx->arrive_target, sizeof ra.arrive_target);
   ra.timeout_ns = timeout_ns;
-  /* Overlap: an early share of the reduction on the consumer's SMs once the consumer is done
-   * (reduce.cu), kEarlyReduceCtasPerSm CTAs per SM; the rest after the producer. */
-  const int grid_late = tw__reduce_grid(d->tokens, ctx->sm_count);
-  const int grid_early = mode == TW_COMBINE_OVERLAP ? C * kEarlyReduceCtasPerSm : 0;
-  ra.total_ctas = grid_late + grid_early;
 
-  /* Every call starts from zeroed band counters: the consumer and the early reduction wait for
-   * this call's publishes only. The previous call's producer is done here (stream order), and so
-   * is everything that read its counters (the join at the end of a call). */
+  /* Every call starts from zeroed band counters: the consumer waits for this call's publishes
+   * only. The previous call's producer is done here (stream order), and so is its consumer (the
+   * join before that call's reduction). */
   TW_CUDA_TRY(cudaMemsetAsync(ctx->band_counters, 0, (size_t)d->num_bands * 4, stream));
   /* S: producer first (co-residency), K: consumer after `start` (or after the producer). */
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_start, stream));
@@ -1010,14 +939,6 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   TW_TRY(tw__consumer_launch(&ca, C, ctx->s_comm));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_comm_end, ctx->s_comm));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_comm_done, ctx->s_comm));
-  if (grid_early > 0) {
-    /* Behind the consumer on K: it waits only for this call's producer (resident, launched
-     * first) and for the peers' consumers, like the reduction below. */
-    tw_reduce_args early = ra;
-    early.wait_bands = 1;
-    TW_TRY(tw__reduce_launch(&early, grid_early, ctx->s_comm));
-    TW_CUDA_TRY(cudaEventRecord(ctx->ev_early_done, ctx->s_comm));
-  }
   /* The reduction starts only once this rank's consumer has finished. It spins on the peers'
    * consumers; if it could start earlier, its CTAs could fill every SM of this GPU before the
    * local consumer became resident, while the peer's reduction did the same to the peer's
@@ -1026,9 +947,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
    * which overwrites the GEMM output, after the consumer's reads. */
   TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_comm_done, 0));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_red_start, stream));
-  TW_TRY(tw__reduce_launch(&ra, grid_late, stream));
-  /* The call ends when both shares are done: the next producer overwrites what they read. */
-  if (grid_early > 0) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_early_done, 0));
+  TW_TRY(tw__reduce_launch(&ra, ctx->sm_count, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_red_end, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_end, stream));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));

@@ -468,7 +468,7 @@ static void tw_modes_and_timings(tw_rank_env* env, int copy, int unit_tiles, uin
                                      TW_COMBINE_COMM_ONLY};
     const char* names[] = {"overlap", "unfused", "gemm-only", "comm-only"};
     enum { kReps = 15 };
-    float total[4][kReps], gemm[4][kReps], comm[4][kReps];
+    float total[4][kReps], gemm[4][kReps], comm[4][kReps], red[4][kReps];
     for (int rep = 0; rep < kReps; rep++) {
       for (int m = 0; m < 4; m++) {
         tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
@@ -478,6 +478,7 @@ static void tw_modes_and_timings(tw_rank_env* env, int copy, int unit_tiles, uin
         total[m][rep] = tm.total_ms;
         gemm[m][rep] = tm.gemm_ms;
         comm[m][rep] = tm.comm_ms;
+        red[m][rep] = tm.reduce_ms;
         CHECKF(tm.total_ms > 0.0f && tm.total_ms < 1000.0f, "mode %d total %.3f ms", m,
                tm.total_ms);
         if (modes[m] != TW_COMBINE_COMM_ONLY) CHECK(tm.gemm_ms > 0.0f && tm.gemm_ms <= tm.total_ms);
@@ -507,9 +508,10 @@ static void tw_modes_and_timings(tw_rank_env* env, int copy, int unit_tiles, uin
         qsort(total[m], kReps, sizeof(float), tw_cmp_float);
         qsort(gemm[m], kReps, sizeof(float), tw_cmp_float);
         qsort(comm[m], kReps, sizeof(float), tw_cmp_float);
-        printf("    %-9s total %8.1f us  gemm %8.1f us  comm %8.1f us\n", names[m],
+        qsort(red[m], kReps, sizeof(float), tw_cmp_float);
+        printf("    %-9s total %8.1f us  gemm %8.1f us  comm %8.1f us  reduce %8.1f us\n", names[m],
                1000.0f * total[m][kReps / 2], 1000.0f * gemm[m][kReps / 2],
-               1000.0f * comm[m][kReps / 2]);
+               1000.0f * comm[m][kReps / 2], 1000.0f * red[m][kReps / 2]);
       }
     }
   }
