@@ -13,15 +13,18 @@
  *                     and the kernel's fixed costs; least squares of it against 2 TM TN K over
  *                     K in {1024, 2048, 4096} gives the per-SM rate (slope) and the per-tile
  *                     fixed cost (intercept)
- *   link_cta_gbps,    the consumer alone (TW_COMBINE_COMM_ONLY) at C in {1, 2, 4, 8, 16, 32}
- *   link_latency_us   and mgb in {1, 4} on one problem, timed by the context's per-phase events
- *                     (tw_context_timings: comm_ms is the consumer kernel alone, the owner's
- *                     reduction is timed apart). Below saturation the model charges a call
- *                     busiest_bytes(C) / link_cta + segments * latency; the two mgb give two
- *                     segment counts for the same bytes, so least squares over the C below
- *                     saturation (aggregate rate <= half the plateau; at least C = 1, 2)
- *                     separates the per-CTA rate from the per-segment latency
- *   link_peak_gbps    the plateau: the largest aggregate rate (bytes / time) over C
+ *   link_cta_gbps,    the consumer BESIDE the producer (TW_COMBINE_OVERLAP: it shares memory
+ *   link_latency_us   with the GEMM, which costs it a quarter to a third of its rate alone) at C
+ *                     in {1, 2, 4, 8, 16, 32} and mgb in {1, 4} on one problem, timed by the
+ *                     context's per-phase events (comm_ms: the consumer kernel; gemm_ms: the
+ *                     producer). Where the consumer bounds the call (it ends well after the
+ *                     producer) the model charges busiest_bytes(C) / link_cta + segments *
+ *                     latency; the per-CTA rate falls as C grows, so the fit takes the largest
+ *                     such C, the edge of the range where the model makes its choice; its two
+ *                     mgb give two segment counts for the same bytes, which separates the rate
+ *                     from the per-segment latency
+ *   link_peak_gbps    the consumer alone (TW_COMBINE_COMM_ONLY): the plateau of the aggregate
+ *                     rate (bytes / time) over C
  *   mem_gbps          a device-to-device copy: (read + write bytes) / time, as the default was
  *                     measured (the reduction's own rate is printed beside it)
  * occ_comp and occ_comm keep their defaults: the library does not expose its kernels'
@@ -79,7 +82,11 @@ typedef struct twc_prod_point {
 
 /* One link point of one rank. */
 typedef struct twc_link_point {
-  double c, mgb, segments, total_bytes, busiest_bytes, us, reduce_us;
+  double c, mgb, segments, total_bytes, busiest_bytes;
+  double us;        /* consumer alone (COMM_ONLY) */
+  double reduce_us; /* the owner's reduction after it */
+  double beside_us; /* consumer beside the producer (OVERLAP) */
+  double gemm_us;   /* the producer in that call */
 } twc_link_point;
 
 typedef struct twc_state {
@@ -101,7 +108,7 @@ typedef struct twc_state {
   twc_link_point* link; /* (world * TWC_NLINK) */
   double link_resid[TW_CALIB_MAX_POINTS];
   double agg_gbps[TWC_NC]; /* mean over ranks and mgb of bytes / us */
-  int fit_cmax, nfit;      /* the link fit took the points with C <= fit_cmax */
+  int fit_c, nfit;         /* the link fit took the points with C = fit_c (beside the producer) */
   double reduce_us, reduce_bytes;
   char link_note[200], prod_note[200];
 } twc_state;
@@ -359,7 +366,7 @@ static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
   s->nlink_c = ncs;
   twc_link_point mine[TWC_NLINK];
   memset(mine, 0, sizeof mine);
-  double comm[32], red[32];
+  double comm[32], red[32], beside[32], gemm[32];
   for (int ci = 0; ci < ncs; ci++)
     for (int m = 0; m < TWC_NMGB; m++) {
       tw_combine_options co = TW_COMBINE_OPTIONS_INIT;
@@ -377,6 +384,19 @@ static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
           red[rep - warmup] = 1000.0 * t.reduce_ms;
         }
       }
+      /* The same C and mgb beside the producer. */
+      co.mode = TW_COMBINE_OVERLAP;
+      for (int rep = 0; rep < warmup + reps; rep++) {
+        TW_TRY(twc_barrier(s));
+        TW_TRY(tw__bench_delay(s->stream, 100));
+        TW_TRY(tw_moe_combine_ex(b->ctx, b->dplans[m], b->a, b->w, b->out, &co, s->stream));
+        tw_combine_timings t;
+        TW_TRY(tw_context_timings(b->ctx, &t));
+        if (rep >= warmup) {
+          beside[rep - warmup] = 1000.0 * t.comm_ms;
+          gemm[rep - warmup] = 1000.0 * t.gemm_ms;
+        }
+      }
       TW_TRY(tw_context_check(b->ctx));
       twc_link_point* q = &mine[ci * TWC_NMGB + m];
       int64_t* units = NULL;
@@ -390,6 +410,8 @@ static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
             tw__calib_busiest_bytes(units, bytes, b->plans[m]->num_segments, twc_cs[ci]);
         q->us = twc_median(comm, reps);
         q->reduce_us = twc_median(red, reps);
+        q->beside_us = twc_median(beside, reps);
+        q->gemm_us = twc_median(gemm, reps);
       }
       free(units);
       free(bytes);
@@ -411,9 +433,8 @@ static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
   s->reduce_bytes = (double)my_tokens * (p.top_k + 1) * p.hidden * 2.0;
   s->reduce_us = mine[(ncs - 1) * TWC_NMGB].reduce_us;
 
-  /* Aggregate rate per C (mean over ranks and mgb of bytes / time): the plateau is the peak,
-   * and the C whose rate is at most half of it are below saturation, where the per-CTA rate and
-   * the per-segment latency are fitted (always C = 1 and 2: two C and two mgb per rank). */
+  /* Aggregate rate per C alone (mean over ranks and mgb of bytes / time): the plateau is the
+   * peak. */
   double peak = 0;
   for (int ci = 0; ci < ncs; ci++) {
     double sum = 0;
@@ -427,21 +448,28 @@ static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
   }
   if (!(peak > 0))
     return tw__fail(TW_ERR_INTERNAL, "calibrate: the consumer moved no bytes (empty plans?)");
-  s->fit_cmax = twc_cs[0];
-  for (int ci = 1; ci < ncs; ci++)
-    if (ci < 2 || s->agg_gbps[ci] <= 0.5 * peak)
-      s->fit_cmax = twc_cs[ci];
-    else
-      break;
+  /* Beside the producer: the largest C at which the consumer bounds the call on every rank and
+   * mgb (it runs at least 25% longer than the producer), at least C = 1. */
+  s->fit_c = twc_cs[0];
+  for (int ci = 1; ci < ncs; ci++) {
+    int bound = 1;
+    for (int r = 0; r < s->world; r++)
+      for (int m = 0; m < TWC_NMGB; m++) {
+        const twc_link_point* q = &s->link[r * TWC_NLINK + ci * TWC_NMGB + m];
+        bound &= q->beside_us > 1.25 * q->gemm_us;
+      }
+    if (!bound) break;
+    s->fit_c = twc_cs[ci];
+  }
   double bx[TW_CALIB_MAX_POINTS], sg[TW_CALIB_MAX_POINTS], us[TW_CALIB_MAX_POINTS];
   int n = 0;
   for (int r = 0; r < s->world; r++)
     for (int i = 0; i < ncs * TWC_NMGB; i++) {
       const twc_link_point* q = &s->link[r * TWC_NLINK + i];
-      if (q->c <= s->fit_cmax && n < TW_CALIB_MAX_POINTS) {
+      if (q->c == s->fit_c && n < TW_CALIB_MAX_POINTS) {
         bx[n] = q->busiest_bytes;
         sg[n] = q->segments;
-        us[n] = q->us;
+        us[n] = q->beside_us;
         n++;
       }
     }
@@ -504,27 +532,31 @@ static void twc_print(const twc_state* s) {
   }
   if (s->link_ok) {
     printf(
-        "consumer alone (COMM_ONLY): %d tokens/rank, N 4096, %d experts, top-2, balanced, "
-        "consumer unit %d column tile(s) (the fit counts the model's one-tile units); median "
-        "us per rank\n",
+        "consumer alone (COMM_ONLY) and beside the producer (OVERLAP): %d tokens/rank, N 4096, "
+        "%d experts, top-2, balanced, consumer unit %d column tile(s) (the fit counts the "
+        "model's one-tile units); median us per rank\n",
         s->link_tokens, s->link_experts, s->unit_tiles);
     printf(
-        "| C | mgb | rank | segments | MiB sent | busiest CTA MiB | us | fit us | in fit | "
-        "GB/s aggregate |\n|---|---|---|---|---|---|---|---|---|---|\n");
+        "| C | mgb | rank | segments | MiB sent | busiest CTA MiB | alone us | GB/s alone | "
+        "beside us | producer us | fit us | in fit |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int r = 0; r < s->world; r++)
       for (int i = 0; i < s->nlink_c * TWC_NMGB; i++) {
         const twc_link_point* q = &s->link[r * TWC_NLINK + i];
         const double fit =
             q->busiest_bytes / (h->link_cta_gbps * 1e3) + q->segments * h->link_latency_us;
-        printf("| %.0f | %.0f | %d | %.0f | %.1f | %.2f | %.1f | %.1f | %s | %.1f |\n", q->c,
-               q->mgb, r, q->segments, q->total_bytes / 1048576.0, q->busiest_bytes / 1048576.0,
-               q->us, fit, q->c <= s->fit_cmax ? "yes" : "no", q->total_bytes / q->us * 1e-3);
+        printf(
+            "| %.0f | %.0f | %d | %.0f | %.1f | %.2f | %.1f | %.1f | %.1f | %.1f | %.1f | %s |\n",
+            q->c, q->mgb, r, q->segments, q->total_bytes / 1048576.0, q->busiest_bytes / 1048576.0,
+            q->us, q->total_bytes / q->us * 1e-3, q->beside_us, q->gemm_us, fit,
+            q->c == s->fit_c ? "yes" : "no");
       }
     printf(
-        "fit over C <= %d (%d points; the C whose rate stays within half the plateau): us = "
-        "busiest bytes / (%.2f GB/s x 1e3) + segments x %.3f us\n",
-        s->fit_cmax, s->nfit, h->link_cta_gbps, h->link_latency_us);
-    printf("aggregate rate (bytes / time), mean over ranks and mgb:");
+        "fit beside the producer at C = %d (%d points; the largest C at which the consumer runs "
+        ">= 1.25x as long as the producer): us = busiest bytes / (%.2f GB/s x 1e3) + segments x "
+        "%.3f us\n",
+        s->fit_c, s->nfit, h->link_cta_gbps, h->link_latency_us);
+    printf("aggregate rate alone (bytes / time), mean over ranks and mgb:");
     for (int ci = 0; ci < s->nlink_c; ci++) printf(" C=%d %.0f", twc_cs[ci], s->agg_gbps[ci]);
     printf(" GB/s\n");
     if (s->link_note[0]) printf("note: %s\n", s->link_note);
@@ -552,12 +584,15 @@ static void twc_print(const twc_state* s) {
            d->mem_gbps, h->mem_gbps, s->copy_bytes / 1048576.0);
   }
   if (s->link_ok) {
-    printf("| link_cta_gbps | %.2f | %.2f | consumer alone, C <= %d, bytes term of the fit |\n",
-           d->link_cta_gbps, h->link_cta_gbps, s->fit_cmax);
     printf(
-        "| link_latency_us | %.3f | %.3f | consumer alone, C <= %d, per-segment term (mgb 1 vs "
+        "| link_cta_gbps | %.2f | %.2f | consumer beside the producer, C = %d, bytes term of the "
+        "fit |\n",
+        d->link_cta_gbps, h->link_cta_gbps, s->fit_c);
+    printf(
+        "| link_latency_us | %.3f | %.3f | consumer beside the producer, C = %d, per-segment term "
+        "(mgb 1 vs "
         "4) |\n",
-        d->link_latency_us, h->link_latency_us, s->fit_cmax);
+        d->link_latency_us, h->link_latency_us, s->fit_c);
     printf("| link_peak_gbps | %.1f | %.1f | consumer alone, largest aggregate rate over C |\n",
            d->link_peak_gbps, h->link_peak_gbps);
   } else {
