@@ -54,12 +54,12 @@ tw_status tw_hardware_default(tw_hardware* hw) {
   /* Same table: 16 CTAs 348, 32 CTAs 351, 64 CTAs 359 GB/s per direction; 351 is the plateau
    * over the C range the model considers (c_max = 32). */
   hw->link_peak_gbps = 351.0;
-  /* Estimate: the SM-store table (GPU0 -> GPU1) at 1..8 CTAs gives 256 KiB and 1 MiB transfer
-   * times whose straight line t = latency + bytes / bandwidth has an intercept of 2.3-2.7 us
-   * (e.g. 8 CTAs: 256 KiB / 73 GB/s = 3.59 us, 1 MiB / 170 GB/s = 6.17 us -> 2.73 us). We use
-   * 2.7 us per remote segment (stores + flag); it includes launch cost, so it is an upper bound
-   * for a persistent consumer. */
-  hw->link_latency_us = 2.7;
+  /* Measured by `tilewave calibrate` (2 x H200, 2026-11-30, bulk consumer alone, C <= 2): the
+   * per-segment term of its fit over two coalescing factors that move the same bytes in 68 and
+   * 21 segments, 0.26 us per segment. (The earlier 2.7 us was an estimate from a launch-per-copy
+   * table, and made the model charge many small segments far too much: it chose C = 32 where
+   * 8-11 were best for the top-4/6 presets.) */
+  hw->link_latency_us = 0.26;
   /* Local device copy measured 3.8 TB/s (read + write). */
   hw->mem_gbps = 3800.0;
   /* First paper's reference service-rate ratio (its Section III calibration, K=352, 128x128
