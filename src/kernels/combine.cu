@@ -122,22 +122,22 @@ __device__ __forceinline__ tw__unit_shape tw__unit_shape_make(const char* src, c
   return u;
 }
 
-/* Piece p of a unit: `nsub` copies of `bytes` each, from src + i * ld to dst + i * ld, packed
- * back to back in the stage. */
-__device__ __forceinline__ void tw__unit_piece(const tw__unit_shape& u, int p, size_t* off,
-                                               int* nsub, uint32_t* bytes) {
+/* Piece p of a unit: `nsub` copies of `bytes` each, from src + off + i * ld to dst + off + i * ld,
+ * packed back to back in the stage. */
+struct tw__piece {
+  size_t off;
+  int nsub;
+  uint32_t bytes;
+};
+
+__device__ __forceinline__ tw__piece tw__unit_piece(const tw__unit_shape& u, int p) {
   if (u.rows_per_piece > 0) {
     const int r0 = p * u.rows_per_piece;
-    *off = (size_t)r0 * u.ld;
-    *nsub = min(u.rows_per_piece, u.rows - r0);
-    *bytes = (uint32_t)u.width;
-  } else {
-    const int r = p / u.pieces_per_row;
-    const size_t c = (size_t)(p - r * u.pieces_per_row) * kBulkStageBytes;
-    *off = (size_t)r * u.ld + c;
-    *nsub = 1;
-    *bytes = (uint32_t)min((size_t)kBulkStageBytes, u.width - c);
+    return {(size_t)r0 * u.ld, min(u.rows_per_piece, u.rows - r0), (uint32_t)u.width};
   }
+  const int r = p / u.pieces_per_row;
+  const size_t c = (size_t)(p - r * u.pieces_per_row) * kBulkStageBytes;
+  return {(size_t)r * u.ld + c, 1, (uint32_t)min((size_t)kBulkStageBytes, u.width - c)};
 }
 
 /* Thread 0's copy engine: a ring of kBulkStages stages, each with a full barrier. Piece g (a
@@ -150,26 +150,20 @@ struct tw__bulk_pipe {
 
 __device__ __forceinline__ void tw__bulk_load_piece(tw__bulk_pipe& pp, const tw__unit_shape& u,
                                                     int p, uint32_t g) {
-  size_t off;
-  int nsub;
-  uint32_t bytes;
-  tw__unit_piece(u, p, &off, &nsub, &bytes);
+  const tw__piece pc = tw__unit_piece(u, p);
   char* stage = pp.stage + (size_t)(g % kBulkStages) * kBulkStageBytes;
   uint64_t* full = &pp.full[g % kBulkStages];
-  tw__mbar_expect_tx(full, (uint32_t)nsub * bytes);
-  for (int i = 0; i < nsub; i++)
-    tw__bulk_load(stage + (size_t)i * bytes, u.src + off + (size_t)i * u.ld, bytes, full);
+  tw__mbar_expect_tx(full, (uint32_t)pc.nsub * pc.bytes);
+  for (int i = 0; i < pc.nsub; i++)
+    tw__bulk_load(stage + (size_t)i * pc.bytes, u.src + pc.off + (size_t)i * u.ld, pc.bytes, full);
 }
 
 __device__ __forceinline__ void tw__bulk_store_piece(tw__bulk_pipe& pp, const tw__unit_shape& u,
                                                      int p, uint32_t g) {
-  size_t off;
-  int nsub;
-  uint32_t bytes;
-  tw__unit_piece(u, p, &off, &nsub, &bytes);
+  const tw__piece pc = tw__unit_piece(u, p);
   const char* stage = pp.stage + (size_t)(g % kBulkStages) * kBulkStageBytes;
-  for (int i = 0; i < nsub; i++)
-    tw__bulk_store(u.dst + off + (size_t)i * u.ld, stage + (size_t)i * bytes, bytes);
+  for (int i = 0; i < pc.nsub; i++)
+    tw__bulk_store(u.dst + pc.off + (size_t)i * u.ld, stage + (size_t)i * pc.bytes, pc.bytes);
   tw__bulk_commit();
 }
 
@@ -230,7 +224,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     tw_consumer_kernel(const tw_consumer_args a) {
   extern __shared__ __align__(128) char s_bulk[]; /* bulk: stages, then their barriers */
   __shared__ int s_ok;
-  __shared__ int s_copied; /* bulk: thread 0's copy of the unit did not time out */
+  __shared__ int s_copied;           /* bulk: thread 0's copy of the unit did not time out */
   __shared__ uint32_t s_pending[64]; /* (world) finished, not yet announced units per owner */
   __shared__ uint32_t* s_arrive[64]; /* (world) our arrival counter in each owner's window */
   const size_t row_bytes = (size_t)a.hidden * 2;
