@@ -8,6 +8,9 @@
 #                                chunked copy-engine), correctness checked on every point
 #   bench-gemm.md                tilewave bench gemm: producer GEMM vs cuBLAS
 #   sweep.md / sweep.json        tilewave sweep: every C x mgb of one point, oracle, model, regret
+#   oracle.md / oracle.json      tilewave sweep --oracle: the model's regret over a workload matrix
+#                                (ORACLE_MATRIX, default quick) and the best fixed (C, mgb)
+#   calibrate.md, calibration.txt  tilewave calibrate: this machine's description for the model
 #   torch_peer.md                PyTorch per-expert matmul + all_to_all_single on the same routing
 #   log.txt                      everything printed, with timings
 # Usage: bench/gpu_bench.sh [quick]   (quick: tokens/rank 8192 only, fewer samples, no GEMM bench)
@@ -72,6 +75,18 @@ fi
 step "tilewave sweep (tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced)"
 timeout 120 "$TW" sweep "${sweep_args[@]}" --json-file "$OUT/sweep.json" | tee "$OUT/sweep.md"
 note "tilewave sweep" $?
+
+step "tilewave calibrate"
+timeout 120 "$TW" calibrate --out "$OUT/calibration.txt" --json "$OUT/calibration.json" \
+  | tee "$OUT/calibrate.md"
+note "tilewave calibrate" $?
+
+if [ "$mode" != quick ]; then
+  step "tilewave sweep --oracle --matrix ${ORACLE_MATRIX:-quick}"
+  timeout 500 "$TW" sweep --oracle --matrix "${ORACLE_MATRIX:-quick}" \
+    --json-file "$OUT/oracle.json" | tee "$OUT/oracle.md"
+  note "tilewave sweep --oracle" $?
+fi
 
 step "PyTorch peer (bench/torch_peer.py)"
 TILEWAVE_LIBRARY="$PWD/$BUILD/libtilewave.so" timeout 180 python3 bench/torch_peer.py \

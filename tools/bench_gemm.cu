@@ -162,7 +162,7 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   const int col_tiles = (sh.n + tn - 1) / tn;
   /* Even layout: expert e gets rows/E rows (the first rows % E experts one more), back to
    * back; the schedule walks experts in order, band by band, all column tiles of a band
-   * together (the local part of the remote-first schedule). */
+   * together (one pass over each expert's weights). */
   for (int e = 0; e < sh.experts && !o.plan; e++) {
     m[e] = sh.rows / sh.experts + (e < sh.rows % sh.experts);
     row0[e] = r;

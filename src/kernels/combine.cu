@@ -5,7 +5,7 @@
  * announces each piece with a release reduction on the owner's arrival counter.
  *
  * Work is cut into units of (band, T consecutive column tiles) of the plan's segments, in
- * schedule order (the remote-first schedule makes this the order in which bands finish); unit u
+ * schedule order (the order in which the producer finishes bands, either schedule); unit u
  * belongs to CTA u mod C. A unit may leave once every band of its segment is complete, so a
  * coalesced segment goes out as one burst of contiguous remote rows. Units are
  * announced on the owner's arrival counter; the owner expects recv_bands * ceil(col_tiles / T)
