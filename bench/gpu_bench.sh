@@ -11,6 +11,8 @@
 #   oracle.md / oracle.json      tilewave sweep --oracle: the model's regret over a workload matrix
 #                                (ORACLE_MATRIX, default quick) and the best fixed (C, mgb)
 #   calibrate.md, calibration.txt  tilewave calibrate: this machine's description for the model
+#   launcher-rank*.md            tilewave bench started as two processes by a torchrun-style env
+#   bench-gemm-<schedule>.md, bench-<schedule>.md   the two schedules side by side
 #   torch_peer.md                PyTorch per-expert matmul + all_to_all_single on the same routing
 #   log.txt                      everything printed, with timings
 # Usage: bench/gpu_bench.sh [quick]   (quick: tokens/rank 8192 only, fewer samples, no GEMM bench)
@@ -76,6 +78,21 @@ step "tilewave sweep (tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced)"
 timeout 120 "$TW" sweep "${sweep_args[@]}" --json-file "$OUT/sweep.json" | tee "$OUT/sweep.md"
 note "tilewave sweep" $?
 
+if [ "$mode" != quick ]; then
+  step "schedules: remote-first vs expert-major (bench gemm grid; bench at 64 and 128 experts)"
+  for sch in remote-first expert-major; do
+    TW_SCHEDULE=$sch timeout 150 "$TW" bench gemm >"$OUT/bench-gemm-$sch.md"
+    note "bench gemm $sch" $?
+    for e in 64 128; do
+      for n in 4096 8192; do
+        TW_SCHEDULE=$sch timeout 60 "$TW" bench --tokens 8192 --hidden $n --ffn 2048 --experts $e \
+          --topk 2 --iters 15 --warmup 3 | grep -E "^\| 8192 " >>"$OUT/bench-$sch.md"
+      done
+    done
+    cat "$OUT/bench-$sch.md"
+  done
+fi
+
 step "tilewave calibrate"
 timeout 120 "$TW" calibrate --out "$OUT/calibration.txt" --json "$OUT/calibration.json" \
   | tee "$OUT/calibrate.md"
@@ -87,6 +104,21 @@ if [ "$mode" != quick ]; then
     --json-file "$OUT/oracle.json" | tee "$OUT/oracle.md"
   note "tilewave sweep --oracle" $?
 fi
+
+step "external launcher: one process per GPU from RANK / WORLD_SIZE / LOCAL_RANK (torchrun style)"
+idf="$OUT/launcher-unique-id"
+rm -f "$idf"
+pids=()
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r TW_UNIQUE_ID_FILE="$idf" timeout 120 "$TW" bench --tokens 4096 \
+    --hidden 4096 --ffn 2048 --experts 16 --topk 2 --iters 5 --warmup 1 >"$OUT/launcher-rank$r.md" 2>&1 &
+  pids+=($!)
+done
+for r in 0 1; do
+  wait "${pids[$r]}"
+  note "launcher rank $r" $?
+done
+tail -2 "$OUT/launcher-rank0.md"
 
 step "PyTorch peer (bench/torch_peer.py)"
 TILEWAVE_LIBRARY="$PWD/$BUILD/libtilewave.so" timeout 180 python3 bench/torch_peer.py \
