@@ -109,6 +109,7 @@ typedef struct twc_state {
   double link_resid[TW_CALIB_MAX_POINTS];
   double agg_gbps[TWC_NC]; /* mean over ranks and mgb of bytes / us */
   int fit_c, nfit;         /* the link fit took the points with C = fit_c (beside the producer) */
+  double fit_latency;      /* the fit's per-segment term (printed, not written) */
   double reduce_us, reduce_bytes;
   char link_note[200], prod_note[200];
 } twc_state;
@@ -474,13 +475,15 @@ static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
       }
     }
   s->nfit = n;
-  TW_TRY(tw__calib_fit_link(bx, sg, us, n, &s->hw.link_cta_gbps, &s->hw.link_latency_us,
-                            s->link_resid));
-  if (s->hw.link_latency_us < 0) {
-    snprintf(s->link_note, sizeof s->link_note,
-             "fitted latency %.3f us per segment < 0 (noise): written as 0", s->hw.link_latency_us);
-    s->hw.link_latency_us = 0;
-  }
+  /* The fit separates the bytes term from a per-segment term; only the bytes term goes into the
+   * file. The model charges its latency per band, shared by the C CTAs (model.c), which one
+   * problem with one band size cannot separate from the bytes: it keeps the description's value. */
+  TW_TRY(tw__calib_fit_link(bx, sg, us, n, &s->hw.link_cta_gbps, &s->fit_latency, s->link_resid));
+  s->hw.link_latency_us = s->def.link_latency_us;
+  snprintf(s->link_note, sizeof s->link_note,
+           "the fit's per-segment term, %.3f us, is not written: the model's link_latency_us is "
+           "per band over C; it keeps %.3f us",
+           s->fit_latency, s->hw.link_latency_us);
   /* The peak is the raw plateau, as the default was measured: taking the model's serial
    * per-segment latency out of the short high-C calls would overstate it wherever the CTAs
    * overlap their latencies. */
@@ -544,7 +547,7 @@ static void twc_print(const twc_state* s) {
       for (int i = 0; i < s->nlink_c * TWC_NMGB; i++) {
         const twc_link_point* q = &s->link[r * TWC_NLINK + i];
         const double fit =
-            q->busiest_bytes / (h->link_cta_gbps * 1e3) + q->segments * h->link_latency_us;
+            q->busiest_bytes / (h->link_cta_gbps * 1e3) + q->segments * s->fit_latency;
         printf(
             "| %.0f | %.0f | %d | %.0f | %.1f | %.2f | %.1f | %.1f | %.1f | %.1f | %.1f | %s |\n",
             q->c, q->mgb, r, q->segments, q->total_bytes / 1048576.0, q->busiest_bytes / 1048576.0,
@@ -555,7 +558,7 @@ static void twc_print(const twc_state* s) {
         "fit beside the producer at C = %d (%d points; the largest C at which the consumer runs "
         ">= 1.25x as long as the producer): us = busiest bytes / (%.2f GB/s x 1e3) + segments x "
         "%.3f us\n",
-        s->fit_c, s->nfit, h->link_cta_gbps, h->link_latency_us);
+        s->fit_c, s->nfit, h->link_cta_gbps, s->fit_latency);
     printf("aggregate rate alone (bytes / time), mean over ranks and mgb:");
     for (int ci = 0; ci < s->nlink_c; ci++) printf(" C=%d %.0f", twc_cs[ci], s->agg_gbps[ci]);
     printf(" GB/s\n");
@@ -589,10 +592,9 @@ static void twc_print(const twc_state* s) {
         "fit |\n",
         d->link_cta_gbps, h->link_cta_gbps, s->fit_c);
     printf(
-        "| link_latency_us | %.3f | %.3f | consumer beside the producer, C = %d, per-segment term "
-        "(mgb 1 vs "
-        "4) |\n",
-        d->link_latency_us, h->link_latency_us, s->fit_c);
+        "| link_latency_us | %.3f | - | default kept: the model charges it per band over C, which "
+        "one band size cannot separate from the bytes (the fit's per-segment term: %.3f us) |\n",
+        d->link_latency_us, s->fit_latency);
     printf("| link_peak_gbps | %.1f | %.1f | consumer alone, largest aggregate rate over C |\n",
            d->link_peak_gbps, h->link_peak_gbps);
   } else {
@@ -631,7 +633,7 @@ static tw_status twc_write_json(const twc_state* s, const char* path) {
   twc_json_hw(f, "measured", &s->hw);
   fprintf(f, ",\n  \"measured_fields\": [\"sm_count\"%s%s],\n",
           s->prod_ok ? ", \"tile_tflops\", \"tile_overhead_us\", \"mem_gbps\"" : "",
-          s->link_ok ? ", \"link_cta_gbps\", \"link_latency_us\", \"link_peak_gbps\"" : "");
+          s->link_ok ? ", \"link_cta_gbps\", \"link_peak_gbps\"" : "");
   fprintf(f, "  \"producer\": {\"tm\": %d, \"tn\": %d, \"grid\": %d, \"n\": %d, \"points\": [",
           s->tm, s->tn, s->grid, TWC_PRODUCER_N);
   for (int i = 0; s->prod_ok && i < TWC_NK; i++) {
@@ -670,10 +672,11 @@ static tw_status twc_append_provenance(const twc_state* s) {
   fprintf(f,
           "# measured by `tilewave calibrate%s` on %d x %s\n"
           "# measured: sm_count, tile_tflops, tile_overhead_us, mem_gbps%s\n"
-          "# built-in defaults: occ_comp, occ_comm, c_max (capped by sm_count), rho_ref%s\n",
+          "# built-in defaults: occ_comp, occ_comm, c_max (capped by sm_count), rho_ref, "
+          "link_latency_us%s\n",
           s->o.quick ? " --quick" : "", s->world, s->device_name,
-          s->link_ok ? ", link_cta_gbps, link_peak_gbps, link_latency_us" : "",
-          s->link_ok ? "" : ", link_cta_gbps, link_peak_gbps, link_latency_us (one GPU)");
+          s->link_ok ? ", link_cta_gbps, link_peak_gbps" : "",
+          s->link_ok ? "" : ", link_cta_gbps, link_peak_gbps (one GPU)");
   const int bad = ferror(f);
   if (fclose(f) != 0 || bad) return tw__fail(TW_ERR_IO, "calibrate: writing %s failed", s->o.out);
   return TW_SUCCESS;

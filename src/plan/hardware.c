@@ -54,12 +54,13 @@ tw_status tw_hardware_default(tw_hardware* hw) {
   /* Same table: 16 CTAs 348, 32 CTAs 351, 64 CTAs 359 GB/s per direction; 351 is the plateau
    * over the C range the model considers (c_max = 32). */
   hw->link_peak_gbps = 351.0;
-  /* Measured by `tilewave calibrate` (2 x H200, 2026-11-30, bulk consumer alone, C <= 2): the
-   * per-segment term of its fit over two coalescing factors that move the same bytes in 68 and
-   * 21 segments, 0.26 us per segment. (The earlier 2.7 us was an estimate from a launch-per-copy
-   * table, and made the model charge many small segments far too much: it chose C = 32 where
-   * 8-11 were best for the top-4/6 presets.) */
-  hw->link_latency_us = 0.26;
+  /* The consumer's fixed cost per band it sends, in the model's pool form (model.c: C CTAs share
+   * it): a unit's band poll and the latency of its first bulk load are not overlapped with the
+   * previous unit (combine.cu), 2-3 us. 3 us is also the value that fits the measured oracle
+   * matrix best (2 x H200, 2026-11-30, 114 points, bench/results/2026-11-30-run3.md: mean regret
+   * 2.3% against 3.7% with 0.26 us; that is in-sample). `tilewave calibrate` does not measure
+   * it yet (it needs units of two sizes). */
+  hw->link_latency_us = 3.0;
   /* Local device copy measured 3.8 TB/s (read + write). */
   hw->mem_gbps = 3800.0;
   /* First paper's reference service-rate ratio (its Section III calibration, K=352, 128x128

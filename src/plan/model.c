@@ -12,34 +12,35 @@
  *   mem_us          = (weight bytes x runs + A bytes + C bytes) / mem_gbps (the schedule's traffic)
  *   tau_tile(C)     = max(tau_comp, mem_us / waves(C))                    (one wave of tiles)
  *   A_s(C)          = floor(t_s / P) + 1 waves, t_s = schedule index of segment s's last tile
- *   q_s(C)          = ceil(U_s / C) tau_unit_s(C) + link_latency_us,  U_s = nbands_s col_tiles
- *   tau_unit_s(C)   = unit_bytes_s / min(link_cta_gbps, link_peak_gbps / min(C, U_s))
+ *   q_s(C)          = bytes_s / B(C) + nbands_s link_latency_us / C
+ *   B(C)            = min(C link_cta_gbps, link_peak_gbps)                (the consumer's pool)
  *   F_s             = max(A_s tau_tile, F_{s-1}) + q_s,   F_{-1} = 0
  *   T(C, mgb)       = max(F_last, max(waves tau_comp, mem_us)) + reduce_us
  *
- * where unit_bytes_s is the segment's bytes over its units (its average unit) and reduce_us is
- * the owner's weighted reduction (reads every (token, k) row, writes every token) at mem_gbps.
- * The memory term: the producer cannot finish before it has moved its bytes through device
- * memory, each expert's hidden x ffn weights once per run of consecutive bands of that expert in
- * the schedule (2 runs under remote-first for an expert with remote and local rows, 1 under
- * expert-major), the input rows and the output rows once; the traffic is taken as spread evenly
- * over the waves, so a wave lasts the longer of its compute and its share of the traffic
- * (tw__model_gemm_bytes, docs/model.md). With the schedule left to the model, both schedules'
- * tables are built and searched together, and the plan is rebuilt in the winner's order.
- * The link is shared by the CTAs that have a unit of the segment, min(C, U_s) of them: a CTA
- * left without a unit does not load the link (charging it would make T grow linearly with C
- * for segments narrower than C, which the measured store bandwidth does not do).
+ * where bytes_s is what segment s sends, link_latency_us is the consumer's fixed cost per band
+ * it sends (poll, first load, store issue: paid by the CTA that moves the band, so C CTAs share
+ * a segment's nbands of them), and reduce_us is the owner's weighted reduction (reads every (token,
+ * k) row, writes every token) at mem_gbps. The memory term: the producer cannot finish before it
+ * has moved its bytes through device memory, each expert's hidden x ffn weights once per run of
+ * consecutive bands of that expert in the schedule (2 runs under remote-first for an expert with
+ * remote and local rows, 1 under expert-major), the input rows and the output rows once; the
+ * traffic is taken as spread evenly over the waves, so a wave lasts the longer of its compute and
+ * its share of the traffic (tw__model_gemm_bytes, docs/model.md). With the schedule left to the
+ * model, both schedules' tables are built and searched together, and the plan is rebuilt in the
+ * winner's order. The consumer is one pool: its CTAs deal units of every ready segment round-robin,
+ * so a segment narrower than C does not leave CTAs idle while later segments are ready (an earlier
+ * form that served each segment with only the CTAs holding one of its units, min(C, U_s), made the
+ * model pick C = 32 for top-8 presets with many narrow segments, where 13 was measured best).
  *
  * Evaluating the recurrence segment by segment costs O(S) per candidate. Unrolled, it is
  *   F_last = max_s (A_s tau_tile + sum_{j >= s} q_j),
  * and replacing t_s by its running maximum t'_s = max_{j <= s} t_j leaves the maximum unchanged
  * (a term whose A_s was raised is dominated by the earlier term it was raised to). With t'
  * non-decreasing, only the first segment of each wave can attain the maximum, so a candidate
- * costs one term per wave. The sum of q_j splits into one term per distinct unit count u:
- * sum_j ceil(u_j / C) / u_j bytes_j / bw(C) = sum_u ceil(u / C) / u * suffix_bytes_u(s) / bw(C).
- * tw__model_choose therefore tabulates, once per candidate mgb and before the decision is timed,
- * the running last-tile index t'_s, the first segment at or after each tile index, the distinct
- * unit counts and the per-unit-count suffix byte sums. The decision then runs without
+ * costs one term per wave, and sum_{j >= s} q_j = suffix_bytes(s) / B(C) + suffix_bands(s)
+ * link_latency_us / C. tw__model_choose therefore tabulates, once per candidate mgb and before
+ * the decision is timed, the running last-tile index t'_s, the first segment at or after each
+ * tile index, and the suffix sums of bytes and bands. The decision then runs without
  * allocating: an exact lower bound per candidate (first wave's term, compute end), the best-
  * ranked bound evaluated first (usually it is the answer), the others only if their bound lets
  * them win; an evaluation skips the waves whose terms cannot raise its maximum (tw__eval,
@@ -60,30 +61,24 @@ static const int32_t tw__mgb_candidates[] = {1, 2, 4};
 #define TW__MAX_SCHED 2
 /* Per schedule: the candidates plus one explicit coalesce value outside that set. */
 #define TW__MAX_TABLES (TW__MAX_SCHED * (TW__NUM_MGB_CANDIDATES + 1))
-/* Distinct unit counts per table for the fast path (the candidates need at most 4); more fall
- * back to the plain recurrence. */
-#define TW__MAX_DISTINCT 8
 
 /* The segments of one coalescing factor, in the form the fast evaluation reads. */
 typedef struct tw__seg_table {
   int32_t mgb;
-  int32_t slot;       /* schedule slot (tw__model_tables.sched) whose order the segments follow */
-  int32_t key;        /* tie rank: among equal T and C the larger wins (mgb, then remote-first) */
-  int32_t twin;       /* a table searched before this one whose bound is <= this one's at every
-                         C and which wins ties: this one's bounds are computed only if the search
-                         gets to step 4 (tw__solve); -1 if none */
-  int32_t nseg;       /* S */
-  int32_t ndistinct;  /* distinct unit counts; 0 when the plain recurrence is used */
-  int32_t last_tile;  /* t'_{S-1}: running last-tile index of the last segment; -1 if S = 0 */
-  int32_t* run_last;  /* (S) t'_s, non-decreasing */
-  int32_t* first_seg; /* (last_tile + 1) first s with t'_s >= t */
-  int32_t* seg_units; /* (S) U_s (plain recurrence and tests) */
-  double* seg_bytes;  /* (S) bytes of segment s */
-  int32_t units[TW__MAX_DISTINCT];    /* distinct U values */
-  double inv_units[TW__MAX_DISTINCT]; /* 1 / units[i] */
-  double* suffix;     /* (S + 1, ndistinct) bytes of segments j >= s with U_j = units[i] */
-  double* coef;       /* (c_max + 1, ndistinct) ceil(U / C) / U / per-CTA bytes per us */
-  double total_bytes; /* sum of seg_bytes */
+  int32_t slot;         /* schedule slot (tw__model_tables.sched) whose order the segments follow */
+  int32_t key;          /* tie rank: among equal T and C the larger wins (mgb, then remote-first) */
+  int32_t twin;         /* a table searched before this one whose bound is <= this one's at every
+                           C and which wins ties: this one's bounds are computed only if the search
+                           gets to step 4 (tw__solve); -1 if none */
+  int32_t nseg;         /* S */
+  int32_t last_tile;    /* t'_{S-1}: running last-tile index of the last segment; -1 if S = 0 */
+  int32_t* run_last;    /* (S) t'_s, non-decreasing */
+  int32_t* first_seg;   /* (last_tile + 1) first s with t'_s >= t */
+  double* seg_bytes;    /* (S) bytes of segment s */
+  int32_t* seg_bands;   /* (S) bands of segment s */
+  double* suffix_bytes; /* (S + 1) bytes of segments j >= s */
+  int32_t* suffix_bands; /* (S + 1) bands of segments j >= s */
+  double total_bytes;    /* suffix_bytes[0] */
 } tw__seg_table;
 
 /* Everything the decision reads, built once per plan by tw__model_choose. */
@@ -109,10 +104,10 @@ typedef struct tw__model_tables {
 static void tw__table_free(tw__seg_table* tb) {
   free(tb->run_last);
   free(tb->first_seg);
-  free(tb->seg_units);
   free(tb->seg_bytes);
-  free(tb->suffix);
-  free(tb->coef);
+  free(tb->seg_bands);
+  free(tb->suffix_bytes);
+  free(tb->suffix_bands);
   memset(tb, 0, sizeof *tb);
 }
 
@@ -134,17 +129,17 @@ static int32_t tw__producers(const tw_hardware* hw, int32_t c) {
   return hw->occ_comp * (hw->sm_count - (int32_t)tw__ceil_div(c, hw->occ_comm));
 }
 
-/* Bandwidth of one pushing CTA, bytes per microsecond, when the min(C, units) CTAs that got a
- * unit of the segment share the link. */
-static double tw__cta_bw(const tw_hardware* hw, int32_t c, int32_t units) {
-  const int32_t active = units < c ? units : c;
-  return fmin(hw->link_cta_gbps, hw->link_peak_gbps / (double)active) * 1e3;
+/* The consumer's aggregate bandwidth with C CTAs, bytes per microsecond: C CTAs at their
+ * per-CTA rate up to the link's plateau. The CTAs take units from every ready segment in turn
+ * (combine.cu), so the consumer serves the ready segments as one pool of this bandwidth. */
+static double tw__agg_bw(const tw_hardware* hw, int32_t c) {
+  return fmin((double)c * hw->link_cta_gbps, hw->link_peak_gbps) * 1e3;
 }
 
 /* Captures plan->segments (built for plan->coalesce) as a table. band_last: (num_bands) largest
  * schedule index among each band's tiles. */
 static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band_last,
-                                 const tw_hardware* hw, tw__seg_table* tb) {
+                                 tw__seg_table* tb) {
   memset(tb, 0, sizeof *tb);
   tb->mgb = plan->coalesce;
   const int32_t S = plan->num_segments;
@@ -152,9 +147,12 @@ static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band
   tb->last_tile = -1;
   if (S == 0) return TW_SUCCESS;
   tb->run_last = malloc((size_t)S * sizeof *tb->run_last);
-  tb->seg_units = malloc((size_t)S * sizeof *tb->seg_units);
   tb->seg_bytes = malloc((size_t)S * sizeof *tb->seg_bytes);
-  if (!tb->run_last || !tb->seg_units || !tb->seg_bytes) goto oom;
+  tb->seg_bands = malloc((size_t)S * sizeof *tb->seg_bands);
+  tb->suffix_bytes = malloc((size_t)(S + 1) * sizeof *tb->suffix_bytes);
+  tb->suffix_bands = malloc((size_t)(S + 1) * sizeof *tb->suffix_bands);
+  if (!tb->run_last || !tb->seg_bytes || !tb->seg_bands || !tb->suffix_bytes || !tb->suffix_bands)
+    goto oom;
   const double row_bytes = 2.0 * (double)plan->problem.hidden; /* bf16 / fp16 */
   int32_t run = -1;
   for (int32_t s = 0; s < S; s++) {
@@ -168,10 +166,16 @@ static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band
       if (band_last[b] > run) run = band_last[b];
     if (run < 0) return tw__fail(TW_ERR_INTERNAL, "model: segment %d has no scheduled tile", s);
     tb->run_last[s] = run;
-    tb->seg_units[s] = sg->nbands * plan->col_tiles;
+    tb->seg_bands[s] = sg->nbands;
     tb->seg_bytes[s] = (double)sg->valid_rows * row_bytes;
-    tb->total_bytes += tb->seg_bytes[s];
   }
+  tb->suffix_bytes[S] = 0.0;
+  tb->suffix_bands[S] = 0;
+  for (int32_t s = S - 1; s >= 0; s--) {
+    tb->suffix_bytes[s] = tb->suffix_bytes[s + 1] + tb->seg_bytes[s];
+    tb->suffix_bands[s] = tb->suffix_bands[s + 1] + tb->seg_bands[s];
+  }
+  tb->total_bytes = tb->suffix_bytes[0];
   tb->last_tile = run;
   tb->first_seg = malloc((size_t)(run + 1) * sizeof *tb->first_seg);
   if (!tb->first_seg) goto oom;
@@ -179,32 +183,6 @@ static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band
     while (tb->run_last[s] < t) s++; /* ends: run_last[S-1] = run >= t */
     tb->first_seg[t] = s;
   }
-  /* Distinct unit counts; too many -> plain recurrence (ndistinct stays 0). */
-  int32_t d = 0;
-  for (int32_t s = 0; s < S; s++) {
-    int32_t i = 0;
-    while (i < d && tb->units[i] != tb->seg_units[s]) i++;
-    if (i < d) continue;
-    if (d == TW__MAX_DISTINCT) return TW_SUCCESS;
-    tb->units[d++] = tb->seg_units[s];
-  }
-  tb->ndistinct = d;
-  for (int32_t i = 0; i < d; i++) tb->inv_units[i] = 1.0 / (double)tb->units[i];
-  tb->suffix = calloc((size_t)(S + 1) * (size_t)d, sizeof *tb->suffix);
-  if (!tb->suffix) goto oom;
-  for (int32_t s = S - 1; s >= 0; s--) {
-    double* row = tb->suffix + (size_t)s * d;
-    memcpy(row, row + d, (size_t)d * sizeof *row);
-    int32_t i = 0;
-    while (tb->units[i] != tb->seg_units[s]) i++;
-    row[i] += tb->seg_bytes[s];
-  }
-  tb->coef = malloc((size_t)(hw->c_max + 1) * (size_t)d * sizeof *tb->coef);
-  if (!tb->coef) goto oom;
-  for (int32_t c = 1; c <= hw->c_max; c++)
-    for (int32_t i = 0; i < d; i++)
-      tb->coef[(size_t)c * d + i] = (double)tw__ceil_div(tb->units[i], c) * tb->inv_units[i] /
-                                    tw__cta_bw(hw, c, tb->units[i]);
   return TW_SUCCESS;
 oom:
   return tw__fail(TW_ERR_OUT_OF_MEMORY,
@@ -225,41 +203,30 @@ oom:
 #endif
 
 /* Relative slack for skipping wave terms: a term is skipped only when its value, computed in
- * floating point, is certain to stay at or below the running maximum. Each term is a sum of at
- * most TW__MAX_DISTINCT + 2 non-negative products, so its rounding error is below 1e-14
- * relative; 1e-12 covers it with room. */
+ * floating point, is certain to stay at or below the running maximum. Each term is a sum of three
+ * non-negative products, so its rounding error is below 1e-15 relative; 1e-12 covers it with
+ * room. */
 #define TW__SKIP_SLACK (1.0 - 1e-12)
 
-/* For C in [c_lo, c_hi]: out[C - c_lo] = tau(C) + S latency + Q_transfer(0), the term of wave 1
- * taken with every segment (the fast form's term for s = 0, w = 1; 0 when there is no segment).
- * For a table on the plain recurrence, out[C - c_lo] is instead the transfer at the aggregate
- * bandwidth, tau(C) + S latency + bytes / min(C cta, peak), lowered by 1e-9 relative (it is
- * computed differently from T, so it gets a margin for rounding): each q_s >= bytes_s / min(C cta,
- * peak), since with U_s >= C the ceiling only adds and with U_s < C one round of U_s CTAs moves
- * the segment at min(U_s cta, peak). */
+/* Q(s) at C: the consumer's service of segments s.. (their bands' fixed cost shared by the C
+ * CTAs, their bytes through the pool). lat_c = link_latency_us / C, inv_agg_c = 1 / B(C). One
+ * expression for every caller, so that equal inputs give equal bits. */
+static inline double tw__service(const tw__seg_table* tb, int32_t s, double lat_c,
+                                 double inv_agg_c) {
+  return (double)tb->suffix_bands[s] * lat_c + tb->suffix_bytes[s] * inv_agg_c;
+}
+
+/* For C in [c_lo, c_hi]: out[C - c_lo] = tau(C) + Q(0), the term of wave 1 taken with every
+ * segment (the fast form's term for s = 0, w = 1; 0 when there is no segment). */
 static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__seg_table* tb,
                                          int32_t c_lo, int32_t c_hi, double* out) {
   if (tb->nseg == 0) {
     for (int32_t c = c_lo; c <= c_hi; c++) out[c - c_lo] = 0.0;
     return;
   }
-  const double lat_all = (double)tb->nseg * m->hw.link_latency_us;
   const double* tau = m->tau_us + (size_t)tb->slot * ((size_t)m->hw.c_max + 1);
-  const int32_t d = tb->ndistinct;
-  if (d == 0) {
-    for (int32_t c = c_lo; c <= c_hi; c++)
-      out[c - c_lo] = (tau[c] + lat_all + tb->total_bytes * m->inv_agg[c]) * (1.0 - 1e-9);
-    return;
-  }
-  /* A plain loop: unrolling it per d measured no faster on a decision that runs cold (right
-   * after its tables are built), where code size counts as much as arithmetic. */
-  const double* s0 = tb->suffix; /* row s = 0 */
-  const double* coef = tb->coef + (size_t)c_lo * d;
-  for (int32_t c = c_lo; c <= c_hi; c++, coef += d) {
-    double term = tau[c] + lat_all;
-    for (int32_t i = 0; i < d; i++) term += coef[i] * s0[i];
-    out[c - c_lo] = term;
-  }
+  for (int32_t c = c_lo; c <= c_hi; c++)
+    out[c - c_lo] = tau[c] + tw__service(tb, 0, m->hw.link_latency_us / (double)c, m->inv_agg[c]);
 }
 
 /* T(C, mgb) of one table, in microseconds (the fast form; identical in value to the plain
@@ -269,14 +236,13 @@ static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__se
  *
  * The maximum starts at the compute end (T = max(F_last, compute end) + reduce, and max is
  * exact in floating point, so folding it in first changes no bit of T). Waves are skipped when
- * they cannot raise it: the term of wave w is w tau(C) + Q(s_w), Q(s) = (S - s) latency + the
- * service of segments s.., and Q is non-increasing in s (suffix sums of non-negative bytes and
- * latencies) while s_w is non-decreasing in w. So every wave w' in (w, w + k] has a term at
- * most term(w) + k tau, and once the running maximum f is at least that (with TW__SKIP_SLACK
- * against rounding), those k waves need not be evaluated. When the link is the bottleneck the
- * service drains faster than tau per wave and the skips grow geometrically: a handful of terms
- * instead of one per wave. Skipping only leaves out terms that are <= f, so the maximum, and
- * hence T, is bit for bit the one the full loop gives. */
+ * they cannot raise it: the term of wave w is w tau(C) + Q(s_w), and Q is non-increasing in s
+ * (suffix sums of non-negative bytes and bands) while s_w is non-decreasing in w. So every wave
+ * w' in (w, w + k] has a term at most term(w) + k tau, and once the running maximum f is at
+ * least that (with TW__SKIP_SLACK against rounding), those k waves need not be evaluated. When
+ * the link is the bottleneck the service drains faster than tau per wave and the skips grow
+ * geometrically: a handful of terms instead of one per wave. Skipping only leaves out terms
+ * that are <= f, so the maximum, and hence T, is bit for bit the one the full loop gives. */
 static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_table* tb, int32_t c,
                                     double first, double cutoff) {
   const tw_hardware* hw = &m->hw;
@@ -286,54 +252,35 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
   const double comp_end = m->comp_us[at];
   const double reduce = m->reduce_us;
   if (tb->nseg == 0) return comp_end + reduce;
-  const double lat = hw->link_latency_us;
-  if (tb->ndistinct > 0) {
-    const int32_t d = tb->ndistinct;
-    const double* coef = tb->coef + (size_t)c * d;
-    const int64_t last_wave = (int64_t)tb->last_tile / p + 1; /* wave of the last segment */
-    double f = comp_end;
-    if (f + reduce > cutoff) return f + reduce;
-    /* One term per wave: its first ready segment s, A = w tau plus all later service. */
-    int64_t w = 1, start = 0; /* start = (w - 1) P: first tile index of wave w */
-    while (w <= last_wave) {
-      const int32_t s = tb->first_seg[start];
-      if (tb->run_last[s] < start + p) { /* something becomes ready in wave w */
-        double term;
-        if (w == 1) {
-          term = first; /* s = 0: the first term, computed once by tw__first_terms */
-        } else {
-          const double* sb = tb->suffix + (size_t)s * d;
-          term = (double)w * tau + (double)(tb->nseg - s) * lat;
-          for (int32_t i = 0; i < d; i++) term += coef[i] * sb[i];
-        }
-        if (term > f) {
-          f = term;
-          /* Already worse than the best candidate: the rest cannot make T smaller. */
-          if (f + reduce > cutoff) return f + reduce;
-        }
-        /* Waves w + 1 .. w + k have terms <= term + k tau <= f (see above). */
-        const double room = (f * TW__SKIP_SLACK - term) * m->inv_tau[at];
-        if (room >= (double)(last_wave - w)) break; /* no later wave can raise f */
-        if (room >= 1.0) {
-          const int64_t k = (int64_t)room;
-          w += k;
-          start += k * p;
-        }
+  const double lat_c = hw->link_latency_us / (double)c, inv_agg_c = m->inv_agg[c];
+  const int64_t last_wave = (int64_t)tb->last_tile / p + 1; /* wave of the last segment */
+  double f = comp_end;
+  if (f + reduce > cutoff) return f + reduce;
+  /* One term per wave: its first ready segment s, A = w tau plus all later service. */
+  int64_t w = 1, start = 0; /* start = (w - 1) P: first tile index of wave w */
+  while (w <= last_wave) {
+    const int32_t s = tb->first_seg[start];
+    if (tb->run_last[s] < start + p) { /* something becomes ready in wave w */
+      /* s = 0 in wave 1: the first term, computed once by tw__first_terms. */
+      const double term = w == 1 ? first : (double)w * tau + tw__service(tb, s, lat_c, inv_agg_c);
+      if (term > f) {
+        f = term;
+        /* Already worse than the best candidate: the rest cannot make T smaller. */
+        if (f + reduce > cutoff) return f + reduce;
       }
-      w++;
-      start += p;
+      /* Waves w + 1 .. w + k have terms <= term + k tau <= f (see above). */
+      const double room = (f * TW__SKIP_SLACK - term) * m->inv_tau[at];
+      if (room >= (double)(last_wave - w)) break; /* no later wave can raise f */
+      if (room >= 1.0) {
+        const int64_t k = (int64_t)room;
+        w += k;
+        start += k * p;
+      }
     }
-    return f + reduce;
+    w++;
+    start += p;
   }
-  double f = 0.0;
-  for (int32_t s = 0; s < tb->nseg; s++) {
-    const double a = (double)(tb->run_last[s] / p + 1) * tau;
-    const double q = (double)tw__ceil_div(tb->seg_units[s], c) * tb->seg_bytes[s] /
-                         ((double)tb->seg_units[s] * tw__cta_bw(hw, c, tb->seg_units[s])) +
-                     lat;
-    f = fmax(a, f) + q;
-  }
-  return fmax(f, comp_end) + reduce;
+  return f + reduce;
 }
 
 /* Reference: the recurrence segment by segment on the plan's current segments and order (tests
@@ -360,11 +307,8 @@ tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_
       if (b >= sg->band0 && b < sg->band0 + sg->nbands) last = i;
     }
     const double a = (double)(last / p + 1) * tau;
-    const int64_t units = (int64_t)sg->nbands * plan->col_tiles;
-    const double unit_bytes = (double)sg->valid_rows * row_bytes / (double)units;
-    const int64_t active = units < c ? units : c; /* CTAs that get a unit */
-    const double bw = fmin(hw->link_cta_gbps, hw->link_peak_gbps / (double)active) * 1e3;
-    const double q = (double)tw__ceil_div(units, c) * unit_bytes / bw + hw->link_latency_us;
+    const double q = (double)sg->valid_rows * row_bytes / tw__agg_bw(hw, c) +
+                     (double)sg->nbands * hw->link_latency_us / (double)c;
     f = fmax(a, f) + q;
   }
   *t_us = fmax(f, fmax((double)waves * m->tau_comp_us, mem_us)) + m->reduce_us;
@@ -531,10 +475,9 @@ static void tw__model_slot(tw__model_tables* m, const struct tw_plan* plan, int3
  * is monotone, so the sums and maxima keep the order. */
 static int tw__bounds_dominated(const tw__model_tables* m, const tw__seg_table* a,
                                 const tw__seg_table* b) {
-  if (a->nseg != b->nseg || a->ndistinct != b->ndistinct || a->total_bytes != b->total_bytes)
+  if (a->nseg != b->nseg || a->total_bytes != b->total_bytes ||
+      (a->nseg > 0 && a->suffix_bands[0] != b->suffix_bands[0]))
     return 0;
-  for (int32_t i = 0; i < a->ndistinct; i++)
-    if (a->units[i] != b->units[i] || (a->nseg > 0 && a->suffix[i] != b->suffix[i])) return 0;
   const size_t stride = (size_t)m->hw.c_max + 1;
   const double* ta = m->tau_us + (size_t)a->slot * stride;
   const double* tb = m->tau_us + (size_t)b->slot * stride;
@@ -592,7 +535,7 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   for (int32_t c = 1; c <= hw->c_max; c++) {
     m->prod[c] = tw__producers(hw, c);
-    m->inv_agg[c] = 1.0 / (fmin((double)c * hw->link_cta_gbps, hw->link_peak_gbps) * 1e3);
+    m->inv_agg[c] = 1.0 / tw__agg_bw(hw, c);
   }
 
   int32_t mgbs[TW__NUM_MGB_CANDIDATES + 1], n = 0;
@@ -623,7 +566,7 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
       st = tw__plan_build_segments(plan, mgbs[i]);
       if (st == TW_SUCCESS) {
         tw__seg_table* tb = &m->t[m->ntables++]; /* counted even if partly built: freed later */
-        st = tw__table_build(plan, band_last, hw, tb);
+        st = tw__table_build(plan, band_last, tb);
         tb->mgb = mgbs[i];
         tb->slot = slot;
         tb->key = tw__table_key(mgbs[i], scheds[slot]);

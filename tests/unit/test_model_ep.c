@@ -26,13 +26,13 @@
  *   mgb 4: {0} {1,2,3,4} {5}         last tiles 1 9 11,    units 2 8 2
  * Hardware: G = 5, c_max = 3 -> P(1) = 4, P(2) = 3, P(3) = 2.
  *   tau_tile = 2*64*64*1000 / (8.192e12) s = 1 us (overhead 0).
- *   one unit = 64 rows x 64 cols x 2 B = 8192 B; per-CTA bandwidth min(16384, 32768/a) B/us
- *   with a = min(C, U) CTAs holding a unit: a = 1, 2 -> 16384 (0.5 us a unit), a = 3 -> 10922.67
- *   (0.75 us a unit). latency 1 us: q(U) = ceil(U/C) tau_unit + 1:
- *              U=2              U=4              U=8
- *     C = 1    2*0.5+1 = 2      4*0.5+1 = 3      8*0.5+1 = 5
- *     C = 2    1*0.5+1 = 1.5    2*0.5+1 = 2      4*0.5+1 = 3
- *     C = 3    1*0.5+1 = 1.5    2*0.75+1 = 2.5   3*0.75+1 = 3.25   (U=2: only 2 CTAs push)
+ *   one unit = 64 rows x 64 cols x 2 B = 8192 B, U/2 bands a segment. The consumer is a pool of
+ *   B(C) = min(C x 16384, 32768) B/us (C = 1: 16384, C = 2, 3: 32768); latency 1 us per band,
+ *   shared by the C CTAs: q(U) = U x 8192 / B(C) + (U/2) x 1 / C:
+ *              U=2                 U=4                  U=8
+ *     C = 1    1+1 = 2             2+2 = 4              4+4 = 8
+ *     C = 2    0.5+0.5 = 1         1+1 = 2              2+2 = 4
+ *     C = 3    0.5+1/3 = 5/6       1+2/3 = 5/3          2+4/3 = 10/3
  *   reduce: owner rows = recv 128 + local 64 = 192, tokens 96, (192 + 96) x 256 B / 737280 B/us
  *   = 0.1 us.
  *   memory: one run of the expert's bands: weights 128 x 1000 + rows 448 x (1000 + 128), 2 B
@@ -41,21 +41,23 @@
  * A_s = floor(t_s / P) + 1; F_s = max(A_s, F_{s-1}) + q_s; T = max(F, ceil(14/P)) + 0.1.
  *   C=1 (P 4, compute 4):
  *     mgb 1: A 1 1 2 2 3 3, q 2: F 3 5 7 9 11 13 -> T 13.1
- *     mgb 2: A 1 2 3 3, q 2 3 3 2: F 3, 6, 9, 11 -> T 11.1
- *     mgb 4: A 1 3 3, q 2 5 2: F 3, 8, 10 -> T 10.1
+ *     mgb 2: A 1 2 3 3, q 2 4 4 2: F 3, 7, 11, 13 -> T 13.1
+ *     mgb 4: A 1 3 3, q 2 8 2: F 3, 11, 13 -> T 13.1
  *   C=2 (P 3, compute 5):
- *     mgb 1: A 1 2 2 3 4 4, q 1.5: F 2.5 4 5.5 7 8.5 10 -> T 10.1
- *     mgb 2: A 1 2 4 4, q 1.5 2 2 1.5: F 2.5, 4.5, 6.5, 8 -> T 8.1
- *     mgb 4: A 1 4 4, q 1.5 3 1.5: F 2.5, 7, 8.5 -> T 8.6
+ *     mgb 1: A 1 2 2 3 4 4, q 1: F 2 3 4 5 6 7 -> T 7.1
+ *     mgb 2: A 1 2 4 4, q 1 2 2 1: F 2, 4, 6, 7 -> T 7.1
+ *     mgb 4: A 1 4 4, q 1 4 1: F 2, 8, 9 -> T 9.1
  *   C=3 (P 2, compute 7):
- *     mgb 1: A 1 2 3 4 5 6, q 1.5: F 2.5 4 5.5 7 8.5 10 -> T 10.1
- *     mgb 2: A 1 3 5 6, q 1.5 2.5 2.5 1.5: F 2.5, 5.5, 8, 9.5 -> T 9.6
- *     mgb 4: A 1 5 6, q 1.5 3.25 1.5: F 2.5, 8.25, 9.75 -> T 9.85
- * Best: C = 2, mgb = 2, T = 8.1. Sequential: ceil(14/5) = 3 waves + 98304 B / 32768 B/us + 0.1
+ *     mgb 1: A 1 2 3 4 5 6, q 5/6: F 11/6 ... 41/6 -> T max(41/6, 7) + 0.1 = 7.1
+ *     mgb 2: A 1 3 5 6, q 5/6 5/3 5/3 5/6: F 11/6, 14/3, 20/3, 7.5 -> T 7.6
+ *     mgb 4: A 1 5 6, q 5/6 10/3 5/6: F 11/6, 25/3, 55/6 -> T 9.2667
+ * Best: T = 7.1 at (C 2, mgb 1), (C 2, mgb 2) and (C 3, mgb 1); ties go to the smaller C, then
+ * the larger mgb: C = 2, mgb = 2. Sequential: ceil(14/5) = 3 waves + 98304 B / 32768 B/us + 0.1
  * = 6.1. The plan has one expert, so remote-first and expert-major are the same order; it is
  * labelled remote-first and cannot be reordered (no layout_bands).
  */
-static const double hand_t[3][3] = {{13.1, 11.1, 10.1}, {10.1, 8.1, 8.6}, {10.1, 9.6, 9.85}};
+static const double hand_t[3][3] = {
+    {13.1, 13.1, 13.1}, {7.1, 7.1, 9.1}, {7.1, 7.6, 55.0 / 6.0 + 0.1}};
 static const int32_t mgbs[3] = {1, 2, 4};
 
 typedef struct hand_plan {
@@ -152,7 +154,7 @@ static void test_hand_plan_table(void) {
   CHECK(h.plan.comm_ctas == 2);
   CHECK(h.plan.coalesce == 2);
   CHECK(h.plan.num_segments == 4); /* the plan keeps the chosen mgb's segments */
-  CHECK_NEAR(h.plan.predicted_us, 8.1, 1e-9);
+  CHECK_NEAR(h.plan.predicted_us, 7.1, 1e-9);
   CHECK_NEAR(h.plan.sequential_us, 6.1, 1e-9);
   CHECK_NEAR(h.plan.gemm_us, 3.0, 1e-9);
   CHECK(h.plan.schedule == TW_SCHEDULE_REMOTE_FIRST);
@@ -182,11 +184,12 @@ static void test_hand_plan_explicit_and_defaults(void) {
     int32_t c, mgb, use_model, want_c, want_mgb;
     double want_t;
   } cases[] = {
-      {3, 0, 1, 3, 2, 9.6},  /* C fixed: best mgb at C = 3 (row 3 of the table) */
-      {0, 4, 1, 2, 4, 8.6},  /* mgb fixed: best C in column mgb = 4 */
+      {3, 0, 1, 3, 1, 7.1},  /* C fixed: best mgb at C = 3 (row 3 of the table) */
+      {0, 4, 1, 2, 4, 9.1},  /* mgb fixed: best C in column mgb = 4 */
       {1, 1, 1, 1, 1, 13.1}, /* both fixed: the model only predicts */
-      {0, 0, 0, 3, 2, 9.6},  /* selector off: TW_DEFAULT_COMM_CTAS (8) capped at c_max 3, mgb 2 */
-      {1, 0, 0, 1, 2, 11.1}, /* selector off, C given: C 1, default mgb 2 */
+      {0, 0, 0, 3, 2, 7.6},  /* selector off: TW_DEFAULT_COMM_CTAS (8) capped at c_max
+                                 3, mgb 2 */
+      {1, 0, 0, 1, 2, 13.1}, /* selector off, C given: C 1, default mgb 2 */
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     tw_plan_config cfg = hand_config(&h, cases[i].c, cases[i].mgb, cases[i].use_model);
@@ -197,14 +200,14 @@ static void test_hand_plan_explicit_and_defaults(void) {
   }
   /* An explicit coalesce outside {1, 2, 4} is tabulated and predicted too: mgb 3 gives
    * {0} {1,2,3} {4} {5}: last tiles 1 7 9 11, units 2 6 2 2. At C = 2 (P 3): A 1 3 4 4,
-   * q 1.5, 3*0.5+1 = 2.5, 1.5, 1.5: F 2.5, 5.5, 7, 8.5 -> T = max(8.5, 5) + 0.1 = 8.6. */
+   * q 1, 3*0.5+3/2 = 3, 1, 1: F 2, 6, 7, 8 -> T = max(8, 5) + 0.1 = 8.1. */
   tw_plan_config cfg = hand_config(&h, 2, 3, 1);
   CHECK_OK(tw__model_choose(&h.plan, &cfg));
   CHECK(h.plan.coalesce == 3 && h.plan.comm_ctas == 2);
-  CHECK_NEAR(h.plan.predicted_us, 8.6, 1e-9);
+  CHECK_NEAR(h.plan.predicted_us, 8.1, 1e-9);
   double t = 0;
   CHECK_OK(tw_plan_predict(&h.plan, 2, 3, &t));
-  CHECK_NEAR(t, 8.6, 1e-9);
+  CHECK_NEAR(t, 8.1, 1e-9);
   /* Out-of-range settings are rejected with a message. */
   cfg = hand_config(&h, 4, 0, 1);
   CHECK_STATUS(tw__model_choose(&h.plan, &cfg), TW_ERR_INVALID_ARGUMENT);
@@ -247,11 +250,12 @@ static void test_hand_plan_no_remote(void) {
 /* The same plan with ten times less memory bandwidth (73728 B/us): its traffic, 1266688 B, takes
  * 1237/72 = 17.18 us, more than the compute end at any C (4, 5, 7 waves of 1 us), so a wave lasts
  * 17.18 / waves and the compute end is 17.18 us everywhere; reduce = 1 us.
- *   C=1 (P 4, 4 waves, tau 1237/288 = 4.295), mgb 4: A 1 3 3, q 2 5 2:
- *     F tau + 2, 3 tau + 5, 3 tau + 7 = 19.885 -> T = 3 tau + 8 = 20.885
- *   C=2 (P 3, 5 waves, tau 1237/360 = 3.436), mgb 2: A 1 2 4 4, q 1.5 2 2 1.5:
- *     F 4.936, 2 tau + 2, 4 tau + 2, 4 tau + 3.5 = 17.244 -> T = 4 tau + 4.5 = 18.244
- *   C=3 (P 2, 7 waves, tau 1237/504 = 2.454), mgb 1: A 1..6, q 1.5: F_5 = 6 tau + 1.5 = 16.226,
+ *   C=1 (P 4, 4 waves, tau 1237/288 = 4.295), mgb 4: A 1 3 3, q 2 8 2:
+ *     F tau + 2, 3 tau + 8, 3 tau + 10 = 22.885 -> T = 3 tau + 11 = 23.885
+ *   C=2 (P 3, 5 waves, tau 1237/360 = 3.436), mgb 2: A 1 2 4 4, q 1 2 2 1:
+ *     F 4.436, 2 tau + 2, 4 tau + 2, 4 tau + 3 = 16.744, below the memory end
+ *     -> T = 1237/72 + 1 = 18.181
+ *   C=3 (P 2, 7 waves, tau 1237/504 = 2.454), mgb 1: A 1..6, q 5/6: F_5 = 6 tau + 5/6 = 15.56,
  *     below the memory end -> T = 1237/72 + 1 = 18.181
  * GEMM alone (5 SMs, 3 waves): max(3, 17.18) = 17.18; sequential 17.18 + 3 + 1. */
 static void test_hand_plan_memory_bound(void) {
@@ -264,7 +268,7 @@ static void test_hand_plan_memory_bound(void) {
   const struct {
     int32_t c, mgb;
     double t;
-  } cells[3] = {{1, 4, 3 * 1237.0 / 288 + 8}, {2, 2, 4 * 1237.0 / 360 + 4.5}, {3, 1, mem + 1}};
+  } cells[3] = {{1, 4, 3 * 1237.0 / 288 + 11}, {2, 2, mem + 1}, {3, 1, mem + 1}};
   for (int i = 0; i < 3; i++) {
     double t = 0;
     CHECK_OK(tw_plan_predict(&h.plan, cells[i].c, cells[i].mgb, &t));
@@ -446,9 +450,8 @@ static void test_real_plans_explicit_and_off(void) {
   }
 }
 
-/* An explicit coalescing factor outside {1, 2, 4}: 3 keeps the fast path; 24 and 64 give the
- * groups' last segments more than 8 distinct band counts, so their tables take the plain
- * recurrence. Either way the prediction equals the segment-by-segment recurrence at every C. */
+/* An explicit coalescing factor outside {1, 2, 4} (3, 24, 64: few long segments): the prediction
+ * equals the segment-by-segment recurrence at every C. */
 static void test_large_explicit_coalesce(void) {
   const int32_t mgb_values[3] = {3, 24, 64};
   for (int i = 0; i < 3; i++) {
