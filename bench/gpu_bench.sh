@@ -32,7 +32,7 @@ note() { echo "$1: exit $2"; [ "$2" -eq 0 ] || [ "$2" -eq 77 ] || rc_all=1; }
 
 step environment
 NCCL_ROOT=$(python3 -c 'import nvidia.nccl as m; print(m.__path__[0])' 2>/dev/null || true)
-echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown); NCCL ${NCCL_ROOT:-toolkit}"
+echo "commit ${TW_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}; NCCL ${NCCL_ROOT:-toolkit}"
 nvidia-smi --query-gpu=index,name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
 
 step build
