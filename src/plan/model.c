@@ -355,7 +355,7 @@ static int32_t tw__table_key(int32_t mgb, int32_t schedule) {
  * is the maximum of the wave terms; the first wave with a ready segment has s = 0 and A_0 >= 1;
  * when A_0 = 1 its term is the very value tw__first_terms gave (tw__eval reuses it), and when
  * A_0 > 1 it exceeds that value by at least tau, far beyond rounding. max and the same + reduce
- * keep the order. (Plain-recurrence tables get the margin inside tw__first_terms.) */
+ * keep the order. */
 static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, unsigned use,
                       int32_t* best_c, int32_t* best_table, double* best_t) {
   const size_t stride = (size_t)m->hw.c_max + 1;
@@ -470,9 +470,9 @@ static void tw__model_slot(tw__model_tables* m, const struct tw_plan* plan, int3
 }
 
 /* Whether table a's bound is >= table b's at every C, bit for bit: the same first-term inputs
- * (segment count, unit counts in the same order, their byte sums; hence the same coefficients
- * and the same arithmetic) with a per-wave time and a compute end no smaller at any C. Rounding
- * is monotone, so the sums and maxima keep the order. */
+ * (segment count, band count, bytes; hence the same arithmetic) with a per-wave time and a
+ * compute end no smaller at any C. Rounding is monotone, so the sums and maxima keep the
+ * order. */
 static int tw__bounds_dominated(const tw__model_tables* m, const tw__seg_table* a,
                                 const tw__seg_table* b) {
   if (a->nseg != b->nseg || a->total_bytes != b->total_bytes ||

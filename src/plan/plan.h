@@ -136,8 +136,8 @@ struct tw_plan {
   double solve_us;
   double gemm_us; /* the GEMM alone on every SM, this schedule (compute waves vs memory) */
 
-  /* Resource-model tables (model.c): per candidate coalescing factor, the segments' ready tiles,
-   * unit counts and suffix byte sums, built by tw__model_choose and read by the decision and
+  /* Resource-model tables (model.c): per candidate coalescing factor, the segments' ready tiles
+   * and suffix sums of bytes and bands, built by tw__model_choose and read by the decision and
    * tw_plan_predict. Owned by the plan: tw_plan_destroy calls tw__model_free. NULL until the
    * model runs (the plan must start zeroed). */
   void* model_tables;
