@@ -74,8 +74,6 @@ typedef struct tw__seg_table {
   int32_t last_tile;    /* t'_{S-1}: running last-tile index of the last segment; -1 if S = 0 */
   int32_t* run_last;    /* (S) t'_s, non-decreasing */
   int32_t* first_seg;   /* (last_tile + 1) first s with t'_s >= t */
-  double* seg_bytes;    /* (S) bytes of segment s */
-  int32_t* seg_bands;   /* (S) bands of segment s */
   double* suffix_bytes; /* (S + 1) bytes of segments j >= s */
   int32_t* suffix_bands; /* (S + 1) bands of segments j >= s */
   double total_bytes;    /* suffix_bytes[0] */
@@ -104,8 +102,6 @@ typedef struct tw__model_tables {
 static void tw__table_free(tw__seg_table* tb) {
   free(tb->run_last);
   free(tb->first_seg);
-  free(tb->seg_bytes);
-  free(tb->seg_bands);
   free(tb->suffix_bytes);
   free(tb->suffix_bands);
   memset(tb, 0, sizeof *tb);
@@ -147,12 +143,9 @@ static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band
   tb->last_tile = -1;
   if (S == 0) return TW_SUCCESS;
   tb->run_last = malloc((size_t)S * sizeof *tb->run_last);
-  tb->seg_bytes = malloc((size_t)S * sizeof *tb->seg_bytes);
-  tb->seg_bands = malloc((size_t)S * sizeof *tb->seg_bands);
   tb->suffix_bytes = malloc((size_t)(S + 1) * sizeof *tb->suffix_bytes);
   tb->suffix_bands = malloc((size_t)(S + 1) * sizeof *tb->suffix_bands);
-  if (!tb->run_last || !tb->seg_bytes || !tb->seg_bands || !tb->suffix_bytes || !tb->suffix_bands)
-    goto oom;
+  if (!tb->run_last || !tb->suffix_bytes || !tb->suffix_bands) goto oom;
   const double row_bytes = 2.0 * (double)plan->problem.hidden; /* bf16 / fp16 */
   int32_t run = -1;
   for (int32_t s = 0; s < S; s++) {
@@ -166,14 +159,13 @@ static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band
       if (band_last[b] > run) run = band_last[b];
     if (run < 0) return tw__fail(TW_ERR_INTERNAL, "model: segment %d has no scheduled tile", s);
     tb->run_last[s] = run;
-    tb->seg_bands[s] = sg->nbands;
-    tb->seg_bytes[s] = (double)sg->valid_rows * row_bytes;
   }
   tb->suffix_bytes[S] = 0.0;
   tb->suffix_bands[S] = 0;
   for (int32_t s = S - 1; s >= 0; s--) {
-    tb->suffix_bytes[s] = tb->suffix_bytes[s + 1] + tb->seg_bytes[s];
-    tb->suffix_bands[s] = tb->suffix_bands[s + 1] + tb->seg_bands[s];
+    const tw_segment* sg = &plan->segments[s];
+    tb->suffix_bytes[s] = tb->suffix_bytes[s + 1] + (double)sg->valid_rows * row_bytes;
+    tb->suffix_bands[s] = tb->suffix_bands[s + 1] + sg->nbands;
   }
   tb->total_bytes = tb->suffix_bytes[0];
   tb->last_tile = run;
