@@ -97,11 +97,6 @@ double tw__calib_busiest_bytes(const int64_t* units, const double* bytes, int ns
   return sum;
 }
 
-double tw__calib_link_rate(double total_bytes, double us, double segments, double latency_us) {
-  const double t = us - segments * latency_us;
-  return t > 0 ? total_bytes / t * 1e-3 : 0.0;
-}
-
 double tw__calib_per_wave(double us_small, int64_t waves_small, double us_large,
                           int64_t waves_large) {
   if (waves_large == waves_small) return 0.0;

@@ -48,11 +48,6 @@ tw_status tw__calib_fit_link(const double* busiest_bytes, const double* segments
  * units of each segment are dealt round-robin (segments with units[s] <= 0 are skipped). */
 double tw__calib_busiest_bytes(const int64_t* units, const double* bytes, int nseg, int c);
 
-/* Aggregate link rate of one call in GB/s: total_bytes / (us - segments latency_us), the
- * transfer time with the model's per-segment latency taken out. 0 when that time is not
- * positive. */
-double tw__calib_link_rate(double total_bytes, double us, double segments, double latency_us);
-
 struct tw_plan;
 /* The model's view of a plan's remote segments: units[s] = nbands_s col_tiles (one band x one
  * column tile per unit, as model.c counts them, whatever unit width the consumer uses) and
