@@ -2,13 +2,15 @@
  * calibrate_fit.h: the arithmetic of `tilewave calibrate` (tools/cmd_calibrate.c), kept pure (no
  * CUDA, no I/O) so that a unit test can check it on synthetic data with a known answer.
  *
- * Every fit is a least-squares fit of measured times to the resource model's own formula
- * (src/plan/model.c, docs/model.md), so that the fitted numbers mean exactly what the model
- * charges:
+ * Each fit is a least-squares fit of measured times to a linear formula:
  *   producer  us per wave      = flop_per_tile / (tile_tflops 1e6) + tile_overhead_us
- *   consumer  us of one call   = busiest_bytes / (link_cta_gbps 1e3) + segments link_latency_us
+ *   consumer  us of one call   = busiest_bytes / (link_cta_gbps 1e3) + segments latency
  * where busiest_bytes = sum_s ceil(U_s / C) bytes_s / U_s is what the most loaded of C CTAs moves
- * when every segment is ready at once (the model's F_last with all A_s = 0).
+ * when every segment is ready at once. The producer's is the resource model's own formula
+ * (src/plan/model.c). The consumer's is the model's earlier per-segment form: the model now
+ * charges total bytes / min(C link_cta_gbps, peak) + bands link_latency_us / C, whose bytes term
+ * busiest_bytes / link_cta equals whenever C divides every U_s (docs/calibrate.md); its latency
+ * is per band, not per segment, so the fitted latency is not the model's link_latency_us.
  */
 #ifndef TW_CALIBRATE_FIT_H
 #define TW_CALIBRATE_FIT_H

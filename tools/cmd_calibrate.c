@@ -4,7 +4,8 @@
  * TW_CALIBRATION points the planner at.
  *
  * Each number is fitted to the formula the model charges it in (src/plan/model.c), so that the
- * file means what the model reads (fits: calibrate_fit.c; method and caveats: docs/calibrate.md):
+ * file means what the model reads, except the consumer's, fitted to the model's earlier
+ * per-segment form (fits: calibrate_fit.c; method and caveats: docs/calibrate.md):
  *   sm_count          the device's multiprocessor count
  *   tile_tflops,      the producer GEMM alone (kernels API, band signals on, no consumer) on
  *                     P = SMs - 8 CTAs (a typical C beside it), on
@@ -18,11 +19,13 @@
  *                     in {1, 2, 4, 8, 16, 32} and mgb in {1, 4} on one problem, timed by the
  *                     context's per-phase events (comm_ms: the consumer kernel; gemm_ms: the
  *                     producer). Where the consumer bounds the call (it ends well after the
- *                     producer) the model charges busiest_bytes(C) / link_cta + segments *
- *                     latency; the per-CTA rate falls as C grows, so the fit takes the largest
- *                     such C, the edge of the range where the model makes its choice; its two
- *                     mgb give two segment counts for the same bytes, which separates the rate
- *                     from the per-segment latency
+ *                     producer) the fit takes busiest_bytes(C) / link_cta + segments *
+ *                     latency (the bytes term is the model's pool term on this problem; the
+ *                     model's latency is per band over C, so only the rate is written: see
+ *                     docs/calibrate.md); the per-CTA rate falls as C grows, so the fit takes the
+ *                     largest such C, the edge of the range where the model makes its choice;
+ *                     its two mgb give two segment counts for the same bytes, which separates the
+ *                     rate from the per-segment term
  *   link_peak_gbps    the consumer alone (TW_COMBINE_COMM_ONLY): the plateau of the aggregate
  *                     rate (bytes / time) over C
  *   mem_gbps          a device-to-device copy: (read + write bytes) / time, as the default was
@@ -724,7 +727,7 @@ static tw_status twc_run(twc_state* s) {
   if (s->world >= 2) {
     twc_progress(s, "link: consumer alone over %d ranks", s->world);
     TW_TRY(twc_measure_link(s));
-    twc_progress(s, "link: %.2f GB/s per CTA, %.1f GB/s peak, %.3f us per segment",
+    twc_progress(s, "link: %.2f GB/s per CTA, %.1f GB/s peak, %.3f us per band (kept)",
                  s->hw.link_cta_gbps, s->hw.link_peak_gbps, s->hw.link_latency_us);
   } else {
     twc_progress(s, "one GPU: link numbers stay at their defaults");
@@ -793,8 +796,8 @@ static void twc_usage(FILE* f) {
           "names it. Takes well under a minute on 2 GPUs. See docs/calibrate.md.\n"
           "  1 GPU:   sm_count, producer tile rate and overhead (tile_tflops,\n"
           "           tile_overhead_us), device memory rate (mem_gbps); link values stay default\n"
-          "  2+ GPUs: also the consumer's per-CTA and saturated NVLink rates and the per-segment\n"
-          "           latency (link_cta_gbps, link_peak_gbps, link_latency_us)\n\n"
+          "  2+ GPUs: also the consumer's per-CTA and saturated NVLink rates (link_cta_gbps,\n"
+          "           link_peak_gbps); link_latency_us keeps its value\n\n"
           "  --out FILE     calibration file to write (default tilewave-calibration.txt)\n"
           "  --json FILE    also write every measurement and fit as JSON\n"
           "  --quick        smaller problems and fewer repetitions (noisier)\n"

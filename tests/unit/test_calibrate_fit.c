@@ -68,7 +68,8 @@ static void test_producer_noisy(void) {
 }
 
 /* Consumer: plans with random segment sizes, C in {1, 2, 4} and two coalescing factors; times from
- * the model's formula with known rate and latency; the fit gives them back. */
+ * the fit's formula (busiest CTA's bytes, per-segment latency) with known rate and latency; the
+ * fit gives them back. */
 static void test_link_exact(void) {
   uint64_t s = tw_test_seed ^ 0x33;
   for (int trial = 0; trial < 30; trial++) {
@@ -137,7 +138,7 @@ static void test_refusals(void) {
 
 /* The link measurement's own problem (2 ranks, 8192 tokens, K 2048, N 4096, 16 experts, top-2,
  * balanced, a random seed): the segments' bytes add up to the plan's send_bytes, mgb 4 has fewer
- * segments than mgb 1, and times made with the model's formula at C <= 2 give the rate and the
+ * segments than mgb 1, and times made with the fit's formula at C <= 2 give the rate and the
  * latency back through the same fit the command runs. */
 static void test_link_on_real_plans(void) {
   tw_problem p = TW_PROBLEM_INIT;
