@@ -109,6 +109,15 @@ double tw__oracle_regret(double t_chosen, double t_oracle) {
   return (t_chosen - t_oracle) / t_oracle;
 }
 
+/* The oracle of point p: the fastest configuration measured there, the model's included (it may
+ * lie outside the candidates). NaN entries are skipped: NaN < x is false. */
+static double tw__oracle_at(const double* t, int p, int ncand, const double* t_model) {
+  double oracle = t_model[p];
+  for (int j = 0; j < ncand; j++)
+    if (t[(size_t)p * ncand + j] < oracle) oracle = t[(size_t)p * ncand + j];
+  return oracle;
+}
+
 int tw__oracle_summarize(const double* t, int npoints, int ncand, const double* t_model,
                          tw__oracle_summary* out) {
   if (t == NULL || t_model == NULL || out == NULL || npoints < 1 || ncand < 1) return -1;
@@ -119,12 +128,7 @@ int tw__oracle_summarize(const double* t, int npoints, int ncand, const double* 
   double sum = 0;
   for (int p = 0; p < npoints; p++) {
     if (!(isfinite(t_model[p]) && t_model[p] > 0)) return -1;
-    /* The oracle is the fastest configuration measured at this point, the model's included (it
-     * may lie outside the candidates). NaN entries are skipped: NaN < x is false. */
-    double oracle = t_model[p];
-    for (int j = 0; j < ncand; j++)
-      if (t[(size_t)p * ncand + j] < oracle) oracle = t[(size_t)p * ncand + j];
-    const double r = tw__oracle_regret(t_model[p], oracle);
+    const double r = tw__oracle_regret(t_model[p], tw__oracle_at(t, p, ncand, t_model));
     sum += r;
     if (r > out->max_regret) {
       out->max_regret = r;
@@ -137,16 +141,13 @@ int tw__oracle_summarize(const double* t, int npoints, int ncand, const double* 
   for (int j = 0; j < ncand; j++) {
     double s = 0, mx = -INFINITY;
     int ok = 1;
-    for (int p = 0; p < npoints && ok; p++) {
+    for (int p = 0; p < npoints; p++) {
       const double tj = t[(size_t)p * ncand + j];
       if (!(isfinite(tj) && tj > 0)) {
         ok = 0;
         break;
       }
-      double oracle = t_model[p];
-      for (int i = 0; i < ncand; i++)
-        if (t[(size_t)p * ncand + i] < oracle) oracle = t[(size_t)p * ncand + i];
-      const double r = tw__oracle_regret(tj, oracle);
+      const double r = tw__oracle_regret(tj, tw__oracle_at(t, p, ncand, t_model));
       s += r;
       if (r > mx) mx = r;
     }
