@@ -1084,7 +1084,8 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
  * estimate is rounds (warm-up + timed + the correctness run) x (the sum of the predictions +
  * per sample the device delay and ~100 us of barrier and synchronisation), plus ~2 s of setup
  * (context, inputs) and the solve timing at this machine's planning speed. It is only as good as
- * the model's predictions (within tens of percent on 2 x H200 so far). */
+ * the model's predictions and overheads (on 2 x H200 the quick matrix took 19 s, under half the
+ * estimate). */
 static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
   const int world = o->ranks > 0 ? o->ranks : 2;
   printf(
