@@ -49,7 +49,8 @@ tw_status tw_hardware_default(tw_hardware* hw) {
    * reduction, 1.79 ms at C = 1 (37 GB/s per CTA), 0.98 ms at C = 2 (34), 0.74 ms at C = 3 (30)
    * and 0.50 ms at C = 5 (27): the per-CTA rate falls as the consumer shares memory with the
    * GEMM. 28 GB/s is the rate in the range where the choice is made (C = 4..8); with it the
-   * model picks C = 8 there, 0.8% from the measured optimum. (Register copies moved 16 GB/s.) */
+   * pool form of the model picks C = 7 there, measured 1.15% from the optimum (C = 11;
+   * bench/results/2026-11-30-run3.md, run C, point 61). (Register copies moved 16 GB/s.) */
   hw->link_cta_gbps = 28.0;
   /* Same table: 16 CTAs 348, 32 CTAs 351, 64 CTAs 359 GB/s per direction; 351 is the plateau
    * over the C range the model considers (c_max = 32). */
@@ -57,8 +58,9 @@ tw_status tw_hardware_default(tw_hardware* hw) {
   /* The consumer's fixed cost per band it sends, in the model's pool form (model.c: C CTAs share
    * it): a unit's band poll and the latency of its first bulk load are not overlapped with the
    * previous unit (combine.cu), 2-3 us. 3 us is also the value that fits the measured oracle
-   * matrix best (2 x H200, 2026-11-30, 114 points, bench/results/2026-11-30-run3.md: mean regret
-   * 2.3% against 3.7% with 0.26 us; that is in-sample). `tilewave calibrate` does not measure
+   * matrix best (2 x H200, 2026-11-30, 114 points, replayed offline: mean regret 2.3% against
+   * 3.7% with 0.26 us; that is in-sample; measured with 3 us: 2.01%,
+   * bench/results/2026-11-30-run3.md). `tilewave calibrate` does not measure
    * it yet (it needs units of two sizes). */
   hw->link_latency_us = 3.0;
   /* Local device copy measured 3.8 TB/s (read + write). */
