@@ -73,9 +73,9 @@ tw_status tw__calib_fit_producer(const double* flop_per_tile, const double* us_p
 }
 
 tw_status tw__calib_fit_link(const double* busiest_bytes, const double* segments, const double* us,
-                             int n, double* link_cta_gbps, double* link_latency_us, double* resid) {
+                             int n, double* link_cta_gbps, double* seg_latency_us, double* resid) {
   TW_CHECK_NULL(link_cta_gbps);
-  TW_CHECK_NULL(link_latency_us);
+  TW_CHECK_NULL(seg_latency_us);
   double c[2];
   TW_TRY(tw__calib_lsq2(busiest_bytes, segments, us, n, c, resid));
   if (!(c[0] > 0))
@@ -85,7 +85,7 @@ tw_status tw__calib_fit_link(const double* busiest_bytes, const double* segments
                     c[0]);
   /* slope: us per byte; bytes per us = 1e6 B/s = 1e-3 GB/s. */
   *link_cta_gbps = 1.0 / (c[0] * 1e3);
-  *link_latency_us = c[1];
+  *seg_latency_us = c[1];
   return TW_SUCCESS;
 }
 

@@ -41,10 +41,11 @@ tw_status tw__calib_fit_producer(const double* flop_per_tile, const double* us_p
                                  double* tile_tflops, double* tile_overhead_us, double* resid);
 
 /* Consumer below the link's saturation: us[i] of a call whose busiest CTA moves busiest_bytes[i]
- * over segments[i] segments. Fits link_cta_gbps = 1 / (slope 1e3) and link_latency_us = the
- * per-segment coefficient. TW_ERR_INVALID_ARGUMENT when the bandwidth term is not positive. */
+ * over segments[i] segments. Fits link_cta_gbps = 1 / (slope 1e3) and seg_latency_us = the
+ * per-segment coefficient (not the model's per-band link_latency_us). TW_ERR_INVALID_ARGUMENT
+ * when the bandwidth term is not positive. */
 tw_status tw__calib_fit_link(const double* busiest_bytes, const double* segments, const double* us,
-                             int n, double* link_cta_gbps, double* link_latency_us, double* resid);
+                             int n, double* link_cta_gbps, double* seg_latency_us, double* resid);
 
 /* sum_s ceil(units[s] / c) * bytes[s] / units[s]: bytes the busiest of c CTAs moves when the
  * units of each segment are dealt round-robin (segments with units[s] <= 0 are skipped). */
