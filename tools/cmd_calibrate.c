@@ -108,8 +108,7 @@ typedef struct twc_state {
   double copy_bytes, copy_us;
   /* link: every rank's points, gathered on rank 0 (rank-major) */
   int link_ok, nlink_c, link_tokens, link_experts, unit_tiles;
-  twc_link_point* link; /* (world * TWC_NLINK) */
-  double link_resid[TW_CALIB_MAX_POINTS];
+  twc_link_point* link;    /* (world * TWC_NLINK) */
   double agg_gbps[TWC_NC]; /* mean over ranks and mgb of bytes / us */
   int fit_c, nfit;         /* the link fit took the points with C = fit_c (beside the producer) */
   double fit_latency;      /* the fit's per-segment term (printed, not written) */
@@ -481,7 +480,7 @@ static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
   /* The fit separates the bytes term from a per-segment term; only the bytes term goes into the
    * file. The model charges its latency per band, shared by the C CTAs (model.c), which one
    * problem with one band size cannot separate from the bytes: it keeps the description's value. */
-  TW_TRY(tw__calib_fit_link(bx, sg, us, n, &s->hw.link_cta_gbps, &s->fit_latency, s->link_resid));
+  TW_TRY(tw__calib_fit_link(bx, sg, us, n, &s->hw.link_cta_gbps, &s->fit_latency, NULL));
   s->hw.link_latency_us = s->def.link_latency_us;
   snprintf(s->link_note, sizeof s->link_note,
            "the fit's per-segment term, %.3f us, is not written: the model's link_latency_us is "
