@@ -486,9 +486,8 @@ static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
            "the fit's per-segment term, %.3f us, is not written: the model's link_latency_us is "
            "per band over C; it keeps %.3f us",
            s->fit_latency, s->hw.link_latency_us);
-  /* The peak is the raw plateau, as the default was measured: taking the model's serial
-   * per-segment latency out of the short high-C calls would overstate it wherever the CTAs
-   * overlap their latencies. */
+  /* The peak is the raw plateau, as the default was measured: taking a latency term out of the
+   * short high-C calls would overstate it wherever the CTAs overlap their latencies. */
   s->hw.link_peak_gbps = peak;
   s->link_ok = 1;
   return TW_SUCCESS;
