@@ -648,7 +648,7 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
 }
 
 tw_status tw__model_predict(const struct tw_plan* plan, int32_t schedule, int32_t comm_ctas,
-                            int32_t coalesce, double* t_us, double* gemm_us) {
+                            int32_t coalesce, double* t_us) {
   TW_CHECK_NULL(plan);
   TW_CHECK_NULL(t_us);
   const tw__model_tables* m = (const tw__model_tables*)plan->model_tables;
@@ -669,12 +669,11 @@ tw_status tw__model_predict(const struct tw_plan* plan, int32_t schedule, int32_
   double first[1];
   tw__first_terms(m, &m->t[i], comm_ctas, comm_ctas, first);
   *t_us = tw__eval(m, &m->t[i], comm_ctas, first[0], DBL_MAX);
-  if (gemm_us != NULL) *gemm_us = m->gemm_us[m->t[i].slot];
   return TW_SUCCESS;
 }
 
 tw_status tw_plan_predict(tw_plan_t plan, int32_t comm_ctas, int32_t coalesce, double* t_us) {
   tw__clear_error();
   TW_CHECK_NULL(plan);
-  return tw__model_predict(plan, plan->schedule, comm_ctas, coalesce, t_us, NULL);
+  return tw__model_predict(plan, plan->schedule, comm_ctas, coalesce, t_us);
 }

@@ -181,10 +181,9 @@ void tw__model_free(struct tw_plan* plan);
  * tests against the fast form (model.c). tw_plan_predict is also defined in model.c. */
 tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t comm_ctas, double* t_us);
 /* tw_plan_predict for either schedule the model tabulated (both when it chose between them;
- * TW_ERR_INVALID_ARGUMENT for one it did not), and the GEMM-alone time of that schedule on every
- * SM (gemm_us may be NULL). For tests and tools (model.c). */
+ * TW_ERR_INVALID_ARGUMENT for one it did not). For tests (model.c). */
 tw_status tw__model_predict(const struct tw_plan* plan, int32_t schedule, int32_t comm_ctas,
-                            int32_t coalesce, double* t_us, double* gemm_us);
+                            int32_t coalesce, double* t_us);
 /* Bytes the producer moves through device memory in the plan's current order: each expert's
  * weights (hidden x ffn) once per run of consecutive bands of that expert, the input rows
  * (rows x ffn) and the output rows (rows x hidden), 2 bytes an element (model.c). */

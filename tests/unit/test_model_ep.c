@@ -326,7 +326,7 @@ static best_cand argmin_all(tw_plan_t plan, const int32_t* mgb_list, int n_mgb) 
     for (int32_t c = 1; c <= plan->hardware.c_max; c++)
       for (int j = 0; j < n_mgb; j++) {
         double t = 0;
-        CHECK_OK(tw__model_predict(plan, scheds[si], c, mgb_list[j], &t, NULL));
+        CHECK_OK(tw__model_predict(plan, scheds[si], c, mgb_list[j], &t));
         const int32_t key = 2 * mgb_list[j] + (scheds[si] == TW_SCHEDULE_REMOTE_FIRST);
         if (b.c == 0 || t < b.t || (t == b.t && (c < b.c || (c == b.c && key > bkey)))) {
           b = (best_cand){t, c, mgb_list[j], scheds[si]};
@@ -383,7 +383,7 @@ static void check_choice_is_argmin(tw_plan_t plan, const char* what, int other_t
       CHECK_OK(tw__plan_build_segments(plan, mgbs[j]));
       for (int32_t c = 1; c <= plan->hardware.c_max; c++) {
         double fast = 0, plain = 0;
-        CHECK_OK(tw__model_predict(plan, scheds[si], c, mgbs[j], &fast, NULL));
+        CHECK_OK(tw__model_predict(plan, scheds[si], c, mgbs[j], &fast));
         CHECK_OK(tw__model_eval_plain(plan, c, &plain));
         CHECKF(fabs(fast - plain) <= 1e-9 * plain,
                "%s schedule %d mgb %d C %d: fast %.12g, recurrence %.12g", what, scheds[si],
@@ -497,8 +497,8 @@ static void test_monotonic_in_link(void) {
         for (int32_t c = 1; c <= base.c_max; c++)
           for (int j = 0; j < 3; j++) {
             double t1 = 0, t2 = 0;
-            CHECK_OK(tw__model_predict(p1, scheds[si], c, mgbs[j], &t1, NULL));
-            CHECK_OK(tw__model_predict(p2, scheds[si], c, mgbs[j], &t2, NULL));
+            CHECK_OK(tw__model_predict(p1, scheds[si], c, mgbs[j], &t1));
+            CHECK_OK(tw__model_predict(p2, scheds[si], c, mgbs[j], &t2));
             CHECKF(t2 <= t1 * (1 + 1e-12), "variant %d schedule %d C %d mgb %d: %.9g > %.9g", v,
                    scheds[si], c, mgbs[j], t2, t1);
           }
