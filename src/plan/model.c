@@ -88,7 +88,6 @@ typedef struct tw__model_tables {
   double reduce_us;              /* owner's weighted reduction */
   int32_t nsched;                /* schedules tabulated: 1, or 2 when the model chooses */
   int32_t sched[TW__MAX_SCHED];  /* TW_SCHEDULE_* of each slot */
-  double mem_us[TW__MAX_SCHED];  /* the producer's memory traffic over mem_gbps, per slot */
   double gemm_us[TW__MAX_SCHED]; /* GEMM alone on every SM: max(waves tau_comp, mem_us) */
   /* Per candidate C (index C, 0 unused): constants of the hardware and the tile count. */
   int32_t* prod;   /* (c_max + 1) P(C) */
@@ -447,7 +446,6 @@ static void tw__model_slot(tw__model_tables* m, const struct tw_plan* plan, int3
   const double tau = m->tau_comp_us;
   const double mem_us = tw__model_gemm_bytes(plan) / (hw->mem_gbps * 1e3);
   m->sched[slot] = plan->schedule;
-  m->mem_us[slot] = mem_us;
   m->gemm_us[slot] =
       fmax((double)tw__ceil_div(plan->num_tiles, hw->occ_comp * hw->sm_count) * tau, mem_us);
   double* tau_us = m->tau_us + (size_t)slot * stride;
