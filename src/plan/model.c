@@ -86,14 +86,13 @@ typedef struct tw__model_tables {
   tw_hardware hw;
   double tau_comp_us;            /* one producer tile's compute */
   double reduce_us;              /* owner's weighted reduction */
-  int32_t nsched;                /* schedules tabulated: 1, or 2 when the model chooses */
-  int32_t sched[TW__MAX_SCHED];  /* TW_SCHEDULE_* of each slot */
+  int32_t sched[TW__MAX_SCHED];  /* TW_SCHEDULE_* of each slot (1, or 2 when the model chooses) */
   double gemm_us[TW__MAX_SCHED]; /* GEMM alone on every SM: max(waves tau_comp, mem_us) */
   /* Per candidate C (index C, 0 unused): constants of the hardware and the tile count. */
   int32_t* prod;   /* (c_max + 1) P(C) */
-  double* tau_us;  /* (nsched, c_max + 1) tau_tile(C) = max(tau_comp, mem_us / waves(C)) */
-  double* inv_tau; /* (nsched, c_max + 1) 1 / tau_us (wave skipping in tw__eval) */
-  double* comp_us; /* (nsched, c_max + 1) compute end max(waves(C) tau_comp, mem_us) */
+  double* tau_us;  /* (slots, c_max + 1) tau_tile(C) = max(tau_comp, mem_us / waves(C)) */
+  double* inv_tau; /* (slots, c_max + 1) 1 / tau_us (wave skipping in tw__eval) */
+  double* comp_us; /* (slots, c_max + 1) compute end max(waves(C) tau_comp, mem_us) */
   double* inv_agg; /* (c_max + 1) 1 / aggregate link bytes per us, min(C cta, peak) */
   double* first;   /* (TW__MAX_TABLES, c_max + 1) the decision's scratch: tw__first_terms */
   int32_t ntables;
@@ -544,7 +543,6 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   for (int32_t slot = 0; slot < nsched && st == TW_SUCCESS; slot++) {
     if (plan->schedule != scheds[slot]) st = tw__plan_set_schedule(plan, scheds[slot]);
     if (st != TW_SUCCESS) break;
-    m->nsched = slot + 1;
     tw__model_slot(m, plan, slot);
     for (int32_t b = 0; b < plan->num_bands; b++) band_last[b] = -1;
     for (int32_t i = 0; i < plan->num_tiles && st == TW_SUCCESS; i++) {
