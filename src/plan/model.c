@@ -557,7 +557,6 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
       if (st == TW_SUCCESS) {
         tw__seg_table* tb = &m->t[m->ntables++]; /* counted even if partly built: freed later */
         st = tw__table_build(plan, band_last, tb);
-        tb->mgb = mgbs[i];
         tb->slot = slot;
         tb->key = tw__table_key(mgbs[i], scheds[slot]);
       }
@@ -633,7 +632,6 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
   const int32_t mgb = m->t[ti].mgb, slot = m->t[ti].slot;
   if (plan->schedule != m->sched[slot]) TW_TRY(tw__plan_set_schedule(plan, m->sched[slot]));
   if (plan->coalesce != mgb || plan->num_segments == 0) TW_TRY(tw__plan_build_segments(plan, mgb));
-  plan->coalesce = mgb;
   plan->comm_ctas = c;
   plan->predicted_us = t;
   plan->gemm_us = m->gemm_us[slot];
