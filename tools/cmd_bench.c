@@ -595,6 +595,9 @@ static void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_res
 
 /* ---- sweep ----------------------------------------------------------------------------------- */
 
+/* The coalescing factors a sweep times at every C. */
+static const int twb_sweep_mgbs[3] = {1, 2, 4};
+
 /* One sweep point, measured. Policy 0 is the sequential baseline (the correctness reference;
  * timed only in the single-point sweep), policies 1.. are `ours` at every (C, mgb), index
  * 1 + m * cmax + (C - 1) for mgbs[m], plus the model's choice where it lies outside that grid. */
@@ -663,7 +666,7 @@ static tw_status twb_time_solve(twb_rank* s, int reps, twb_sweep_result* r) {
 static tw_status twb_sweep_measure(twb_rank* s, const twb_opts* o, const twb_point* pt,
                                    twb_sweep_result* r) {
   memset(r, 0, sizeof *r);
-  r->mgbs[0] = 1, r->mgbs[1] = 2, r->mgbs[2] = 4;
+  memcpy(r->mgbs, twb_sweep_mgbs, sizeof r->mgbs);
   r->solve_med = r->solve_p99 = r->create_med = r->create_p99 = -1; /* not measured */
   int nm = 3;
   TW_TRY(twb_setup(s, o, pt, r->mgbs, nm));
@@ -1005,7 +1008,7 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
   int fc = -1, fm = -1; /* the best fixed (C, mgb); -1: none */
   if (ok && sum.fixed >= 0) {
     fc = sum.fixed % o->c_max + 1;
-    fm = sum.fixed / o->c_max == 0 ? 1 : sum.fixed / o->c_max == 1 ? 2 : 4;
+    fm = twb_sweep_mgbs[sum.fixed / o->c_max];
   }
   /* Planning time over the matrix: the median and the worst of the per-point medians, the worst
    * per-point p99 (each already the worst rank's). */
@@ -1097,7 +1100,6 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
       "predicted us | estimated s |\n");
   printf("| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |\n");
   double total = 0;
-  const int mgbs[3] = {1, 2, 4};
   for (int i = 0; i < n; i++) {
     const twb_point* pt = &pts[i];
     tw_problem p = TW_PROBLEM_INIT;
@@ -1121,7 +1123,7 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
     for (int m = 0; m < 3 && st == TW_SUCCESS; m++)
       for (int c = 1; c <= o->c_max && st == TW_SUCCESS; c++) {
         double t = 0;
-        st = tw_plan_predict(plan, c, mgbs[m], &t);
+        st = tw_plan_predict(plan, c, twb_sweep_mgbs[m], &t);
         sum_pred += t;
         ncand++;
       }
