@@ -182,8 +182,8 @@ tw_status tw_routing_destroy(tw_routing_t routing);
 
 /* What the resource model knows of the machine. tw_hardware_default() gives built-in H200
  * numbers (each with its source in hardware.c; docs/model.md); a file in the format of
- * tw_hardware_write() overrides them through tw_hardware_read() or TW_CALIBRATION (a measuring
- * `tilewave calibrate` does not exist yet). */
+ * tw_hardware_write() overrides them through tw_hardware_read() or TW_CALIBRATION; `tilewave
+ * calibrate` measures them on the machine at hand (docs/calibrate.md). */
 typedef struct tw_hardware {
   size_t size;
   uint32_t magic;
@@ -196,7 +196,7 @@ typedef struct tw_hardware {
   double tile_overhead_us; /* fixed cost per producer tile (epilogue, signal), us */
   double link_cta_gbps;    /* NVLink push bandwidth of one consumer CTA, GB/s */
   double link_peak_gbps;   /* saturated NVLink bandwidth per direction, GB/s */
-  double link_latency_us;  /* fixed cost of one remote segment write + flag, us */
+  double link_latency_us;  /* fixed cost per band sent, us (shared by the C consumer CTAs) */
   double mem_gbps;         /* local device memory bandwidth (read + write), GB/s */
   double rho_ref;          /* first paper's reference service-rate ratio (eq. 14) */
 } tw_hardware;
@@ -455,8 +455,8 @@ tw_status tw_context_timings(tw_context_t ctx, tw_combine_timings* timings);
 typedef struct tw_context_info {
   int32_t rank, world_size, device, sm_count;
   int32_t timeout_ms, debug_tags, max_comm_ctas;
-  int64_t window_bytes; /* symmetric window per rank */
-  int32_t nccl_version; /* ncclGetVersion() at run time */
+  int64_t window_bytes;  /* symmetric window per rank */
+  int32_t nccl_version;  /* ncclGetVersion() at run time */
   int32_t unit_tiles;    /* column tiles per consumer transfer unit */
   int32_t consumer_copy; /* tw_consumer_copy in use: REGISTERS or BULK */
 } tw_context_info;

@@ -1,7 +1,8 @@
 /*
  * combine.cu: the consumer of GEMM2 + combine. A persistent kernel of C CTAs, on SMs the producer
  * leaves free, forwards every finished row band of the GEMM output to the rank that owns its
- * tokens, with ordinary stores straight into that rank's symmetric NCCL window (NVLink), and
+ * tokens, straight into that rank's symmetric NCCL window (NVLink; bulk copies or ordinary
+ * stores, below), and
  * announces each piece with a release reduction on the owner's arrival counter.
  *
  * Work is cut into units of (band, T consecutive column tiles) of the plan's segments, in
@@ -9,7 +10,8 @@
  * belongs to CTA u mod C. A unit may leave once every band of its segment is complete, so a
  * coalesced segment goes out as one burst of contiguous remote rows. Units are
  * announced on the owner's arrival counter; the owner expects recv_bands * ceil(col_tiles / T)
- * per call, so T must be the same on every rank (the context checks). T = 1 by default.
+ * per call, so T must be the same on every rank (the context checks). T defaults to a whole band
+ * with bulk copies and to 1 with register copies.
  * A system-scope release waits until the CTA's NVLink stores are acknowledged (a round trip of
  * microseconds), so a CTA does not release after every unit: it counts finished units per
  * owner and releases them with one reduction per owner only when it is about to block on a
