@@ -98,6 +98,34 @@ static inline int tw_rank_main(int rank, int nranks, const ncclUniqueId* id,
   return failed ? TW_ERR_INTERNAL : 0;
 }
 
+/* The cases of one 2-GPU test binary, passed to every rank through the spawner. */
+typedef struct tw_case_list {
+  const tw_rank_case* cases;
+  int n;
+} tw_case_list;
+
+static inline int tw__case_list_rank(int rank, int nranks, const ncclUniqueId* id, void* arg) {
+  const tw_case_list* l = (const tw_case_list*)arg;
+  return tw_rank_main(rank, nranks, id, l->cases, l->n);
+}
+
+/* A 2-GPU test binary's main: skips (exit 77) with fewer than 2 GPUs, else runs the cases on two
+ * spawned ranks, each bounded by timeout_s. */
+static inline int tw_two_rank_main(const tw_rank_case* cases, int n, int timeout_s) {
+  const int gpus = tw__gpu_count_forked();
+  if (gpus < 2) {
+    printf("needs 2 GPUs, found %d: skipped\n0 passed, 0 failed\n", gpus < 0 ? 0 : gpus);
+    return TW_TEST_SKIP;
+  }
+  tw_case_list l = {cases, n};
+  tw_status st = tw__spawn_local_ranks(2, tw__case_list_rank, &l, timeout_s);
+  if (st != TW_SUCCESS) {
+    printf("FAILED: %s (%s)\n", tw_status_string(st), tw_last_error());
+    return 1;
+  }
+  return 0;
+}
+
 /* ---- seeded data ---------------------------------------------------------------------------- */
 
 static inline uint64_t tw_mix64(uint64_t x) {

@@ -162,21 +162,6 @@ static const tw_rank_case kCases[] = {
     {"missing_band_publish_times_out_everywhere", test_missing_band_publish_times_out_everywhere},
 };
 
-static int rank_fn(int rank, int nranks, const ncclUniqueId* id, void* arg) {
-  (void)arg;
-  return tw_rank_main(rank, nranks, id, kCases, (int)(sizeof kCases / sizeof kCases[0]));
-}
-
 int main(void) {
-  const int gpus = tw__gpu_count_forked();
-  if (gpus < 2) {
-    printf("needs 2 GPUs, found %d: skipped\n0 passed, 0 failed\n", gpus < 0 ? 0 : gpus);
-    return TW_TEST_SKIP;
-  }
-  tw_status st = tw__spawn_local_ranks(2, rank_fn, NULL, 300);
-  if (st != TW_SUCCESS) {
-    printf("FAILED: %s (%s)\n", tw_status_string(st), tw_last_error());
-    return 1;
-  }
-  return 0;
+  return tw_two_rank_main(kCases, (int)(sizeof kCases / sizeof kCases[0]), 300);
 }
