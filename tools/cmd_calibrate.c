@@ -53,6 +53,7 @@
 #include "cli.h"
 #include "core.h"
 #include "kernels.h"
+#include "oracle.h"
 #include "plan.h"
 #include "spawn.h"
 #include "tilewave.h"
@@ -127,16 +128,9 @@ static void twc_progress(const twc_state* s, const char* fmt, ...) {
   va_end(ap);
 }
 
-static int twc_cmp_double(const void* a, const void* b) {
-  const double x = *(const double*)a, y = *(const double*)b;
-  return x < y ? -1 : x > y ? 1 : 0;
-}
-
 /* Median of v[0..n) (sorts v). */
 static double twc_median(double* v, int n) {
-  if (n <= 0) return 0.0;
-  qsort(v, (size_t)n, sizeof(double), twc_cmp_double);
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  return tw__oracle_percentile(v, n, 0.5);
 }
 
 static tw_status twc_barrier(twc_state* s) {
