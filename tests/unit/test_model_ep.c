@@ -9,11 +9,11 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#include <time.h>
 
 #include "plan.h"
 #include "tilewave.h"
 #include "tw_test.h"
+#include "tw_test_random.h"
 
 /* ---- A hand-built plan -------------------------------------------------------------------- */
 /*
@@ -397,9 +397,8 @@ static void check_choice_is_argmin(tw_plan_t plan, const char* what, int other_t
 
 static void test_real_plans_argmin(void) {
   const tw_router routers[3] = {TW_ROUTER_BALANCED, TW_ROUTER_MODERATE_SKEW, TW_ROUTER_STRESS_SKEW};
-  /* Fresh routings every run; the seed is printed so that a failure can be replayed. */
-  const uint64_t seed = (uint64_t)time(NULL);
-  printf("  routing seed %llu\n", (unsigned long long)seed);
+  /* Fresh routings every run (the run's seed, TW_TEST_SEED to replay). */
+  const uint64_t seed = tw_test_seed;
   int checked = 0;
   for (int p = 0; p < tw_preset_count(); p++)
     for (int w = 2; w <= 4; w += 2)
@@ -458,8 +457,8 @@ static void test_large_explicit_coalesce(void) {
     tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
     cfg.coalesce = mgb_values[i];
     tw_plan_t plan = NULL;
-    CHECK_OK(make_plan("m-bert", 4, 16384, TW_ROUTER_STRESS_SKEW, (uint64_t)time(NULL) + i, 2, &cfg,
-                       &plan));
+    CHECK_OK(make_plan("m-bert", 4, 16384, TW_ROUTER_STRESS_SKEW, tw_test_seed + (uint64_t)i, 2,
+                       &cfg, &plan));
     if (plan == NULL) continue;
     CHECK(plan->coalesce == mgb_values[i]);
     double best = 0;
@@ -542,10 +541,7 @@ static void test_real_plan_no_remote(void) {
  * (C, mgb) must equal the segment-by-segment recurrence. */
 static uint64_t ep_rng_state = 0;
 static uint64_t ep_rng(void) {
-  ep_rng_state ^= ep_rng_state << 13;
-  ep_rng_state ^= ep_rng_state >> 7;
-  ep_rng_state ^= ep_rng_state << 17;
-  return ep_rng_state;
+  return tw_test_rng_next(&ep_rng_state);
 }
 static double ep_uniform(double lo, double hi) {
   return lo + (hi - lo) * (double)(ep_rng() >> 11) / 9007199254740992.0;
@@ -553,9 +549,7 @@ static double ep_uniform(double lo, double hi) {
 
 static void test_random_hardware_equivalence(void) {
   const tw_router routers[3] = {TW_ROUTER_BALANCED, TW_ROUTER_MODERATE_SKEW, TW_ROUTER_STRESS_SKEW};
-  const uint64_t seed = (uint64_t)time(NULL) * 2654435761u + 1;
-  ep_rng_state = seed;
-  printf("  random seed %llu\n", (unsigned long long)seed);
+  ep_rng_state = tw_test_seed * 2654435761u + 1; /* the run's seed, TW_TEST_SEED to replay */
   int checked = 0;
   for (int iter = 0; iter < 100; iter++) {
     tw_hardware hw;
@@ -654,8 +648,7 @@ static int64_t split_experts(tw_plan_t plan) {
  * and the choice may go either way, but never to the slower prediction: the model's choice
  * equals the better of the two schedules planned explicitly, bit for bit. */
 static void test_schedule_choice(void) {
-  const uint64_t seed = (uint64_t)time(NULL);
-  printf("  routing seed %llu\n", (unsigned long long)seed);
+  const uint64_t seed = tw_test_seed; /* the run's seed, TW_TEST_SEED to replay */
   tw_plan_t rf = NULL, em = NULL, au = NULL;
   CHECK_OK(custom_plan(4096, 2048, 128, 2048, TW_SCHEDULE_REMOTE_FIRST, seed, &rf));
   CHECK_OK(custom_plan(4096, 2048, 128, 2048, TW_SCHEDULE_EXPERT_MAJOR, seed, &em));
@@ -714,9 +707,9 @@ static void test_schedule_choice(void) {
   }
 }
 
-TW_TEST_MAIN(TW_TEST(test_hand_plan_table), TW_TEST(test_hand_plan_explicit_and_defaults),
-             TW_TEST(test_hand_plan_no_remote), TW_TEST(test_hand_plan_memory_bound),
-             TW_TEST(test_schedule_choice), TW_TEST(test_real_plans_argmin),
-             TW_TEST(test_real_plans_explicit_and_off), TW_TEST(test_monotonic_in_link),
-             TW_TEST(test_large_explicit_coalesce), TW_TEST(test_real_plan_no_remote),
-             TW_TEST(test_random_hardware_equivalence))
+TW_TEST_MAIN(TW_TEST(tw_test_seed_setup), TW_TEST(test_hand_plan_table),
+             TW_TEST(test_hand_plan_explicit_and_defaults), TW_TEST(test_hand_plan_no_remote),
+             TW_TEST(test_hand_plan_memory_bound), TW_TEST(test_schedule_choice),
+             TW_TEST(test_real_plans_argmin), TW_TEST(test_real_plans_explicit_and_off),
+             TW_TEST(test_monotonic_in_link), TW_TEST(test_large_explicit_coalesce),
+             TW_TEST(test_real_plan_no_remote), TW_TEST(test_random_hardware_equivalence))
