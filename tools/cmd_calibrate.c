@@ -641,17 +641,20 @@ static tw_status twc_write_json(const twc_state* s, const char* path) {
             p->resid_us);
   }
   fprintf(f, "]},\n  \"copy\": {\"bytes\": %.0f, \"us\": %.3f},\n", s->copy_bytes, s->copy_us);
-  fprintf(f, "  \"link\": {\"tokens\": %d, \"experts\": %d, \"unit_tiles\": %d, \"points\": [",
-          s->link_tokens, s->link_experts, s->unit_tiles);
+  fprintf(f,
+          "  \"link\": {\"tokens\": %d, \"experts\": %d, \"unit_tiles\": %d, \"fit_c\": %d, "
+          "\"fit_segment_latency_us\": %.4f, \"points\": [",
+          s->link_tokens, s->link_experts, s->unit_tiles, s->fit_c, s->fit_latency);
   int first = 1;
   for (int r = 0; s->link_ok && r < s->world; r++)
     for (int i = 0; i < s->nlink_c * TWC_NMGB; i++) {
       const twc_link_point* q = &s->link[r * TWC_NLINK + i];
       fprintf(f,
               "%s\n    {\"rank\": %d, \"c\": %.0f, \"mgb\": %.0f, \"segments\": %.0f, "
-              "\"bytes\": %.0f, \"busiest_bytes\": %.0f, \"us\": %.3f, \"reduce_us\": %.3f}",
+              "\"bytes\": %.0f, \"busiest_bytes\": %.0f, \"us\": %.3f, \"reduce_us\": %.3f, "
+              "\"beside_us\": %.3f, \"producer_us\": %.3f, \"in_fit\": %s}",
               first ? "" : ",", r, q->c, q->mgb, q->segments, q->total_bytes, q->busiest_bytes,
-              q->us, q->reduce_us);
+              q->us, q->reduce_us, q->beside_us, q->gemm_us, q->c == s->fit_c ? "true" : "false");
       first = 0;
     }
   fprintf(f, "]}\n}\n");
