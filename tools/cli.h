@@ -24,6 +24,10 @@ int tw_cli_bench(int argc, char** argv);
 int tw_cli_sweep(int argc, char** argv);
 /* `tilewave calibrate`: measures the model's machine description (tools/cmd_calibrate.c). */
 int tw_cli_calibrate(int argc, char** argv);
+/* Routers on the command line (tools/cli_router.c): balanced, moderate_skew, stress_skew or
+ * target:R (R >= 1, the target R_expert, into *param); 1 when v names one, else 0. */
+int tw__cli_parse_router(const char* v, int* router, double* param);
+const char* tw__cli_router_name(int router);
 #ifdef __cplusplus
 }
 #endif

@@ -28,7 +28,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 #include "baseline.h"
 #include "bench_common.h"
@@ -139,20 +138,6 @@ typedef struct twb_rank {
   int32_t tokens;
   FILE* json_out; /* rank 0: the --json-file stream, else NULL */
 } twb_rank;
-
-static const char* twb_router_name(int r) {
-  switch (r) {
-    case TW_ROUTER_BALANCED:
-      return "balanced";
-    case TW_ROUTER_MODERATE_SKEW:
-      return "moderate_skew";
-    case TW_ROUTER_STRESS_SKEW:
-      return "stress_skew";
-    case TW_ROUTER_TARGET:
-      return "target";
-  }
-  return "?";
-}
 
 /* ---- one rank's setup and teardown ----------------------------------------------------------- */
 
@@ -561,9 +546,10 @@ static void twb_print_row(const twb_opts* o, const twb_bench_result* r) {
   printf(
       "| %d | %d | %d | %d | %s | %.1f (%s) | %.1f (%.1f-%.1f) | %.2fx | %.1f | %.1f | %.1f | %.2f "
       "| %.2f | %d | %d | %.1f | %.1f (%d) | %.2e | %s |\n",
-      r->pt.tokens, r->pt.ffn, r->pt.hidden, r->pt.experts, twb_router_name(r->pt.router), d.seq,
-      d.seq_variant, d.ours, so->p10, so->p90, d.speedup, d.gemm, d.comm, d.ideal, d.eff, d.overlap,
-      r->c, r->mgb, d.unfused, d.chunk, d.chunk_rows, d.max_err, d.pass ? "pass" : "FAIL");
+      r->pt.tokens, r->pt.ffn, r->pt.hidden, r->pt.experts, tw__cli_router_name(r->pt.router),
+      d.seq, d.seq_variant, d.ours, so->p10, so->p90, d.speedup, d.gemm, d.comm, d.ideal, d.eff,
+      d.overlap, r->c, r->mgb, d.unfused, d.chunk, d.chunk_rows, d.max_err,
+      d.pass ? "pass" : "FAIL");
   fflush(stdout);
 }
 
@@ -575,7 +561,7 @@ static void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_res
           "%d, \"router\": \"%s\", \"comm_ctas\": %d, \"coalesce\": %d, \"model_predicted_us\": "
           "%.2f, \"model_sequential_us\": %.2f,\n",
           first ? "" : ",\n", r->pt.tokens, r->pt.ffn, r->pt.hidden, r->pt.experts, r->pt.topk,
-          twb_router_name(r->pt.router), r->c, r->mgb, r->predicted_us, r->model_seq_us);
+          tw__cli_router_name(r->pt.router), r->c, r->mgb, r->predicted_us, r->model_seq_us);
   fprintf(f,
           "   \"seq_us\": %.2f, \"seq_variant\": \"%s\", \"ours_us\": %.2f, \"speedup\": %.4f, "
           "\"gemm_us\": %.2f, \"comm_us\": %.2f, \"ideal_us\": %.2f, \"efficiency\": %.4f, "
@@ -834,10 +820,11 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
               "%s,\n \"solve_us\": {\"median\": %.3f, \"p99\": %.3f}, \"plan_create_us\": "
               "{\"median\": %.1f, \"p99\": %.1f}, \"solve_reps\": %d,\n \"configs\": [",
               s->world, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-              twb_router_name(pt->router), sts[0].median, pols[best].c, s->mgbs[pols[best].dplan],
-              r->t_oracle, ms.comm_ctas, ms.coalesce, r->t_model, ms.predicted_us, ms.solve_us,
-              r->regret, (double)r->maxerr, r->maxerr <= o->tol ? "true" : "false", r->solve_med,
-              r->solve_p99, r->create_med, r->create_p99, r->solve_reps);
+              tw__cli_router_name(pt->router), sts[0].median, pols[best].c,
+              s->mgbs[pols[best].dplan], r->t_oracle, ms.comm_ctas, ms.coalesce, r->t_model,
+              ms.predicted_us, ms.solve_us, r->regret, (double)r->maxerr,
+              r->maxerr <= o->tol ? "true" : "false", r->solve_med, r->solve_p99, r->create_med,
+              r->create_p99, r->solve_reps);
       twb_sweep_json_configs(js, s, r);
       fprintf(js, "]}\n");
     }
@@ -845,7 +832,7 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
       printf(
           "sweep: tokens/rank %d, K %d, N %d, E %d, top-%d, %s, %d ranks; sequential baseline %.1f "
           "us\n\n",
-          pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk, twb_router_name(pt->router),
+          pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk, tw__cli_router_name(pt->router),
           s->world, sts[0].median);
       printf("| C | mgb=%d us | mgb=%d us | mgb=%d us | predicted mgb=%d/%d/%d us |\n", mgbs[0],
              mgbs[1], mgbs[2], mgbs[0], mgbs[1], mgbs[2]);
@@ -947,9 +934,9 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
         "| %d | %s | %d | %d | %d | %d | %d | %s | %s | %s | %.1f | %.1f | %d | %d | %.1f | "
         "%.2f%% | %.3f / %.3f | %.1f / %.1f | %.2e%s |\n",
         pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-        twb_router_name(pt->router), mc, mm, r->t_model, ms->predicted_us, b->c, s->mgbs[b->dplan],
-        r->t_oracle, 100 * r->regret, r->solve_med, r->solve_p99, r->create_med, r->create_p99,
-        (double)r->maxerr, pass ? "" : " FAIL");
+        tw__cli_router_name(pt->router), mc, mm, r->t_model, ms->predicted_us, b->c,
+        s->mgbs[b->dplan], r->t_oracle, 100 * r->regret, r->solve_med, r->solve_p99, r->create_med,
+        r->create_p99, (double)r->maxerr, pass ? "" : " FAIL");
     fflush(stdout);
   }
   if (js) {
@@ -964,7 +951,7 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
             "%.1f}, \"solve_reps\": %d, \"max_rel_err\": %.3e, \"pass\": %s, \"seconds\": %.1f,"
             "\n   \"configs\": [",
             index ? ",\n" : "", pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts,
-            pt->topk, twb_router_name(pt->router), b->c, s->mgbs[b->dplan], r->t_oracle,
+            pt->topk, tw__cli_router_name(pt->router), b->c, s->mgbs[b->dplan], r->t_oracle,
             ms->comm_ctas, ms->coalesce, r->model_c_lo, r->model_c_hi, r->model_mgb_lo,
             r->model_mgb_hi, r->t_model, ms->predicted_us, ms->sequential_us, r->regret,
             r->solve_med, r->solve_p99, r->create_med, r->create_p99, r->solve_reps,
@@ -1140,7 +1127,7 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
     total += est;
     printf("| %d | %s | %d | %d | %d | %d | %d | %s | %d | %d | %.1f | %.1f |\n", pt->index,
            pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-           twb_router_name(pt->router), ms.comm_ctas, ms.coalesce, ms.predicted_us, est);
+           tw__cli_router_name(pt->router), ms.comm_ctas, ms.coalesce, ms.predicted_us, est);
   }
   printf("\nestimated total: %.0f s (%.1f min), plus ~10 s to start the ranks\n", total,
          total / 60);
@@ -1209,7 +1196,7 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
     if (rank == 0)
       fprintf(stderr, "[%s %d/%d] tokens/rank %d K %d N %d E %d top-%d %s\n",
               o->sweep ? "sweep" : "bench", i + 1, job->npoints, pt->tokens, pt->ffn, pt->hidden,
-              pt->experts, pt->topk, twb_router_name(pt->router));
+              pt->experts, pt->topk, tw__cli_router_name(pt->router));
     const double t0 = tw__now_seconds();
     if (o->oracle) {
       if (!twb_oracle_point(&s, o, pt, i, job->npoints, &acc, js, &st)) failures++;
@@ -1358,7 +1345,6 @@ static int twb_main(int argc, char** argv, int sweep) {
     const char* a = argv[i];
     const char* v = i + 1 < argc ? argv[i + 1] : NULL;
     long n;
-    double x;
 #define TWB_INT(flag, field, lo, hi)                                                   \
   if (strcmp(a, flag) == 0) {                                                          \
     if (!tw__bench_parse_int(v, lo, hi, &n)) {                                         \
@@ -1429,16 +1415,7 @@ static int twb_main(int argc, char** argv, int sweep) {
       }
       i++;
     } else if (strcmp(a, "--router") == 0) {
-      if (strcasecmp(v, "balanced") == 0)
-        o.router = TW_ROUTER_BALANCED;
-      else if (strcasecmp(v, "moderate_skew") == 0)
-        o.router = TW_ROUTER_MODERATE_SKEW;
-      else if (strcasecmp(v, "stress_skew") == 0)
-        o.router = TW_ROUTER_STRESS_SKEW;
-      else if (strncasecmp(v, "target:", 7) == 0 && tw__bench_parse_double(v + 7, &x) && x >= 1.0) {
-        o.router = TW_ROUTER_TARGET;
-        o.router_param = x;
-      } else {
+      if (!tw__cli_parse_router(v, &o.router, &o.router_param)) {
         fprintf(stderr,
                 "tilewave: --router must be balanced, moderate_skew, stress_skew or target:R with "
                 "R >= 1\n");

@@ -188,24 +188,13 @@ static int parse_args(int argc, char** argv, plan_opts* o) {
     if (strcmp(a, "--router") == 0) {
       NEED_VALUE;
       o->router_name = v;
-      if (strcasecmp(v, "balanced") == 0)
-        o->router = TW_ROUTER_BALANCED;
-      else if (strcasecmp(v, "moderate_skew") == 0)
-        o->router = TW_ROUTER_MODERATE_SKEW;
-      else if (strcasecmp(v, "stress_skew") == 0)
-        o->router = TW_ROUTER_STRESS_SKEW;
-      else if (strncasecmp(v, "target:", 7) == 0) {
-        char* end = NULL;
-        double r = strtod(v + 7, &end);
-        if (v[7] == '\0' || *end != '\0' || !(r >= 1.0) || !isfinite(r))
-          return plan_bad("--router target:R needs R >= 1, the target R_expert (got '%s')", v);
-        o->router = TW_ROUTER_TARGET;
-        o->router_param = r;
-      } else
+      int router = 0;
+      if (!tw__cli_parse_router(v, &router, &o->router_param))
         return plan_bad(
             "--router: '%s' is not a router; use balanced, moderate_skew, stress_skew or "
-            "target:R",
+            "target:R with R >= 1 (the target R_expert)",
             v);
+      o->router = (tw_router)router;
       continue;
     }
     INT_FLAG("--hidden", hidden, 1, 1 << 20)
