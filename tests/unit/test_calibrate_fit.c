@@ -141,13 +141,7 @@ static void test_refusals(void) {
  * segments than mgb 1, and times made with the fit's formula at C <= 2 give the rate and the
  * latency back through the same fit the command runs. */
 static void test_link_on_real_plans(void) {
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = 2;
-  p.hidden = 4096;
-  p.ffn = 2048;
-  p.experts = 16;
-  p.top_k = 2;
-  p.max_tokens = 8192;
+  tw_problem p = tw_test_problem(2, 4096, 2048, 16, 2, 8192, 0, 0);
   tw_routing_t rt = NULL;
   CHECK_OK(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, 8192, tw_test_seed, &rt));
   tw_hardware def;

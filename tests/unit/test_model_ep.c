@@ -73,14 +73,7 @@ typedef struct hand_plan {
 static void hand_build(hand_plan* h, int remote) {
   memset(h, 0, sizeof *h);
   struct tw_plan* p = &h->plan;
-  tw_problem prob = TW_PROBLEM_INIT;
-  prob.world_size = 2;
-  prob.hidden = 128;
-  prob.ffn = 1000;
-  prob.experts = 2;
-  prob.top_k = 2;
-  prob.max_tokens = 1000;
-  p->problem = prob;
+  p->problem = tw_test_problem(2, 128, 1000, 2, 2, 1000, 0, 0);
   p->rank = 0;
   p->local_experts = 1;
   p->schedule = p->schedule_request = TW_SCHEDULE_REMOTE_FIRST;
@@ -615,13 +608,7 @@ static void test_random_hardware_equivalence(void) {
 /* Plans one rank of a custom shape (2 ranks, balanced top-2) with the given schedule. */
 static tw_status custom_plan(int32_t hidden, int32_t ffn, int32_t experts, int32_t tokens,
                              int32_t schedule, uint64_t seed, tw_plan_t* plan) {
-  tw_problem prob = TW_PROBLEM_INIT;
-  prob.world_size = 2;
-  prob.hidden = hidden;
-  prob.ffn = ffn;
-  prob.experts = experts;
-  prob.top_k = 2;
-  prob.max_tokens = tokens;
+  tw_problem prob = tw_test_problem(2, hidden, ffn, experts, 2, tokens, 0, 0);
   tw_routing_t rt = NULL;
   tw_status st = tw_routing_generate(&prob, TW_ROUTER_BALANCED, 0.0, tokens, seed, &rt);
   if (st != TW_SUCCESS) return st;
