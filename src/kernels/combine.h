@@ -42,12 +42,11 @@ typedef struct tw_window_layout {
 typedef struct tw_consumer_args {
   ncclWindow_t win; /* the symmetric window (device handle) */
   tw_window_layout lay;
-  char* local_win;            /* this rank's window base (local pointer) */
-  const uint16_t* c;          /* (rows, hidden) bf16 GEMM output */
-  const tw_band* bands;       /* (num_bands) */
-  const tw_segment* segments; /* (num_segments) in schedule order */
-  const int32_t* seg_unit0;   /* (num_segments + 1) first unit of each segment; last = total */
-  int32_t num_segments;
+  char* local_win;               /* this rank's window base (local pointer) */
+  const uint16_t* c;             /* (rows, hidden) bf16 GEMM output */
+  const tw_band* bands;          /* (num_bands) */
+  const tw_segment* segments;    /* (segments) in schedule order */
+  const int32_t* seg_unit0;      /* (segments + 1) first unit of each segment; last = total */
   int32_t total_units;           /* transfer units = sum over segments of nbands * unit_chunks */
   const uint32_t* band_counters; /* (num_bands) */
   int32_t wait_bands;            /* 0: data already complete (comm-only mode) */

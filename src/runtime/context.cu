@@ -95,7 +95,7 @@ struct tw_device_plan {
   float* weights;       /* (slots_max) */
   int32_t* h_seg_unit0; /* host staging of seg_unit0 */
   int uploaded;
-  int32_t rows, recv_rows, num_tiles, num_bands, num_segments, total_units, tokens, comm_ctas;
+  int32_t rows, recv_rows, num_tiles, num_bands, total_units, tokens, comm_ctas;
   int32_t recv_bands[TW_MAX_RANKS];
 };
 
@@ -790,7 +790,6 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
   d->recv_rows = plan->recv_rows;
   d->num_tiles = plan->num_tiles;
   d->num_bands = plan->num_bands;
-  d->num_segments = plan->num_segments;
   d->total_units = (int32_t)units;
   d->tokens = tokens;
   d->comm_ctas = plan->comm_ctas;
@@ -896,7 +895,6 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ca.bands = d->bands;
   ca.segments = d->segments;
   ca.seg_unit0 = d->seg_unit0;
-  ca.num_segments = d->num_segments;
   ca.total_units = d->total_units;
   ca.wait_bands = mode != TW_COMBINE_COMM_ONLY;
   ca.credit_target = (uint32_t)(ctx->epoch - 1);
