@@ -83,11 +83,9 @@ def uniform_routing(world, experts, top_k, tokens, seed):
     return ids, ws
 
 
-def rank_layout(rank, world, experts, top_k, ids):
-    """Index arrays of one rank: which (owner, token, slot) rows it computes (expert-major), the
-    permutation to owner-major send order, send and receive counts, and where each of its own
-    tokens' slots lands in the receive buffer."""
-    E = experts // world
+def expert_major_rows(world, E, ids, rank):
+    """The (owner, token, slot, local expert) rows rank computes, in the GEMM's expert-major
+    order: by local expert, then owner, token, slot."""
     own, tok, slot, exp = [], [], [], []
     for o in range(world):
         t, j = np.nonzero(ids[o] // E == rank)
@@ -96,9 +94,16 @@ def rank_layout(rank, world, experts, top_k, ids):
         slot.append(j)
         exp.append(ids[o][t, j] % E)
     own, tok, slot, exp = (np.concatenate(a) for a in (own, tok, slot, exp))
-    # Expert-major rows (the GEMM order): by local expert, then owner, token, slot.
     order = np.lexsort((slot, tok, own, exp))
-    own, tok, slot, exp = own[order], tok[order], slot[order], exp[order]
+    return own[order], tok[order], slot[order], exp[order]
+
+
+def rank_layout(rank, world, experts, top_k, ids):
+    """Index arrays of one rank: which (owner, token, slot) rows it computes (expert-major), the
+    permutation to owner-major send order, send and receive counts, and where each of its own
+    tokens' slots lands in the receive buffer."""
+    E = experts // world
+    own, tok, slot, exp = expert_major_rows(world, E, ids, rank)
     expert_counts = np.bincount(exp, minlength=E)
     # Owner-major send order: by owner, then local expert, token, slot.
     perm = np.lexsort((slot, tok, exp, own))
@@ -244,16 +249,8 @@ def check_tokens(rank, world, pt, lay, a, w2, out, torch, dist, dev, E):
 
 def locate_row(world, E, ids, src, owner, t, j):
     """Position of (owner, t, j) among the rows src computes, in expert-major order."""
-    own, tok, slot, exp = [], [], [], []
-    for o in range(world):
-        tt, jj = np.nonzero(ids[o] // E == src)
-        own.append(np.full(tt.shape, o))
-        tok.append(tt)
-        slot.append(jj)
-        exp.append(ids[o][tt, jj] % E)
-    own, tok, slot, exp = (np.concatenate(x) for x in (own, tok, slot, exp))
-    order = np.lexsort((slot, tok, own, exp))
-    hit = np.nonzero((own[order] == owner) & (tok[order] == t) & (slot[order] == j))[0]
+    own, tok, slot, _ = expert_major_rows(world, E, ids, src)
+    hit = np.nonzero((own == owner) & (tok == t) & (slot == j))[0]
     return int(hit[0])
 
 
