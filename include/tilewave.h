@@ -198,6 +198,8 @@ typedef struct tw_hardware {
   double link_peak_gbps;   /* saturated NVLink bandwidth per direction, GB/s */
   double link_latency_us;  /* fixed cost per band sent, us (shared by the C consumer CTAs) */
   double mem_gbps;         /* local device memory bandwidth (read + write), GB/s */
+  double refetch_exposure; /* fraction of a second read of an expert's weights the producer
+                              does not hide under its compute, 0..1 */
   double rho_ref;          /* first paper's reference service-rate ratio (eq. 14) */
 } tw_hardware;
 

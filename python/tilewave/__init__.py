@@ -135,7 +135,8 @@ class _CHardware(ctypes.Structure):
                 ("c_max", ctypes.c_int32), ("tile_tflops", ctypes.c_double),
                 ("tile_overhead_us", ctypes.c_double), ("link_cta_gbps", ctypes.c_double),
                 ("link_peak_gbps", ctypes.c_double), ("link_latency_us", ctypes.c_double),
-                ("mem_gbps", ctypes.c_double), ("rho_ref", ctypes.c_double)]
+                ("mem_gbps", ctypes.c_double), ("refetch_exposure", ctypes.c_double),
+                ("rho_ref", ctypes.c_double)]
 
 
 class _CPlanConfig(ctypes.Structure):
@@ -459,6 +460,7 @@ class Hardware:
     link_peak_gbps: float = 0.0
     link_latency_us: float = 0.0
     mem_gbps: float = 0.0
+    refetch_exposure: float = 0.0
     rho_ref: float = 0.0
 
     @classmethod

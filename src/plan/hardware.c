@@ -65,6 +65,12 @@ tw_status tw_hardware_default(tw_hardware* hw) {
   hw->link_latency_us = 3.0;
   /* Local device copy measured 3.8 TB/s (read + write). */
   hw->mem_gbps = 3800.0;
+  /* `tilewave bench gemm` with each schedule forced (2 x H200, 2026-11-30, 16 points of 8-64
+   * local experts, 8192 and 16384 tokens/rank, N 4096 and 8192; bench/results/2026-11-30-run3.md):
+   * remote-first, which reads the weights of an expert with remote and local rows twice, took
+   * 0.41 x (the second reads' bytes / mem_gbps) longer than expert-major (least squares; single
+   * points 0.13-0.53, about 0 at 4 experts, whose weights stay in L2). */
+  hw->refetch_exposure = 0.41;
   /* First paper's reference service-rate ratio (its Section III calibration, K=352, 128x128
    * tiles, D=4). */
   hw->rho_ref = 10.05;
@@ -84,10 +90,10 @@ typedef struct {
 #define TW__HW_D(name) \
   { #name, TW__HW_DOUBLE, offsetof(tw_hardware, name) }
 static const tw__hw_field tw__hw_fields[] = {
-    TW__HW_I(sm_count),      TW__HW_I(occ_comp),       TW__HW_I(occ_comm),
-    TW__HW_I(c_max),         TW__HW_D(tile_tflops),    TW__HW_D(tile_overhead_us),
-    TW__HW_D(link_cta_gbps), TW__HW_D(link_peak_gbps), TW__HW_D(link_latency_us),
-    TW__HW_D(mem_gbps),      TW__HW_D(rho_ref),
+    TW__HW_I(sm_count),      TW__HW_I(occ_comp),         TW__HW_I(occ_comm),
+    TW__HW_I(c_max),         TW__HW_D(tile_tflops),      TW__HW_D(tile_overhead_us),
+    TW__HW_D(link_cta_gbps), TW__HW_D(link_peak_gbps),   TW__HW_D(link_latency_us),
+    TW__HW_D(mem_gbps),      TW__HW_D(refetch_exposure), TW__HW_D(rho_ref),
 };
 #define TW__HW_NFIELDS (sizeof tw__hw_fields / sizeof tw__hw_fields[0])
 
@@ -113,18 +119,21 @@ tw_status tw__hardware_validate(const tw_hardware* hw) {
     const char* name;
     double v;
     int zero_ok;
-  } pos[] = {{"tile_tflops", hw->tile_tflops, 0},
-             {"tile_overhead_us", hw->tile_overhead_us, 1},
-             {"link_cta_gbps", hw->link_cta_gbps, 0},
-             {"link_peak_gbps", hw->link_peak_gbps, 0},
-             {"link_latency_us", hw->link_latency_us, 1},
-             {"mem_gbps", hw->mem_gbps, 0},
-             {"rho_ref", hw->rho_ref, 0}};
+  } pos[] = {
+      {"tile_tflops", hw->tile_tflops, 0},           {"tile_overhead_us", hw->tile_overhead_us, 1},
+      {"link_cta_gbps", hw->link_cta_gbps, 0},       {"link_peak_gbps", hw->link_peak_gbps, 0},
+      {"link_latency_us", hw->link_latency_us, 1},   {"mem_gbps", hw->mem_gbps, 0},
+      {"refetch_exposure", hw->refetch_exposure, 1}, {"rho_ref", hw->rho_ref, 0}};
   for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++) {
     if (!isfinite(pos[i].v) || pos[i].v < 0.0 || (!pos[i].zero_ok && pos[i].v == 0.0))
       return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw_hardware: %s = %g; must be finite and %s",
                       pos[i].name, pos[i].v, pos[i].zero_ok ? ">= 0" : "> 0");
   }
+  if (hw->refetch_exposure > 1.0)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_hardware: refetch_exposure = %g; a fraction of a read cannot exceed 1 "
+                    "(0: the producer hides every second read of the weights)",
+                    hw->refetch_exposure);
   return TW_SUCCESS;
 }
 

@@ -10,43 +10,52 @@
  *   P(C)            = occ_comp (G - ceil(C / occ_comm))                   (producer CTAs)
  *   waves(C)        = ceil(num_tiles / P)
  *   mem_us          = (weight bytes x runs + A bytes + C bytes) / mem_gbps (the schedule's traffic)
- *   tau_tile(C)     = max(tau_comp, mem_us / waves(C))                    (one wave of tiles)
+ *   exposed_us      = refetch_exposure x weight bytes of second runs / mem_gbps
+ *   tau_tile(C)     = max(tau_comp, mem_us / waves(C)) + exposed_us / waves(C)   (one wave)
  *   A_s(C)          = floor(t_s / P) + 1 waves, t_s = schedule index of segment s's last tile
- *   q_s(C)          = bytes_s / B(C) + nbands_s link_latency_us / C
- *   B(C)            = min(C link_cta_gbps, link_peak_gbps)                (the consumer's pool)
- *   F_s             = max(A_s tau_tile, F_{s-1}) + q_s,   F_{-1} = 0
- *   T(C, mgb)       = max(F_last, max(waves tau_comp, mem_us)) + reduce_us
+ *   Q_s(C)          = max(bytes_{>=s} / (C link_cta_gbps) + nbands_{>=s} link_latency_us / C,
+ *                         bytes_{>=s} / link_peak_gbps)       (the consumer's pool from s on)
+ *   F               = max_s (A_s tau_tile + Q_s(C))
+ *   T(C, mgb)       = max(F, max(waves tau_comp, mem_us) + exposed_us) + reduce_us
  *
- * where bytes_s is what segment s sends, link_latency_us is the consumer's fixed cost per band
- * it sends (poll, first load, store issue: paid by the CTA that moves the band, so C CTAs share
- * a segment's nbands of them), and reduce_us is the owner's weighted reduction (reads every (token,
- * k) row, writes every token) at mem_gbps. The memory term: the producer cannot finish before it
- * has moved its bytes through device memory, each expert's hidden x ffn weights once per run of
- * consecutive bands of that expert in the schedule (2 runs under remote-first for an expert with
- * remote and local rows, 1 under expert-major), the input rows and the output rows once; the
- * traffic is taken as spread evenly over the waves, so a wave lasts the longer of its compute and
- * its share of the traffic (tw__model_gemm_bytes, docs/model.md). With the schedule left to the
- * model, both schedules' tables are built and searched together, and the plan is rebuilt in the
- * winner's order. The consumer is one pool: its CTAs deal units of every ready segment round-robin,
- * so a segment narrower than C does not leave CTAs idle while later segments are ready (an earlier
- * form served each segment with only the CTAs holding one of its units, min(C, U_s), with a serial
- * latency per segment; over the measured oracle matrix the pool form has mean regret 2.01%
- * against 3.83%. Both forms take 24-32 CTAs for the top-8 preset, the pool form 32 at all nine
- * of its points, where 13-20 were measured best: bench/results/2026-11-30-run3.md).
+ * where bytes_{>=s} and nbands_{>=s} are what segments s, s+1, ... send, link_latency_us is the
+ * consumer's fixed cost per band it sends (poll, first load, store issue: paid by the CTA that
+ * moves the band, so C CTAs share them), and reduce_us is the owner's weighted reduction (reads
+ * every (token, k) row, writes every token) at mem_gbps.
  *
- * Evaluating the recurrence segment by segment costs O(S) per candidate. Unrolled, it is
- *   F_last = max_s (A_s tau_tile + sum_{j >= s} q_j),
- * and replacing t_s by its running maximum t'_s = max_{j <= s} t_j leaves the maximum unchanged
- * (a term whose A_s was raised is dominated by the earlier term it was raised to). With t'
+ * The consumer is one pool: its CTAs deal units of every ready segment round-robin, so from the
+ * moment segment s is ready, what is left (s and every later segment) takes the longer of what
+ * the C CTAs need (bytes at C per-CTA rates plus the per-band costs they share) and what the
+ * link needs (bytes at its plateau). Past the plateau the per-band costs hide under other CTAs'
+ * transfers, so more CTAs stop paying off and the SMs they take from the GEMM decide (an
+ * earlier form added the per-band costs to bytes / min(C rate, plateau) and took 32 CTAs at every
+ * top-8 point where 13-20 were measured best; before that, each segment was served only by the
+ * CTAs that held one of its units, with a serial latency per segment: oracle matrix mean regret
+ * 3.83%, then 2.01%; bench/results/2026-11-30-run3.md).
+ *
+ * The memory term: the producer cannot finish before it has moved its bytes through device
+ * memory, each expert's hidden x ffn weights once per run of consecutive bands of that expert in
+ * the schedule (2 runs under remote-first for an expert with remote and local rows, 1 under
+ * expert-major), the input rows and the output rows once; the traffic is taken as spread evenly
+ * over the waves, so a wave lasts the longer of its compute and its share of the traffic
+ * (tw__model_traffic, docs/model.md). A second read of an expert's weights costs more than the
+ * roofline says: measured, remote-first takes refetch_exposure (0.41) x those bytes / mem_gbps
+ * longer than expert-major even where both are compute-bound, so that part is added to the
+ * waves. With the schedule left to the model, both schedules' tables are built and searched
+ * together, and the plan is rebuilt in the winner's order.
+ *
+ * Evaluating F segment by segment costs O(S) per candidate. Replacing t_s by its running
+ * maximum t'_s = max_{j <= s} t_j leaves the maximum unchanged (a term whose A_s was raised is
+ * dominated by the earlier term it was raised to, Q being non-increasing in s). With t'
  * non-decreasing, only the first segment of each wave can attain the maximum, so a candidate
- * costs one term per wave, and sum_{j >= s} q_j = suffix_bytes(s) / B(C) + suffix_bands(s)
- * link_latency_us / C. tw__model_choose therefore tabulates, once per candidate mgb and before
- * the decision is timed, the running last-tile index t'_s, the first segment at or after each
- * tile index, and the suffix sums of bytes and bands. The decision then runs without
- * allocating: an exact lower bound per candidate (first wave's term, compute end), the best-
- * ranked bound evaluated first (usually it is the answer), the others only if their bound lets
- * them win; an evaluation skips the waves whose terms cannot raise its maximum (tw__eval,
- * tw__solve say why each step is exact).
+ * costs one term per wave, and Q_s needs only the suffix sums of bytes and bands.
+ * tw__model_choose therefore tabulates, once per candidate mgb and before the decision is timed,
+ * the running last-tile index t'_s, the first segment at or after each tile index, and the
+ * suffix sums of bytes and bands. The decision then runs without allocating: an exact lower
+ * bound per candidate (first wave's term, compute end), the best-ranked bound evaluated first
+ * (usually it is the answer), the others only if their bound lets them win; an evaluation skips
+ * the waves whose terms cannot raise its maximum (tw__eval, tw__solve say why each step is
+ * exact).
  */
 #include <float.h>
 #include <math.h>
@@ -93,7 +102,8 @@ typedef struct tw__model_tables {
   double* tau_us;  /* (slots, c_max + 1) tau_tile(C) = max(tau_comp, mem_us / waves(C)) */
   double* inv_tau; /* (slots, c_max + 1) 1 / tau_us (wave skipping in tw__eval) */
   double* comp_us; /* (slots, c_max + 1) compute end max(waves(C) tau_comp, mem_us) */
-  double* inv_agg; /* (c_max + 1) 1 / aggregate link bytes per us, min(C cta, peak) */
+  double* inv_cta; /* (c_max + 1) 1 / (C link_cta) in us per byte: the CTAs' own rate */
+  double inv_peak; /* 1 / link_peak in us per byte: the link's plateau */
   double* first;   /* (TW__MAX_TABLES, c_max + 1) the decision's scratch: tw__first_terms */
   int32_t ntables;
   tw__seg_table t[TW__MAX_TABLES];
@@ -115,7 +125,7 @@ void tw__model_free(struct tw_plan* plan) {
   free(m->tau_us);
   free(m->inv_tau);
   free(m->comp_us);
-  free(m->inv_agg);
+  free(m->inv_cta);
   free(m->first);
   free(m);
   plan->model_tables = NULL;
@@ -123,13 +133,6 @@ void tw__model_free(struct tw_plan* plan) {
 
 static int32_t tw__producers(const tw_hardware* hw, int32_t c) {
   return hw->occ_comp * (hw->sm_count - (int32_t)tw__ceil_div(c, hw->occ_comm));
-}
-
-/* The consumer's aggregate bandwidth with C CTAs, bytes per microsecond: C CTAs at their
- * per-CTA rate up to the link's plateau. The CTAs take units from every ready segment in turn
- * (combine.cu), so the consumer serves the ready segments as one pool of this bandwidth. */
-static double tw__agg_bw(const tw_hardware* hw, int32_t c) {
-  return fmin((double)c * hw->link_cta_gbps, hw->link_peak_gbps) * 1e3;
 }
 
 /* Captures plan->segments (built for plan->coalesce) as a table. band_last: (num_bands) largest
@@ -200,12 +203,17 @@ oom:
  * room. */
 #define TW__SKIP_SLACK (1.0 - 1e-12)
 
-/* Q(s) at C: the consumer's service of segments s.. (their bands' fixed cost shared by the C
- * CTAs, their bytes through the pool). lat_c = link_latency_us / C, inv_agg_c = 1 / B(C). One
- * expression for every caller, so that equal inputs give equal bits. */
-static inline double tw__service(const tw__seg_table* tb, int32_t s, double lat_c,
-                                 double inv_agg_c) {
-  return (double)tb->suffix_bands[s] * lat_c + tb->suffix_bytes[s] * inv_agg_c;
+/* Q(s) at C: the consumer's service of segments s.., the longer of what its C CTAs need (the
+ * bands' fixed costs and the bytes at C times the per-CTA rate) and what the link needs (the
+ * bytes at its plateau: past it, more CTAs only wait behind one another, and the fixed costs of
+ * one CTA hide under the transfers of the others). lat_c = link_latency_us / C, inv_cta_c =
+ * 1 / (C link_cta). Non-increasing in s (suffix sums of non-negative terms), which tw__eval's
+ * wave skipping relies on. One expression for every caller, so equal inputs give equal bits. */
+static inline double tw__service(const tw__seg_table* tb, int32_t s, double lat_c, double inv_cta_c,
+                                 double inv_peak) {
+  const double ctas = (double)tb->suffix_bands[s] * lat_c + tb->suffix_bytes[s] * inv_cta_c;
+  const double link = tb->suffix_bytes[s] * inv_peak;
+  return ctas > link ? ctas : link;
 }
 
 /* For C in [c_lo, c_hi]: out[C - c_lo] = tau(C) + Q(0), the term of wave 1 taken with every
@@ -218,15 +226,16 @@ static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__se
   }
   const double* tau = m->tau_us + (size_t)tb->slot * ((size_t)m->hw.c_max + 1);
   for (int32_t c = c_lo; c <= c_hi; c++)
-    out[c - c_lo] = tau[c] + tw__service(tb, 0, m->hw.link_latency_us / (double)c, m->inv_agg[c]);
+    out[c - c_lo] =
+        tau[c] + tw__service(tb, 0, m->hw.link_latency_us / (double)c, m->inv_cta[c], m->inv_peak);
 }
 
 /* T(C, mgb) of one table, in microseconds (the fast form; identical in value to the plain
- * recurrence up to floating-point association). first = tw__first_terms' value at C. Once T is
- * known to exceed `cutoff` it returns early with a value above `cutoff` (not T); DBL_MAX gives
+ * reference's maximum up to floating-point association). first = tw__first_terms' value at C. Once
+ * T is known to exceed `cutoff` it returns early with a value above `cutoff` (not T); DBL_MAX gives
  * T exactly.
  *
- * The maximum starts at the compute end (T = max(F_last, compute end) + reduce, and max is
+ * The maximum starts at the compute end (T = max(F, compute end) + reduce, and max is
  * exact in floating point, so folding it in first changes no bit of T). Waves are skipped when
  * they cannot raise it: the term of wave w is w tau(C) + Q(s_w), and Q is non-increasing in s
  * (suffix sums of non-negative bytes and bands) while s_w is non-decreasing in w. So every wave
@@ -244,7 +253,7 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
   const double comp_end = m->comp_us[at];
   const double reduce = m->reduce_us;
   if (tb->nseg == 0) return comp_end + reduce;
-  const double lat_c = hw->link_latency_us / (double)c, inv_agg_c = m->inv_agg[c];
+  const double lat_c = hw->link_latency_us / (double)c, inv_cta_c = m->inv_cta[c];
   const int64_t last_wave = (int64_t)tb->last_tile / p + 1; /* wave of the last segment */
   double f = comp_end;
   if (f + reduce > cutoff) return f + reduce;
@@ -254,7 +263,8 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
     const int32_t s = tb->first_seg[start];
     if (tb->run_last[s] < start + p) { /* something becomes ready in wave w */
       /* s = 0 in wave 1: the first term, computed once by tw__first_terms. */
-      const double term = w == 1 ? first : (double)w * tau + tw__service(tb, s, lat_c, inv_agg_c);
+      const double term =
+          w == 1 ? first : (double)w * tau + tw__service(tb, s, lat_c, inv_cta_c, m->inv_peak);
       if (term > f) {
         f = term;
         /* Already worse than the best candidate: the rest cannot make T smaller. */
@@ -275,9 +285,9 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
   return f + reduce;
 }
 
-/* Reference: the recurrence segment by segment on the plan's current segments and order (tests
- * compare the fast form against it). The memory term is recomputed from the plan's current band
- * order, not read from the tables. */
+/* Reference: F = max_s (A_s tau + Q_s) segment by segment on the plan's current segments and
+ * order, each A_s from a scan of the tiles (tests compare the fast form against it). The memory
+ * term is recomputed from the plan's current band order, not read from the tables. */
 tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_us) {
   TW_CHECK_NULL(plan);
   TW_CHECK_NULL(t_us);
@@ -287,23 +297,31 @@ tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_
   const tw_hardware* hw = &m->hw;
   const int32_t p = tw__producers(hw, c);
   const int64_t waves = tw__ceil_div(plan->num_tiles, p);
-  const double mem_us = tw__model_gemm_bytes(plan) / (hw->mem_gbps * 1e3);
-  const double tau = waves > 0 ? fmax(m->tau_comp_us, mem_us / (double)waves) : m->tau_comp_us;
+  double bytes = 0.0, refetch = 0.0;
+  TW_TRY(tw__model_traffic(plan, &bytes, &refetch));
+  const double mem_us = bytes / (hw->mem_gbps * 1e3);
+  const double exposed_us = hw->refetch_exposure * refetch / (hw->mem_gbps * 1e3);
+  const double tau = waves > 0
+                         ? fmax(m->tau_comp_us, mem_us / (double)waves) + exposed_us / (double)waves
+                         : m->tau_comp_us;
   const double row_bytes = 2.0 * (double)plan->problem.hidden;
-  double f = 0.0;
-  for (int32_t s = 0; s < plan->num_segments; s++) {
+  /* F = max_s (A_s tau + Q_s), segments walked from the last, summing what s.. send. */
+  double f = 0.0, sum_bytes = 0.0, sum_bands = 0.0;
+  for (int32_t s = plan->num_segments - 1; s >= 0; s--) {
     const tw_segment* sg = &plan->segments[s];
     int32_t last = -1;
     for (int32_t i = 0; i < plan->num_tiles; i++) {
       const int32_t b = plan->tiles[i].band;
       if (b >= sg->band0 && b < sg->band0 + sg->nbands) last = i;
     }
-    const double a = (double)(last / p + 1) * tau;
-    const double q = (double)sg->valid_rows * row_bytes / tw__agg_bw(hw, c) +
-                     (double)sg->nbands * hw->link_latency_us / (double)c;
-    f = fmax(a, f) + q;
+    sum_bytes += (double)sg->valid_rows * row_bytes;
+    sum_bands += (double)sg->nbands;
+    const double ctas = sum_bytes / ((double)c * hw->link_cta_gbps * 1e3) +
+                        sum_bands * hw->link_latency_us / (double)c;
+    const double link = sum_bytes / (hw->link_peak_gbps * 1e3);
+    f = fmax(f, (double)(last / p + 1) * tau + fmax(ctas, link));
   }
-  *t_us = fmax(f, fmax((double)waves * m->tau_comp_us, mem_us)) + m->reduce_us;
+  *t_us = fmax(f, fmax((double)waves * m->tau_comp_us, mem_us) + exposed_us) + m->reduce_us;
   return TW_SUCCESS;
 }
 
@@ -425,28 +443,52 @@ static int32_t tw__find_table(const tw__model_tables* m, int32_t schedule, int32
   return -1;
 }
 
-double tw__model_gemm_bytes(const struct tw_plan* plan) {
+tw_status tw__model_traffic(const struct tw_plan* plan, double* bytes, double* refetch) {
+  TW_CHECK_NULL(plan);
+  TW_CHECK_NULL(bytes);
+  TW_CHECK_NULL(refetch);
   /* A run is a maximal stretch of consecutive bands of one expert in the schedule: its tiles
    * run at about the same time, so each weight column slice is fetched from device memory once
    * and served from L2 to the run's other bands. Between two runs of an expert under
    * remote-first lie the other experts' remote bands (tens of MB of weights each at the
    * shapes this matters for), so the second run fetches the weights again. */
-  int64_t runs = 0;
-  for (int32_t i = 0; i < plan->num_bands; i++)
-    runs += i == 0 || plan->bands[i].expert != plan->bands[i - 1].expert;
+  const int32_t e_count = plan->local_experts > 0 ? plan->local_experts : 1;
+  unsigned char* seen = calloc((size_t)e_count, 1);
+  if (seen == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
+  int64_t runs = 0, repeats = 0;
+  for (int32_t i = 0; i < plan->num_bands; i++) {
+    const int32_t e = plan->bands[i].expert;
+    if (i > 0 && e == plan->bands[i - 1].expert) continue;
+    runs++;
+    if (e < 0 || e >= e_count) {
+      free(seen);
+      return tw__fail(TW_ERR_INTERNAL, "model: band %d names expert %d of %d", i, e, e_count);
+    }
+    repeats += seen[e];
+    seen[e] = 1;
+  }
+  free(seen);
   const double h = (double)plan->problem.hidden, k = (double)plan->problem.ffn;
-  return 2.0 * ((double)runs * h * k + (double)plan->rows * (k + h)); /* bf16 / fp16 */
+  *bytes = 2.0 * ((double)runs * h * k + (double)plan->rows * (k + h)); /* bf16 / fp16 */
+  *refetch = 2.0 * (double)repeats * h * k;
+  return TW_SUCCESS;
 }
 
 /* The schedule-dependent constants of slot `slot` for the plan's current order. */
-static void tw__model_slot(tw__model_tables* m, const struct tw_plan* plan, int32_t slot) {
+static tw_status tw__model_slot(tw__model_tables* m, const struct tw_plan* plan, int32_t slot) {
   const tw_hardware* hw = &m->hw;
   const size_t stride = (size_t)hw->c_max + 1;
   const double tau = m->tau_comp_us;
-  const double mem_us = tw__model_gemm_bytes(plan) / (hw->mem_gbps * 1e3);
+  double bytes = 0.0, refetch = 0.0;
+  TW_TRY(tw__model_traffic(plan, &bytes, &refetch));
+  const double mem_us = bytes / (hw->mem_gbps * 1e3);
+  /* The part of a second read of an expert's weights the GEMM does not hide under its compute
+   * (a measured fraction, refetch_exposure), spread over the waves like the traffic. */
+  const double exposed_us = hw->refetch_exposure * refetch / (hw->mem_gbps * 1e3);
   m->sched[slot] = plan->schedule;
   m->gemm_us[slot] =
-      fmax((double)tw__ceil_div(plan->num_tiles, hw->occ_comp * hw->sm_count) * tau, mem_us);
+      fmax((double)tw__ceil_div(plan->num_tiles, hw->occ_comp * hw->sm_count) * tau, mem_us) +
+      exposed_us;
   double* tau_us = m->tau_us + (size_t)slot * stride;
   double* inv_tau = m->inv_tau + (size_t)slot * stride;
   double* comp_us = m->comp_us + (size_t)slot * stride;
@@ -454,10 +496,11 @@ static void tw__model_slot(tw__model_tables* m, const struct tw_plan* plan, int3
     /* A wave lasts the longer of its compute and its share of the traffic; the compute end,
      * max(waves tau, mem_us), is non-decreasing in C, which tw__solve relies on. */
     const int64_t waves = tw__ceil_div(plan->num_tiles, m->prod[c]);
-    tau_us[c] = waves > 0 ? fmax(tau, mem_us / (double)waves) : tau;
+    tau_us[c] = waves > 0 ? fmax(tau, mem_us / (double)waves) + exposed_us / (double)waves : tau;
     inv_tau[c] = 1.0 / tau_us[c];
-    comp_us[c] = fmax((double)waves * tau, mem_us);
+    comp_us[c] = fmax((double)waves * tau, mem_us) + exposed_us;
   }
+  return TW_SUCCESS;
 }
 
 /* Whether table a's bound is >= table b's at every C, bit for bit: the same first-term inputs
@@ -520,14 +563,15 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   m->tau_us = malloc((size_t)nsched * stride * sizeof *m->tau_us);
   m->inv_tau = malloc((size_t)nsched * stride * sizeof *m->inv_tau);
   m->comp_us = malloc((size_t)nsched * stride * sizeof *m->comp_us);
-  m->inv_agg = malloc(stride * sizeof *m->inv_agg);
+  m->inv_cta = malloc(stride * sizeof *m->inv_cta);
   m->first = malloc((size_t)TW__MAX_TABLES * stride * sizeof *m->first);
-  if (!m->prod || !m->tau_us || !m->inv_tau || !m->comp_us || !m->inv_agg || !m->first)
+  if (!m->prod || !m->tau_us || !m->inv_tau || !m->comp_us || !m->inv_cta || !m->first)
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   for (int32_t c = 1; c <= hw->c_max; c++) {
     m->prod[c] = tw__producers(hw, c);
-    m->inv_agg[c] = 1.0 / tw__agg_bw(hw, c);
+    m->inv_cta[c] = 1.0 / ((double)c * hw->link_cta_gbps * 1e3);
   }
+  m->inv_peak = 1.0 / (hw->link_peak_gbps * 1e3);
 
   int32_t mgbs[TW__NUM_MGB_CANDIDATES + 1], n = 0;
   int explicit_new = explicit_mgb > 0;
@@ -543,7 +587,8 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   for (int32_t slot = 0; slot < nsched && st == TW_SUCCESS; slot++) {
     if (plan->schedule != scheds[slot]) st = tw__plan_set_schedule(plan, scheds[slot]);
     if (st != TW_SUCCESS) break;
-    tw__model_slot(m, plan, slot);
+    st = tw__model_slot(m, plan, slot);
+    if (st != TW_SUCCESS) break;
     for (int32_t b = 0; b < plan->num_bands; b++) band_last[b] = -1;
     for (int32_t i = 0; i < plan->num_tiles && st == TW_SUCCESS; i++) {
       const int32_t b = plan->tiles[i].band;

@@ -177,8 +177,9 @@ tw_status tw__hardware_validate(const tw_hardware* hw);
 tw_status tw__hardware_resolve(const tw_hardware* given, tw_hardware* out);
 /* Frees plan->model_tables (model.c); safe on a plan without them. tw_plan_destroy calls it. */
 void tw__model_free(struct tw_plan* plan);
-/* The EP model's recurrence evaluated segment by segment on the plan's current segments, for
- * tests against the fast form (model.c). tw_plan_predict is also defined in model.c. */
+/* The EP model's T evaluated segment by segment (F = max_s (A_s tau + Q_s)) on the plan's current
+ * segments, for tests against the fast form (model.c). tw_plan_predict is also defined in model.c.
+ */
 tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t comm_ctas, double* t_us);
 /* tw_plan_predict for either schedule the model tabulated (both when it chose between them;
  * TW_ERR_INVALID_ARGUMENT for one it did not). For tests (model.c). */
@@ -186,8 +187,9 @@ tw_status tw__model_predict(const struct tw_plan* plan, int32_t schedule, int32_
                             int32_t coalesce, double* t_us);
 /* Bytes the producer moves through device memory in the plan's current order: each expert's
  * weights (hidden x ffn) once per run of consecutive bands of that expert, the input rows
- * (rows x ffn) and the output rows (rows x hidden), 2 bytes an element (model.c). */
-double tw__model_gemm_bytes(const struct tw_plan* plan);
+ * (rows x ffn) and the output rows (rows x hidden), 2 bytes an element; and, of those, the
+ * weight bytes of the runs that read an expert a second time (model.c). */
+tw_status tw__model_traffic(const struct tw_plan* plan, double* bytes, double* refetch);
 
 #ifdef __cplusplus
 }

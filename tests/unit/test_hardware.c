@@ -113,6 +113,7 @@ static void test_parse_rules(void) {
       {"mem_gbps = inf\n", TW_ERR_INVALID_ARGUMENT, "mem_gbps"},
       {"sm_count = 20\nc_max = 20\n", TW_ERR_INVALID_ARGUMENT, "c_max"},
       {"occ_comm = 0\n", TW_ERR_INVALID_ARGUMENT, "occ_comm"},
+      {"refetch_exposure = 1.5\n", TW_ERR_INVALID_ARGUMENT, "refetch_exposure"},
   };
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     p = tmp_path("bad.txt");

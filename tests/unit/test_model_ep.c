@@ -3,7 +3,7 @@
  * mgb) table is computed by hand below, once compute-bound and once bound by its memory traffic;
  * then real plans from the planner: the choice is the argmin of the predictions over every
  * candidate (both schedules when the model chooses the schedule), the fast evaluation equals the
- * segment-by-segment recurrence, explicit settings win, the selector can be switched off, more
+ * segment-by-segment reference, explicit settings win, the selector can be switched off, more
  * link bandwidth never hurts, a plan with nothing to send costs compute (or memory) + reduce at
  * the smallest C, and the memory term sends a weight-heavy plan to the expert-major schedule.
  */
@@ -26,19 +26,22 @@
  *   mgb 4: {0} {1,2,3,4} {5}         last tiles 1 9 11,    units 2 8 2
  * Hardware: G = 5, c_max = 3 -> P(1) = 4, P(2) = 3, P(3) = 2.
  *   tau_tile = 2*64*64*1000 / (8.192e12) s = 1 us (overhead 0).
- *   one unit = 64 rows x 64 cols x 2 B = 8192 B, U/2 bands a segment. The consumer is a pool of
- *   B(C) = min(C x 16384, 32768) B/us (C = 1: 16384, C = 2, 3: 32768); latency 1 us per band,
- *   shared by the C CTAs: q(U) = U x 8192 / B(C) + (U/2) x 1 / C:
- *              U=2                 U=4                  U=8
- *     C = 1    1+1 = 2             2+2 = 4              4+4 = 8
- *     C = 2    0.5+0.5 = 1         1+1 = 2              2+2 = 4
- *     C = 3    0.5+1/3 = 5/6       1+2/3 = 5/3          2+4/3 = 10/3
+ *   one unit = 64 rows x 64 cols x 2 B = 8192 B, U/2 bands a segment. The consumer serves
+ *   the segments from s on in Q_s = max(bytes / (C x 16384) + bands x 1 / C, bytes / 32768) us
+ *   (per-CTA rate 16384 B/us, latency 1 us per band shared by the C CTAs, link plateau 32768
+ *   B/us). The CTAs' side is the longer at every C (at C = 3 it is 2 x U/6 against U/4), so Q_s
+ *   is the sum of the segments' q(U) = U x 8192 / (C x 16384) + (U/2) / C = U / C:
+ *              U=2      U=4      U=8
+ *     C = 1    2        4        8
+ *     C = 2    1        2        4
+ *     C = 3    2/3      4/3      8/3
  *   reduce: owner rows = recv 128 + local 64 = 192, tokens 96, (192 + 96) x 256 B / 737280 B/us
  *   = 0.1 us.
  *   memory: one run of the expert's bands: weights 128 x 1000 + rows 448 x (1000 + 128), 2 B
  *   each = 1266688 B, / 737280 B/us = 1.718 us: under one wave's compute at every C (a wave
  *   lasts max(1, 1.718 / waves) = 1 us with 4, 5, 7 waves), so the table is compute-bound.
- * A_s = floor(t_s / P) + 1; F_s = max(A_s, F_{s-1}) + q_s; T = max(F, ceil(14/P)) + 0.1.
+ * A_s = floor(t_s / P) + 1; F = max_s (A_s + Q_s), with additive Q the recurrence
+ * F_s = max(A_s, F_{s-1}) + q_s; T = max(F, ceil(14/P)) + 0.1.
  *   C=1 (P 4, compute 4):
  *     mgb 1: A 1 1 2 2 3 3, q 2: F 3 5 7 9 11 13 -> T 13.1
  *     mgb 2: A 1 2 3 3, q 2 4 4 2: F 3, 7, 11, 13 -> T 13.1
@@ -48,16 +51,16 @@
  *     mgb 2: A 1 2 4 4, q 1 2 2 1: F 2, 4, 6, 7 -> T 7.1
  *     mgb 4: A 1 4 4, q 1 4 1: F 2, 8, 9 -> T 9.1
  *   C=3 (P 2, compute 7):
- *     mgb 1: A 1 2 3 4 5 6, q 5/6: F 11/6 ... 41/6 -> T max(41/6, 7) + 0.1 = 7.1
- *     mgb 2: A 1 3 5 6, q 5/6 5/3 5/3 5/6: F 11/6, 14/3, 20/3, 7.5 -> T 7.6
- *     mgb 4: A 1 5 6, q 5/6 10/3 5/6: F 11/6, 25/3, 55/6 -> T 9.2667
- * Best: T = 7.1 at (C 2, mgb 1), (C 2, mgb 2) and (C 3, mgb 1); ties go to the smaller C, then
- * the larger mgb: C = 2, mgb = 2. Sequential: ceil(14/5) = 3 waves + 98304 B / 32768 B/us + 0.1
- * = 6.1. The plan has one expert, so remote-first and expert-major are the same order; it is
- * labelled remote-first and cannot be reordered (no layout_bands).
+ *     mgb 1: A 1 2 3 4 5 6, q 2/3: F 5/3 ... 20/3 -> T max(20/3, 7) + 0.1 = 7.1
+ *     mgb 2: A 1 3 5 6, q 2/3 4/3 4/3 2/3: F 5/3, 13/3, 19/3, 7 -> T 7.1
+ *     mgb 4: A 1 5 6, q 2/3 8/3 2/3: F 5/3, 23/3, 25/3 -> T 8.4333
+ * Best: T = 7.1 at (C 2, mgb 1), (C 2, mgb 2), (C 3, mgb 1) and (C 3, mgb 2); ties go to the
+ * smaller C, then the larger mgb: C = 2, mgb = 2. Sequential: ceil(14/5) = 3 waves + 98304 B /
+ * 32768 B/us + 0.1 = 6.1. The plan has one expert, so remote-first and expert-major are the same
+ * order; it is labelled remote-first and cannot be reordered (no layout_bands).
  */
 static const double hand_t[3][3] = {
-    {13.1, 13.1, 13.1}, {7.1, 7.1, 9.1}, {7.1, 7.6, 55.0 / 6.0 + 0.1}};
+    {13.1, 13.1, 13.1}, {7.1, 7.1, 9.1}, {7.1, 7.1, 25.0 / 3.0 + 0.1}};
 static const int32_t mgbs[3] = {1, 2, 4};
 
 typedef struct hand_plan {
@@ -151,9 +154,12 @@ static void test_hand_plan_table(void) {
   CHECK_NEAR(h.plan.sequential_us, 6.1, 1e-9);
   CHECK_NEAR(h.plan.gemm_us, 3.0, 1e-9);
   CHECK(h.plan.schedule == TW_SCHEDULE_REMOTE_FIRST);
-  CHECK_NEAR(tw__model_gemm_bytes(&h.plan), 1266688.0, 1e-6);
+  double bytes = 0, refetch = -1;
+  CHECK_OK(tw__model_traffic(&h.plan, &bytes, &refetch));
+  CHECK_NEAR(bytes, 1266688.0, 1e-6);
+  CHECK(refetch == 0.0); /* one expert, one run */
   CHECK(h.plan.solve_us >= 0.0 && h.plan.solve_us < 1e4);
-  /* The segment-by-segment recurrence on the kept segments agrees at every C. */
+  /* The segment-by-segment reference on the kept segments agrees at every C. */
   for (int c = 1; c <= 3; c++) {
     double t = 0;
     CHECK_OK(tw__model_eval_plain(&h.plan, c, &t));
@@ -177,12 +183,12 @@ static void test_hand_plan_explicit_and_defaults(void) {
     int32_t c, mgb, use_model, want_c, want_mgb;
     double want_t;
   } cases[] = {
-      {3, 0, 1, 3, 1, 7.1},  /* C fixed: best mgb at C = 3 (row 3 of the table) */
-      {0, 4, 1, 2, 4, 9.1},  /* mgb fixed: best C in column mgb = 4 */
-      {1, 1, 1, 1, 1, 13.1}, /* both fixed: the model only predicts */
-      {0, 0, 0, 3, 2, 7.6},  /* selector off: TW_DEFAULT_COMM_CTAS (8) capped at c_max
-                                 3, mgb 2 */
-      {1, 0, 0, 1, 2, 13.1}, /* selector off, C given: C 1, default mgb 2 */
+      {3, 0, 1, 3, 2, 7.1},              /* C fixed: best mgb at C = 3 (1 and 2 tie) */
+      {0, 4, 1, 3, 4, 25.0 / 3.0 + 0.1}, /* mgb fixed: best C in column mgb = 4 */
+      {1, 1, 1, 1, 1, 13.1},             /* both fixed: the model only predicts */
+      {0, 0, 0, 3, 2, 7.1},              /* selector off: TW_DEFAULT_COMM_CTAS (8) capped at c_max
+                                             3, mgb 2 */
+      {1, 0, 0, 1, 2, 13.1},             /* selector off, C given: C 1, default mgb 2 */
   };
   for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
     tw_plan_config cfg = hand_config(&h, cases[i].c, cases[i].mgb, cases[i].use_model);
@@ -248,7 +254,7 @@ static void test_hand_plan_no_remote(void) {
  *   C=2 (P 3, 5 waves, tau 1237/360 = 3.436), mgb 2: A 1 2 4 4, q 1 2 2 1:
  *     F 4.436, 2 tau + 2, 4 tau + 2, 4 tau + 3 = 16.744, below the memory end
  *     -> T = 1237/72 + 1 = 18.181
- *   C=3 (P 2, 7 waves, tau 1237/504 = 2.454), mgb 1: A 1..6, q 5/6: F_5 = 6 tau + 5/6 = 15.56,
+ *   C=3 (P 2, 7 waves, tau 1237/504 = 2.454), mgb 1: A 1..6, q 2/3: F_5 = 6 tau + 2/3 = 15.39,
  *     below the memory end -> T = 1237/72 + 1 = 18.181
  * GEMM alone (5 SMs, 3 waves): max(3, 17.18) = 17.18; sequential 17.18 + 3 + 1. */
 static void test_hand_plan_memory_bound(void) {
@@ -270,7 +276,7 @@ static void test_hand_plan_memory_bound(void) {
   }
   CHECK_NEAR(h.plan.gemm_us, mem, 1e-9);
   CHECK_NEAR(h.plan.sequential_us, mem + 4.0, 1e-9);
-  /* The decision is the argmin of the table, and the recurrence agrees on its segments. */
+  /* The decision is the argmin of the table, and the reference agrees on its segments. */
   double bt = 0;
   int32_t bc = 0, bm = 0;
   for (int32_t c = 1; c <= 3; c++)
@@ -348,8 +354,8 @@ static tw_status make_plan(const char* preset, int32_t world, int32_t tokens, tw
 
 /* Checks that the plan's choice is the argmin over every candidate (both schedules when the
  * model chose the schedule), with ties to the smaller C, then the larger mgb, then remote-first;
- * and that the fast form equals the recurrence. other_too: also reorders the plan into every
- * tabulated schedule and mgb and checks each table against the recurrence (slow on big plans),
+ * and that the fast form equals the reference. other_too: also reorders the plan into every
+ * tabulated schedule and mgb and checks each table against the reference (slow on big plans),
  * then restores the plan's choice. */
 static void check_choice_is_argmin(tw_plan_t plan, const char* what, int other_too) {
   tw_plan_summary s;
@@ -363,7 +369,7 @@ static void check_choice_is_argmin(tw_plan_t plan, const char* what, int other_t
     double fast = 0, plain = 0;
     CHECK_OK(tw_plan_predict(plan, c, s.coalesce, &fast));
     CHECK_OK(tw__model_eval_plain(plan, c, &plain));
-    CHECKF(fabs(fast - plain) <= 1e-9 * plain, "%s C %d: fast %.12g, recurrence %.12g", what, c,
+    CHECKF(fabs(fast - plain) <= 1e-9 * plain, "%s C %d: fast %.12g, reference %.12g", what, c,
            fast, plain);
   }
   CHECK(s.sequential_us > 0.0 && s.predicted_us > 0.0 && s.gemm_us > 0.0);
@@ -379,8 +385,8 @@ static void check_choice_is_argmin(tw_plan_t plan, const char* what, int other_t
         CHECK_OK(tw__model_predict(plan, scheds[si], c, mgbs[j], &fast));
         CHECK_OK(tw__model_eval_plain(plan, c, &plain));
         CHECKF(fabs(fast - plain) <= 1e-9 * plain,
-               "%s schedule %d mgb %d C %d: fast %.12g, recurrence %.12g", what, scheds[si],
-               mgbs[j], c, fast, plain);
+               "%s schedule %d mgb %d C %d: fast %.12g, reference %.12g", what, scheds[si], mgbs[j],
+               c, fast, plain);
       }
     }
   }
@@ -443,7 +449,7 @@ static void test_real_plans_explicit_and_off(void) {
 }
 
 /* An explicit coalescing factor outside {1, 2, 4} (3, 24, 64: few long segments): the prediction
- * equals the segment-by-segment recurrence at every C. */
+ * equals the segment-by-segment reference at every C. */
 static void test_large_explicit_coalesce(void) {
   const int32_t mgb_values[3] = {3, 24, 64};
   for (int i = 0; i < 3; i++) {
@@ -460,7 +466,7 @@ static void test_large_explicit_coalesce(void) {
       double fast = 0, plain = 0;
       CHECK_OK(tw_plan_predict(plan, c, mgb_values[i], &fast));
       CHECK_OK(tw__model_eval_plain(plan, c, &plain));
-      CHECKF(fabs(fast - plain) <= 1e-9 * plain, "mgb %d C %d: fast %.12g, recurrence %.12g",
+      CHECKF(fabs(fast - plain) <= 1e-9 * plain, "mgb %d C %d: fast %.12g, reference %.12g",
              mgb_values[i], c, fast, plain);
       if (best_c == 0 || fast < best) best = fast, best_c = c;
     }
@@ -531,7 +537,7 @@ static void test_real_plan_no_remote(void) {
  * plans of every preset, router, rank count and rank. The decision (best-first search over
  * bounds, wave skipping) must pick the argmin of tw_plan_predict with the tie rules, for a free
  * choice and for each fixed mgb (1, 2, 4 and a random explicit one); and the prediction of every
- * (C, mgb) must equal the segment-by-segment recurrence. */
+ * (C, mgb) must equal the segment-by-segment reference. */
 static uint64_t ep_rng_state = 0;
 static uint64_t ep_rng(void) {
   return tw_test_rng_next(&ep_rng_state);
@@ -584,12 +590,12 @@ static void test_random_hardware_equivalence(void) {
       } else {
         /* Fixed mgb (an odd one can have segments of up to 32 bands, where late waves
          * matter): argmin over C (and both schedules when the model chose), and every C
-         * against the recurrence on these segments. */
+         * against the reference on these segments. */
         for (int32_t c = 1; c <= hw.c_max; c++) {
           double fast = 0, plain = 0;
           CHECK_OK(tw_plan_predict(plan, c, mgb, &fast));
           CHECK_OK(tw__model_eval_plain(plan, c, &plain));
-          CHECKF(fabs(fast - plain) <= 1e-9 * plain, "%s C %d: fast %.12g, recurrence %.12g", what,
+          CHECKF(fabs(fast - plain) <= 1e-9 * plain, "%s C %d: fast %.12g, reference %.12g", what,
                  c, fast, plain);
         }
         const best_cand b = argmin_all(plan, &mgb, 1);
@@ -644,7 +650,12 @@ static void test_schedule_choice(void) {
     const int64_t split = split_experts(rf);
     CHECKF(split >= 48, "only %lld of 64 experts have remote and local rows", (long long)split);
     const double w = 4096.0 * 2048.0 * 2.0;
-    CHECK_NEAR(tw__model_gemm_bytes(rf) - tw__model_gemm_bytes(em), (double)split * w, 1.0);
+    double rf_bytes = 0, rf_refetch = 0, em_bytes = 0, em_refetch = -1;
+    CHECK_OK(tw__model_traffic(rf, &rf_bytes, &rf_refetch));
+    CHECK_OK(tw__model_traffic(em, &em_bytes, &em_refetch));
+    CHECK_NEAR(rf_bytes - em_bytes, (double)split * w, 1.0);
+    CHECK_NEAR(rf_refetch, (double)split * w, 1.0); /* the second reads are the difference */
+    CHECK(em_refetch == 0.0);
     printf("  weight-heavy: GEMM %.1f us remote-first, %.1f us expert-major; T %.1f / %.1f us\n",
            rf->gemm_us, em->gemm_us, rf->predicted_us, em->predicted_us);
     CHECK(em->gemm_us < 0.8 * rf->gemm_us);
@@ -667,8 +678,14 @@ static void test_schedule_choice(void) {
     const tw_plan_t best = em->predicted_us < rf->predicted_us ? em : rf; /* ties: remote-first */
     CHECK(au->schedule == best->schedule && au->predicted_us == best->predicted_us);
     CHECK(au->comm_ctas == best->comm_ctas && au->coalesce == best->coalesce);
-    /* Compute-bound: the traffic does not decide; both GEMMs are the compute waves. */
-    CHECK(rf->gemm_us == em->gemm_us);
+    /* Compute-bound: both GEMMs are the compute waves, remote-first's plus the exposed part of
+     * its second read of the two experts' weights. */
+    double bytes = 0, refetch = 0;
+    CHECK_OK(tw__model_traffic(rf, &bytes, &refetch));
+    CHECK_NEAR(refetch, 2.0 * 4096.0 * 2048.0 * 2.0, 1.0);
+    const double exposed = rf->hardware.refetch_exposure * refetch / (rf->hardware.mem_gbps * 1e3);
+    CHECK(exposed > 0.0);
+    CHECK_NEAR(rf->gemm_us - em->gemm_us, exposed, 1e-9 * rf->gemm_us);
     check_choice_is_argmin(au, "compute-heavy", 0);
   }
   tw_plan_destroy(rf);
