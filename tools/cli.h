@@ -28,6 +28,8 @@ int tw_cli_calibrate(int argc, char** argv);
  * target:R (R >= 1, the target R_expert, into *param); 1 when v names one, else 0. */
 int tw__cli_parse_router(const char* v, int* router, double* param);
 const char* tw__cli_router_name(int router);
+/* A tw_schedule's name as the command line spells it ("?" for AUTO or an unknown value). */
+const char* tw__cli_schedule_name(int schedule);
 #ifdef __cplusplus
 }
 #endif

@@ -1,6 +1,7 @@
 /*
- * cli_router.c: the names of the routers on the command line, shared by `tilewave plan`, `bench`
- * and `sweep` so that every command accepts and prints the same spellings.
+ * cli_router.c: the names of the routers (and of the schedules) on the command line, shared by
+ * `tilewave plan`, `bench` and `sweep` so that every command accepts and prints the same
+ * spellings.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -43,4 +44,10 @@ const char* tw__cli_router_name(int router) {
       return "target";
   }
   return "?";
+}
+
+const char* tw__cli_schedule_name(int schedule) {
+  return schedule == TW_SCHEDULE_EXPERT_MAJOR   ? "expert-major"
+         : schedule == TW_SCHEDULE_REMOTE_FIRST ? "remote-first"
+                                                : "?";
 }

@@ -102,7 +102,7 @@ typedef struct twb_policy {
   char name[24];
 } twb_policy;
 
-#define TWB_MAX_DPLANS 4
+#define TWB_MAX_DPLANS 5
 enum {
   TWB_OUT_OURS,
   TWB_OUT_UNFUSED,
@@ -595,7 +595,9 @@ typedef struct twb_sweep_result {
   double* pred;         /* (np) the model's prediction (rank 0's plan); 0 for seq */
   float* err;           /* (np) normwise error vs the sequential baseline, max over ranks */
   float maxerr;
-  int best, model_i;                                      /* the oracle's and the model's policy */
+  int best, model_i; /* the oracle's and the model's policy */
+  int other_i; /* the model's C and mgb with the other schedule (joins the oracle, never chosen) */
+  double t_other;
   int model_c_lo, model_c_hi, model_mgb_lo, model_mgb_hi; /* the model's choices over ranks */
   tw_plan_summary ms; /* the model's choice on rank 0 (default config) */
   double t_oracle, t_model, regret;
@@ -679,6 +681,21 @@ static tw_status twb_sweep_measure(twb_rank* s, const twb_opts* o, const twb_poi
     model_mgb_index = nm++;
     s->ndplans = nm;
   }
+  /* The model's C and mgb with the schedule it did not choose, so that the oracle covers the
+   * schedule decision too (one more device plan, one more policy on every rank). */
+  {
+    tw_plan_config c2 = TW_PLAN_CONFIG_INIT;
+    c2.comm_ctas = ms.comm_ctas;
+    c2.coalesce = ms.coalesce;
+    c2.schedule = ms.schedule == TW_SCHEDULE_EXPERT_MAJOR ? TW_SCHEDULE_REMOTE_FIRST
+                                                          : TW_SCHEDULE_EXPERT_MAJOR;
+    TW_TRY(tw_plan_create(&s->problem, s->routing, s->rank, &c2, &s->mplans[nm]));
+    s->mgbs[nm] = ms.coalesce;
+    TW_TRY(tw_device_plan_create(s->ctx, &s->dplans[nm]));
+    TW_TRY(tw_device_plan_upload(s->dplans[nm], s->mplans[nm], s->routing, s->stream));
+  }
+  const int other_dplan = nm++;
+  s->ndplans = nm;
   tw_context_info info;
   TW_TRY(tw_context_info_get(s->ctx, &info));
   const int cmax = o->c_max < info.max_comm_ctas ? o->c_max : info.max_comm_ctas;
@@ -695,8 +712,9 @@ static tw_status twb_sweep_measure(twb_rank* s, const twb_opts* o, const twb_poi
   const int model_own =
       agree[4] > 0 || r->model_c_lo != r->model_c_hi || r->model_mgb_lo != r->model_mgb_hi;
 
-  /* Policies: seq (reference), every (C, mgb), and the model's own choices where needed. */
-  const int ncfg = cmax * 3 + (model_own ? 1 : 0);
+  /* Policies: seq (reference), every (C, mgb), the other schedule at the model's (C, mgb), and
+   * the model's own choices where needed. */
+  const int ncfg = cmax * 3 + 1 + (model_own ? 1 : 0);
   const int np = 1 + ncfg;
   r->np = np;
   r->pols = (twb_policy*)calloc((size_t)np, sizeof(twb_policy));
@@ -722,6 +740,12 @@ static tw_status twb_sweep_measure(twb_rank* s, const twb_opts* o, const twb_poi
       pols[k].out = TWB_OUT_OURS;
       snprintf(pols[k].name, sizeof pols[k].name, "C%d_mgb%d", c, r->mgbs[m]);
     }
+  pols[k].kind = TWB_OURS;
+  pols[k].c = ms.comm_ctas;
+  pols[k].dplan = other_dplan;
+  pols[k].out = TWB_OUT_OURS;
+  snprintf(pols[k].name, sizeof pols[k].name, "other_schedule");
+  r->other_i = k++;
   if (model_own) {
     pols[k].kind = TWB_OURS;
     pols[k].c = ms.comm_ctas;
@@ -768,9 +792,11 @@ static tw_status twb_sweep_measure(twb_rank* s, const twb_opts* o, const twb_poi
     r->model_i = model_own ? np - 1 : -1;
     for (int i = 1; i < np; i++) {
       if (r->sts[i].median < r->sts[r->best].median) r->best = i;
-      if (!model_own && pols[i].c == ms.comm_ctas && s->mgbs[pols[i].dplan] == ms.coalesce)
+      if (!model_own && i != r->other_i && pols[i].c == ms.comm_ctas &&
+          s->mgbs[pols[i].dplan] == ms.coalesce)
         r->model_i = i;
     }
+    r->t_other = r->sts[r->other_i].median;
     r->t_oracle = r->sts[r->best].median;
     r->t_model = r->model_i > 0 ? r->sts[r->model_i].median : NAN;
     r->regret = tw__oracle_regret(r->t_model, r->t_oracle);
@@ -845,8 +871,10 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
       }
       printf("\noracle: C=%d mgb=%d %.1f us (speedup over sequential %.2fx)\n", pols[best].c,
              s->mgbs[pols[best].dplan], r->t_oracle, sts[0].median / r->t_oracle);
-      printf("model:  C=%d mgb=%d measured %.1f us, predicted %.1f us, decided in %.3f us\n",
-             ms.comm_ctas, ms.coalesce, r->t_model, ms.predicted_us, ms.solve_us);
+      printf("model:  C=%d mgb=%d %s measured %.1f us, predicted %.1f us, decided in %.3f us\n",
+             ms.comm_ctas, ms.coalesce, tw__cli_schedule_name(ms.schedule), r->t_model,
+             ms.predicted_us, ms.solve_us);
+      printf("        the other schedule at the same C and mgb: %.1f us\n", r->t_other);
       if (r->model_c_lo != r->model_c_hi || r->model_mgb_lo != r->model_mgb_hi)
         printf("        (the ranks chose C %d..%d, mgb %d..%d; measured with each at its own)\n",
                r->model_c_lo, r->model_c_hi, r->model_mgb_lo, r->model_mgb_hi);
@@ -876,6 +904,7 @@ typedef struct twb_oracle_acc {
   int npoints, ncand, done, failed;
   double* t;       /* (npoints, ncand) */
   double* t_model; /* (npoints) */
+  double* t_other; /* (npoints) the model's (C, mgb) with the other schedule */
   double* solve_med;
   double* solve_p99;
   double* create_med;
@@ -885,13 +914,12 @@ typedef struct twb_oracle_acc {
 
 static void twb_oracle_header(void) {
   printf(
-      "| # | workload | tokens/rank | K | N | E | top-k | router | model C | model mgb | model us "
-      "| "
-      "predicted us | oracle C | oracle mgb | oracle us | regret | solve us (median / p99) | "
-      "tw_plan_create us (median / p99) | max rel err |\n");
+      "| # | workload | tokens/rank | K | N | E | top-k | router | schedule | model C | model mgb "
+      "| model us | predicted us | other schedule us | oracle C | oracle mgb | oracle us | regret "
+      "| solve us (median / p99) | tw_plan_create us (median / p99) | max rel err |\n");
   printf(
-      "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | "
-      "---: | ---: | ---: | ---: | ---: | ---: |\n");
+      "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | "
+      "---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   fflush(stdout);
 }
 
@@ -921,6 +949,7 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
     if (m < 3 && r->pols[i].c <= o->c_max) row[m * o->c_max + r->pols[i].c - 1] = r->sts[i].median;
   }
   acc->t_model[index] = r->t_model;
+  acc->t_other[index] = r->t_other;
   acc->solve_med[index] = r->solve_med, acc->solve_p99[index] = r->solve_p99;
   acc->create_med[index] = r->create_med, acc->create_p99[index] = r->create_p99;
   acc->done = index + 1;
@@ -931,12 +960,13 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
   twb_range_str(mm, sizeof mm, r->model_mgb_lo, r->model_mgb_hi);
   if (!o->json) {
     printf(
-        "| %d | %s | %d | %d | %d | %d | %d | %s | %s | %s | %.1f | %.1f | %d | %d | %.1f | "
-        "%.2f%% | %.3f / %.3f | %.1f / %.1f | %.2e%s |\n",
+        "| %d | %s | %d | %d | %d | %d | %d | %s | %s | %s | %s | %.1f | %.1f | %.1f | %d | %d | "
+        "%.1f | %.2f%% | %.3f / %.3f | %.1f / %.1f | %.2e%s |\n",
         pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-        tw__cli_router_name(pt->router), mc, mm, r->t_model, ms->predicted_us, b->c,
-        s->mgbs[b->dplan], r->t_oracle, 100 * r->regret, r->solve_med, r->solve_p99, r->create_med,
-        r->create_p99, (double)r->maxerr, pass ? "" : " FAIL");
+        tw__cli_router_name(pt->router), tw__cli_schedule_name(ms->schedule), mc, mm, r->t_model,
+        ms->predicted_us, r->t_other, b->c, s->mgbs[b->dplan], r->t_oracle, 100 * r->regret,
+        r->solve_med, r->solve_p99, r->create_med, r->create_p99, (double)r->maxerr,
+        pass ? "" : " FAIL");
     fflush(stdout);
   }
   if (js) {
@@ -946,15 +976,17 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
             "\"oracle\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f},\n   \"model\": "
             "{\"comm_ctas\": %d, \"coalesce\": %d, \"comm_ctas_min\": %d, \"comm_ctas_max\": "
             "%d, \"coalesce_min\": %d, \"coalesce_max\": %d, \"us\": %.2f, \"predicted_us\": "
-            "%.2f, \"sequential_predicted_us\": %.2f},\n   \"regret\": %.5f, \"solve_us\": "
+            "%.2f, \"sequential_predicted_us\": %.2f, \"schedule\": \"%s\", "
+            "\"other_schedule_us\": %.2f},\n   \"regret\": %.5f, \"solve_us\": "
             "{\"median\": %.3f, \"p99\": %.3f}, \"plan_create_us\": {\"median\": %.1f, \"p99\": "
             "%.1f}, \"solve_reps\": %d, \"max_rel_err\": %.3e, \"pass\": %s, \"seconds\": %.1f,"
             "\n   \"configs\": [",
             index ? ",\n" : "", pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts,
             pt->topk, tw__cli_router_name(pt->router), b->c, s->mgbs[b->dplan], r->t_oracle,
             ms->comm_ctas, ms->coalesce, r->model_c_lo, r->model_c_hi, r->model_mgb_lo,
-            r->model_mgb_hi, r->t_model, ms->predicted_us, ms->sequential_us, r->regret,
-            r->solve_med, r->solve_p99, r->create_med, r->create_p99, r->solve_reps,
+            r->model_mgb_hi, r->t_model, ms->predicted_us, ms->sequential_us,
+            tw__cli_schedule_name(ms->schedule), r->t_other, r->regret, r->solve_med, r->solve_p99,
+            r->create_med, r->create_p99, r->solve_reps,
             r->maxerr < 1e30f ? (double)r->maxerr : 1e30, pass ? "true" : "false",
             tw__now_seconds() - t0);
     twb_sweep_json_configs(js, s, r);
@@ -991,7 +1023,14 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
   tw__oracle_summary sum;
   memset(&sum, 0, sizeof sum);
   sum.fixed = -1;
-  const int ok = n > 0 && tw__oracle_summarize(acc->t, n, acc->ncand, acc->t_model, &sum) == 0;
+  const int ok =
+      n > 0 && tw__oracle_summarize(acc->t, n, acc->ncand, acc->t_model, acc->t_other, &sum) == 0;
+  /* The schedule decision: points where the other schedule at the model's (C, mgb) was faster. */
+  int other_faster = 0, other_faster_1pct = 0;
+  for (int i = 0; i < n; i++) {
+    other_faster += acc->t_other[i] < acc->t_model[i];
+    other_faster_1pct += acc->t_other[i] * 1.01 < acc->t_model[i];
+  }
   int fc = -1, fm = -1; /* the best fixed (C, mgb); -1: none */
   if (ok && sum.fixed >= 0) {
     fc = sum.fixed % o->c_max + 1;
@@ -1035,6 +1074,10 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
       } else {
         printf("| best single fixed (C, mgb) | none measured at every point | |\n");
       }
+      printf(
+          "| points where the other schedule at the model's (C, mgb) was faster | %d of %d; %d "
+          "by more than 1%% | |\n",
+          other_faster, n, other_faster_1pct);
     } else {
       printf("| model: regret | no point measured | |\n");
     }
@@ -1058,13 +1101,14 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
             "\n ],\n \"summary\": {\"points\": %d, \"failed\": %d, \"mean_regret\": %.5f, "
             "\"max_regret\": %.5f, \"max_regret_point\": %d, \"fixed\": {\"comm_ctas\": %d, "
             "\"coalesce\": %d, \"mean_regret\": %.5f, \"max_regret\": %.5f}, \"model_slower\": %d, "
-            "\"model_slower_1pct\": %d, \"solve_us\": {\"median_of_medians\": %.3f, "
+            "\"model_slower_1pct\": %d, \"other_schedule_faster\": %d, "
+            "\"other_schedule_faster_1pct\": %d, \"solve_us\": {\"median_of_medians\": %.3f, "
             "\"max_median\": %.3f, \"max_p99\": %.3f}, \"plan_create_us\": {\"median_of_medians\": "
             "%.1f, \"max_median\": %.1f, \"max_p99\": %.1f}, \"seconds\": %.1f}}\n",
             n, acc->failed, ok ? sum.mean_regret : -1.0, ok ? sum.max_regret : -1.0,
             ok ? pts[sum.max_regret_point].index : 0, fc, fm, sum.fixed_mean_regret,
-            sum.fixed_max_regret, sum.model_slower, sum.model_slower_1pct, sm, smax, sp99, cm,
-            cmaxv, cp99, tw__now_seconds() - acc->t_start);
+            sum.fixed_max_regret, sum.model_slower, sum.model_slower_1pct, other_faster,
+            other_faster_1pct, sm, smax, sp99, cm, cmaxv, cp99, tw__now_seconds() - acc->t_start);
     fflush(js);
   }
 }
@@ -1183,12 +1227,13 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
     acc.ncand = 3 * o->c_max;
     acc.t_start = tw__now_seconds();
     const size_t n = (size_t)job->npoints;
-    acc_buf = (double*)calloc(n * (size_t)acc.ncand + 5 * n, sizeof(double));
+    acc_buf = (double*)calloc(n * (size_t)acc.ncand + 6 * n, sizeof(double));
     if (acc_buf == NULL) st = tw__fail(TW_ERR_OUT_OF_MEMORY, "sweep: out of host memory");
     acc.t = acc_buf;
     acc.t_model = acc_buf + n * (size_t)acc.ncand;
     acc.solve_med = acc.t_model + n, acc.solve_p99 = acc.t_model + 2 * n;
     acc.create_med = acc.t_model + 3 * n, acc.create_p99 = acc.t_model + 4 * n;
+    acc.t_other = acc.t_model + 5 * n;
     twb_oracle_begin(o, nranks, js);
   }
   for (int i = 0; i < job->npoints && st == TW_SUCCESS && res; i++) {

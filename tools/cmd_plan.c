@@ -333,12 +333,6 @@ static tw_status bench_tp(const tw_problem* prob, tw_routing_t rt, const tw_hard
   return st;
 }
 
-static const char* schedule_name(int32_t schedule) {
-  return schedule == TW_SCHEDULE_EXPERT_MAJOR   ? "expert-major"
-         : schedule == TW_SCHEDULE_REMOTE_FIRST ? "remote-first"
-                                                : "?";
-}
-
 static void print_problem(const plan_opts* o, const tw_problem* p) {
   printf("problem: %s: H %d, F %d, %d experts, top-%d; %d ranks; ", o->model ? o->model : "custom",
          p->hidden, p->ffn, p->experts, p->top_k, p->world_size);
@@ -478,7 +472,7 @@ int tw_cli_plan(int argc, char** argv) {
           (long long)s->remote_tiles, (long long)s->bands, (long long)s->segments,
           (long long)s->send_bytes, s->comm_ctas, s->coalesce, s->predicted_us, s->sequential_us,
           s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0, s->solve_us,
-          schedule_name(s->schedule), s->gemm_us);
+          tw__cli_schedule_name(s->schedule), s->gemm_us);
       for (int j = 0; j < x->ncol; j++) printf("%s%d", j ? ", " : "", x->mgbs[j]);
       printf("], \"predicted_us_by_c\": [");
       for (int32_t c = 0; c < hw.c_max; c++) {
@@ -525,8 +519,9 @@ int tw_cli_plan(int argc, char** argv) {
         (o.comm_ctas || o.coalesce) ? " (partly or fully fixed by flags)" : "", s->predicted_us,
         s->sequential_us, s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0,
         s->solve_us);
-    printf("schedule: %s%s; GEMM alone on all SMs %.2f us (model)\n", schedule_name(s->schedule),
-           o.schedule ? " (fixed by --schedule)" : "", s->gemm_us);
+    printf("schedule: %s%s; GEMM alone on all SMs %.2f us (model)\n",
+           tw__cli_schedule_name(s->schedule), o.schedule ? " (fixed by --schedule)" : "",
+           s->gemm_us);
     printf("predicted T (us), C rows x mgb columns, * = choice:\n    C");
     for (int j = 0; j < x->ncol; j++) printf("     mgb %-3d", x->mgbs[j]);
     printf("\n");

@@ -109,17 +109,19 @@ double tw__oracle_regret(double t_chosen, double t_oracle) {
   return (t_chosen - t_oracle) / t_oracle;
 }
 
-/* The oracle of point p: the fastest configuration measured there, the model's included (it may
- * lie outside the candidates). NaN entries are skipped: NaN < x is false. */
-static double tw__oracle_at(const double* t, int p, int ncand, const double* t_model) {
+/* The oracle of point p: the fastest configuration measured there, the model's and the other one
+ * included (they may lie outside the candidates). NaN entries are skipped: NaN < x is false. */
+static double tw__oracle_at(const double* t, int p, int ncand, const double* t_model,
+                            const double* t_other) {
   double oracle = t_model[p];
+  if (t_other != NULL && t_other[p] < oracle) oracle = t_other[p];
   for (int j = 0; j < ncand; j++)
     if (t[(size_t)p * ncand + j] < oracle) oracle = t[(size_t)p * ncand + j];
   return oracle;
 }
 
 int tw__oracle_summarize(const double* t, int npoints, int ncand, const double* t_model,
-                         tw__oracle_summary* out) {
+                         const double* t_other, tw__oracle_summary* out) {
   if (t == NULL || t_model == NULL || out == NULL || npoints < 1 || ncand < 1) return -1;
   memset(out, 0, sizeof *out);
   out->points = npoints;
@@ -128,7 +130,7 @@ int tw__oracle_summarize(const double* t, int npoints, int ncand, const double* 
   double sum = 0;
   for (int p = 0; p < npoints; p++) {
     if (!(isfinite(t_model[p]) && t_model[p] > 0)) return -1;
-    const double r = tw__oracle_regret(t_model[p], tw__oracle_at(t, p, ncand, t_model));
+    const double r = tw__oracle_regret(t_model[p], tw__oracle_at(t, p, ncand, t_model, t_other));
     sum += r;
     if (r > out->max_regret) {
       out->max_regret = r;
@@ -147,7 +149,7 @@ int tw__oracle_summarize(const double* t, int npoints, int ncand, const double* 
         ok = 0;
         break;
       }
-      const double r = tw__oracle_regret(tj, tw__oracle_at(t, p, ncand, t_model));
+      const double r = tw__oracle_regret(tj, tw__oracle_at(t, p, ncand, t_model, t_other));
       s += r;
       if (r > mx) mx = r;
     }

@@ -55,10 +55,13 @@ typedef struct tw__oracle_summary {
  *               was measured at every point)
  * [in] t_model: (npoints) measured time of the model's choice at each point (it may lie outside
  *               the candidates: each point's oracle is the minimum of its row and t_model)
+ * [in] t_other: (npoints) or NULL: one more measured configuration per point that joins the
+ *               oracle but is no fixed choice (the sweep's: the model's C and mgb with the
+ *               other schedule); NaN where not measured
  * Returns 0, or -1 when npoints or ncand < 1, a t_model is not finite and positive, or a pointer
  * is NULL. Ties between fixed candidates go to the lower index. */
 int tw__oracle_summarize(const double* t, int npoints, int ncand, const double* t_model,
-                         tw__oracle_summary* out);
+                         const double* t_other, tw__oracle_summary* out);
 
 #ifdef __cplusplus
 }

@@ -27,7 +27,7 @@ static void test_hand_computed(void) {
   const double t[9] = {100, 110, 120, 200, 180, NAN, 150, 160, 140};
   const double tm[3] = {110, 180, 130};
   tw__oracle_summary s;
-  CHECK(tw__oracle_summarize(t, 3, 3, tm, &s) == 0);
+  CHECK(tw__oracle_summarize(t, 3, 3, tm, NULL, &s) == 0);
   CHECK(s.points == 3);
   CHECK_NEAR(s.mean_regret, 0.1 / 3, 1e-12);
   CHECK_NEAR(s.max_regret, 0.1, 1e-12);
@@ -48,7 +48,7 @@ static void test_ties_and_small_losses(void) {
   const double t[4] = {100, 100, 100, 100};
   const double tm[2] = {100.5, 100};
   tw__oracle_summary s;
-  CHECK(tw__oracle_summarize(t, 2, 2, tm, &s) == 0);
+  CHECK(tw__oracle_summarize(t, 2, 2, tm, NULL, &s) == 0);
   CHECK_NEAR(s.mean_regret, 0.0025, 1e-12);
   CHECK_NEAR(s.max_regret, 0.005, 1e-12);
   CHECK(s.max_regret_point == 0);
@@ -63,10 +63,27 @@ static void test_no_fixed_candidate(void) {
   const double t[4] = {NAN, 90, 120, NAN};
   const double tm[2] = {100, 120};
   tw__oracle_summary s;
-  CHECK(tw__oracle_summarize(t, 2, 2, tm, &s) == 0);
+  CHECK(tw__oracle_summarize(t, 2, 2, tm, NULL, &s) == 0);
   CHECK(s.fixed == -1);
   CHECK_NEAR(s.mean_regret, (10.0 / 90) / 2, 1e-12);
   CHECK(s.model_slower == 0);
+}
+
+/* The other configuration joins the oracle but is no fixed choice; NaN means not measured.
+ *   p0: t = {100, 110}, model 105, other 90: oracle 90, regret 15/90; fixed 0 regret 10/90
+ *   p1: t = {100, 90}, model 90, other NaN: oracle 90, regret 0; fixed 0 regret 10/90
+ * fixed 0: mean 10/90; fixed 1: 20/90 and 0, mean 10/90: the tie goes to fixed 0. */
+static void test_other_configuration(void) {
+  const double t[4] = {100, 110, 100, 90};
+  const double tm[2] = {105, 90};
+  const double other[2] = {90, NAN};
+  tw__oracle_summary s;
+  CHECK(tw__oracle_summarize(t, 2, 2, tm, other, &s) == 0);
+  CHECK_NEAR(s.mean_regret, (15.0 / 90) / 2, 1e-12);
+  CHECK_NEAR(s.max_regret, 15.0 / 90, 1e-12);
+  CHECK(s.fixed == 0);
+  CHECK_NEAR(s.fixed_mean_regret, 10.0 / 90, 1e-12);
+  CHECK(s.model_slower == 1); /* p0: 105 > 100 */
 }
 
 /* Order statistics as numpy.percentile: {5, 1, 3, 2, 4}: median 3, p99 = 4 + 0.96 (5 - 4). */
@@ -88,15 +105,15 @@ static void test_bad_input(void) {
   const double t[2] = {1, 2};
   double tm[1] = {1};
   tw__oracle_summary s;
-  CHECK(tw__oracle_summarize(t, 0, 2, tm, &s) == -1);
-  CHECK(tw__oracle_summarize(t, 1, 0, tm, &s) == -1);
-  CHECK(tw__oracle_summarize(NULL, 1, 2, tm, &s) == -1);
-  CHECK(tw__oracle_summarize(t, 1, 2, NULL, &s) == -1);
-  CHECK(tw__oracle_summarize(t, 1, 2, tm, NULL) == -1);
+  CHECK(tw__oracle_summarize(t, 0, 2, tm, NULL, &s) == -1);
+  CHECK(tw__oracle_summarize(t, 1, 0, tm, NULL, &s) == -1);
+  CHECK(tw__oracle_summarize(NULL, 1, 2, tm, NULL, &s) == -1);
+  CHECK(tw__oracle_summarize(t, 1, 2, NULL, NULL, &s) == -1);
+  CHECK(tw__oracle_summarize(t, 1, 2, tm, NULL, NULL) == -1);
   tm[0] = NAN;
-  CHECK(tw__oracle_summarize(t, 1, 2, tm, &s) == -1);
+  CHECK(tw__oracle_summarize(t, 1, 2, tm, NULL, &s) == -1);
   tm[0] = 0;
-  CHECK(tw__oracle_summarize(t, 1, 2, tm, &s) == -1);
+  CHECK(tw__oracle_summarize(t, 1, 2, tm, NULL, &s) == -1);
 }
 
 static uint64_t rng_state;
@@ -129,7 +146,7 @@ static void test_random_properties(void) {
         if (t[p * nc + j] < tm[p]) tm[p] = t[p * nc + j];
     }
     tw__oracle_summary s;
-    CHECK(tw__oracle_summarize(t, np, nc, tm, &s) == 0);
+    CHECK(tw__oracle_summarize(t, np, nc, tm, NULL, &s) == 0);
     CHECK(s.mean_regret == 0 && s.max_regret == 0);
     CHECK(s.fixed >= 0 && s.fixed < nc);
     CHECK(s.model_slower == 0);
@@ -146,7 +163,7 @@ static void test_random_properties(void) {
       mean += r / np;
       if (r > mx) mx = r;
     }
-    CHECK(tw__oracle_summarize(t, np, nc, tm, &s) == 0);
+    CHECK(tw__oracle_summarize(t, np, nc, tm, NULL, &s) == 0);
     CHECK_NEAR(s.mean_regret, mean, 1e-9);
     CHECK_NEAR(s.max_regret, mx, 1e-12);
     CHECK(s.fixed_mean_regret <= s.mean_regret + 1e-12);
@@ -206,5 +223,6 @@ static void test_matrices(void) {
 }
 
 TW_TEST_MAIN(TW_TEST(test_hand_computed), TW_TEST(test_ties_and_small_losses),
-             TW_TEST(test_no_fixed_candidate), TW_TEST(test_percentile), TW_TEST(test_bad_input),
-             TW_TEST(test_random_properties), TW_TEST(test_matrices))
+             TW_TEST(test_other_configuration), TW_TEST(test_no_fixed_candidate),
+             TW_TEST(test_percentile), TW_TEST(test_bad_input), TW_TEST(test_random_properties),
+             TW_TEST(test_matrices))
