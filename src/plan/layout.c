@@ -23,7 +23,8 @@
  *  - receive side at owner o: rows by source rank s (ascending, s != o), then s's local experts
  *    in index order, then (token, slot) order, dense. Sender and receiver derive the same offsets
  *    from the same routing, so no metadata exchange is needed.
- * Everything is O(routed rows + W * E) and allocates once per plan.
+ * Everything is O(routed rows + W * experts) and allocates once per plan. The passes over every
+ * routed row divide nothing and branch on nothing that depends on the routing (see tw__scratch).
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -79,28 +80,33 @@ static int tw__order_cmp(const void* a, const void* b) {
   return (x->expert > y->expert) - (x->expert < y->expert);
 }
 
-/* Scratch arrays of one build. */
+/* Scratch arrays of one build. The two passes over every routed (owner, token, slot) neither
+ * divide nor branch on the routing: pass 1 is a histogram over global experts (rank s's experts
+ * are the block [s E, s E + E), so the blocks give what the layout needs); pass 2 scatters through
+ * one cursor per global expert, where other ranks' experts point at a sink and do not advance.
+ * With two ranks about half the rows are ours, in no order a branch predictor could learn. */
 typedef struct tw__scratch {
+  int32_t* hist;       /* (W, E_total) assignments of owner o's tokens to global expert g */
   int32_t* cnt;        /* (E, W) rows of local expert e owned by rank o */
   int32_t* grp_row0;   /* (E, W) first layout row of group (e, o) */
-  int32_t* cursor;     /* (E, W) rows placed so far in group (e, o) */
   int64_t* dest_row;   /* (E, W) first row of group (e, o) in o's receive buffer */
   int64_t* before;     /* (W) rows that ranks s < rank (s != o) send to o */
-  int32_t* own;        /* (E_total) this rank's own assignments per global expert */
-  int32_t* recv_base;  /* (E_total) first receive row of the rows expert g returns here */
-  int32_t* own_run;    /* (E_total) rows of expert g placed so far (slot_row pass) */
+  tw_row_src** cursor; /* (E_total) next row_src entry of expert g's group of the owner being
+                          placed, or a sink for other ranks' experts */
+  int32_t* step;       /* (E_total) 1 for this rank's experts, 0 for the others (the sink) */
+  int32_t* slot_cur;   /* (E_total) next slot_row value of this rank's rows of expert g */
   tw__order_key* keys; /* (E) */
 } tw__scratch;
 
 static void tw__scratch_free(tw__scratch* s) {
+  free(s->hist);
   free(s->cnt);
   free(s->grp_row0);
-  free(s->cursor);
   free(s->dest_row);
   free(s->before);
-  free(s->own);
-  free(s->recv_base);
-  free(s->own_run);
+  free(s->cursor);
+  free(s->step);
+  free(s->slot_cur);
   free(s->keys);
 }
 
@@ -112,14 +118,14 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
   tw__scratch sc = {0};
   tw_status st = TW_SUCCESS;
   size_t ew = (size_t)E * (size_t)W;
-  sc.cnt = calloc(ew, sizeof(int32_t));
-  sc.grp_row0 = calloc(ew, sizeof(int32_t));
-  sc.cursor = calloc(ew, sizeof(int32_t));
-  sc.dest_row = calloc(ew, sizeof(int64_t));
+  sc.hist = calloc((size_t)W * (size_t)ET, sizeof(int32_t));
+  sc.cnt = tw__alloc(ew, sizeof(int32_t));
+  sc.grp_row0 = tw__alloc(ew, sizeof(int32_t));
+  sc.dest_row = tw__alloc(ew, sizeof(int64_t));
   sc.before = calloc((size_t)W, sizeof(int64_t));
-  sc.own = calloc((size_t)ET, sizeof(int32_t));
-  sc.recv_base = calloc((size_t)ET, sizeof(int32_t));
-  sc.own_run = calloc((size_t)ET, sizeof(int32_t));
+  sc.cursor = tw__alloc((size_t)ET, sizeof(tw_row_src*));
+  sc.step = tw__alloc((size_t)ET, sizeof(int32_t));
+  sc.slot_cur = tw__alloc((size_t)ET, sizeof(int32_t));
   sc.keys = tw__alloc((size_t)E, sizeof(tw__order_key));
   pl->expert_row0 = tw__alloc((size_t)E, sizeof(int32_t));
   pl->expert_rows = tw__alloc((size_t)E, sizeof(int32_t));
@@ -131,30 +137,28 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
   pl->stream_first = tw__alloc((size_t)W, sizeof(int32_t));
   pl->stream_last = tw__alloc((size_t)W, sizeof(int32_t));
   pl->slot_row = tw__alloc((size_t)rt->tokens[rank] * (size_t)K, sizeof(int32_t));
-  if (!sc.cnt || !sc.grp_row0 || !sc.cursor || !sc.dest_row || !sc.before || !sc.own ||
-      !sc.recv_base || !sc.own_run || !sc.keys || !pl->expert_row0 || !pl->expert_rows ||
-      !pl->expert_real_rows || !pl->expert_order || !pl->expert_band0 || !pl->expert_local_band0 ||
-      !pl->recv_bands || !pl->stream_first || !pl->stream_last || !pl->slot_row) {
+  if (!sc.hist || !sc.cnt || !sc.grp_row0 || !sc.dest_row || !sc.before || !sc.cursor || !sc.step ||
+      !sc.slot_cur || !sc.keys || !pl->expert_row0 || !pl->expert_rows || !pl->expert_real_rows ||
+      !pl->expert_order || !pl->expert_band0 || !pl->expert_local_band0 || !pl->recv_bands ||
+      !pl->stream_first || !pl->stream_last || !pl->slot_row) {
     st = tw__fail(TW_ERR_OUT_OF_MEMORY, "plan: out of host memory");
     goto done;
   }
 
-  /* Pass 1 over every routed (owner, token, slot): group sizes of this rank's experts, the rows
-   * lower-numbered senders put ahead of ours in each owner's receive buffer, and this rank's own
-   * per-expert counts. */
+  /* Pass 1 over every routed (owner, token, slot): a histogram per owner over global experts.
+   * Global expert g lives on rank g / E as its local expert g % E, so the histograms give the
+   * group sizes of this rank's experts, the rows lower-numbered senders put ahead of ours in each
+   * owner's receive buffer, and this rank's own per-expert counts (hist row `rank`). */
   for (int32_t o = 0; o < W; o++) {
     const int32_t* ids = rt->expert_ids[o];
+    int32_t* h = sc.hist + (size_t)o * ET;
     size_t n = (size_t)rt->tokens[o] * (size_t)K;
-    for (size_t i = 0; i < n; i++) {
-      int32_t g = ids[i], s = g / E;
-      if (s == rank) sc.cnt[(size_t)(g % E) * W + o]++;
-      if (s < rank && s != o) sc.before[o]++;
+    for (size_t i = 0; i < n; i++) h[ids[i]]++;
+    for (int32_t e = 0; e < E; e++) sc.cnt[(size_t)e * W + o] = h[(size_t)rank * E + e];
+    for (int32_t s = 0; s < rank; s++) {
+      if (s == o) continue;
+      for (int32_t e = 0; e < E; e++) sc.before[o] += h[(size_t)s * E + e];
     }
-  }
-  {
-    const int32_t* ids = rt->expert_ids[rank];
-    size_t n = (size_t)rt->tokens[rank] * (size_t)K;
-    for (size_t i = 0; i < n; i++) sc.own[ids[i]]++;
   }
 
   /* Layout: groups of each expert in owner order r+1, ..., r+W-1, r; remote groups padded. */
@@ -187,8 +191,9 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
   qsort(sc.keys, (size_t)E, sizeof *sc.keys, tw__order_cmp);
   for (int32_t i = 0; i < E; i++) pl->expert_order[i] = sc.keys[i].expert;
 
-  /* Row sources: padding everywhere, then pass 2 places every routed row in (token, slot) order
-   * within its group (owners ascending, tokens ascending, slots ascending). */
+  /* Row sources: padding rows (the tail of each remote group), then pass 2 places every routed
+   * row in (token, slot) order within its group (owners ascending, tokens ascending, slots
+   * ascending). Every row is written exactly once. */
   pl->row_src = tw__alloc((size_t)pl->rows, sizeof(tw_row_src));
   pl->bands = tw__alloc((size_t)num_bands, sizeof(tw_band));
   pl->layout_bands = tw__alloc((size_t)num_bands, sizeof(tw_band));
@@ -199,16 +204,35 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
                   num_bands);
     goto done;
   }
-  for (int32_t i = 0; i < pl->rows; i++) pl->row_src[i] = (tw_row_src){-1, -1, -1};
+  for (int32_t e = 0; e < E; e++) {
+    for (int32_t o = 0; o < W; o++) {
+      if (o == rank) continue; /* the local group is not padded */
+      const size_t gi = (size_t)e * W + o;
+      const int32_t c = sc.cnt[gi];
+      const int32_t end = sc.grp_row0[gi] + (int32_t)tw__ceil_div(c, TM) * TM;
+      for (int32_t r = sc.grp_row0[gi] + c; r < end; r++) pl->row_src[r] = (tw_row_src){-1, -1, -1};
+    }
+  }
+  /* Other ranks' experts write to `sink` and do not advance; ours advance through their group.
+   * The stores are unconditional so that the loop has no data-dependent branch. */
+  tw_row_src sink;
+  for (int32_t g = 0; g < ET; g++) {
+    sc.cursor[g] = &sink;
+    sc.step[g] = 0;
+  }
+  for (int32_t e = 0; e < E; e++) sc.step[(size_t)rank * E + e] = 1;
   for (int32_t o = 0; o < W; o++) {
     const int32_t* ids = rt->expert_ids[o];
+    tw_row_src** cur = sc.cursor;
+    const int32_t* step = sc.step;
+    for (int32_t e = 0; e < E; e++)
+      cur[(size_t)rank * E + e] = pl->row_src + sc.grp_row0[(size_t)e * W + o];
     for (int32_t t = 0; t < rt->tokens[o]; t++) {
+      const int32_t* tid = ids + (size_t)t * K;
       for (int32_t j = 0; j < K; j++) {
-        int32_t g = ids[(size_t)t * K + j];
-        if (g / E != rank) continue;
-        size_t gi = (size_t)(g % E) * W + o;
-        int32_t r = sc.grp_row0[gi] + sc.cursor[gi]++;
-        pl->row_src[r] = (tw_row_src){o, t, j};
+        const int32_t g = tid[j];
+        *cur[g] = (tw_row_src){o, t, j};
+        cur[g] += step[g];
       }
     }
   }
@@ -265,31 +289,28 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
   if (st != TW_SUCCESS) goto done;
 
   /* Receive side: rows others return here, ordered by source rank then its expert index, which
-   * is ascending global expert id with our own experts skipped. */
+   * is ascending global expert id with our own experts skipped. slot_cur[g] starts at the first
+   * slot_row value of our rows of expert g: a receive row for another rank's expert, recv_rows
+   * plus the local group's first row for ours. */
+  const int32_t* own = sc.hist + (size_t)rank * ET; /* this rank's assignments per global expert */
   int64_t recv = 0;
   for (int32_t s = 0; s < W; s++) {
     pl->recv_bands[s] = 0;
     if (s == rank) continue;
     for (int32_t e = 0; e < E; e++) {
       int32_t g = s * E + e;
-      sc.recv_base[g] = (int32_t)recv;
-      recv += sc.own[g];
-      pl->recv_bands[s] += (int32_t)tw__ceil_div(sc.own[g], TM);
+      sc.slot_cur[g] = (int32_t)recv;
+      recv += own[g];
+      pl->recv_bands[s] += (int32_t)tw__ceil_div(own[g], TM);
     }
   }
   pl->recv_rows = (int32_t)recv;
+  for (int32_t e = 0; e < E; e++)
+    sc.slot_cur[(size_t)rank * E + e] = pl->recv_rows + sc.grp_row0[(size_t)e * W + rank];
   {
     const int32_t* ids = rt->expert_ids[rank];
     size_t n = (size_t)rt->tokens[rank] * (size_t)K;
-    for (size_t i = 0; i < n; i++) {
-      int32_t g = ids[i], s = g / E;
-      if (s != rank) {
-        pl->slot_row[i] = sc.recv_base[g] + sc.own_run[g]++;
-      } else {
-        size_t gi = (size_t)(g % E) * W + rank;
-        pl->slot_row[i] = pl->recv_rows + sc.grp_row0[gi] + sc.own_run[g]++;
-      }
-    }
+    for (size_t i = 0; i < n; i++) pl->slot_row[i] = sc.slot_cur[ids[i]]++;
   }
   /* The segments are built by the model (tw__model_choose), once per candidate mgb. */
 done:
@@ -327,7 +348,10 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
         else
           b0 = plan->expert_local_band0[e];
       }
-      for (int32_t b = b0; b < b1; b++) plan->bands[nb++] = lb[b];
+      if (b1 > b0) {
+        memcpy(&plan->bands[nb], &lb[b0], (size_t)(b1 - b0) * sizeof *lb);
+        nb += b1 - b0;
+      }
     }
   }
   if (nb != plan->num_bands)
@@ -347,14 +371,11 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
   plan->num_remote_tiles = nremote * plan->col_tiles;
   /* Tiles: every column tile of each band, bands in schedule order. */
   for (int32_t i = 0, t = 0; i < nb; i++) {
+    const tw_band* bd = &plan->bands[i];
+    tw_tile tile = {.row0 = bd->row0, .rows = bd->rows, .expert = bd->expert, .band = i};
     for (int32_t c = 0; c < plan->col_tiles; c++, t++) {
-      tw_tile* tile = &plan->tiles[t];
-      memset(tile, 0, sizeof *tile);
-      tile->row0 = plan->bands[i].row0;
-      tile->rows = plan->bands[i].rows;
-      tile->expert = plan->bands[i].expert;
-      tile->col0 = c * plan->tn;
-      tile->band = i;
+      tile.col0 = c * plan->tn;
+      plan->tiles[t] = tile;
     }
   }
   plan->num_segments = 0; /* the bands' segment fields are -1 (copied from layout_bands) */
