@@ -103,6 +103,7 @@ typedef struct tw__model_tables {
   double* inv_tau; /* (slots, c_max + 1) 1 / tau_us (wave skipping in tw__eval) */
   double* comp_us; /* (slots, c_max + 1) compute end max(waves(C) tau_comp, mem_us) */
   double* inv_cta; /* (c_max + 1) 1 / (C link_cta) in us per byte: the CTAs' own rate */
+  double* lat_c;   /* (c_max + 1) link_latency_us / C: a band's fixed cost shared by C CTAs */
   double inv_peak; /* 1 / link_peak in us per byte: the link's plateau */
   double* first;   /* (TW__MAX_TABLES, c_max + 1) the decision's scratch: tw__first_terms */
   int32_t ntables;
@@ -126,6 +127,7 @@ void tw__model_free(struct tw_plan* plan) {
   free(m->inv_tau);
   free(m->comp_us);
   free(m->inv_cta);
+  free(m->lat_c);
   free(m->first);
   free(m);
   plan->model_tables = NULL;
@@ -226,8 +228,7 @@ static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__se
   }
   const double* tau = m->tau_us + (size_t)tb->slot * ((size_t)m->hw.c_max + 1);
   for (int32_t c = c_lo; c <= c_hi; c++)
-    out[c - c_lo] =
-        tau[c] + tw__service(tb, 0, m->hw.link_latency_us / (double)c, m->inv_cta[c], m->inv_peak);
+    out[c - c_lo] = tau[c] + tw__service(tb, 0, m->lat_c[c], m->inv_cta[c], m->inv_peak);
 }
 
 /* T(C, mgb) of one table, in microseconds (the fast form; identical in value to the plain
@@ -253,7 +254,7 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
   const double comp_end = m->comp_us[at];
   const double reduce = m->reduce_us;
   if (tb->nseg == 0) return comp_end + reduce;
-  const double lat_c = hw->link_latency_us / (double)c, inv_cta_c = m->inv_cta[c];
+  const double lat_c = m->lat_c[c], inv_cta_c = m->inv_cta[c];
   const int64_t last_wave = (int64_t)tb->last_tile / p + 1; /* wave of the last segment */
   double f = comp_end;
   if (f + reduce > cutoff) return f + reduce;
@@ -553,8 +554,8 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   /* The owner reads each of its (token, k) rows (received or local) and writes each token. */
   const int64_t top_k = plan->problem.top_k;
   int64_t own_rows = plan->recv_rows;
-  for (int32_t r = 0; r < plan->rows; r++)
-    if (plan->row_src[r].owner == plan->rank) own_rows++;
+  for (int32_t b = 0; b < plan->num_bands; b++)
+    if (plan->bands[b].dest == plan->rank) own_rows += plan->bands[b].valid_rows;
   const double row_bytes = 2.0 * (double)plan->problem.hidden;
   m->reduce_us = (double)(own_rows + own_rows / top_k) * row_bytes / (m->hw.mem_gbps * 1e3);
   const tw_hardware* hw = &m->hw;
@@ -564,12 +565,14 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   m->inv_tau = malloc((size_t)nsched * stride * sizeof *m->inv_tau);
   m->comp_us = malloc((size_t)nsched * stride * sizeof *m->comp_us);
   m->inv_cta = malloc(stride * sizeof *m->inv_cta);
+  m->lat_c = malloc(stride * sizeof *m->lat_c);
   m->first = malloc((size_t)TW__MAX_TABLES * stride * sizeof *m->first);
-  if (!m->prod || !m->tau_us || !m->inv_tau || !m->comp_us || !m->inv_cta || !m->first)
+  if (!m->prod || !m->tau_us || !m->inv_tau || !m->comp_us || !m->inv_cta || !m->lat_c || !m->first)
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   for (int32_t c = 1; c <= hw->c_max; c++) {
     m->prod[c] = tw__producers(hw, c);
     m->inv_cta[c] = 1.0 / ((double)c * hw->link_cta_gbps * 1e3);
+    m->lat_c[c] = hw->link_latency_us / (double)c;
   }
   m->inv_peak = 1.0 / (hw->link_peak_gbps * 1e3);
 
