@@ -13,6 +13,7 @@
 #   calibrate.md, calibration.txt  tilewave calibrate: this machine's description for the model
 #   launcher-rank*.md            tilewave bench started as two processes by a torchrun-style env
 #   bench-gemm-<schedule>.md, bench-<schedule>.md   the two schedules side by side
+#   bench-gemm-tiles.md          bench gemm at the many-small-experts point, tm 64/128 x tn 128/256
 #   torch_peer.md                PyTorch per-expert matmul + all_to_all_single on the same routing
 #   log.txt                      everything printed, with timings
 # Usage: bench/gpu_bench.sh [quick]   (quick: tokens/rank 8192 only, fewer samples, no GEMM bench)
@@ -74,16 +75,27 @@ else
   echo "this build has no GEMM benchmark"
 fi
 
+if [ "$mode" != quick ]; then
+  step "bench gemm: tile shapes at the many-small-experts point (rows 8192, K 1408, N 2048, E 30)"
+  for tm in 128 64; do
+    for tn in 256 128; do
+      echo "tm $tm tn $tn:"
+      timeout 60 "$TW" bench gemm --rows 8192 --k 1408 --n 2048 --experts 30 --tm $tm --tn $tn |
+        grep -E "^\| +[0-9]" | tee -a "$OUT/bench-gemm-tiles.md"
+    done
+  done
+fi
+
 step "tilewave sweep (tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced)"
 timeout 120 "$TW" sweep "${sweep_args[@]}" --json-file "$OUT/sweep.json" | tee "$OUT/sweep.md"
 note "tilewave sweep" $?
 
 if [ "$mode" != quick ]; then
-  step "schedules: remote-first vs expert-major (bench gemm grid; bench at 64 and 128 experts)"
+  step "schedules: remote-first vs expert-major (bench gemm grid; bench at 16-128 experts)"
   for sch in remote-first expert-major; do
     TW_SCHEDULE=$sch timeout 150 "$TW" bench gemm >"$OUT/bench-gemm-$sch.md"
     note "bench gemm $sch" $?
-    for e in 64 128; do
+    for e in 16 32 64 128; do
       for n in 4096 8192; do
         TW_SCHEDULE=$sch timeout 60 "$TW" bench --tokens 8192 --hidden $n --ffn 2048 --experts $e \
           --topk 2 --iters 15 --warmup 3 | grep -E "^\| 8192 " >>"$OUT/bench-$sch.md"
