@@ -282,10 +282,10 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
   pl->num_bands = nb;
   pl->send_bytes = send_rows * row_bytes;
   pl->num_tiles = nb * pl->col_tiles;
-  /* The model tabulates an AUTO plan in expert-major order first (tw__model_choose). */
-  st = tw__plan_set_schedule(pl, pl->schedule_request == TW_SCHEDULE_REMOTE_FIRST
-                                     ? TW_SCHEDULE_REMOTE_FIRST
-                                     : TW_SCHEDULE_EXPERT_MAJOR);
+  /* The model tabulates an AUTO plan in remote-first order first (tw__model_choose). */
+  st = tw__plan_set_schedule(pl, pl->schedule_request == TW_SCHEDULE_EXPERT_MAJOR
+                                     ? TW_SCHEDULE_EXPERT_MAJOR
+                                     : TW_SCHEDULE_REMOTE_FIRST);
   if (st != TW_SUCCESS) goto done;
 
   /* Receive side: rows others return here, ordered by source rank then its expert index, which

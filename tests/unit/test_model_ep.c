@@ -326,7 +326,7 @@ static best_cand argmin_all(tw_plan_t plan, const int32_t* mgb_list, int n_mgb) 
       for (int j = 0; j < n_mgb; j++) {
         double t = 0;
         CHECK_OK(tw__model_predict(plan, scheds[si], c, mgb_list[j], &t));
-        const int32_t key = 2 * mgb_list[j] + (scheds[si] == TW_SCHEDULE_REMOTE_FIRST);
+        const int32_t key = 2 * mgb_list[j] + (scheds[si] == TW_SCHEDULE_EXPERT_MAJOR);
         if (b.c == 0 || t < b.t || (t == b.t && (c < b.c || (c == b.c && key > bkey)))) {
           b = (best_cand){t, c, mgb_list[j], scheds[si]};
           bkey = key;
@@ -353,7 +353,7 @@ static tw_status make_plan(const char* preset, int32_t world, int32_t tokens, tw
 }
 
 /* Checks that the plan's choice is the argmin over every candidate (both schedules when the
- * model chose the schedule), with ties to the smaller C, then the larger mgb, then remote-first;
+ * model chose the schedule), with ties to the smaller C, then the larger mgb, then expert-major;
  * and that the fast form equals the reference. other_too: also reorders the plan into every
  * tabulated schedule and mgb and checks each table against the reference (slow on big plans),
  * then restores the plan's choice. */
@@ -675,7 +675,7 @@ static void test_schedule_choice(void) {
   if (rf && em && au) {
     printf("  compute-heavy: GEMM %.1f us remote-first, %.1f us expert-major; T %.1f / %.1f us\n",
            rf->gemm_us, em->gemm_us, rf->predicted_us, em->predicted_us);
-    const tw_plan_t best = em->predicted_us < rf->predicted_us ? em : rf; /* ties: remote-first */
+    const tw_plan_t best = rf->predicted_us < em->predicted_us ? rf : em; /* ties: expert-major */
     CHECK(au->schedule == best->schedule && au->predicted_us == best->predicted_us);
     CHECK(au->comm_ctas == best->comm_ctas && au->coalesce == best->coalesce);
     /* Compute-bound: both GEMMs are the compute waves, remote-first's plus the exposed part of
