@@ -72,55 +72,94 @@ tw_status tw__calib_fit_producer(const double* flop_per_tile, const double* us_p
   return TW_SUCCESS;
 }
 
-tw_status tw__calib_fit_link(const double* busiest_bytes, const double* segments, const double* us,
-                             int n, double* link_cta_gbps, double* seg_latency_us, double* resid) {
+tw_status tw__calib_fit_pool(const double* bytes, const double* bands, const double* ctas,
+                             const double* us, int n, double* link_cta_gbps,
+                             double* link_latency_us, double* resid) {
+  TW_CHECK_NULL(bytes);
+  TW_CHECK_NULL(bands);
+  TW_CHECK_NULL(ctas);
+  TW_CHECK_NULL(us);
   TW_CHECK_NULL(link_cta_gbps);
-  TW_CHECK_NULL(seg_latency_us);
+  TW_CHECK_NULL(link_latency_us);
+  if (n < 2 || n > TW_CALIB_MAX_POINTS)
+    return tw__fail(TW_ERR_INVALID_SIZE, "calibrate: consumer fit over %d points; need 2..%d", n,
+                    TW_CALIB_MAX_POINTS);
+  /* The model's pool term, multiplied by C: the CTAs' work does not depend on how many share it. */
+  double y[TW_CALIB_MAX_POINTS];
+  for (int i = 0; i < n; i++) {
+    if (!(ctas[i] >= 1.0) || !(us[i] > 0.0) || !isfinite(ctas[i]) || !isfinite(us[i]))
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "calibrate: consumer point %d has C = %g and %g us; need C >= 1 and a "
+                      "positive time after the first segment was ready",
+                      i, ctas[i], us[i]);
+    y[i] = ctas[i] * us[i];
+  }
   double c[2];
-  TW_TRY(tw__calib_lsq2(busiest_bytes, segments, us, n, c, resid));
+  TW_TRY(tw__calib_lsq2(bytes, bands, y, n, c, resid));
   if (!(c[0] > 0))
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "calibrate: consumer time does not grow with the bytes per CTA (slope %.3g "
-                    "us per byte)",
+                    "calibrate: the consumer's C x time does not grow with the bytes (slope %.3g "
+                    "us per byte); no per-CTA rate can be fitted",
                     c[0]);
   /* slope: us per byte; bytes per us = 1e6 B/s = 1e-3 GB/s. */
   *link_cta_gbps = 1.0 / (c[0] * 1e3);
-  *seg_latency_us = c[1];
+  *link_latency_us = c[1];
   return TW_SUCCESS;
 }
 
-double tw__calib_busiest_bytes(const int64_t* units, const double* bytes, int nseg, int c) {
-  if (units == NULL || bytes == NULL || c < 1) return 0.0;
-  double sum = 0;
-  for (int s = 0; s < nseg; s++)
-    if (units[s] > 0) sum += (double)tw__ceil_div(units[s], c) * bytes[s] / (double)units[s];
-  return sum;
+int tw__calib_in_range(double v, double lo, double hi) {
+  return isfinite(v) && v >= lo && v <= hi;
+}
+
+tw_status tw__calib_plan_remote(const struct tw_plan* plan, int32_t grid, tw_calib_remote* out) {
+  TW_CHECK_NULL(plan);
+  TW_CHECK_NULL(out);
+  if (grid < 1)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "calibrate: producer grid %d; need >= 1", grid);
+  out->bytes = 0;
+  out->bands = 0;
+  out->ready_waves = 0;
+  out->waves = tw__ceil_div(plan->num_tiles, grid);
+  const double row_bytes = 2.0 * (double)plan->problem.hidden; /* bf16 / fp16 */
+  for (int32_t s = 0; s < plan->num_segments; s++) {
+    out->bytes += (double)plan->segments[s].valid_rows * row_bytes;
+    out->bands += (double)plan->segments[s].nbands;
+  }
+  if (plan->num_segments < 1) return TW_SUCCESS;
+  /* t_0: the last tile of the first segment's bands in schedule order (tiles name their band by
+   * its schedule index, as the segments do). */
+  const tw_segment* sg = &plan->segments[0];
+  int32_t last = -1;
+  for (int32_t i = 0; i < plan->num_tiles; i++) {
+    const int32_t b = plan->tiles[i].band;
+    if (b >= sg->band0 && b < sg->band0 + sg->nbands) last = i;
+  }
+  if (last < 0) return tw__fail(TW_ERR_INTERNAL, "calibrate: the plan's first segment has no tile");
+  out->ready_waves = last / grid + 1;
+  return TW_SUCCESS;
+}
+
+tw_status tw__calib_exposure(double rf_us, double em_us, double refetch_bytes, double mem_gbps,
+                             double* raw, double* exposure) {
+  TW_CHECK_NULL(raw);
+  TW_CHECK_NULL(exposure);
+  const double v[4] = {rf_us, em_us, refetch_bytes, mem_gbps};
+  for (int i = 0; i < 4; i++)
+    if (!isfinite(v[i]) || !(v[i] > 0))
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "calibrate: refetch exposure from remote-first %g us, expert-major %g us, "
+                      "%g second-read bytes at %g GB/s; each must be positive (a problem whose "
+                      "experts have remote and local rows)",
+                      rf_us, em_us, refetch_bytes, mem_gbps);
+  /* bytes / (GB/s 1e3) = us. */
+  const double read_us = refetch_bytes / (mem_gbps * 1e3);
+  *raw = (rf_us - em_us) / read_us;
+  *exposure = *raw < 0.0 ? 0.0 : *raw > 1.0 ? 1.0 : *raw;
+  return TW_SUCCESS;
 }
 
 double tw__calib_per_wave(double us_small, int64_t waves_small, double us_large,
                           int64_t waves_large) {
   if (waves_large == waves_small) return 0.0;
   return (us_large - us_small) / (double)(waves_large - waves_small);
-}
-
-tw_status tw__calib_plan_segments(const struct tw_plan* plan, int64_t** units, double** bytes,
-                                  double* total) {
-  TW_CHECK_NULL(units);
-  TW_CHECK_NULL(bytes);
-  *units = NULL;
-  *bytes = NULL;
-  TW_CHECK_NULL(plan);
-  TW_CHECK_NULL(total);
-  const int32_t n = plan->num_segments;
-  *units = (int64_t*)calloc((size_t)(n > 0 ? n : 1), sizeof(int64_t));
-  *bytes = (double*)calloc((size_t)(n > 0 ? n : 1), sizeof(double));
-  if (*units == NULL || *bytes == NULL)
-    return tw__fail(TW_ERR_OUT_OF_MEMORY, "calibrate: out of host memory");
-  *total = 0;
-  for (int32_t i = 0; i < n; i++) {
-    (*units)[i] = (int64_t)plan->segments[i].nbands * plan->col_tiles;
-    (*bytes)[i] = (double)plan->segments[i].valid_rows * plan->problem.hidden * 2.0;
-    *total += (*bytes)[i];
-  }
-  return TW_SUCCESS;
 }

@@ -2,15 +2,13 @@
  * calibrate_fit.h: the arithmetic of `tilewave calibrate` (tools/cmd_calibrate.c), kept pure (no
  * CUDA, no I/O) so that a unit test can check it on synthetic data with a known answer.
  *
- * Each fit is a least-squares fit of measured times to a linear formula:
- *   producer  us per wave      = flop_per_tile / (tile_tflops 1e6) + tile_overhead_us
- *   consumer  us of one call   = busiest_bytes / (link_cta_gbps 1e3) + segments latency
- * where busiest_bytes = sum_s ceil(U_s / C) bytes_s / U_s is what the most loaded of C CTAs moves
- * when every segment is ready at once. The producer's is the resource model's own formula
- * (src/plan/model.c). The consumer's is the model's earlier per-segment form: the model now
- * charges total bytes / min(C link_cta_gbps, peak) + bands link_latency_us / C, whose bytes term
- * busiest_bytes / link_cta equals whenever C divides every U_s (docs/calibrate.md); its latency
- * is per band, not per segment, so the fitted latency is not the model's link_latency_us.
+ * Each number is fitted to the formula the resource model (src/plan/model.c) charges it in:
+ *   producer  us per wave     = flop_per_tile / (tile_tflops 1e6) + tile_overhead_us
+ *   consumer  C x us          = bytes / (link_cta_gbps 1e3) + bands link_latency_us
+ *   schedules T_rf - T_em     = refetch_exposure x refetch_bytes / (mem_gbps 1e3)
+ * The consumer's is the model's pool term Q_0 where the C CTAs bound it (bytes and bands of the
+ * plan's whole remote traffic, every segment ready; us counted from the first segment's ready
+ * time). The schedules' is the measured difference the model adds to remote-first's GEMM.
  */
 #ifndef TW_CALIBRATE_FIT_H
 #define TW_CALIBRATE_FIT_H
@@ -26,6 +24,13 @@ extern "C" {
 /* Most points any fit takes. */
 #define TW_CALIB_MAX_POINTS 64
 
+/* Plausible ranges of the consumer's fitted values: outside them, calibrate keeps the default of
+ * that field and says so (noise or a consumer that does not follow the pool form). */
+#define TW_CALIB_CTA_GBPS_MIN 5.0
+#define TW_CALIB_CTA_GBPS_MAX 200.0
+#define TW_CALIB_LATENCY_US_MIN 0.0
+#define TW_CALIB_LATENCY_US_MAX 20.0
+
 /* Least squares y ~ coef[0] x1 + coef[1] x2 over n points (no implicit intercept: pass x2 = 1 for
  * one). The columns are scaled to unit norm before the 2x2 normal equations are solved, so that
  * x1 ~ 1e9 and x2 ~ 1 do not lose precision. resid (n, may be NULL) gets y - fit.
@@ -40,24 +45,42 @@ tw_status tw__calib_lsq2(const double* x1, const double* x2, const double* y, in
 tw_status tw__calib_fit_producer(const double* flop_per_tile, const double* us_per_wave, int n,
                                  double* tile_tflops, double* tile_overhead_us, double* resid);
 
-/* Consumer below the link's saturation: us[i] of a call whose busiest CTA moves busiest_bytes[i]
- * over segments[i] segments. Fits link_cta_gbps = 1 / (slope 1e3) and seg_latency_us = the
- * per-segment coefficient (not the model's per-band link_latency_us). TW_ERR_INVALID_ARGUMENT
- * when the bandwidth term is not positive. */
-tw_status tw__calib_fit_link(const double* busiest_bytes, const double* segments, const double* us,
-                             int n, double* link_cta_gbps, double* seg_latency_us, double* resid);
+/* Consumer in the model's pool form where its CTAs bound it: a call with ctas[i] consumer CTAs
+ * that sends bytes[i] in bands[i] bands took us[i] from its first segment's ready time to its end.
+ * Least squares of ctas x us against bytes and bands (no intercept):
+ *   ctas us = bytes / (link_cta_gbps 1e3) + bands link_latency_us
+ * (bytes / (GB/s) = 1e-9 s per byte = 1e-3 us per byte: the slope in us per byte is
+ * 1 / (link_cta_gbps 1e3)). The values come back as fitted, a negative latency included: the
+ * caller checks them against TW_CALIB_*. resid (n, may be NULL) gets ctas us - fit. Points whose
+ * bytes per band are all equal cannot separate the two terms (TW_ERR_INVALID_ARGUMENT: measure a
+ * second hidden size); TW_ERR_INVALID_ARGUMENT also for ctas < 1, us <= 0, a value that is not
+ * finite, or times that do not grow with the bytes (slope <= 0, no rate). */
+tw_status tw__calib_fit_pool(const double* bytes, const double* bands, const double* ctas,
+                             const double* us, int n, double* link_cta_gbps,
+                             double* link_latency_us, double* resid);
 
-/* sum_s ceil(units[s] / c) * bytes[s] / units[s]: bytes the busiest of c CTAs moves when the
- * units of each segment are dealt round-robin (segments with units[s] <= 0 are skipped). */
-double tw__calib_busiest_bytes(const int64_t* units, const double* bytes, int nseg, int c);
+/* 1 when v is finite and lo <= v <= hi. */
+int tw__calib_in_range(double v, double lo, double hi);
 
-struct tw_plan;
-/* The model's view of a plan's remote segments: units[s] = nbands_s col_tiles (one band x one
- * column tile per unit, as model.c counts them, whatever unit width the consumer uses) and
- * bytes[s] = valid_rows_s hidden 2; *total = sum of bytes (the plan's send_bytes). The arrays
- * (plan->num_segments, at least 1) are malloc'ed; the caller frees them, also on failure. */
-tw_status tw__calib_plan_segments(const struct tw_plan* plan, int64_t** units, double** bytes,
-                                  double* total);
+/* The model's view of a plan's consumer work on a producer of `grid` CTAs (model.c). */
+typedef struct tw_calib_remote {
+  double bytes;        /* bytes the remote segments send, valid rows x hidden x 2 (send_bytes) */
+  double bands;        /* bands they send: sum of the segments' nbands */
+  int64_t ready_waves; /* A_0 = floor(t_0 / grid) + 1: producer waves until the first segment is
+                          ready, t_0 the largest schedule index among its tiles; 0 if none */
+  int64_t waves;       /* ceil(num_tiles / grid) */
+} tw_calib_remote;
+
+/* Fills *out for plan (its current segments and tile order) and grid >= 1. */
+tw_status tw__calib_plan_remote(const struct tw_plan* plan, int32_t grid, tw_calib_remote* out);
+
+/* refetch_exposure from one pair of producer times of the same rows under remote-first (rf_us)
+ * and expert-major (em_us): *raw = (rf_us - em_us) / (refetch_bytes / (mem_gbps 1e3)), the
+ * fraction of the second reads' memory time that remote-first did not hide; *exposure = *raw
+ * clamped to [0, 1] (the caller says when they differ). TW_ERR_INVALID_ARGUMENT when a time,
+ * refetch_bytes or mem_gbps is not positive and finite. */
+tw_status tw__calib_exposure(double rf_us, double em_us, double refetch_bytes, double mem_gbps,
+                             double* raw, double* exposure);
 
 /* Per-wave time from two runs of the same kernel that differ only in their wave count: the
  * difference cancels the launch and the kernel's fixed start and end costs. 0 when waves are

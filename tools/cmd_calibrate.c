@@ -4,8 +4,7 @@
  * TW_CALIBRATION points the planner at.
  *
  * Each number is fitted to the formula the model charges it in (src/plan/model.c), so that the
- * file means what the model reads, except the consumer's, fitted to the model's earlier
- * per-segment form (fits: calibrate_fit.c; method and caveats: docs/calibrate.md):
+ * file means what the model reads (fits: calibrate_fit.c; method and caveats: docs/calibrate.md):
  *   sm_count          the device's multiprocessor count
  *   tile_tflops,      the producer GEMM alone (kernels API, band signals on, no consumer) on
  *                     P = SMs - 8 CTAs (a typical C beside it), on
@@ -14,28 +13,31 @@
  *                     and the kernel's fixed costs; least squares of it against 2 TM TN K over
  *                     K in {1024, 2048, 4096} gives the per-SM rate (slope) and the per-tile
  *                     fixed cost (intercept)
- *   link_cta_gbps,    the consumer BESIDE the producer (TW_COMBINE_OVERLAP: it shares memory
- *   link_latency_us   with the GEMM, which costs it a quarter to a third of its rate alone) at C
- *                     in {1, 2, 4, 8, 16, 32} and mgb in {1, 4} on one problem, timed by the
- *                     context's per-phase events (comm_ms: the consumer kernel; gemm_ms: the
- *                     producer). Where the consumer bounds the call (it ends well after the
- *                     producer) the fit takes busiest_bytes(C) / link_cta + segments *
- *                     latency (the bytes term is the model's pool term on this problem; the
- *                     model's latency is per band over C, so only the rate is written: see
- *                     docs/calibrate.md); the per-CTA rate falls as C grows, so the fit takes the
- *                     largest such C, the edge of the range where the model makes its choice;
- *                     its two mgb give two segment counts for the same bytes, which separates the
- *                     rate from the per-segment term
- *   link_peak_gbps    the consumer alone (TW_COMBINE_COMM_ONLY): the plateau of the aggregate
- *                     rate (bytes / time) over C
  *   mem_gbps          a device-to-device copy: (read + write bytes) / time, as the default was
  *                     measured (the reduction's own rate is printed beside it)
+ *   refetch_exposure  the same producer on one problem whose 64 local experts all have remote
+ *                     and local rows, planned under each schedule: (T_remote-first -
+ *                     T_expert-major) / (second-read bytes / mem_gbps), clamped to [0, 1]
+ *   link_cta_gbps,    the consumer BESIDE the producer (TW_COMBINE_OVERLAP: it shares memory
+ *   link_latency_us   with the GEMM) at C in {1, 2, 4, 8, 16, 32} on two problems that send the
+ *                     same bands with 4x different bytes (hidden 4096 and 1024), timed by the
+ *                     context's per-phase events (comm_ms: the consumer kernel; gemm_ms: the
+ *                     producer). Where the consumer bounds the call, the model's pool term says
+ *                     C x (time after the first segment is ready) = bytes / link_cta + bands x
+ *                     link_latency; least squares over every rank and both problems at the
+ *                     largest C at which the consumer bounds every such call gives both (the
+ *                     per-CTA rate falls as C grows, so that C, the edge of the range where the
+ *                     model makes its choice, is the one that counts). A value outside its
+ *                     plausible range (TW_CALIB_*) is not written
+ *   link_peak_gbps    the consumer alone (TW_COMBINE_COMM_ONLY, hidden 4096): the plateau of the
+ *                     aggregate rate (bytes / time) over C
  * occ_comp and occ_comm keep their defaults: the library does not expose its kernels'
  * occupancy (no cudaOccupancyMaxActiveBlocksPerMultiprocessor hook), which the table says.
  *
- * One process per GPU (tw__run_ranks, as `tilewave bench`); rank 0 measures the producer and the
- * copy while the others wait, then every rank takes part in the link measurement; rank 0 prints
- * and writes everything. With one GPU the link numbers stay at their defaults.
+ * One process per GPU (tw__run_ranks, as `tilewave bench`); rank 0 measures the producer, the
+ * copy and the schedules while the others wait, then every rank takes part in the link
+ * measurement; rank 0 prints and writes everything. With one GPU the link numbers stay at their
+ * defaults.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <cuda_runtime.h>
@@ -61,14 +63,25 @@
 #define TWC_NK 3
 #define TWC_NSIZES 2
 #define TWC_NC 6
-#define TWC_NMGB 2
-#define TWC_NLINK (TWC_NC * TWC_NMGB)
 #define TWC_PRODUCER_N 4096
 #define TWC_PRODUCER_EXPERTS 8
+/* Link: two problems (hidden widths) that send the same bands, one plan each. */
+#define TWC_NPROB 2
+#define TWC_NLINK (TWC_NPROB * TWC_NC)
+#define TWC_LINK_FFN 2048
+#define TWC_LINK_MGB 4
+/* The exposure problem: 2 ranks' layout planned for rank 0, every local expert with remote and
+ * local rows, weights (1 GiB) far beyond L2, so that a second read really goes to memory. */
+#define TWC_REFETCH_TOKENS 8192
+#define TWC_REFETCH_EXPERTS 128
+#define TWC_REFETCH_K 2048
+#define TWC_REFETCH_N 4096
 
 static const int twc_ks[TWC_NK] = {1024, 2048, 4096};
 static const int twc_cs[TWC_NC] = {1, 2, 4, 8, 16, 32};
-static const int twc_mgbs[TWC_NMGB] = {1, 4};
+/* Same bands, 4x different bytes per band: what separates link_cta from link_latency. */
+static const int twc_link_hidden[TWC_NPROB] = {4096, 1024};
+static const int32_t twc_scheds[2] = {TW_SCHEDULE_REMOTE_FIRST, TW_SCHEDULE_EXPERT_MAJOR};
 
 typedef struct twc_opts {
   const char* out;
@@ -84,14 +97,27 @@ typedef struct twc_prod_point {
   double us_per_wave, resid_us;
 } twc_prod_point;
 
-/* One link point of one rank. */
+/* One link point of one rank: one problem at one C. Only doubles: the points travel between
+ * ranks as ncclFloat64. */
 typedef struct twc_link_point {
-  double c, mgb, segments, total_bytes, busiest_bytes;
-  double us;        /* consumer alone (COMM_ONLY) */
-  double reduce_us; /* the owner's reduction after it */
-  double beside_us; /* consumer beside the producer (OVERLAP) */
-  double gemm_us;   /* the producer in that call */
+  double hidden, c;
+  double bands;       /* remote bands the plan sends */
+  double total_bytes; /* their valid rows' bytes */
+  double us;          /* consumer alone (COMM_ONLY) */
+  double reduce_us;   /* the owner's reduction after it */
+  double beside_us;   /* consumer beside the producer (OVERLAP) */
+  double gemm_us;     /* the producer in that call */
+  double ready_waves; /* producer waves until the first segment is ready (A_0), and */
+  double waves;       /* all of them, on the SMs - C producer CTAs */
+  double ready_us;    /* ready_waves x gemm_us / waves: the consumer's wait for its first work */
 } twc_link_point;
+_Static_assert(sizeof(twc_link_point) % sizeof(double) == 0, "twc_link_point: doubles only");
+
+/* A pool fit over the points at one C. */
+typedef struct twc_pool_fit {
+  int ok, n;
+  double gbps, latency_us;
+} twc_pool_fit;
 
 typedef struct twc_state {
   twc_opts o;
@@ -107,14 +133,25 @@ typedef struct twc_state {
   twc_prod_point prod[TWC_NK];
   /* memory */
   double copy_bytes, copy_us;
-  /* link: every rank's points, gathered on rank 0 (rank-major) */
-  int link_ok, nlink_c, link_tokens, link_experts, unit_tiles;
-  twc_link_point* link;    /* (world * TWC_NLINK) */
-  double agg_gbps[TWC_NC]; /* mean over ranks and mgb of bytes / us */
-  int fit_c, nfit;         /* the link fit took the points with C = fit_c (beside the producer) */
-  double fit_latency;      /* the fit's per-segment term (printed, not written) */
+  /* refetch exposure (rank 0) */
+  int ref_ok; /* measured and written */
+  int32_t ref_rows, ref_experts;
+  int64_t ref_tiles;
+  double ref_us[2];      /* median producer time, remote-first and expert-major */
+  double ref_traffic[2]; /* the model's device-memory bytes of each schedule */
+  double ref_bytes;      /* second-read bytes: remote-first's minus expert-major's */
+  double ref_raw;        /* exposure before the clamp */
+  char ref_note[400];
+  /* link: every rank's points, gathered on every rank (rank-major, then problem, then C) */
+  int link_ok, nlink_c, link_tokens, link_experts, unit_tiles[TWC_NPROB];
+  twc_link_point* link;      /* (world * TWC_NLINK) */
+  double agg_gbps[TWC_NC];   /* hidden 4096 alone: mean over ranks of bytes / us */
+  int fit_c, fit_ci;         /* the fit took the points at C = fit_c = twc_cs[fit_ci] */
+  int bound;                 /* the consumer bounds every call at fit_c (else nothing is written) */
+  twc_pool_fit cfit[TWC_NC]; /* pool fit at each C up to fit_c (the others: information) */
+  int cta_written, latency_written;
   double reduce_us, reduce_bytes;
-  char link_note[200], prod_note[200];
+  char link_note[600], prod_note[200];
 } twc_state;
 
 static void twc_progress(const twc_state* s, const char* fmt, ...) TW__PRINTF(2, 3);
@@ -125,6 +162,22 @@ static void twc_progress(const twc_state* s, const char* fmt, ...) {
   fprintf(stderr, "[calibrate %5.1f s] ", tw__now_seconds() - s->t0);
   vfprintf(stderr, fmt, ap);
   fprintf(stderr, "\n");
+  va_end(ap);
+}
+
+/* Appends one sentence to a note ("; " between sentences); drops what does not fit. */
+static void twc_note(char* buf, size_t size, const char* fmt, ...) TW__PRINTF(3, 4);
+static void twc_note(char* buf, size_t size, const char* fmt, ...) {
+  size_t used = strlen(buf);
+  if (used > 0 && used + 2 < size) {
+    buf[used++] = ';';
+    buf[used++] = ' ';
+    buf[used] = '\0';
+  }
+  if (used + 1 >= size) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf + used, size - used, fmt, ap);
   va_end(ap);
 }
 
@@ -298,47 +351,206 @@ static tw_status twc_measure_producer(twc_state* s) {
   return st;
 }
 
+/* ---- refetch exposure ------------------------------------------------------------------------ */
+
+typedef struct twc_ref_bufs {
+  tw_routing_t routing;
+  tw_plan_t plans[2]; /* remote-first, expert-major */
+  void *a, *w, *c;
+  uint32_t* counters;
+  tw_tile* tiles[2];
+  cudaEvent_t ev[3];
+  int nev;
+} twc_ref_bufs;
+
+/* The producer alone, as twc_measure_producer times it, on the same rows in both schedules'
+ * tile orders, interleaved rep by rep. Needs s->grid and s->hw.mem_gbps (the producer's
+ * measurement runs first). */
+static tw_status twc_measure_refetch_inner(twc_state* s, twc_ref_bufs* b) {
+  const int reps = s->o.quick ? 7 : 15, warmup = 2;
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = 2;
+  p.hidden = TWC_REFETCH_N;
+  p.ffn = TWC_REFETCH_K;
+  p.experts = TWC_REFETCH_EXPERTS;
+  p.top_k = 2;
+  p.max_tokens = TWC_REFETCH_TOKENS;
+  TW_TRY(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, TWC_REFETCH_TOKENS, 1, &b->routing));
+  tw_gemm_args g[2];
+  double refetch[2];
+  size_t bands_max = 1;
+  for (int i = 0; i < 2; i++) {
+    tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+    cfg.comm_ctas = TW_DEFAULT_COMM_CTAS; /* the tile order does not depend on C */
+    cfg.coalesce = 1;
+    cfg.schedule = twc_scheds[i];
+    cfg.hardware = &s->def;
+    TW_TRY(tw_plan_create(&p, b->routing, 0, &cfg, &b->plans[i]));
+    const struct tw_plan* pl = b->plans[i];
+    if (pl->schedule != twc_scheds[i])
+      return tw__fail(TW_ERR_INTERNAL, "calibrate: asked for schedule %d, the plan has %d",
+                      twc_scheds[i], pl->schedule);
+    /* Both orders are permutations of the same rows' tiles. */
+    if (i == 1 && (pl->rows != b->plans[0]->rows || pl->num_tiles != b->plans[0]->num_tiles))
+      return tw__fail(TW_ERR_INTERNAL,
+                      "calibrate: the two schedules' plans differ in rows (%d, %d) or tiles (%d, "
+                      "%d)",
+                      b->plans[0]->rows, pl->rows, b->plans[0]->num_tiles, pl->num_tiles);
+    TW_TRY(tw__model_traffic(pl, &s->ref_traffic[i], &refetch[i]));
+    tw_gemm_args* a = &g[i];
+    memset(a, 0, sizeof *a);
+    a->rows = pl->rows;
+    a->k = TWC_REFETCH_K;
+    a->n = TWC_REFETCH_N;
+    a->experts = pl->local_experts;
+    a->num_tiles = pl->num_tiles;
+    a->tm = pl->tm;
+    a->tn = pl->tn;
+    a->grid = s->grid;
+    a->scope = TW_SIGNAL_GPU; /* as in overlap mode, as the producer's points */
+    a->epilogue = TW_EPILOGUE_STORE;
+    const size_t tb = sizeof(tw_tile) * (size_t)pl->num_tiles;
+    TW_CUDA_TRY(cudaMalloc((void**)&b->tiles[i], tb));
+    TW_CUDA_TRY(cudaMemcpy(b->tiles[i], pl->tiles, tb, cudaMemcpyHostToDevice));
+    a->tiles = b->tiles[i];
+    if ((size_t)pl->num_bands > bands_max) bands_max = (size_t)pl->num_bands;
+  }
+  const struct tw_plan* pl = b->plans[0];
+  s->ref_rows = pl->rows;
+  s->ref_experts = pl->local_experts;
+  s->ref_tiles = pl->num_tiles;
+  s->ref_bytes = refetch[0] - refetch[1];
+  const size_t a_el = (size_t)pl->rows * TWC_REFETCH_K, c_el = (size_t)pl->rows * TWC_REFETCH_N;
+  const size_t w_el = (size_t)pl->local_experts * TWC_REFETCH_N * TWC_REFETCH_K;
+  /* The weights are 1 GiB: say what did not fit rather than a bare CUDA error. */
+  const struct {
+    void** p;
+    size_t bytes;
+    const char* what;
+  } allocs[3] = {{&b->w, 2 * w_el, "weights"},
+                 {&b->a, 2 * a_el, "input rows"},
+                 {&b->c, 2 * c_el, "output rows"}};
+  for (int i = 0; i < 3; i++) {
+    const cudaError_t e = cudaMalloc(allocs[i].p, allocs[i].bytes);
+    if (e != cudaSuccess)
+      return tw__fail(TW_ERR_OUT_OF_MEMORY,
+                      "calibrate: refetch exposure: %.0f MiB of %s (%d experts, %d rows, K %d, N "
+                      "%d): %s",
+                      (double)allocs[i].bytes / 1048576.0, allocs[i].what, pl->local_experts,
+                      pl->rows, TWC_REFETCH_K, TWC_REFETCH_N, cudaGetErrorString(e));
+  }
+  TW_CUDA_TRY(cudaMalloc((void**)&b->counters, 4 * bands_max));
+  TW_CUDA_TRY(cudaMemsetAsync(b->counters, 0, 4 * bands_max, s->stream));
+  TW_TRY(tw__baseline_fill_random(b->a, a_el, 17, 1.0f, s->stream));
+  TW_TRY(tw__baseline_fill_random(b->w, w_el, 18, 1.0f / 64.0f, s->stream));
+  for (int i = 0; i < 2; i++) {
+    g[i].a = b->a, g[i].b = b->w, g[i].c = b->c;
+    g[i].band_counters = b->counters; /* they only grow; nobody waits on them here */
+  }
+  for (int e = 0; e < 3; e++) {
+    TW_CUDA_TRY(cudaEventCreate(&b->ev[e]));
+    b->nev = e + 1;
+  }
+  /* Both schedules back to back per rep, the first one alternating: clock drift and the launch
+   * gap after the host's wait fall on both alike. */
+  double samples[2][32];
+  for (int rep = 0; rep < warmup + reps; rep++) {
+    TW_CUDA_TRY(cudaEventRecord(b->ev[0], s->stream));
+    for (int q = 0; q < 2; q++) {
+      TW_TRY(tw__gemm_launch(&g[(q + rep) % 2], s->stream));
+      TW_CUDA_TRY(cudaEventRecord(b->ev[q + 1], s->stream));
+    }
+    TW_CUDA_TRY(cudaEventSynchronize(b->ev[2]));
+    for (int q = 0; q < 2 && rep >= warmup; q++) {
+      float ms = 0.f;
+      TW_CUDA_TRY(cudaEventElapsedTime(&ms, b->ev[q], b->ev[q + 1]));
+      samples[(q + rep) % 2][rep - warmup] = 1000.0 * ms;
+    }
+  }
+  for (int i = 0; i < 2; i++) s->ref_us[i] = twc_median(samples[i], reps);
+  double exposure = 0;
+  TW_TRY(tw__calib_exposure(s->ref_us[0], s->ref_us[1], s->ref_bytes, s->hw.mem_gbps, &s->ref_raw,
+                            &exposure));
+  if (exposure != s->ref_raw)
+    twc_note(s->ref_note, sizeof s->ref_note, "measured %.3f, clamped to %.0f", s->ref_raw,
+             exposure);
+  s->hw.refetch_exposure = exposure;
+  s->ref_ok = 1;
+  return TW_SUCCESS;
+}
+
+/* Not fatal: on failure the default is kept and the note says why. */
+static void twc_measure_refetch(twc_state* s) {
+  twc_ref_bufs b;
+  memset(&b, 0, sizeof b);
+  const tw_status st = twc_measure_refetch_inner(s, &b);
+  if (st != TW_SUCCESS) {
+    /* Before the clean-up: the destroy calls clear the thread's last error. */
+    twc_note(s->ref_note, sizeof s->ref_note, "not measured (%s: %s); the default is kept",
+             tw_status_string(st), tw_last_error());
+    s->ref_ok = 0;
+    s->hw.refetch_exposure = s->def.refetch_exposure;
+  }
+  cudaStreamSynchronize(s->stream);
+  for (int e = 0; e < b.nev; e++) cudaEventDestroy(b.ev[e]);
+  for (int i = 0; i < 2; i++) {
+    cudaFree(b.tiles[i]);
+    tw_plan_destroy(b.plans[i]);
+  }
+  cudaFree(b.a);
+  cudaFree(b.w);
+  cudaFree(b.c);
+  cudaFree(b.counters);
+  tw_routing_destroy(b.routing);
+  /* A failed allocation also sets CUDA's last error, which the next launch check would report
+   * as its own failure. */
+  (void)cudaGetLastError();
+}
+
 /* ---- link ------------------------------------------------------------------------------------ */
 
 typedef struct twc_link_bufs {
   tw_routing_t routing;
-  tw_plan_t plans[TWC_NMGB];
+  tw_plan_t plan;
   tw_context_t ctx;
-  tw_device_plan_t dplans[TWC_NMGB];
+  tw_device_plan_t dplan;
   void *a, *w, *out;
-  double* d_points; /* device (world * TWC_NLINK * 7) */
 } twc_link_bufs;
 
-static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
+/* Problem pi (hidden twc_link_hidden[pi]) at every C: the consumer alone and beside the
+ * producer; fills mine[pi * TWC_NC + ci]. Collective (every rank calls it). */
+static tw_status twc_link_problem_inner(twc_state* s, int pi, twc_link_bufs* b,
+                                        twc_link_point* mine) {
   const int tokens = s->o.quick ? 4096 : 8192, reps = s->o.quick ? 5 : 11, warmup = 2;
   tw_problem p = TW_PROBLEM_INIT;
   p.world_size = s->world;
-  p.hidden = 4096;
-  p.ffn = 2048;
+  p.hidden = twc_link_hidden[pi];
+  p.ffn = TWC_LINK_FFN;
   p.experts = s->world <= 2 ? 16 : 8 * s->world;
   p.top_k = 2;
   p.max_tokens = tokens;
   s->link_tokens = tokens;
   s->link_experts = p.experts;
+  /* The routing does not depend on the hidden size: both problems send the same rows in the
+   * same bands, only the rows' width differs. */
   TW_TRY(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, tokens, 1, &b->routing));
-  for (int m = 0; m < TWC_NMGB; m++) {
-    tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
-    cfg.comm_ctas = TW_DEFAULT_COMM_CTAS; /* every call below passes its own C */
-    cfg.coalesce = twc_mgbs[m];
-    cfg.hardware = &s->def;
-    TW_TRY(tw_plan_create(&p, b->routing, s->rank, &cfg, &b->plans[m]));
-  }
+  tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  cfg.comm_ctas = TW_DEFAULT_COMM_CTAS; /* every call below passes its own C */
+  cfg.coalesce = TWC_LINK_MGB;
+  /* Remote-first: every remote band comes first, so a consumer slower than the producer never
+   * waits after its first segment (the pool term's assumption). */
+  cfg.schedule = TW_SCHEDULE_REMOTE_FIRST;
+  cfg.hardware = &s->def;
+  TW_TRY(tw_plan_create(&p, b->routing, s->rank, &cfg, &b->plan));
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.timing = 1;
   TW_TRY(tw_context_create(&p, s->comm, &cc, &b->ctx));
   tw_context_info info;
   TW_TRY(tw_context_info_get(b->ctx, &info));
-  s->unit_tiles = info.unit_tiles;
-  for (int m = 0; m < TWC_NMGB; m++) {
-    TW_TRY(tw_device_plan_create(b->ctx, &b->dplans[m]));
-    TW_TRY(tw_device_plan_upload(b->dplans[m], b->plans[m], b->routing, s->stream));
-  }
-  const struct tw_plan* pl = b->plans[0];
+  s->unit_tiles[pi] = info.unit_tiles;
+  TW_TRY(tw_device_plan_create(b->ctx, &b->dplan));
+  TW_TRY(tw_device_plan_upload(b->dplan, b->plan, b->routing, s->stream));
+  const struct tw_plan* pl = b->plan;
   const size_t a_el = (size_t)pl->rows * (size_t)p.ffn;
   const size_t w_el = (size_t)pl->local_experts * (size_t)p.hidden * (size_t)p.ffn;
   int32_t my_tokens = 0;
@@ -354,155 +566,234 @@ static tw_status twc_measure_link_inner(twc_state* s, twc_link_bufs* b) {
   /* COMM_ONLY sends the GEMM output of an earlier call: make one, so that real values move. */
   tw_combine_options go = TW_COMBINE_OPTIONS_INIT;
   go.mode = TW_COMBINE_GEMM_ONLY;
-  TW_TRY(tw_moe_combine_ex(b->ctx, b->dplans[0], b->a, b->w, b->out, &go, s->stream));
+  TW_TRY(tw_moe_combine_ex(b->ctx, b->dplan, b->a, b->w, b->out, &go, s->stream));
   TW_CUDA_TRY(cudaStreamSynchronize(s->stream));
 
   /* C values the context allows (max_comm_ctas is below the SM count). */
   int ncs = 0;
   while (ncs < TWC_NC && twc_cs[ncs] <= info.max_comm_ctas) ncs++;
+  if (ncs == 0)
+    return tw__fail(TW_ERR_UNSUPPORTED, "calibrate: the context allows no consumer CTA count");
   s->nlink_c = ncs;
-  twc_link_point mine[TWC_NLINK];
-  memset(mine, 0, sizeof mine);
   double comm[32], red[32], beside[32], gemm[32];
-  for (int ci = 0; ci < ncs; ci++)
-    for (int m = 0; m < TWC_NMGB; m++) {
-      tw_combine_options co = TW_COMBINE_OPTIONS_INIT;
-      co.mode = TW_COMBINE_COMM_ONLY;
-      co.comm_ctas = twc_cs[ci];
-      for (int rep = 0; rep < warmup + reps; rep++) {
-        /* All ranks start together; the delay lets the host finish enqueuing first. */
-        TW_TRY(twc_barrier(s));
-        TW_TRY(tw__bench_delay(s->stream, 100));
-        TW_TRY(tw_moe_combine_ex(b->ctx, b->dplans[m], NULL, NULL, b->out, &co, s->stream));
-        tw_combine_timings t;
-        TW_TRY(tw_context_timings(b->ctx, &t));
-        if (rep >= warmup) {
-          comm[rep - warmup] = 1000.0 * t.comm_ms;
-          red[rep - warmup] = 1000.0 * t.reduce_ms;
-        }
+  for (int ci = 0; ci < ncs; ci++) {
+    tw_combine_options co = TW_COMBINE_OPTIONS_INIT;
+    co.mode = TW_COMBINE_COMM_ONLY;
+    co.comm_ctas = twc_cs[ci];
+    for (int rep = 0; rep < warmup + reps; rep++) {
+      /* All ranks start together; the delay lets the host finish enqueuing first. */
+      TW_TRY(twc_barrier(s));
+      TW_TRY(tw__bench_delay(s->stream, 100));
+      TW_TRY(tw_moe_combine_ex(b->ctx, b->dplan, NULL, NULL, b->out, &co, s->stream));
+      tw_combine_timings t;
+      TW_TRY(tw_context_timings(b->ctx, &t));
+      if (rep >= warmup) {
+        comm[rep - warmup] = 1000.0 * t.comm_ms;
+        red[rep - warmup] = 1000.0 * t.reduce_ms;
       }
-      /* The same C and mgb beside the producer. */
-      co.mode = TW_COMBINE_OVERLAP;
-      for (int rep = 0; rep < warmup + reps; rep++) {
-        TW_TRY(twc_barrier(s));
-        TW_TRY(tw__bench_delay(s->stream, 100));
-        TW_TRY(tw_moe_combine_ex(b->ctx, b->dplans[m], b->a, b->w, b->out, &co, s->stream));
-        tw_combine_timings t;
-        TW_TRY(tw_context_timings(b->ctx, &t));
-        if (rep >= warmup) {
-          beside[rep - warmup] = 1000.0 * t.comm_ms;
-          gemm[rep - warmup] = 1000.0 * t.gemm_ms;
-        }
-      }
-      TW_TRY(tw_context_check(b->ctx));
-      twc_link_point* q = &mine[ci * TWC_NMGB + m];
-      int64_t* units = NULL;
-      double* bytes = NULL;
-      tw_status st = tw__calib_plan_segments(b->plans[m], &units, &bytes, &q->total_bytes);
-      if (st == TW_SUCCESS) {
-        q->c = twc_cs[ci];
-        q->mgb = twc_mgbs[m];
-        q->segments = b->plans[m]->num_segments;
-        q->busiest_bytes =
-            tw__calib_busiest_bytes(units, bytes, b->plans[m]->num_segments, twc_cs[ci]);
-        q->us = twc_median(comm, reps);
-        q->reduce_us = twc_median(red, reps);
-        q->beside_us = twc_median(beside, reps);
-        q->gemm_us = twc_median(gemm, reps);
-      }
-      free(units);
-      free(bytes);
-      TW_TRY(st);
     }
-  twc_progress(s, "link: %d C values x %d mgb timed", ncs, TWC_NMGB);
+    /* The same C beside the producer. */
+    co.mode = TW_COMBINE_OVERLAP;
+    for (int rep = 0; rep < warmup + reps; rep++) {
+      TW_TRY(twc_barrier(s));
+      TW_TRY(tw__bench_delay(s->stream, 100));
+      TW_TRY(tw_moe_combine_ex(b->ctx, b->dplan, b->a, b->w, b->out, &co, s->stream));
+      tw_combine_timings t;
+      TW_TRY(tw_context_timings(b->ctx, &t));
+      if (rep >= warmup) {
+        beside[rep - warmup] = 1000.0 * t.comm_ms;
+        gemm[rep - warmup] = 1000.0 * t.gemm_ms;
+      }
+    }
+    TW_TRY(tw_context_check(b->ctx));
+    /* The producer runs on the SMs the consumer leaves (tw_moe_combine_ex: P = SMs - C). */
+    tw_calib_remote rem;
+    TW_TRY(tw__calib_plan_remote(pl, info.sm_count - twc_cs[ci], &rem));
+    twc_link_point* q = &mine[pi * TWC_NC + ci];
+    q->hidden = p.hidden;
+    q->c = twc_cs[ci];
+    q->bands = rem.bands;
+    q->total_bytes = rem.bytes;
+    q->us = twc_median(comm, reps);
+    q->reduce_us = twc_median(red, reps);
+    q->beside_us = twc_median(beside, reps);
+    q->gemm_us = twc_median(gemm, reps);
+    q->ready_waves = (double)rem.ready_waves;
+    q->waves = (double)rem.waves;
+    /* The consumer kernel starts with the producer and idles until the first segment is ready,
+     * A_0 waves in: the model's pool term starts there. The wave time is this call's own. */
+    q->ready_us = rem.waves > 0 ? q->ready_waves * q->gemm_us / q->waves : 0.0;
+  }
+  if (pi == 0) {
+    /* The reduction: what the model charges at mem_gbps, (rows + tokens) x row bytes, against
+     * the phase's time at the largest C (it includes waiting for the peers' last arrivals). */
+    s->reduce_bytes = (double)my_tokens * (p.top_k + 1) * p.hidden * 2.0;
+    s->reduce_us = mine[ncs - 1].reduce_us;
+  }
+  return TW_SUCCESS;
+}
 
-  /* Gather every rank's points on every rank (tiny). */
+static tw_status twc_link_problem(twc_state* s, int pi, twc_link_point* mine) {
+  twc_link_bufs b;
+  memset(&b, 0, sizeof b);
+  tw_status st = twc_link_problem_inner(s, pi, &b, mine);
+  /* The destroy calls clear the thread's last error: keep the failure's detail. */
+  char why[512] = "";
+  if (st != TW_SUCCESS) snprintf(why, sizeof why, "%s", tw_last_error());
+  cudaStreamSynchronize(s->stream);
+  cudaFree(b.a);
+  cudaFree(b.w);
+  cudaFree(b.out);
+  tw_device_plan_destroy(b.dplan);
+  /* Destroying the context is collective: a rank that failed before every rank created it
+   * aborts the communicator instead (twc_rank_main). */
+  if (st == TW_SUCCESS) {
+    st = tw_context_destroy(b.ctx);
+    if (st != TW_SUCCESS) snprintf(why, sizeof why, "%s", tw_last_error());
+  }
+  tw_plan_destroy(b.plan);
+  tw_routing_destroy(b.routing);
+  if (why[0]) return tw__fail(st, "%s", why);
+  return st;
+}
+
+/* Every rank's points on every rank (tiny). */
+static tw_status twc_gather_points(twc_state* s, const twc_link_point* mine) {
   const size_t per = sizeof(twc_link_point) / sizeof(double) * TWC_NLINK;
-  TW_CUDA_TRY(cudaMalloc((void**)&b->d_points, sizeof(double) * per * (size_t)(s->world + 1)));
-  TW_CUDA_TRY(cudaMemcpyAsync(b->d_points, mine, sizeof mine, cudaMemcpyHostToDevice, s->stream));
-  TW_NCCL_TRY(ncclAllGather(b->d_points, b->d_points + per, per, ncclFloat64, s->comm, s->stream));
-  TW_CUDA_TRY(cudaMemcpyAsync(s->link, b->d_points + per, sizeof(double) * per * (size_t)s->world,
-                              cudaMemcpyDeviceToHost, s->stream));
-  TW_CUDA_TRY(cudaStreamSynchronize(s->stream));
+  double* d = NULL;
+  cudaError_t e = cudaMalloc((void**)&d, sizeof(double) * per * (size_t)(s->world + 1));
+  ncclResult_t nr = ncclSuccess;
+  if (e == cudaSuccess)
+    e = cudaMemcpyAsync(d, mine, sizeof(double) * per, cudaMemcpyHostToDevice, s->stream);
+  if (e == cudaSuccess) nr = ncclAllGather(d, d + per, per, ncclFloat64, s->comm, s->stream);
+  if (e == cudaSuccess && nr == ncclSuccess)
+    e = cudaMemcpyAsync(s->link, d + per, sizeof(double) * per * (size_t)s->world,
+                        cudaMemcpyDeviceToHost, s->stream);
+  if (e == cudaSuccess && nr == ncclSuccess) e = cudaStreamSynchronize(s->stream);
+  cudaStreamSynchronize(s->stream);
+  cudaFree(d);
+  if (nr != ncclSuccess)
+    return tw__fail(TW_ERR_NCCL, "calibrate: gathering the link points: %s",
+                    ncclGetErrorString(nr));
+  if (e != cudaSuccess)
+    return tw__fail(TW_ERR_CUDA, "calibrate: gathering the link points: %s", cudaGetErrorString(e));
+  return TW_SUCCESS;
+}
 
-  /* The reduction: what the model charges at mem_gbps, (rows + tokens) x row bytes, against the
-   * phase's time at the largest C (it includes waiting for the peers' last arrivals). */
-  s->reduce_bytes = (double)my_tokens * (p.top_k + 1) * p.hidden * 2.0;
-  s->reduce_us = mine[(ncs - 1) * TWC_NMGB].reduce_us;
+static const twc_link_point* twc_point(const twc_state* s, int r, int pi, int ci) {
+  return &s->link[(size_t)r * TWC_NLINK + (size_t)pi * TWC_NC + (size_t)ci];
+}
 
-  /* Aggregate rate per C alone (mean over ranks and mgb of bytes / time): the plateau is the
-   * peak. */
+/* The consumer bounds the call at C = twc_cs[ci] on every rank and problem: it runs at least 25%
+ * longer than the producer beside it. */
+static int twc_bounds(const twc_state* s, int ci) {
+  for (int r = 0; r < s->world; r++)
+    for (int pi = 0; pi < TWC_NPROB; pi++) {
+      const twc_link_point* q = twc_point(s, r, pi, ci);
+      if (!(q->beside_us > 1.25 * q->gemm_us)) return 0;
+    }
+  return 1;
+}
+
+/* The pool fit over every rank's and problem's point at C = twc_cs[ci] (the first
+ * TW_CALIB_MAX_POINTS of them). */
+static tw_status twc_fit_at(const twc_state* s, int ci, twc_pool_fit* f) {
+  double bytes[TW_CALIB_MAX_POINTS], bands[TW_CALIB_MAX_POINTS], ctas[TW_CALIB_MAX_POINTS],
+      us[TW_CALIB_MAX_POINTS];
+  int n = 0;
+  for (int r = 0; r < s->world; r++)
+    for (int pi = 0; pi < TWC_NPROB && n < TW_CALIB_MAX_POINTS; pi++) {
+      const twc_link_point* q = twc_point(s, r, pi, ci);
+      bytes[n] = q->total_bytes;
+      bands[n] = q->bands;
+      ctas[n] = q->c;
+      us[n] = q->beside_us - q->ready_us;
+      n++;
+    }
+  memset(f, 0, sizeof *f);
+  f->n = n;
+  TW_TRY(tw__calib_fit_pool(bytes, bands, ctas, us, n, &f->gbps, &f->latency_us, NULL));
+  f->ok = 1;
+  return TW_SUCCESS;
+}
+
+/* From the gathered points: the plateau alone, the fit's C, the fits, what gets written. */
+static tw_status twc_link_summarise(twc_state* s) {
+  const int ncs = s->nlink_c;
+  /* Aggregate rate per C alone on the hidden-4096 problem, the one the default was measured on
+   * (mean over ranks of bytes / time): the plateau is the peak. */
   double peak = 0;
   for (int ci = 0; ci < ncs; ci++) {
     double sum = 0;
-    for (int r = 0; r < s->world; r++)
-      for (int m = 0; m < TWC_NMGB; m++) {
-        const twc_link_point* q = &s->link[r * TWC_NLINK + ci * TWC_NMGB + m];
-        sum += q->us > 0 ? q->total_bytes / q->us * 1e-3 : 0.0;
-      }
-    s->agg_gbps[ci] = sum / (s->world * TWC_NMGB);
+    for (int r = 0; r < s->world; r++) {
+      const twc_link_point* q = twc_point(s, r, 0, ci);
+      sum += q->us > 0 ? q->total_bytes / q->us * 1e-3 : 0.0;
+    }
+    s->agg_gbps[ci] = sum / s->world;
     if (s->agg_gbps[ci] > peak) peak = s->agg_gbps[ci];
   }
   if (!(peak > 0))
     return tw__fail(TW_ERR_INTERNAL, "calibrate: the consumer moved no bytes (empty plans?)");
-  /* Beside the producer: the largest C at which the consumer bounds the call on every rank and
-   * mgb (it runs at least 25% longer than the producer), at least C = 1. */
-  s->fit_c = twc_cs[0];
-  for (int ci = 1; ci < ncs; ci++) {
-    int bound = 1;
-    for (int r = 0; r < s->world; r++)
-      for (int m = 0; m < TWC_NMGB; m++) {
-        const twc_link_point* q = &s->link[r * TWC_NLINK + ci * TWC_NMGB + m];
-        bound &= q->beside_us > 1.25 * q->gemm_us;
-      }
-    if (!bound) break;
-    s->fit_c = twc_cs[ci];
-  }
-  double bx[TW_CALIB_MAX_POINTS], sg[TW_CALIB_MAX_POINTS], us[TW_CALIB_MAX_POINTS];
-  int n = 0;
-  for (int r = 0; r < s->world; r++)
-    for (int i = 0; i < ncs * TWC_NMGB; i++) {
-      const twc_link_point* q = &s->link[r * TWC_NLINK + i];
-      if (q->c == s->fit_c && n < TW_CALIB_MAX_POINTS) {
-        bx[n] = q->busiest_bytes;
-        sg[n] = q->segments;
-        us[n] = q->beside_us;
-        n++;
-      }
-    }
-  s->nfit = n;
-  /* The fit separates the bytes term from a per-segment term; only the bytes term goes into the
-   * file. The model charges its latency per band, shared by the C CTAs (model.c), which one
-   * problem with one band size cannot separate from the bytes: it keeps the description's value. */
-  TW_TRY(tw__calib_fit_link(bx, sg, us, n, &s->hw.link_cta_gbps, &s->fit_latency, NULL));
-  s->hw.link_latency_us = s->def.link_latency_us;
-  snprintf(s->link_note, sizeof s->link_note,
-           "the fit's per-segment term, %.3f us, is not written: the model's link_latency_us is "
-           "per band over C; it keeps %.3f us",
-           s->fit_latency, s->hw.link_latency_us);
   /* The peak is the raw plateau, as the default was measured: taking a latency term out of the
    * short high-C calls would overstate it wherever the CTAs overlap their latencies. */
   s->hw.link_peak_gbps = peak;
   s->link_ok = 1;
+
+  /* The largest C up to which the consumer bounds every call. */
+  s->fit_ci = -1;
+  for (int ci = 0; ci < ncs && twc_bounds(s, ci); ci++) s->fit_ci = ci;
+  s->bound = s->fit_ci >= 0;
+  if (!s->bound) s->fit_ci = 0; /* fitted for information only */
+  s->fit_c = twc_cs[s->fit_ci];
+  /* Every C up to the fit's, for information (the per-CTA rate beside the producer falls as C
+   * grows); the fit's own decides. */
+  for (int ci = 0; ci < s->fit_ci; ci++) (void)twc_fit_at(s, ci, &s->cfit[ci]);
+  twc_pool_fit* f = &s->cfit[s->fit_ci];
+  if (twc_fit_at(s, s->fit_ci, f) != TW_SUCCESS) {
+    twc_note(s->link_note, sizeof s->link_note,
+             "the pool fit at C = %d failed (%s): link_cta_gbps and link_latency_us keep their "
+             "defaults",
+             s->fit_c, tw_last_error());
+    return TW_SUCCESS;
+  }
+  /* The pool term describes the consumer only where its CTAs bound the call. */
+  if (!s->bound) {
+    twc_note(s->link_note, sizeof s->link_note,
+             "the consumer does not bound every call even at C = 1 (beside < 1.25 x producer "
+             "somewhere): the fit (%.3g GB/s, %.3g us) is not written; link_cta_gbps and "
+             "link_latency_us keep their defaults",
+             f->gbps, f->latency_us);
+    return TW_SUCCESS;
+  }
+  if (tw__calib_in_range(f->gbps, TW_CALIB_CTA_GBPS_MIN, TW_CALIB_CTA_GBPS_MAX)) {
+    s->hw.link_cta_gbps = f->gbps;
+    s->cta_written = 1;
+  } else {
+    twc_note(s->link_note, sizeof s->link_note,
+             "fitted link_cta_gbps %.3g is outside %.0f..%.0f GB/s: the default is kept", f->gbps,
+             TW_CALIB_CTA_GBPS_MIN, TW_CALIB_CTA_GBPS_MAX);
+  }
+  if (tw__calib_in_range(f->latency_us, TW_CALIB_LATENCY_US_MIN, TW_CALIB_LATENCY_US_MAX)) {
+    s->hw.link_latency_us = f->latency_us;
+    s->latency_written = 1;
+  } else {
+    twc_note(s->link_note, sizeof s->link_note,
+             "fitted link_latency_us %.3g is outside %.0f..%.0f us: the default is kept",
+             f->latency_us, TW_CALIB_LATENCY_US_MIN, TW_CALIB_LATENCY_US_MAX);
+  }
   return TW_SUCCESS;
 }
 
 static tw_status twc_measure_link(twc_state* s) {
-  twc_link_bufs b;
-  memset(&b, 0, sizeof b);
-  tw_status st = twc_measure_link_inner(s, &b);
-  cudaStreamSynchronize(s->stream);
-  cudaFree(b.d_points);
-  cudaFree(b.a);
-  cudaFree(b.w);
-  cudaFree(b.out);
-  for (int m = 0; m < TWC_NMGB; m++) tw_device_plan_destroy(b.dplans[m]);
-  /* Destroying the context is collective: a rank that failed before every rank created it
-   * aborts the communicator instead (twc_rank_main). */
-  if (st == TW_SUCCESS) st = tw_context_destroy(b.ctx);
-  for (int m = 0; m < TWC_NMGB; m++) tw_plan_destroy(b.plans[m]);
-  tw_routing_destroy(b.routing);
-  return st;
+  twc_link_point mine[TWC_NLINK];
+  memset(mine, 0, sizeof mine);
+  for (int pi = 0; pi < TWC_NPROB; pi++) {
+    TW_TRY(twc_link_problem(s, pi, mine));
+    twc_progress(s, "link: hidden %d, %d C values timed alone and beside the producer",
+                 twc_link_hidden[pi], s->nlink_c);
+  }
+  TW_TRY(twc_gather_points(s, mine));
+  return twc_link_summarise(s);
 }
 
 /* ---- report ---------------------------------------------------------------------------------- */
@@ -528,41 +819,85 @@ static void twc_print(const twc_state* s) {
     if (s->prod_note[0]) printf("note: %s\n", s->prod_note);
     printf("\n");
   }
+  if (s->ref_ok) {
+    printf(
+        "producer alone under both schedules: 2 ranks' layout planned for rank 0, %d tokens/rank, "
+        "K %d, N %d, %d of %d experts local, top-2, balanced, %d rows, %lld tiles, P = %d CTAs; "
+        "medians, interleaved\n",
+        TWC_REFETCH_TOKENS, TWC_REFETCH_K, TWC_REFETCH_N, s->ref_experts, TWC_REFETCH_EXPERTS,
+        s->ref_rows, (long long)s->ref_tiles, s->grid);
+    printf("| schedule | us | model's memory traffic MiB | traffic / mem_gbps us |\n");
+    printf("|---|---|---|---|\n");
+    for (int i = 0; i < 2; i++)
+      printf("| %s | %.1f | %.0f | %.1f |\n", i == 0 ? "remote-first" : "expert-major",
+             s->ref_us[i], s->ref_traffic[i] / 1048576.0, s->ref_traffic[i] / (h->mem_gbps * 1e3));
+    printf("exposure = (%.1f - %.1f us) / (second reads %.0f MiB / %.0f GB/s = %.1f us) = %.3f\n",
+           s->ref_us[0], s->ref_us[1], s->ref_bytes / 1048576.0, h->mem_gbps,
+           s->ref_bytes / (h->mem_gbps * 1e3), s->ref_raw);
+  }
+  if (s->ref_note[0]) printf("note (refetch_exposure): %s\n", s->ref_note);
+  if (s->ref_ok || s->ref_note[0]) printf("\n");
   if (s->link_ok) {
+    const twc_pool_fit* f = &s->cfit[s->fit_ci];
     printf(
-        "consumer alone (COMM_ONLY) and beside the producer (OVERLAP): %d tokens/rank, N 4096, "
-        "%d experts, top-2, balanced, consumer unit %d column tile(s) (the fit counts the "
-        "model's one-tile units); median us per rank\n",
-        s->link_tokens, s->link_experts, s->unit_tiles);
+        "consumer alone (COMM_ONLY) and beside the producer (OVERLAP): %d tokens/rank, K %d, %d "
+        "experts, top-2, balanced, mgb %d, remote-first, consumer unit %d and %d column tile(s) "
+        "(hidden %d and %d); median us per rank; ready = the producer's time to the first "
+        "segment\n",
+        s->link_tokens, TWC_LINK_FFN, s->link_experts, TWC_LINK_MGB, s->unit_tiles[0],
+        s->unit_tiles[1], twc_link_hidden[0], twc_link_hidden[1]);
     printf(
-        "| C | mgb | rank | segments | MiB sent | busiest CTA MiB | alone us | GB/s alone | "
-        "beside us | producer us | fit us | in fit |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
-    for (int r = 0; r < s->world; r++)
-      for (int i = 0; i < s->nlink_c * TWC_NMGB; i++) {
-        const twc_link_point* q = &s->link[r * TWC_NLINK + i];
-        const double fit =
-            q->busiest_bytes / (h->link_cta_gbps * 1e3) + q->segments * s->fit_latency;
-        printf(
-            "| %.0f | %.0f | %d | %.0f | %.1f | %.2f | %.1f | %.1f | %.1f | %.1f | %.1f | %s |\n",
-            q->c, q->mgb, r, q->segments, q->total_bytes / 1048576.0, q->busiest_bytes / 1048576.0,
-            q->us, q->total_bytes / q->us * 1e-3, q->beside_us, q->gemm_us, fit,
-            q->c == s->fit_c ? "yes" : "no");
+        "| hidden | C | rank | bands | MiB sent | alone us | GB/s alone | beside us | producer us "
+        "| "
+        "ready us | C x (beside - ready) | fit | in fit |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int pi = 0; pi < TWC_NPROB; pi++)
+      for (int ci = 0; ci < s->nlink_c; ci++)
+        for (int r = 0; r < s->world; r++) {
+          const twc_link_point* q = twc_point(s, r, pi, ci);
+          char fit[32] = "-";
+          if (f->ok)
+            snprintf(fit, sizeof fit, "%.1f",
+                     q->total_bytes / (f->gbps * 1e3) + q->bands * f->latency_us);
+          printf(
+              "| %.0f | %.0f | %d | %.0f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %s | "
+              "%s |\n",
+              q->hidden, q->c, r, q->bands, q->total_bytes / 1048576.0, q->us,
+              q->us > 0 ? q->total_bytes / q->us * 1e-3 : 0.0, q->beside_us, q->gemm_us,
+              q->ready_us, q->c * (q->beside_us - q->ready_us), fit,
+              ci == s->fit_ci ? "yes" : "no");
+        }
+    if (f->ok && s->bound)
+      printf(
+          "pool fit beside the producer at C = %d (%d points; the largest C at which the consumer "
+          "runs >= 1.25x as long as the producer at every point): C x (us - ready) = bytes / "
+          "(%.2f GB/s x 1e3) + bands x %.3f us\n",
+          s->fit_c, f->n, f->gbps, f->latency_us);
+    else if (f->ok)
+      printf(
+          "pool fit at C = %d, not written (the consumer does not bound every call): C x (us - "
+          "ready) = bytes / (%.2f GB/s x 1e3) + bands x %.3f us\n",
+          s->fit_c, f->gbps, f->latency_us);
+    if (s->fit_ci > 0) {
+      printf("pool fit at each C up to it (information):");
+      for (int ci = 0; ci <= s->fit_ci; ci++) {
+        if (s->cfit[ci].ok)
+          printf(" C=%d %.2f GB/s %.3f us;", twc_cs[ci], s->cfit[ci].gbps, s->cfit[ci].latency_us);
+        else
+          printf(" C=%d failed;", twc_cs[ci]);
       }
-    printf(
-        "fit beside the producer at C = %d (%d points; the largest C at which the consumer runs "
-        ">= 1.25x as long as the producer): us = busiest bytes / (%.2f GB/s x 1e3) + segments x "
-        "%.3f us\n",
-        s->fit_c, s->nfit, h->link_cta_gbps, s->fit_latency);
-    printf("aggregate rate alone (bytes / time), mean over ranks and mgb:");
+      printf("\n");
+    }
+    printf("aggregate rate alone (bytes / time), hidden %d, mean over ranks:", twc_link_hidden[0]);
     for (int ci = 0; ci < s->nlink_c; ci++) printf(" C=%d %.0f", twc_cs[ci], s->agg_gbps[ci]);
     printf(" GB/s\n");
     if (s->link_note[0]) printf("note: %s\n", s->link_note);
     if (s->reduce_us > 0)
       printf(
-          "owner's reduction (rank 0, largest C): %.1f us for %.1f MiB, %.0f GB/s effective "
-          "(includes waiting for the peers' last arrivals)\n",
-          s->reduce_us, s->reduce_bytes / 1048576.0, s->reduce_bytes / s->reduce_us * 1e-3);
+          "owner's reduction (rank 0, hidden %d, largest C): %.1f us for %.1f MiB, %.0f GB/s "
+          "effective (includes waiting for the peers' last arrivals)\n",
+          twc_link_hidden[0], s->reduce_us, s->reduce_bytes / 1048576.0,
+          s->reduce_bytes / s->reduce_us * 1e-3);
     printf("\n");
   }
   printf("| parameter | default | measured | how |\n|---|---|---|---|\n");
@@ -581,15 +916,47 @@ static void twc_print(const twc_state* s) {
     printf("| mem_gbps | %.0f | %.0f | device-to-device copy of %.0f MiB, read + write |\n",
            d->mem_gbps, h->mem_gbps, s->copy_bytes / 1048576.0);
   }
+  if (s->ref_ok)
+    printf(
+        "| refetch_exposure | %.3f | %.3f | producer alone, %d local experts, (remote-first %.1f - "
+        "expert-major %.1f us) / (%.0f MiB of second reads / mem_gbps = %.1f us)%s |\n",
+        d->refetch_exposure, h->refetch_exposure, s->ref_experts, s->ref_us[0], s->ref_us[1],
+        s->ref_bytes / 1048576.0, s->ref_bytes / (h->mem_gbps * 1e3),
+        h->refetch_exposure != s->ref_raw ? "; clamped to [0, 1] (see note)" : "");
+  else
+    printf("| refetch_exposure | %.3f | - | default kept: %s |\n", d->refetch_exposure,
+           s->ref_note[0] ? "not measured (see note)" : "needs the producer's measurement");
   if (s->link_ok) {
-    printf(
-        "| link_cta_gbps | %.2f | %.2f | consumer beside the producer, C = %d, bytes term of the "
-        "fit |\n",
-        d->link_cta_gbps, h->link_cta_gbps, s->fit_c);
-    printf(
-        "| link_latency_us | %.3f | - | default kept: the model charges it per band over C, which "
-        "one band size cannot separate from the bytes (the fit's per-segment term: %.3f us) |\n",
-        d->link_latency_us, s->fit_latency);
+    const twc_pool_fit* f = &s->cfit[s->fit_ci];
+    if (s->cta_written)
+      printf(
+          "| link_cta_gbps | %.2f | %.2f | consumer beside the producer at C = %d, hidden %d and "
+          "%d: 1 / slope of C x us vs bytes |\n",
+          d->link_cta_gbps, h->link_cta_gbps, s->fit_c, twc_link_hidden[0], twc_link_hidden[1]);
+    else if (f->ok && s->bound)
+      printf("| link_cta_gbps | %.2f | - | default kept: fitted %.3g GB/s is implausible |\n",
+             d->link_cta_gbps, f->gbps);
+    else if (f->ok)
+      printf("| link_cta_gbps | %.2f | - | default kept: the consumer never bounds the call |\n",
+             d->link_cta_gbps);
+    else
+      printf("| link_cta_gbps | %.2f | - | default kept: the pool fit failed (see note) |\n",
+             d->link_cta_gbps);
+    if (s->latency_written)
+      printf(
+          "| link_latency_us | %.3f | %.3f | same fit, coefficient of the bands sent (per band) "
+          "|\n",
+          d->link_latency_us, h->link_latency_us);
+    else if (f->ok && s->bound)
+      printf(
+          "| link_latency_us | %.3f | - | default kept: fitted %.3g us is outside %.0f..%.0f |\n",
+          d->link_latency_us, f->latency_us, TW_CALIB_LATENCY_US_MIN, TW_CALIB_LATENCY_US_MAX);
+    else if (f->ok)
+      printf("| link_latency_us | %.3f | - | default kept: the consumer never bounds the call |\n",
+             d->link_latency_us);
+    else
+      printf("| link_latency_us | %.3f | - | default kept: the pool fit failed (see note) |\n",
+             d->link_latency_us);
     printf("| link_peak_gbps | %.1f | %.1f | consumer alone, largest aggregate rate over C |\n",
            d->link_peak_gbps, h->link_peak_gbps);
   } else {
@@ -606,29 +973,75 @@ static void twc_print(const twc_state* s) {
   fflush(stdout);
 }
 
+/* The fields this run measured and wrote, in tw_hardware order. */
+typedef struct twc_field {
+  const char* name;
+  int measured;
+} twc_field;
+
+static int twc_fields(const twc_state* s, twc_field* f) {
+  const twc_field all[] = {
+      {"sm_count", 1},
+      {"occ_comp", 0},
+      {"occ_comm", 0},
+      {"c_max", 0},
+      {"tile_tflops", s->prod_ok},
+      {"tile_overhead_us", s->prod_ok},
+      {"link_cta_gbps", s->cta_written},
+      {"link_peak_gbps", s->link_ok},
+      {"link_latency_us", s->latency_written},
+      {"mem_gbps", s->prod_ok},
+      {"refetch_exposure", s->ref_ok},
+      {"rho_ref", 0},
+  };
+  const int n = (int)(sizeof all / sizeof all[0]);
+  for (int i = 0; i < n; i++) f[i] = all[i];
+  return n;
+}
+
+/* A JSON string: quotes, backslashes and control characters escaped. */
+static void twc_json_str(FILE* f, const char* str) {
+  fputc('"', f);
+  for (const unsigned char* c = (const unsigned char*)str; *c; c++) {
+    if (*c == '"' || *c == '\\')
+      fprintf(f, "\\%c", *c);
+    else if (*c < 0x20)
+      fprintf(f, "\\u%04x", *c);
+    else
+      fputc(*c, f);
+  }
+  fputc('"', f);
+}
+
 static void twc_json_hw(FILE* f, const char* name, const tw_hardware* h) {
   fprintf(f,
           "  \"%s\": {\"sm_count\": %d, \"occ_comp\": %d, \"occ_comm\": %d, \"c_max\": %d, "
           "\"tile_tflops\": %.6g, \"tile_overhead_us\": %.6g, \"link_cta_gbps\": %.6g, "
           "\"link_peak_gbps\": %.6g, \"link_latency_us\": %.6g, \"mem_gbps\": %.6g, "
-          "\"rho_ref\": %.6g}",
+          "\"refetch_exposure\": %.6g, \"rho_ref\": %.6g}",
           name, h->sm_count, h->occ_comp, h->occ_comm, h->c_max, h->tile_tflops,
           h->tile_overhead_us, h->link_cta_gbps, h->link_peak_gbps, h->link_latency_us, h->mem_gbps,
-          h->rho_ref);
+          h->refetch_exposure, h->rho_ref);
 }
 
 static tw_status twc_write_json(const twc_state* s, const char* path) {
   FILE* f = fopen(path, "w");
   if (f == NULL) return tw__fail(TW_ERR_IO, "calibrate: cannot write %s", path);
-  fprintf(f,
-          "{\"command\": \"calibrate\", \"device\": \"%s\", \"world_size\": %d, \"quick\": %d,\n",
-          s->device_name, s->world, s->o.quick);
+  fprintf(f, "{\"command\": \"calibrate\", \"device\": ");
+  twc_json_str(f, s->device_name);
+  fprintf(f, ", \"world_size\": %d, \"quick\": %d,\n", s->world, s->o.quick);
   twc_json_hw(f, "defaults", &s->def);
   fprintf(f, ",\n");
   twc_json_hw(f, "measured", &s->hw);
-  fprintf(f, ",\n  \"measured_fields\": [\"sm_count\"%s%s],\n",
-          s->prod_ok ? ", \"tile_tflops\", \"tile_overhead_us\", \"mem_gbps\"" : "",
-          s->link_ok ? ", \"link_cta_gbps\", \"link_peak_gbps\"" : "");
+  twc_field fields[16];
+  const int nf = twc_fields(s, fields);
+  fprintf(f, ",\n  \"measured_fields\": [");
+  for (int i = 0, first = 1; i < nf; i++)
+    if (fields[i].measured) {
+      fprintf(f, "%s\"%s\"", first ? "" : ", ", fields[i].name);
+      first = 0;
+    }
+  fprintf(f, "],\n");
   fprintf(f, "  \"producer\": {\"tm\": %d, \"tn\": %d, \"grid\": %d, \"n\": %d, \"points\": [",
           s->tm, s->tn, s->grid, TWC_PRODUCER_N);
   for (int i = 0; s->prod_ok && i < TWC_NK; i++) {
@@ -642,21 +1055,55 @@ static tw_status twc_write_json(const twc_state* s, const char* path) {
   }
   fprintf(f, "]},\n  \"copy\": {\"bytes\": %.0f, \"us\": %.3f},\n", s->copy_bytes, s->copy_us);
   fprintf(f,
-          "  \"link\": {\"tokens\": %d, \"experts\": %d, \"unit_tiles\": %d, \"fit_c\": %d, "
-          "\"fit_segment_latency_us\": %.4f, \"points\": [",
-          s->link_tokens, s->link_experts, s->unit_tiles, s->fit_c, s->fit_latency);
+          "  \"refetch\": {\"measured\": %s, \"tokens\": %d, \"experts\": %d, \"local_experts\": "
+          "%d, \"k\": %d, \"n\": %d, \"grid\": %d, \"rows\": %d, \"tiles\": %lld, "
+          "\"remote_first_us\": %.3f, \"expert_major_us\": %.3f, \"traffic_bytes\": [%.0f, %.0f], "
+          "\"refetch_bytes\": %.0f, \"mem_gbps\": %.6g, \"raw\": %.6g, \"exposure\": %.6g, "
+          "\"note\": ",
+          s->ref_ok ? "true" : "false", TWC_REFETCH_TOKENS, TWC_REFETCH_EXPERTS, s->ref_experts,
+          TWC_REFETCH_K, TWC_REFETCH_N, s->grid, s->ref_rows, (long long)s->ref_tiles, s->ref_us[0],
+          s->ref_us[1], s->ref_traffic[0], s->ref_traffic[1], s->ref_bytes, s->hw.mem_gbps,
+          s->ref_raw, s->hw.refetch_exposure);
+  twc_json_str(f, s->ref_note);
+  fprintf(f, "},\n");
+  const twc_pool_fit* fit = &s->cfit[s->fit_ci];
+  fprintf(f,
+          "  \"link\": {\"measured\": %s, \"tokens\": %d, \"experts\": %d, \"ffn\": %d, \"mgb\": "
+          "%d, \"schedule\": \"remote-first\", \"hidden\": [%d, %d], \"unit_tiles\": [%d, %d], "
+          "\"fit_c\": %d, \"fit_ok\": %s, \"fit_points\": %d, \"fit_link_cta_gbps\": %.6g, "
+          "\"fit_link_latency_us\": %.6g, \"link_cta_written\": %s, \"link_latency_written\": %s, "
+          "\"note\": ",
+          s->link_ok ? "true" : "false", s->link_tokens, s->link_experts, TWC_LINK_FFN,
+          TWC_LINK_MGB, twc_link_hidden[0], twc_link_hidden[1], s->unit_tiles[0], s->unit_tiles[1],
+          s->fit_c, fit->ok ? "true" : "false", fit->n, fit->gbps, fit->latency_us,
+          s->cta_written ? "true" : "false", s->latency_written ? "true" : "false");
+  twc_json_str(f, s->link_note);
+  fprintf(f, ",\n    \"fits_by_c\": [");
+  for (int ci = 0; s->link_ok && ci <= s->fit_ci; ci++)
+    fprintf(f,
+            "%s{\"c\": %d, \"ok\": %s, \"points\": %d, \"link_cta_gbps\": %.6g, "
+            "\"link_latency_us\": %.6g}",
+            ci ? ", " : "", twc_cs[ci], s->cfit[ci].ok ? "true" : "false", s->cfit[ci].n,
+            s->cfit[ci].gbps, s->cfit[ci].latency_us);
+  fprintf(f, "],\n    \"alone_gbps_by_c\": [");
+  for (int ci = 0; s->link_ok && ci < s->nlink_c; ci++)
+    fprintf(f, "%s{\"c\": %d, \"gbps\": %.6g}", ci ? ", " : "", twc_cs[ci], s->agg_gbps[ci]);
+  fprintf(f, "],\n    \"points\": [");
   int first = 1;
   for (int r = 0; s->link_ok && r < s->world; r++)
-    for (int i = 0; i < s->nlink_c * TWC_NMGB; i++) {
-      const twc_link_point* q = &s->link[r * TWC_NLINK + i];
-      fprintf(f,
-              "%s\n    {\"rank\": %d, \"c\": %.0f, \"mgb\": %.0f, \"segments\": %.0f, "
-              "\"bytes\": %.0f, \"busiest_bytes\": %.0f, \"us\": %.3f, \"reduce_us\": %.3f, "
-              "\"beside_us\": %.3f, \"producer_us\": %.3f, \"in_fit\": %s}",
-              first ? "" : ",", r, q->c, q->mgb, q->segments, q->total_bytes, q->busiest_bytes,
-              q->us, q->reduce_us, q->beside_us, q->gemm_us, q->c == s->fit_c ? "true" : "false");
-      first = 0;
-    }
+    for (int pi = 0; pi < TWC_NPROB; pi++)
+      for (int ci = 0; ci < s->nlink_c; ci++) {
+        const twc_link_point* q = twc_point(s, r, pi, ci);
+        fprintf(f,
+                "%s\n      {\"rank\": %d, \"hidden\": %.0f, \"c\": %.0f, \"bands\": %.0f, "
+                "\"bytes\": %.0f, \"us\": %.3f, \"reduce_us\": %.3f, \"beside_us\": %.3f, "
+                "\"producer_us\": %.3f, \"ready_waves\": %.0f, \"waves\": %.0f, \"ready_us\": "
+                "%.3f, \"in_fit\": %s}",
+                first ? "" : ",", r, q->hidden, q->c, q->bands, q->total_bytes, q->us, q->reduce_us,
+                q->beside_us, q->gemm_us, q->ready_waves, q->waves, q->ready_us,
+                ci == s->fit_ci ? "true" : "false");
+        first = 0;
+      }
   fprintf(f, "]}\n}\n");
   const int bad = ferror(f);
   if (fclose(f) != 0 || bad) return tw__fail(TW_ERR_IO, "calibrate: writing %s failed", path);
@@ -667,14 +1114,19 @@ static tw_status twc_write_json(const twc_state* s, const char* path) {
 static tw_status twc_append_provenance(const twc_state* s) {
   FILE* f = fopen(s->o.out, "a");
   if (f == NULL) return tw__fail(TW_ERR_IO, "calibrate: cannot append to %s", s->o.out);
-  fprintf(f,
-          "# measured by `tilewave calibrate%s` on %d x %s\n"
-          "# measured: sm_count, tile_tflops, tile_overhead_us, mem_gbps%s\n"
-          "# built-in defaults: occ_comp, occ_comm, c_max (capped by sm_count), rho_ref, "
-          "link_latency_us%s\n",
-          s->o.quick ? " --quick" : "", s->world, s->device_name,
-          s->link_ok ? ", link_cta_gbps, link_peak_gbps" : "",
-          s->link_ok ? "" : ", link_cta_gbps, link_peak_gbps (one GPU)");
+  twc_field fields[16];
+  const int nf = twc_fields(s, fields);
+  fprintf(f, "# measured by `tilewave calibrate%s` on %d x %s\n", s->o.quick ? " --quick" : "",
+          s->world, s->device_name);
+  for (int m = 1; m >= 0; m--) {
+    fprintf(f, "# %s:", m ? "measured" : "built-in defaults");
+    for (int i = 0, first = 1; i < nf; i++)
+      if (fields[i].measured == m) {
+        fprintf(f, "%s %s", first ? "" : ",", fields[i].name);
+        first = 0;
+      }
+    fprintf(f, "\n");
+  }
   const int bad = ferror(f);
   if (fclose(f) != 0 || bad) return tw__fail(TW_ERR_IO, "calibrate: writing %s failed", s->o.out);
   return TW_SUCCESS;
@@ -696,17 +1148,26 @@ static tw_status twc_run(twc_state* s) {
   if (s->hw.c_max > (sms - 1) * s->hw.occ_comm) s->hw.c_max = (sms - 1) * s->hw.occ_comm;
   twc_progress(s, "%d x %s, %d SMs", s->world, s->device_name, sms);
 
-  /* Rank 0 measures the producer and the copy alone; the others wait at the barrier, so that no
-   * other GPU's traffic shares anything with it. */
+  /* Rank 0 measures the producer, the copy and the schedules alone; the others wait at the
+   * barrier, so that no other GPU's traffic shares anything with it. */
   tw_status st = TW_SUCCESS;
   if (s->rank == 0) {
     st = twc_measure_producer(s);
-    if (st == TW_SUCCESS)
+    if (st == TW_SUCCESS) {
       twc_progress(s, "producer: %.3f TFLOP/s per SM, %.3f us per tile; copy %.0f GB/s",
                    s->hw.tile_tflops, s->hw.tile_overhead_us, s->hw.mem_gbps);
-    else
+      /* Needs the producer's grid and the copy's mem_gbps; a failure keeps the default. */
+      twc_measure_refetch(s);
+      if (s->ref_ok)
+        twc_progress(s,
+                     "schedules: remote-first %.1f us, expert-major %.1f us: refetch_exposure %.3f",
+                     s->ref_us[0], s->ref_us[1], s->hw.refetch_exposure);
+      else
+        twc_progress(s, "schedules: %s", s->ref_note);
+    } else {
       fprintf(stderr, "tilewave calibrate: producer: %s: %s\n", tw_status_string(st),
               tw_last_error());
+    }
   }
   /* Every rank learns whether rank 0 succeeded (a failed rank 0 must not leave the others
    * inside the link measurement's collectives). */
@@ -720,10 +1181,12 @@ static tw_status twc_run(twc_state* s) {
   if (!ok_h) return st != TW_SUCCESS ? st : tw__fail(TW_ERR_INTERNAL, "calibrate: rank 0 failed");
 
   if (s->world >= 2) {
-    twc_progress(s, "link: consumer alone over %d ranks", s->world);
+    twc_progress(s, "link: consumer alone and beside the producer over %d ranks", s->world);
     TW_TRY(twc_measure_link(s));
-    twc_progress(s, "link: %.2f GB/s per CTA, %.1f GB/s peak, %.3f us per band (kept)",
-                 s->hw.link_cta_gbps, s->hw.link_peak_gbps, s->hw.link_latency_us);
+    twc_progress(s, "link: %.2f GB/s per CTA (%s), %.3f us per band (%s), %.1f GB/s peak",
+                 s->hw.link_cta_gbps, s->cta_written ? "fitted" : "default kept",
+                 s->hw.link_latency_us, s->latency_written ? "fitted" : "default kept",
+                 s->hw.link_peak_gbps);
   } else {
     twc_progress(s, "one GPU: link numbers stay at their defaults");
   }
@@ -790,13 +1253,18 @@ static void twc_usage(FILE* f) {
           "per GPU) and writes it as a calibration file; plans read it when TW_CALIBRATION\n"
           "names it. Takes well under a minute on 2 GPUs. See docs/calibrate.md.\n"
           "  1 GPU:   sm_count, producer tile rate and overhead (tile_tflops,\n"
-          "           tile_overhead_us), device memory rate (mem_gbps); link values stay default\n"
-          "  2+ GPUs: also the consumer's per-CTA and saturated NVLink rates (link_cta_gbps,\n"
-          "           link_peak_gbps); link_latency_us keeps its value\n\n"
+          "           tile_overhead_us), device memory rate (mem_gbps), the exposed cost of\n"
+          "           remote-first's second weight reads (refetch_exposure: the producer under\n"
+          "           both schedules); link values stay default\n"
+          "  2+ GPUs: also the consumer's per-CTA rate and per-band cost (link_cta_gbps,\n"
+          "           link_latency_us: beside the producer at small C on hidden 4096 and\n"
+          "           1024) and the saturated NVLink rate (link_peak_gbps)\n"
+          "A fitted value outside its plausible range is not written (the default stays and\n"
+          "the table says why).\n\n"
           "  --out FILE     calibration file to write (default tilewave-calibration.txt)\n"
           "  --json FILE    also write every measurement and fit as JSON\n"
           "  --quick        smaller problems and fewer repetitions (noisier)\n"
-          "  --ranks N      GPUs to use (default: every visible GPU; 1 = producer only)\n"
+          "  --ranks N      GPUs to use (default: every visible GPU; 1 = no link values)\n"
           "  --timeout S    kill the run after S seconds (default 300)\n");
 }
 
