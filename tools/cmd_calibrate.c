@@ -71,8 +71,12 @@
 #define TWC_LINK_FFN 2048
 #define TWC_LINK_MGB 4
 /* The exposure problem: 2 ranks' layout planned for rank 0, every local expert with remote and
- * local rows, weights (1 GiB) far beyond L2, so that a second read really goes to memory. */
-#define TWC_REFETCH_TOKENS 8192
+ * local rows, weights (1 GiB) far beyond L2, so that a second read really goes to memory; rows
+ * enough (16384 tokens/rank, ~37k rows) that the model's roofline is compute-bound under both
+ * schedules, so the whole measured difference is what refetch_exposure stands for (at 8192
+ * tokens remote-first's traffic already exceeds its compute in the model, and the roofline's
+ * own difference would be counted twice). */
+#define TWC_REFETCH_TOKENS 16384
 #define TWC_REFETCH_EXPERTS 128
 #define TWC_REFETCH_K 2048
 #define TWC_REFETCH_N 4096

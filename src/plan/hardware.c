@@ -4,10 +4,10 @@
  *
  * The defaults are measured numbers from two H200 GPUs joined by NVLink (NV18); each field below
  * names the measurement it comes from, or says it is an estimate. A file with the same keys
- * (written by hand or by tw_hardware_write; no `tilewave calibrate` measures them yet) replaces
- * them: setting TW_CALIBRATION=<file> makes every plan created with config->hardware == NULL use
- * it. The file is read once per process and cached; a file that does not parse is reported by
- * tw_plan_create (never silently replaced by the defaults).
+ * (written by hand, by tw_hardware_write or by `tilewave calibrate`, which measures most of them)
+ * replaces them: setting TW_CALIBRATION=<file> makes every plan created with config->hardware ==
+ * NULL use it. The file is read once per process and cached; a file that does not parse is reported
+ * by tw_plan_create (never silently replaced by the defaults).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <ctype.h>
@@ -60,17 +60,18 @@ tw_status tw_hardware_default(tw_hardware* hw) {
    * previous unit (combine.cu), 2-3 us. 3 us is also the value that fits the measured oracle
    * matrix best (2 x H200, 2026-11-30, 114 points, replayed offline: mean regret 2.3% against
    * 3.7% with 0.26 us; that is in-sample; measured with 3 us: 2.01%,
-   * bench/results/2026-11-30-run3.md). `tilewave calibrate` does not measure
-   * it yet (it needs units of two sizes). */
+   * bench/results/2026-11-30-run3.md). `tilewave calibrate` fits it together with the per-CTA
+   * rate from two hidden sizes (docs/calibrate.md). */
   hw->link_latency_us = 3.0;
   /* Local device copy measured 3.8 TB/s (read + write). */
   hw->mem_gbps = 3800.0;
   /* `tilewave bench gemm` with each schedule forced (2 x H200, 2026-11-30, 16 points of 8-64
    * local experts, 8192 and 16384 tokens/rank, N 4096 and 8192; bench/results/2026-11-30-run3.md):
    * remote-first, which reads the weights of an expert with remote and local rows twice, took
-   * 0.41 x (the second reads' bytes / mem_gbps) longer than expert-major (least squares; single
-   * points 0.13-0.53, about 0 at 4 experts, whose weights stay in L2). */
-  hw->refetch_exposure = 0.41;
+   * longer than expert-major by the model's roofline difference (non-zero at 2 of the points)
+   * plus 0.30 x (the second reads' bytes / mem_gbps) (least squares; single points -0.07-1.0,
+   * about 0 at 4 experts, whose weights stay in L2). */
+  hw->refetch_exposure = 0.30;
   /* First paper's reference service-rate ratio (its Section III calibration, K=352, 128x128
    * tiles, D=4). */
   hw->rho_ref = 10.05;

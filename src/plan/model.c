@@ -39,9 +39,9 @@
  * expert-major), the input rows and the output rows once; the traffic is taken as spread evenly
  * over the waves, so a wave lasts the longer of its compute and its share of the traffic
  * (tw__model_traffic, docs/model.md). A second read of an expert's weights costs more than the
- * roofline says: measured, remote-first takes refetch_exposure (0.41) x those bytes / mem_gbps
- * longer than expert-major even where both are compute-bound, so that part is added to the
- * waves. With the schedule left to the model, both schedules' tables are built and searched
+ * roofline says: measured, remote-first takes refetch_exposure (0.30) x those bytes / mem_gbps
+ * longer than expert-major beyond the roofline's own difference, also where both are
+ * compute-bound, so that part is added to the waves. With the schedule left to the model, both schedules' tables are built and searched
  * together, and the plan is rebuilt in the winner's order.
  *
  * Evaluating F segment by segment costs O(S) per candidate. Replacing t_s by its running
