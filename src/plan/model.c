@@ -41,8 +41,8 @@
  * (tw__model_traffic, docs/model.md). A second read of an expert's weights costs more than the
  * roofline says: measured, remote-first takes refetch_exposure (0.30) x those bytes / mem_gbps
  * longer than expert-major beyond the roofline's own difference, also where both are
- * compute-bound, so that part is added to the waves. With the schedule left to the model, both schedules' tables are built and searched
- * together, and the plan is rebuilt in the winner's order.
+ * compute-bound, so that part is added to the waves. With the schedule left to the model, both
+ * schedules' tables are built and searched together, and the plan is rebuilt in the winner's order.
  *
  * Evaluating F segment by segment costs O(S) per candidate. Replacing t_s by its running
  * maximum t'_s = max_{j <= s} t_j leaves the maximum unchanged (a term whose A_s was raised is
@@ -59,6 +59,7 @@
  */
 #include <float.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -73,21 +74,28 @@ static const int32_t tw__mgb_candidates[] = {1, 2, 4};
 /* Per schedule: the candidates plus one explicit coalesce value outside that set. */
 #define TW__MAX_TABLES (TW__MAX_SCHED * (TW__NUM_MGB_CANDIDATES + 1))
 
+/* One segment s as a wave term reads it: in one 16-byte record, so that a term costs one load
+ * after first_seg's. */
+typedef struct tw__seg_entry {
+  double suffix_bytes;  /* bytes of segments j >= s */
+  int32_t suffix_bands; /* bands of segments j >= s */
+  int32_t run_last;     /* t'_s, non-decreasing */
+} tw__seg_entry;
+
 /* The segments of one coalescing factor, in the form the fast evaluation reads. */
 typedef struct tw__seg_table {
   int32_t mgb;
-  int32_t slot;         /* schedule slot (tw__model_tables.sched) whose order the segments follow */
-  int32_t key;          /* tie rank: among equal T and C the larger wins (mgb, then expert-major) */
-  int32_t twin;         /* a table searched before this one whose bound is <= this one's at every
-                           C and which wins ties: this one's bounds are computed only if the search
-                           gets to step 4 (tw__solve); -1 if none */
-  int32_t nseg;         /* S */
-  int32_t last_tile;    /* t'_{S-1}: running last-tile index of the last segment; -1 if S = 0 */
-  int32_t* run_last;    /* (S) t'_s, non-decreasing */
-  int32_t* first_seg;   /* (last_tile + 1) first s with t'_s >= t */
-  double* suffix_bytes; /* (S + 1) bytes of segments j >= s */
-  int32_t* suffix_bands; /* (S + 1) bands of segments j >= s */
-  double total_bytes;    /* suffix_bytes[0] */
+  int32_t slot;       /* schedule slot (tw__model_tables.sched) whose order the segments follow */
+  int32_t key;        /* tie rank: among equal T and C the larger wins (mgb, then expert-major) */
+  int32_t twin;       /* a table searched before this one whose bound is <= this one's at every
+                         C and which wins ties: this one's bounds are computed only if the search
+                         gets to step 4 (tw__solve); -1 if none */
+  int32_t nseg;       /* S */
+  int32_t last_tile;  /* t'_{S-1}: running last-tile index of the last segment; -1 if S = 0 */
+  tw__seg_entry* seg; /* (S + 1) per segment s, what a wave term reads (entry S: the empty
+                         suffix, run_last INT32_MAX) */
+  int32_t* first_seg; /* (last_tile + 1) first s with t'_s >= t */
+  double total_bytes; /* seg[0].suffix_bytes */
 } tw__seg_table;
 
 /* Everything the decision reads, built once per plan by tw__model_choose. */
@@ -111,10 +119,8 @@ typedef struct tw__model_tables {
 } tw__model_tables;
 
 static void tw__table_free(tw__seg_table* tb) {
-  free(tb->run_last);
+  free(tb->seg);
   free(tb->first_seg);
-  free(tb->suffix_bytes);
-  free(tb->suffix_bands);
   memset(tb, 0, sizeof *tb);
 }
 
@@ -147,10 +153,8 @@ static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band
   tb->nseg = S;
   tb->last_tile = -1;
   if (S == 0) return TW_SUCCESS;
-  tb->run_last = malloc((size_t)S * sizeof *tb->run_last);
-  tb->suffix_bytes = malloc((size_t)(S + 1) * sizeof *tb->suffix_bytes);
-  tb->suffix_bands = malloc((size_t)(S + 1) * sizeof *tb->suffix_bands);
-  if (!tb->run_last || !tb->suffix_bytes || !tb->suffix_bands) goto oom;
+  tb->seg = malloc((size_t)(S + 1) * sizeof *tb->seg);
+  if (!tb->seg) goto oom;
   const double row_bytes = 2.0 * (double)plan->problem.hidden; /* bf16 / fp16 */
   int32_t run = -1;
   for (int32_t s = 0; s < S; s++) {
@@ -163,21 +167,22 @@ static tw_status tw__table_build(const struct tw_plan* plan, const int32_t* band
     for (int32_t b = sg->band0; b < sg->band0 + sg->nbands; b++)
       if (band_last[b] > run) run = band_last[b];
     if (run < 0) return tw__fail(TW_ERR_INTERNAL, "model: segment %d has no scheduled tile", s);
-    tb->run_last[s] = run;
+    tb->seg[s].run_last = run;
   }
-  tb->suffix_bytes[S] = 0.0;
-  tb->suffix_bands[S] = 0;
+  tb->seg[S].suffix_bytes = 0.0;
+  tb->seg[S].suffix_bands = 0;
+  tb->seg[S].run_last = INT32_MAX;
   for (int32_t s = S - 1; s >= 0; s--) {
     const tw_segment* sg = &plan->segments[s];
-    tb->suffix_bytes[s] = tb->suffix_bytes[s + 1] + (double)sg->valid_rows * row_bytes;
-    tb->suffix_bands[s] = tb->suffix_bands[s + 1] + sg->nbands;
+    tb->seg[s].suffix_bytes = tb->seg[s + 1].suffix_bytes + (double)sg->valid_rows * row_bytes;
+    tb->seg[s].suffix_bands = tb->seg[s + 1].suffix_bands + sg->nbands;
   }
-  tb->total_bytes = tb->suffix_bytes[0];
+  tb->total_bytes = tb->seg[0].suffix_bytes;
   tb->last_tile = run;
   tb->first_seg = malloc((size_t)(run + 1) * sizeof *tb->first_seg);
   if (!tb->first_seg) goto oom;
   for (int32_t t = 0, s = 0; t <= run; t++) {
-    while (tb->run_last[s] < t) s++; /* ends: run_last[S-1] = run >= t */
+    while (tb->seg[s].run_last < t) s++; /* ends: run_last of S-1 = run >= t */
     tb->first_seg[t] = s;
   }
   return TW_SUCCESS;
@@ -213,8 +218,9 @@ oom:
  * wave skipping relies on. One expression for every caller, so equal inputs give equal bits. */
 static inline double tw__service(const tw__seg_table* tb, int32_t s, double lat_c, double inv_cta_c,
                                  double inv_peak) {
-  const double ctas = (double)tb->suffix_bands[s] * lat_c + tb->suffix_bytes[s] * inv_cta_c;
-  const double link = tb->suffix_bytes[s] * inv_peak;
+  const tw__seg_entry e = tb->seg[s];
+  const double ctas = (double)e.suffix_bands * lat_c + e.suffix_bytes * inv_cta_c;
+  const double link = e.suffix_bytes * inv_peak;
   return ctas > link ? ctas : link;
 }
 
@@ -262,7 +268,7 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
   int64_t w = 1, start = 0; /* start = (w - 1) P: first tile index of wave w */
   while (w <= last_wave) {
     const int32_t s = tb->first_seg[start];
-    if (tb->run_last[s] < start + p) { /* something becomes ready in wave w */
+    if (tb->seg[s].run_last < start + p) { /* something becomes ready in wave w */
       /* s = 0 in wave 1: the first term, computed once by tw__first_terms. */
       const double term =
           w == 1 ? first : (double)w * tau + tw__service(tb, s, lat_c, inv_cta_c, m->inv_peak);
@@ -512,7 +518,7 @@ static tw_status tw__model_slot(tw__model_tables* m, const struct tw_plan* plan,
 static int tw__bounds_dominated(const tw__model_tables* m, const tw__seg_table* a,
                                 const tw__seg_table* b) {
   if (a->nseg != b->nseg || a->total_bytes != b->total_bytes ||
-      (a->nseg > 0 && a->suffix_bands[0] != b->suffix_bands[0]))
+      (a->nseg > 0 && a->seg[0].suffix_bands != b->seg[0].suffix_bands))
     return 0;
   const size_t stride = (size_t)m->hw.c_max + 1;
   const double* ta = m->tau_us + (size_t)a->slot * stride;
