@@ -4,7 +4,8 @@
 # then the benchmark tables (bench/gpu_bench.sh), all under $OUT (default ./gpu-out).
 # Usage: bench/gpu_all.sh [quick|tests]   quick: tests + a reduced benchmark grid; tests: build and
 #        ctest only (for lab runs that add their own measurements after it)
-# Takes about 3.5 minutes on 2 x H200 (206 and 208 s measured in the two committed runs).
+# Takes about 5.5 minutes on 2 x H200 (326 s measured in run 4). Everything it writes is also
+# archived as $OUT/gpu-results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/gpu-out}
@@ -61,3 +62,9 @@ if [ "$mode" != quick ]; then
   timeout 150 "$BUILD/tilewave" sweep --tokens 16384 --hidden 8192 --ffn 2048 --experts 64 --topk 2 \
     --iters 10 --warmup 2 | tee "$OUT/sweep2.md"
 fi
+
+# Everything under $OUT in one archive as well: some transports of results bring back only a
+# few files per run.
+step "archive"
+tar czf "$OUT/../gpu-results.tgz" -C "$OUT" . && mv "$OUT/../gpu-results.tgz" "$OUT/gpu-results.tgz" &&
+  ls -la "$OUT/gpu-results.tgz"
