@@ -27,6 +27,7 @@
 #include "runtime.h"
 #include "spawn.h"
 #include "tw_test_gpu.h"
+#include "tw_test_random.h"
 
 typedef struct tw_rank_env {
   int rank, nranks;

@@ -23,6 +23,7 @@
 #include "reference.h"
 #include "spawn.h"
 #include "tw_test.h"
+#include "tw_test_random.h"
 
 typedef struct case_cfg {
   int hidden, ffn, experts, topk, tokens;
@@ -81,13 +82,8 @@ static int compare(int rank, const char* what, const void* dout, const double* r
 static int rank_body(int rank, int world, const ncclUniqueId* id, void* arg) {
   const case_cfg* cfg = (const case_cfg*)arg;
   int failures = 0;
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = world;
-  p.hidden = cfg->hidden;
-  p.ffn = cfg->ffn;
-  p.experts = cfg->experts;
-  p.top_k = cfg->topk;
-  p.max_tokens = cfg->tokens;
+  tw_problem p =
+      tw_test_problem(world, cfg->hidden, cfg->ffn, cfg->experts, cfg->topk, cfg->tokens, 0, 0);
   tw_routing_t routing = NULL;
   if (tw_routing_generate(&p, cfg->router, 0.0, cfg->tokens, cfg->seed, &routing) != TW_SUCCESS) {
     fprintf(stderr, "rank %d: routing: %s\n", rank, tw_last_error());

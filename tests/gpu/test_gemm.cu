@@ -21,6 +21,7 @@
 #include "core.h"
 #include "kernels.h"
 #include "plan.h"
+#include "tw_test_random.h"
 
 namespace {
 
@@ -409,13 +410,7 @@ void build_from_plan(Problem& p, const struct tw_plan* pl, int k, int n) {
 
 void planned_case(tw_router router, int world, int experts_total, int top_k, int tokens, int k,
                   int n, const std::vector<int>& grids) {
-  tw_problem prob = TW_PROBLEM_INIT;
-  prob.world_size = world;
-  prob.hidden = n;
-  prob.ffn = k;
-  prob.experts = experts_total;
-  prob.top_k = top_k;
-  prob.max_tokens = tokens;
+  tw_problem prob = tw_test_problem(world, n, k, experts_total, top_k, tokens, 0, 0);
   tw_routing_t rt = nullptr;
   CHECK_OK(tw_routing_generate(&prob, router, 0.0, tokens, next_u64(), &rt));
   if (rt == nullptr) return;

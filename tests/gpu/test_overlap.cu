@@ -81,13 +81,8 @@ static void tw_run_mode(tw_rank_env* env, tw_context_t ctx, tw_device_plan_t dp,
 static double g_max_rel = 0.0;
 
 static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_index, int copy) {
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = env->nranks;
-  p.hidden = cfg->hidden;
-  p.ffn = cfg->ffn;
-  p.experts = cfg->experts;
-  p.top_k = cfg->top_k;
-  p.max_tokens = cfg->max_tokens;
+  tw_problem p = tw_test_problem(env->nranks, cfg->hidden, cfg->ffn, cfg->experts, cfg->top_k,
+                                 cfg->max_tokens, 0, 0);
   CHECK_OK(tw_problem_validate(&p));
   /* Consumer unit widths 1 (default), several and whole bands (clamped to col_tiles). */
   static const int kUnitTiles[] = {1, 4, 1, 3, 1, 2, 64};
@@ -229,13 +224,7 @@ static void test_overlap_matches_unfused_and_reference(tw_rank_env* env) {
 
 /* Debug tags + identity weights: out decodes to exactly the expected (token, k) payloads. */
 static void tw_debug_tags_exactly_once(tw_rank_env* env, int copy) {
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = env->nranks;
-  p.hidden = 256;
-  p.ffn = 256;
-  p.experts = 16;
-  p.top_k = 4;
-  p.max_tokens = 300;
+  tw_problem p = tw_test_problem(env->nranks, 256, 256, 16, 4, 300, 0, 0);
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.debug_tags = TW_DEBUG_TAGS_CHECK;
   cc.unit_tiles = 2; /* hits must still add up to col_tiles per row */
@@ -349,14 +338,8 @@ static void test_debug_tags_exactly_once(tw_rank_env* env) {
 }
 
 static void test_no_deadlock_any_c(tw_rank_env* env) {
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = env->nranks;
   /* Large enough that the reduction's grid reaches its cap (it could fill every SM). */
-  p.hidden = 1024;
-  p.ffn = 128;
-  p.experts = 8;
-  p.top_k = 2;
-  p.max_tokens = 2048;
+  tw_problem p = tw_test_problem(env->nranks, 1024, 128, 8, 2, 2048, 0, 0);
   tw_context_t ctx = NULL;
   CHECK_OK(tw_context_create(&p, env->comm, NULL, &ctx));
   if (ctx == NULL) return;
@@ -420,13 +403,8 @@ static int tw_cmp_float(const void* a, const void* b) {
 static void tw_modes_and_timings(tw_rank_env* env, int copy, int unit_tiles, uint16_t** out_copy,
                                  size_t* out_n) {
   const int quick = getenv("TW_TEST_QUICK") != NULL;
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = env->nranks;
-  p.hidden = quick ? 512 : 4096;
-  p.ffn = quick ? 256 : 2048;
-  p.experts = 16;
-  p.top_k = 2;
-  p.max_tokens = quick ? 256 : 8192;
+  tw_problem p = tw_test_problem(env->nranks, quick ? 512 : 4096, quick ? 256 : 2048, 16, 2,
+                                 quick ? 256 : 8192, 0, 0);
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.timing = 1;
   cc.unit_tiles = unit_tiles;

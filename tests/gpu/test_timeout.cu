@@ -30,13 +30,7 @@ typedef struct tw_fixture {
 
 static int tw_fixture_init(tw_rank_env* env, tw_fixture* fx, int copy) {
   memset(fx, 0, sizeof *fx);
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = env->nranks;
-  p.hidden = 512;
-  p.ffn = 256;
-  p.experts = 8;
-  p.top_k = 2;
-  p.max_tokens = 256;
+  const tw_problem p = tw_test_problem(env->nranks, 512, 256, 8, 2, 256, 0, 0);
   fx->p = p;
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.timeout_ms = TW_TEST_TIMEOUT_MS;
