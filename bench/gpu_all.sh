@@ -5,7 +5,7 @@
 # Usage: bench/gpu_all.sh [quick|tests]   quick: tests + a reduced benchmark grid; tests: build and
 #        ctest only (for lab runs that add their own measurements after it)
 # Takes about 5.5 minutes on 2 x H200 (326 s measured in run 4). Everything it writes is also
-# archived as $OUT/gpu-results.tgz.
+# archived as $OUT/00-gpu-results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/gpu-out}
@@ -63,8 +63,8 @@ if [ "$mode" != quick ]; then
     --iters 10 --warmup 2 | tee "$OUT/sweep2.md"
 fi
 
-# Everything under $OUT in one archive as well: some transports of results bring back only a
-# few files per run.
+# Everything under $OUT in one archive as well, named to sort first: some transports of results
+# bring back only the first few files of a run, in name order.
 step "archive"
-tar czf "$OUT/../gpu-results.tgz" -C "$OUT" . && mv "$OUT/../gpu-results.tgz" "$OUT/gpu-results.tgz" &&
-  ls -la "$OUT/gpu-results.tgz"
+tar czf "$OUT/../00-gpu-results.tgz" -C "$OUT" . &&
+  mv "$OUT/../00-gpu-results.tgz" "$OUT/00-gpu-results.tgz" && ls -la "$OUT/00-gpu-results.tgz"
