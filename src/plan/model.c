@@ -104,12 +104,14 @@ typedef struct tw__model_tables {
   double tau_comp_us;            /* one producer tile's compute */
   double reduce_us;              /* owner's weighted reduction */
   int32_t sched[TW__MAX_SCHED];  /* TW_SCHEDULE_* of each slot (1, or 2 when the model chooses) */
-  double gemm_us[TW__MAX_SCHED]; /* GEMM alone on every SM: max(waves tau_comp, mem_us) */
+  double gemm_us[TW__MAX_SCHED]; /* GEMM alone on every SM: max(waves tau_comp, mem_us) +
+                                    exposed_us */
   /* Per candidate C (index C, 0 unused): constants of the hardware and the tile count. */
   int32_t* prod;   /* (c_max + 1) P(C) */
-  double* tau_us;  /* (slots, c_max + 1) tau_tile(C) = max(tau_comp, mem_us / waves(C)) */
+  double* tau_us;  /* (slots, c_max + 1) tau_tile(C) = max(tau_comp, mem_us / waves(C)) +
+                      exposed_us / waves(C) */
   double* inv_tau; /* (slots, c_max + 1) 1 / tau_us (wave skipping in tw__eval) */
-  double* comp_us; /* (slots, c_max + 1) compute end max(waves(C) tau_comp, mem_us) */
+  double* comp_us; /* (slots, c_max + 1) compute end max(waves(C) tau_comp, mem_us) + exposed_us */
   double* inv_cta; /* (c_max + 1) 1 / (C link_cta) in us per byte: the CTAs' own rate */
   double* lat_c;   /* (c_max + 1) link_latency_us / C: a band's fixed cost shared by C CTAs */
   double inv_peak; /* 1 / link_peak in us per byte: the link's plateau */
@@ -359,11 +361,12 @@ static int32_t tw__table_key(int32_t mgb, int32_t schedule) {
  *      usually the winner), and the exact T of its best-ranked one: an upper bound of the
  *      optimum;
  *   2. the bounds of the other tables, for C up to the last whose compute end + reduce stays
- *      within that T (the compute end max(waves(C) tau_comp, mem_us) only grows with C; beyond
- *      it every candidate loses; a schedule whose memory traffic alone exceeds that T is not
- *      looked at);
+ *      within that T (the compute end max(waves(C) tau_comp, mem_us) + exposed_us only grows
+ *      with C; beyond it every candidate loses; a schedule whose memory traffic alone exceeds
+ *      that T is not looked at);
  *   3. if the candidate evaluated in 1 ranks first among all bounds by (lb, C, -key) and its T
- *      equals its bound (link-bound shapes: T is the first wave's term), it is the answer, since
+ *      equals its bound (T is the first wave's term on link-bound shapes, the compute end on
+ *      compute-bound ones), it is the answer, since
  *      no bound is below it and equal bounds rank after it: the search ends here;
  *   4. otherwise every other candidate whose bound still lets it win (tw__better on the bound) is
  *      evaluated, with the best T as cutoff so that a loser stops at its first term above it.
@@ -502,7 +505,7 @@ static tw_status tw__model_slot(tw__model_tables* m, const struct tw_plan* plan,
   double* comp_us = m->comp_us + (size_t)slot * stride;
   for (int32_t c = 1; c <= hw->c_max; c++) {
     /* A wave lasts the longer of its compute and its share of the traffic; the compute end,
-     * max(waves tau, mem_us), is non-decreasing in C, which tw__solve relies on. */
+     * max(waves tau, mem_us) + exposed_us, is non-decreasing in C, which tw__solve relies on. */
     const int64_t waves = tw__ceil_div(plan->num_tiles, m->prod[c]);
     tau_us[c] = waves > 0 ? fmax(tau, mem_us / (double)waves) + exposed_us / (double)waves : tau;
     inv_tau[c] = 1.0 / tau_us[c];
