@@ -586,7 +586,8 @@ static const int twb_sweep_mgbs[3] = {1, 2, 4};
 
 /* One sweep point, measured. Policy 0 is the sequential baseline (the correctness reference;
  * timed only in the single-point sweep), policies 1.. are `ours` at every (C, mgb), index
- * 1 + m * cmax + (C - 1) for mgbs[m], plus the model's choice where it lies outside that grid. */
+ * 1 + m * cmax + (C - 1) for mgbs[m], then the model's (C, mgb) with the other schedule (other_i),
+ * then the model's choice where it lies outside that grid (the last policy). */
 typedef struct twb_sweep_result {
   int np, cmax;
   int mgbs[3];
