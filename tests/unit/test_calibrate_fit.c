@@ -320,18 +320,22 @@ static void test_exposure(void) {
   CHECK_STATUS(tw__calib_exposure(750.0, 640.0, 1e9, 4000.0, NULL, &x), TW_ERR_NULL_POINTER);
 }
 
-/* The exposure measurement's problem (2 ranks' layout planned for rank 0, 8192 tokens/rank, K 2048,
- * N 4096, 128 experts, top-2, balanced) under each schedule: remote-first reads every one of the 64
- * local experts' weights twice (each has remote and local rows), expert-major once, so the second
- * reads are 64 x 4096 x 2048 x 2 bytes = 1 GiB, what the command divides by. */
+/* The exposure measurement's problem (2 ranks' layout planned for rank 0, 16384 tokens/rank,
+ * K 2048, N 4096, 128 experts, top-2, balanced, as cmd_calibrate.c plans it) under each schedule:
+ * remote-first reads every one of the 64 local experts' weights twice (each has remote and local
+ * rows), expert-major once, so the second reads are 64 x 4096 x 2048 x 2 bytes = 1 GiB, what the
+ * command divides by. The command takes the whole measured difference as the exposure because the
+ * model's roofline is compute-bound under both schedules there: with the exposure set to 0 the
+ * model's GEMM-alone times are equal (on every SM; the command's 8 fewer SMs only add compute). */
 static void test_refetch_problem(void) {
-  tw_problem p = tw_test_problem(2, 4096, 2048, 128, 2, 8192, 0, 0);
+  tw_problem p = tw_test_problem(2, 4096, 2048, 128, 2, 16384, 0, 0);
   tw_routing_t rt = NULL;
-  CHECK_OK(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, 8192, tw_test_seed, &rt));
+  CHECK_OK(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, 16384, tw_test_seed, &rt));
   tw_hardware def;
   CHECK_OK(tw_hardware_default(&def));
+  def.refetch_exposure = 0.0;
   const int32_t sched[2] = {TW_SCHEDULE_REMOTE_FIRST, TW_SCHEDULE_EXPERT_MAJOR};
-  double traffic[2] = {0, 0}, refetch[2] = {-1, -1};
+  double traffic[2] = {0, 0}, refetch[2] = {-1, -1}, gemm_us[2] = {-1, -2};
   int32_t rows[2] = {0, 0}, tiles[2] = {0, 0};
   for (int i = 0; i < 2 && rt; i++) {
     tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
@@ -347,12 +351,16 @@ static void test_refetch_problem(void) {
     CHECK_OK(tw__model_traffic(plan, &traffic[i], &refetch[i]));
     rows[i] = plan->rows;
     tiles[i] = plan->num_tiles;
+    gemm_us[i] = plan->gemm_us;
     tw_plan_destroy(plan);
   }
   CHECK(rows[0] == rows[1] && tiles[0] == tiles[1]);
   CHECK_NEAR(refetch[0], 64.0 * 4096 * 2048 * 2, 0);
   CHECK_NEAR(refetch[1], 0.0, 0);
   CHECK_NEAR(traffic[0] - traffic[1], refetch[0], 0);
+  CHECKF(gemm_us[0] == gemm_us[1] && traffic[0] / (def.mem_gbps * 1e3) < gemm_us[0],
+         "GEMM alone %.1f us (remote-first, traffic %.1f us) and %.1f us (expert-major)",
+         gemm_us[0], traffic[0] / (def.mem_gbps * 1e3), gemm_us[1]);
   tw_routing_destroy(rt);
 }
 
