@@ -13,7 +13,8 @@
 #   calibrate.md, calibration.txt  tilewave calibrate: this machine's description for the model
 #   launcher-rank*.md            tilewave bench started as two processes by a torchrun-style env
 #   bench-gemm-<schedule>.md, bench-<schedule>.md   the two schedules side by side
-#   bench-gemm-tiles.md          bench gemm at the many-small-experts point, tm 64/128 x tn 128/256
+#   bench-gemm-tiles.md          bench gemm at the many-small-experts point: one row each for tm
+#                                128 x tn 256, 128 x 128, 64 x 256, 64 x 128, in that order
 #   torch_peer.md                PyTorch per-expert matmul + all_to_all_single on the same routing
 #   log.txt                      everything printed, with timings
 # Usage: bench/gpu_bench.sh [quick]   (quick: tokens/rank 8192 only, fewer samples, no GEMM bench)
