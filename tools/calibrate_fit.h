@@ -8,7 +8,9 @@
  *   schedules T_rf - T_em     = refetch_exposure x refetch_bytes / (mem_gbps 1e3)
  * The consumer's is the model's pool term Q_0 where the C CTAs bound it (bytes and bands of the
  * plan's whole remote traffic, every segment ready; us counted from the first segment's ready
- * time). The schedules' is the measured difference the model adds to remote-first's GEMM.
+ * time). The schedules' is the measured difference the model adds to remote-first's GEMM; it is
+ * the whole difference only where the model's roofline is compute-bound under both schedules (the
+ * problem calibrate measures it on is; test_calibrate_fit checks that).
  */
 #ifndef TW_CALIBRATE_FIT_H
 #define TW_CALIBRATE_FIT_H

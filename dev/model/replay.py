@@ -8,8 +8,8 @@ table, so that a model change can be judged before any GPU time is spent:
 
     dev/model/replay.py bench/results/2026-11-30-run4-oracle.json.gz [--calibration FILE]
 
-Caveats, printed with the result: the grid cells were measured in the schedule the model of the
-run chose for each mgb, so a point whose schedule choice changes is looked up in the other
+Caveats (the output counts only the points it could not look up): the grid cells were measured
+in the schedule the model of the run chose for each mgb, so a point whose schedule choice changes is looked up in the other
 schedule's cells only where the run measured it (the model's own (C, mgb)), else counted apart;
 ranks that chose differently are approximated by rank 0; regret is against the run's oracle.
 """
