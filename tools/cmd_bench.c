@@ -1026,12 +1026,6 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
   sum.fixed = -1;
   const int ok =
       n > 0 && tw__oracle_summarize(acc->t, n, acc->ncand, acc->t_model, acc->t_other, &sum) == 0;
-  /* The schedule decision: points where the other schedule at the model's (C, mgb) was faster. */
-  int other_faster = 0, other_faster_1pct = 0;
-  for (int i = 0; i < n; i++) {
-    other_faster += acc->t_other[i] < acc->t_model[i];
-    other_faster_1pct += acc->t_other[i] * 1.01 < acc->t_model[i];
-  }
   int fc = -1, fm = -1; /* the best fixed (C, mgb); -1: none */
   if (ok && sum.fixed >= 0) {
     fc = sum.fixed % o->c_max + 1;
@@ -1078,7 +1072,7 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
       printf(
           "| points where the other schedule at the model's (C, mgb) was faster | %d of %d; %d "
           "by more than 1%% | |\n",
-          other_faster, n, other_faster_1pct);
+          sum.other_faster, n, sum.other_faster_1pct);
     } else {
       printf("| model: regret | no point measured | |\n");
     }
@@ -1108,8 +1102,9 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
             "%.1f, \"max_median\": %.1f, \"max_p99\": %.1f}, \"seconds\": %.1f}}\n",
             n, acc->failed, ok ? sum.mean_regret : -1.0, ok ? sum.max_regret : -1.0,
             ok ? pts[sum.max_regret_point].index : 0, fc, fm, sum.fixed_mean_regret,
-            sum.fixed_max_regret, sum.model_slower, sum.model_slower_1pct, other_faster,
-            other_faster_1pct, sm, smax, sp99, cm, cmaxv, cp99, tw__now_seconds() - acc->t_start);
+            sum.fixed_max_regret, sum.model_slower, sum.model_slower_1pct, sum.other_faster,
+            sum.other_faster_1pct, sm, smax, sp99, cm, cmaxv, cp99,
+            tw__now_seconds() - acc->t_start);
     fflush(js);
   }
 }

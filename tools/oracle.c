@@ -127,6 +127,11 @@ int tw__oracle_summarize(const double* t, int npoints, int ncand, const double* 
   out->points = npoints;
   out->fixed = -1;
   out->max_regret = -INFINITY;
+  /* The other configuration against the model's (NaN on either side counts as not faster). */
+  for (int p = 0; t_other != NULL && p < npoints; p++) {
+    out->other_faster += t_other[p] < t_model[p];
+    out->other_faster_1pct += t_other[p] * 1.01 < t_model[p];
+  }
   double sum = 0;
   for (int p = 0; p < npoints; p++) {
     if (!(isfinite(t_model[p]) && t_model[p] > 0)) return -1;

@@ -47,6 +47,8 @@ typedef struct tw__oracle_summary {
   double fixed_mean_regret, fixed_max_regret;
   int model_slower;      /* points where t_model > t_fixed */
   int model_slower_1pct; /* points where t_model > 1.01 t_fixed */
+  int other_faster;      /* points where t_model > t_other (0 without t_other) */
+  int other_faster_1pct; /* points where t_model > 1.01 t_other */
 } tw__oracle_summary;
 
 /* Summarises a measured matrix.
@@ -59,7 +61,8 @@ typedef struct tw__oracle_summary {
  *               oracle but is no fixed choice (the sweep's: the model's C and mgb with the
  *               other schedule); NaN where not measured
  * Returns 0, or -1 when npoints or ncand < 1, a t_model is not finite and positive, or a pointer
- * is NULL. Ties between fixed candidates go to the lower index. */
+ * is NULL (out is then filled only in part: other_faster* are counted over every point before
+ * the t_model checks). Ties between fixed candidates go to the lower index. */
 int tw__oracle_summarize(const double* t, int npoints, int ncand, const double* t_model,
                          const double* t_other, tw__oracle_summary* out);
 

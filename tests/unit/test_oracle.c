@@ -83,7 +83,14 @@ static void test_other_configuration(void) {
   CHECK_NEAR(s.max_regret, 15.0 / 90, 1e-12);
   CHECK(s.fixed == 0);
   CHECK_NEAR(s.fixed_mean_regret, 10.0 / 90, 1e-12);
-  CHECK(s.model_slower == 1); /* p0: 105 > 100 */
+  CHECK(s.model_slower == 1);                             /* p0: 105 > 100 */
+  CHECK(s.other_faster == 1 && s.other_faster_1pct == 1); /* p0: 90 < 105; p1 not measured */
+  /* Faster by less than 1%: 104.5 x 1.01 = 105.545 > 105. */
+  const double close[2] = {104.5, 95};
+  CHECK(tw__oracle_summarize(t, 2, 2, tm, close, &s) == 0);
+  CHECK(s.other_faster == 1 && s.other_faster_1pct == 0);
+  CHECK(tw__oracle_summarize(t, 2, 2, tm, NULL, &s) == 0);
+  CHECK(s.other_faster == 0 && s.other_faster_1pct == 0);
 }
 
 /* Order statistics as numpy.percentile: {5, 1, 3, 2, 4}: median 3, p99 = 4 + 0.96 (5 - 4). */
