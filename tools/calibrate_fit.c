@@ -111,7 +111,7 @@ int tw__calib_in_range(double v, double lo, double hi) {
   return isfinite(v) && v >= lo && v <= hi;
 }
 
-tw_status tw__calib_plan_remote(const struct tw_plan* plan, int32_t grid, tw_calib_remote* out) {
+tw_status tw__calib_plan_remote(const struct tw_plan* plan, int32_t grid, tw__calib_remote* out) {
   TW_CHECK_NULL(plan);
   TW_CHECK_NULL(out);
   if (grid < 1)

@@ -65,16 +65,16 @@ tw_status tw__calib_fit_pool(const double* bytes, const double* bands, const dou
 int tw__calib_in_range(double v, double lo, double hi);
 
 /* The model's view of a plan's consumer work on a producer of `grid` CTAs (model.c). */
-typedef struct tw_calib_remote {
+typedef struct tw__calib_remote {
   double bytes;        /* bytes the remote segments send, valid rows x hidden x 2 (send_bytes) */
   double bands;        /* bands they send: sum of the segments' nbands */
   int64_t ready_waves; /* A_0 = floor(t_0 / grid) + 1: producer waves until the first segment is
                           ready, t_0 the largest schedule index among its tiles; 0 if none */
   int64_t waves;       /* ceil(num_tiles / grid) */
-} tw_calib_remote;
+} tw__calib_remote;
 
 /* Fills *out for plan (its current segments and tile order) and grid >= 1. */
-tw_status tw__calib_plan_remote(const struct tw_plan* plan, int32_t grid, tw_calib_remote* out);
+tw_status tw__calib_plan_remote(const struct tw_plan* plan, int32_t grid, tw__calib_remote* out);
 
 /* refetch_exposure from one pair of producer times of the same rows under remote-first (rf_us)
  * and expert-major (em_us): *raw = (rf_us - em_us) / (refetch_bytes / (mem_gbps 1e3)), the

@@ -611,7 +611,7 @@ static tw_status twc_link_problem_inner(twc_state* s, int pi, twc_link_bufs* b,
     }
     TW_TRY(tw_context_check(b->ctx));
     /* The producer runs on the SMs the consumer leaves (tw_moe_combine_ex: P = SMs - C). */
-    tw_calib_remote rem;
+    tw__calib_remote rem;
     TW_TRY(tw__calib_plan_remote(pl, info.sm_count - twc_cs[ci], &rem));
     twc_link_point* q = &mine[pi * TWC_NC + ci];
     q->hidden = p.hidden;

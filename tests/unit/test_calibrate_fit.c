@@ -244,7 +244,7 @@ static void test_pool_on_real_plans(void) {
   int n = 0;
   for (int rank = 0; rank < 2; rank++) {
     tw_routing_t rt = NULL;
-    tw_calib_remote rem[2];
+    tw__calib_remote rem[2];
     for (int pi = 0; pi < 2; pi++) {
       tw_plan_t plan = link_plan(pi == 0 ? 4096 : 1024, &rt, rank);
       if (plan == NULL) continue;
@@ -264,7 +264,7 @@ static void test_pool_on_real_plans(void) {
       const int64_t t0 = (int64_t)pl->segments[0].nbands * pl->col_tiles - 1;
       CHECK(pl->segments[0].band0 == 0);
       CHECK(rem[pi].ready_waves == t0 / 124 + 1);
-      tw_calib_remote one, wide;
+      tw__calib_remote one, wide;
       CHECK_OK(tw__calib_plan_remote(pl, 1, &one));
       CHECK(one.ready_waves == t0 + 1 && one.waves == pl->num_tiles);
       CHECK_OK(tw__calib_plan_remote(pl, pl->num_tiles, &wide));
