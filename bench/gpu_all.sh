@@ -4,8 +4,8 @@
 # then the benchmark tables (bench/gpu_bench.sh), all under $OUT (default ./gpu-out).
 # Usage: bench/gpu_all.sh [quick|tests]   quick: tests + a reduced benchmark grid; tests: build and
 #        ctest only (for lab runs that add their own measurements after it)
-# Takes about 5.5 minutes on 2 x H200 (326 s measured in run 4). Everything it writes is also
-# archived as $OUT/00-gpu-results.tgz.
+# Takes about 5.5 minutes on 2 x H200 (326 and 324 s in runs 4A and 5, bench/results/).
+# Everything it writes is also archived as $OUT/00-gpu-results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OUT=${OUT:-$PWD/gpu-out}

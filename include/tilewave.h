@@ -270,7 +270,8 @@ typedef struct tw_plan_summary {
   double sequential_us; /* model's GEMM-then-transfer time */
   double solve_us;      /* time the model took to decide */
   int32_t schedule;     /* the plan's tw_schedule (REMOTE_FIRST or EXPERT_MAJOR, never AUTO) */
-  double gemm_us;       /* model's GEMM alone on every SM: max(compute waves, memory traffic) */
+  double gemm_us;       /* model's GEMM alone on every SM: max(compute waves, memory traffic)
+                           plus the exposed part of second weight reads (refetch_exposure) */
 } tw_plan_summary;
 
 /* Fills `summary`. This struct has no size field: schedule and gemm_us were appended, so a caller

@@ -1154,6 +1154,8 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
         sum_pred += t;
         ncand++;
       }
+    /* The other schedule at the model's (C, mgb): about the model's own time. */
+    if (st == TW_SUCCESS) sum_pred += ms.predicted_us, ncand++;
     tw_plan_destroy(plan);
     tw_routing_destroy(rt);
     if (st != TW_SUCCESS) {
