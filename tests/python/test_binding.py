@@ -278,7 +278,11 @@ class TestPlanAndModel(unittest.TestCase):
         hw = tw.Hardware.default()
         self.assertGreater(hw.sm_count, 0)
         self.assertGreater(hw.c_max, 0)
+        # The fields after the ones set here must land where the C struct has them.
+        self.assertAlmostEqual(hw.refetch_exposure, 0.30, 12)
+        self.assertAlmostEqual(hw.rho_ref, 10.05, 12)
         hw.link_cta_gbps = 41.25
+        hw.refetch_exposure = 0.125
         hw.c_max = 24
         with tempfile.TemporaryDirectory() as d:
             path = os.path.join(d, "hw.txt")
@@ -286,6 +290,7 @@ class TestPlanAndModel(unittest.TestCase):
             back = tw.Hardware.read(path)
             self.assertEqual(back.c_max, 24)
             self.assertAlmostEqual(back.link_cta_gbps, 41.25, 9)
+            self.assertEqual(back.refetch_exposure, 0.125)
             with open(path, "a") as f:
                 f.write("no_such_key = 1\n")
             with self.assertRaises(tw.TilewaveError) as cm:
