@@ -139,8 +139,8 @@ tw_status tw__calib_plan_remote(const struct tw_plan* plan, int32_t grid, tw__ca
   return TW_SUCCESS;
 }
 
-tw_status tw__calib_exposure(double rf_us, double em_us, double refetch_bytes, double mem_gbps,
-                             double* raw, double* exposure) {
+tw_status tw__calib_exposure(double rf_us, double em_us, double roofline_us, double refetch_bytes,
+                             double mem_gbps, double* raw, double* exposure) {
   TW_CHECK_NULL(raw);
   TW_CHECK_NULL(exposure);
   const double v[4] = {rf_us, em_us, refetch_bytes, mem_gbps};
@@ -151,9 +151,14 @@ tw_status tw__calib_exposure(double rf_us, double em_us, double refetch_bytes, d
                       "%g second-read bytes at %g GB/s; each must be positive (a problem whose "
                       "experts have remote and local rows)",
                       rf_us, em_us, refetch_bytes, mem_gbps);
+  if (!isfinite(roofline_us) || roofline_us < 0.0)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "calibrate: refetch exposure: the model's own difference between the schedules "
+                    "is %g us; it must be finite and >= 0",
+                    roofline_us);
   /* bytes / (GB/s 1e3) = us. */
   const double read_us = refetch_bytes / (mem_gbps * 1e3);
-  *raw = (rf_us - em_us) / read_us;
+  *raw = (rf_us - em_us - roofline_us) / read_us;
   *exposure = *raw < 0.0 ? 0.0 : *raw > 1.0 ? 1.0 : *raw;
   return TW_SUCCESS;
 }

@@ -77,12 +77,15 @@ typedef struct tw__calib_remote {
 tw_status tw__calib_plan_remote(const struct tw_plan* plan, int32_t grid, tw__calib_remote* out);
 
 /* refetch_exposure from one pair of producer times of the same rows under remote-first (rf_us)
- * and expert-major (em_us): *raw = (rf_us - em_us) / (refetch_bytes / (mem_gbps 1e3)), the
- * fraction of the second reads' memory time that remote-first did not hide; *exposure = *raw
- * clamped to [0, 1] (the caller says when they differ). TW_ERR_INVALID_ARGUMENT when a time,
- * refetch_bytes or mem_gbps is not positive and finite. */
-tw_status tw__calib_exposure(double rf_us, double em_us, double refetch_bytes, double mem_gbps,
-                             double* raw, double* exposure);
+ * and expert-major (em_us), less the difference the model already predicts between them with the
+ * exposure at 0 (roofline_us: its memory roofline; 0 where both are compute-bound):
+ * *raw = (rf_us - em_us - roofline_us) / (refetch_bytes / (mem_gbps 1e3)), the fraction of the
+ * second reads' memory time that remote-first did not hide beyond the roofline; *exposure =
+ * *raw clamped to [0, 1] (the caller says when they differ). TW_ERR_INVALID_ARGUMENT when a
+ * time, refetch_bytes or mem_gbps is not positive and finite, or roofline_us is negative or not
+ * finite. */
+tw_status tw__calib_exposure(double rf_us, double em_us, double roofline_us, double refetch_bytes,
+                             double mem_gbps, double* raw, double* exposure);
 
 /* Per-wave time from two runs of the same kernel that differ only in their wave count: the
  * difference cancels the launch and the kernel's fixed start and end costs. 0 when waves are

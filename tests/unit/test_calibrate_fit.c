@@ -299,25 +299,35 @@ static void test_exposure(void) {
     const double refetch = rnd(&s, 1e8, 2e9), em = rnd(&s, 200.0, 2000.0);
     const double rf = em + e * refetch / (mem * 1e3);
     double raw = -1, x = -1;
-    CHECK_OK(tw__calib_exposure(rf, em, refetch, mem, &raw, &x));
+    CHECK_OK(tw__calib_exposure(rf, em, 0.0, refetch, mem, &raw, &x));
     CHECK_NEAR(raw, e, 1e-9);
     CHECK_NEAR(x, e, 1e-9);
   }
   /* 1 GiB at 4000 GB/s = 268.435456 us; 110 us of it exposed. */
   double raw = 0, x = 0;
-  CHECK_OK(tw__calib_exposure(750.0, 640.0, 1073741824.0, 4000.0, &raw, &x));
+  CHECK_OK(tw__calib_exposure(750.0, 640.0, 0.0, 1073741824.0, 4000.0, &raw, &x));
   CHECK_NEAR(raw, 110.0 / 268.435456, 1e-12);
   CHECK_NEAR(x, raw, 0);
   /* Remote-first faster than expert-major: raw < 0, clamped to 0; slower than a whole read: 1. */
-  CHECK_OK(tw__calib_exposure(630.0, 640.0, 1073741824.0, 4000.0, &raw, &x));
+  CHECK_OK(tw__calib_exposure(630.0, 640.0, 0.0, 1073741824.0, 4000.0, &raw, &x));
   CHECK(raw < 0 && x == 0.0);
-  CHECK_OK(tw__calib_exposure(1000.0, 640.0, 1073741824.0, 4000.0, &raw, &x));
+  CHECK_OK(tw__calib_exposure(1000.0, 640.0, 0.0, 1073741824.0, 4000.0, &raw, &x));
   CHECK(raw > 1 && x == 1.0);
-  CHECK_STATUS(tw__calib_exposure(750.0, 640.0, 0.0, 4000.0, &raw, &x), TW_ERR_INVALID_ARGUMENT);
-  CHECK_STATUS(tw__calib_exposure(750.0, 640.0, 1e9, 0.0, &raw, &x), TW_ERR_INVALID_ARGUMENT);
-  CHECK_STATUS(tw__calib_exposure(NAN, 640.0, 1e9, 4000.0, &raw, &x), TW_ERR_INVALID_ARGUMENT);
-  CHECK_STATUS(tw__calib_exposure(750.0, -1.0, 1e9, 4000.0, &raw, &x), TW_ERR_INVALID_ARGUMENT);
-  CHECK_STATUS(tw__calib_exposure(750.0, 640.0, 1e9, 4000.0, NULL, &x), TW_ERR_NULL_POINTER);
+  CHECK_STATUS(tw__calib_exposure(750.0, 640.0, 0.0, 0.0, 4000.0, &raw, &x),
+               TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_exposure(750.0, 640.0, 0.0, 1e9, 0.0, &raw, &x), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_exposure(NAN, 640.0, 0.0, 1e9, 4000.0, &raw, &x), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_exposure(750.0, -1.0, 0.0, 1e9, 4000.0, &raw, &x),
+               TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_exposure(750.0, 640.0, 0.0, 1e9, 4000.0, NULL, &x), TW_ERR_NULL_POINTER);
+  /* The model's own roofline difference is taken off first: 50 of the 110 us are the
+   * roofline's, 60 are exposure. */
+  CHECK_OK(tw__calib_exposure(750.0, 640.0, 50.0, 1073741824.0, 4000.0, &raw, &x));
+  CHECK_NEAR(raw, 60.0 / 268.435456, 1e-12);
+  CHECK_STATUS(tw__calib_exposure(750.0, 640.0, -1.0, 1e9, 4000.0, &raw, &x),
+               TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_exposure(750.0, 640.0, NAN, 1e9, 4000.0, &raw, &x),
+               TW_ERR_INVALID_ARGUMENT);
 }
 
 /* The exposure measurement's problem (2 ranks' layout planned for rank 0, 16384 tokens/rank,
