@@ -228,6 +228,51 @@ typedef struct twc_prod_bufs {
   int nev;
 } twc_prod_bufs;
 
+/* One producer launch of plan pl's tile list (uploaded to *dev_tiles) with K = k, N = n on
+ * s->grid CTAs, signals on as in overlap mode (the model's per-tile cost includes the release
+ * add). The caller sets the buffers and band counters. */
+static tw_status twc_gemm_args(const twc_state* s, const struct tw_plan* pl, int k, int n,
+                               tw_tile** dev_tiles, tw_gemm_args* a) {
+  memset(a, 0, sizeof *a);
+  a->rows = pl->rows;
+  a->k = k;
+  a->n = n;
+  a->experts = pl->local_experts;
+  a->num_tiles = pl->num_tiles;
+  a->tm = pl->tm;
+  a->tn = pl->tn;
+  a->grid = s->grid;
+  a->scope = TW_SIGNAL_GPU;
+  a->epilogue = TW_EPILOGUE_STORE;
+  const size_t tb = sizeof(tw_tile) * (size_t)pl->num_tiles;
+  TW_CUDA_TRY(cudaMalloc((void**)dev_tiles, tb));
+  TW_CUDA_TRY(cudaMemcpy(*dev_tiles, pl->tiles, tb, cudaMemcpyHostToDevice));
+  a->tiles = *dev_tiles;
+  return TW_SUCCESS;
+}
+
+/* Times the nrun launches g[0..nrun) back to back per rep, the first one rotated, so that clock
+ * drift and the launch gap after the host's wait fall on every run alike (bench gemm does the
+ * same). ev: nrun + 1 created events; samples[r][i]: run r's i-th timed rep, us. */
+static tw_status twc_time_rotated(const twc_state* s, const tw_gemm_args* g, int nrun, int warmup,
+                                  int reps, const cudaEvent_t* ev, double (*samples)[32]) {
+  if (reps > 32) return tw__fail(TW_ERR_INTERNAL, "calibrate: %d reps, at most 32", reps);
+  for (int rep = 0; rep < warmup + reps; rep++) {
+    TW_CUDA_TRY(cudaEventRecord(ev[0], s->stream));
+    for (int q = 0; q < nrun; q++) {
+      TW_TRY(tw__gemm_launch(&g[(q + rep) % nrun], s->stream));
+      TW_CUDA_TRY(cudaEventRecord(ev[q + 1], s->stream));
+    }
+    TW_CUDA_TRY(cudaEventSynchronize(ev[nrun]));
+    for (int q = 0; q < nrun && rep >= warmup; q++) {
+      float ms = 0.f;
+      TW_CUDA_TRY(cudaEventElapsedTime(&ms, ev[q], ev[q + 1]));
+      samples[(q + rep) % nrun][rep - warmup] = 1000.0 * ms;
+    }
+  }
+  return TW_SUCCESS;
+}
+
 static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
   const int sizes[TWC_NSIZES] = {s->o.quick ? 2048 : 4096, s->o.quick ? 8192 : 16384};
   const int reps = s->o.quick ? 5 : 15, warmup = 2;
@@ -244,27 +289,11 @@ static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
       s->prod[i].tiles[j] = pl->num_tiles;
       s->prod[i].waves[j] = tw__ceil_div(pl->num_tiles, s->grid);
       tw_gemm_args* a = &g[i][j];
-      memset(a, 0, sizeof *a);
-      a->rows = pl->rows;
-      a->k = twc_ks[i];
-      a->n = TWC_PRODUCER_N;
-      a->experts = pl->local_experts;
-      a->num_tiles = pl->num_tiles;
-      a->tm = pl->tm;
-      a->tn = pl->tn;
-      a->grid = s->grid;
-      /* Signals on, as in overlap mode: the model's per-tile cost includes the release add. */
-      a->scope = TW_SIGNAL_GPU;
-      a->epilogue = TW_EPILOGUE_STORE;
-      const size_t tb = sizeof(tw_tile) * (size_t)pl->num_tiles;
-      cudaError_t e = cudaMalloc((void**)&b->tiles[i][j], tb);
-      if (e == cudaSuccess) e = cudaMemcpy(b->tiles[i][j], pl->tiles, tb, cudaMemcpyHostToDevice);
+      const size_t nb = (size_t)pl->num_bands;
+      const tw_status st = twc_gemm_args(s, pl, twc_ks[i], TWC_PRODUCER_N, &b->tiles[i][j], a);
       tw_plan_destroy(plan);
-      if (e != cudaSuccess)
-        return tw__fail(TW_ERR_CUDA, "calibrate: uploading a tile list failed: %s",
-                        cudaGetErrorString(e));
-      a->tiles = b->tiles[i][j];
-      if ((size_t)pl->num_bands > bands_max) bands_max = (size_t)pl->num_bands;
+      TW_TRY(st);
+      if (nb > bands_max) bands_max = nb;
       const size_t ae = (size_t)a->rows * (size_t)a->k, ce = (size_t)a->rows * (size_t)a->n;
       if (ae > a_max) a_max = ae;
       if (ce > c_max) c_max = ce;
@@ -287,28 +316,14 @@ static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
     }
   s->copy_bytes = 2.0 * (double)(a_max < c_max ? a_max : c_max); /* bytes of one copy's source */
 
-  /* All six runs back to back per rep, the first one rotated, so that clock drift and the
-   * launch gap after the host's wait fall on every run alike (bench gemm does the same). */
+  /* All six runs, run r = i * TWC_NSIZES + j, rotated rep by rep. */
   const int nrun = TWC_NK * TWC_NSIZES;
   for (int e = 0; e <= nrun; e++) {
     TW_CUDA_TRY(cudaEventCreate(&b->ev[e]));
     b->nev = e + 1;
   }
   double samples[TWC_NK * TWC_NSIZES][32];
-  for (int rep = 0; rep < warmup + reps; rep++) {
-    TW_CUDA_TRY(cudaEventRecord(b->ev[0], s->stream));
-    for (int q = 0; q < nrun; q++) {
-      const int r = (q + rep) % nrun;
-      TW_TRY(tw__gemm_launch(&g[r / TWC_NSIZES][r % TWC_NSIZES], s->stream));
-      TW_CUDA_TRY(cudaEventRecord(b->ev[q + 1], s->stream));
-    }
-    TW_CUDA_TRY(cudaEventSynchronize(b->ev[nrun]));
-    for (int q = 0; q < nrun && rep >= warmup; q++) {
-      float ms = 0.f;
-      TW_CUDA_TRY(cudaEventElapsedTime(&ms, b->ev[q], b->ev[q + 1]));
-      samples[(q + rep) % nrun][rep - warmup] = 1000.0 * ms;
-    }
-  }
+  TW_TRY(twc_time_rotated(s, &g[0][0], nrun, warmup, reps, b->ev, samples));
   double x[TWC_NK], y[TWC_NK], r[TWC_NK];
   for (int i = 0; i < TWC_NK; i++) {
     twc_prod_point* p = &s->prod[i];
@@ -403,22 +418,7 @@ static tw_status twc_measure_refetch_inner(twc_state* s, twc_ref_bufs* b) {
                       "%d)",
                       b->plans[0]->rows, pl->rows, b->plans[0]->num_tiles, pl->num_tiles);
     TW_TRY(tw__model_traffic(pl, &s->ref_traffic[i], &refetch[i]));
-    tw_gemm_args* a = &g[i];
-    memset(a, 0, sizeof *a);
-    a->rows = pl->rows;
-    a->k = TWC_REFETCH_K;
-    a->n = TWC_REFETCH_N;
-    a->experts = pl->local_experts;
-    a->num_tiles = pl->num_tiles;
-    a->tm = pl->tm;
-    a->tn = pl->tn;
-    a->grid = s->grid;
-    a->scope = TW_SIGNAL_GPU; /* as in overlap mode, as the producer's points */
-    a->epilogue = TW_EPILOGUE_STORE;
-    const size_t tb = sizeof(tw_tile) * (size_t)pl->num_tiles;
-    TW_CUDA_TRY(cudaMalloc((void**)&b->tiles[i], tb));
-    TW_CUDA_TRY(cudaMemcpy(b->tiles[i], pl->tiles, tb, cudaMemcpyHostToDevice));
-    a->tiles = b->tiles[i];
+    TW_TRY(twc_gemm_args(s, pl, TWC_REFETCH_K, TWC_REFETCH_N, &b->tiles[i], &g[i]));
     if ((size_t)pl->num_bands > bands_max) bands_max = (size_t)pl->num_bands;
   }
   const struct tw_plan* pl = b->plans[0];
@@ -457,22 +457,9 @@ static tw_status twc_measure_refetch_inner(twc_state* s, twc_ref_bufs* b) {
     TW_CUDA_TRY(cudaEventCreate(&b->ev[e]));
     b->nev = e + 1;
   }
-  /* Both schedules back to back per rep, the first one alternating: clock drift and the launch
-   * gap after the host's wait fall on both alike. */
+  /* Both schedules back to back per rep, the first one alternating. */
   double samples[2][32];
-  for (int rep = 0; rep < warmup + reps; rep++) {
-    TW_CUDA_TRY(cudaEventRecord(b->ev[0], s->stream));
-    for (int q = 0; q < 2; q++) {
-      TW_TRY(tw__gemm_launch(&g[(q + rep) % 2], s->stream));
-      TW_CUDA_TRY(cudaEventRecord(b->ev[q + 1], s->stream));
-    }
-    TW_CUDA_TRY(cudaEventSynchronize(b->ev[2]));
-    for (int q = 0; q < 2 && rep >= warmup; q++) {
-      float ms = 0.f;
-      TW_CUDA_TRY(cudaEventElapsedTime(&ms, b->ev[q], b->ev[q + 1]));
-      samples[(q + rep) % 2][rep - warmup] = 1000.0 * ms;
-    }
-  }
+  TW_TRY(twc_time_rotated(s, g, 2, warmup, reps, b->ev, samples));
   for (int i = 0; i < 2; i++) s->ref_us[i] = twc_median(samples[i], reps);
   /* What the model already predicts between the two orders with the exposure at 0, under this
    * run's producer and memory numbers: 0 where both are compute-bound, as this problem is meant
