@@ -6,9 +6,14 @@
  * announces each piece with a release reduction on the owner's arrival counter.
  *
  * Work is cut into units of (band, T consecutive column tiles) of the plan's segments, in
- * schedule order (the order in which the producer finishes bands, either schedule); unit u
- * belongs to CTA u mod C. A unit may leave once every band of its segment is complete, so a
- * coalesced segment goes out as one burst of contiguous remote rows. Units are
+ * schedule order (the order in which the producer finishes bands, either schedule). The CTAs
+ * claim units in that order from one counter (atomicAdd), so the C CTAs are one pool: a CTA that
+ * finishes early takes the next unit instead of leaving it to a CTA still busy with a long one
+ * (with a fixed unit-to-CTA assignment, u mod C, units queued behind a busy CTA while others
+ * waited for bands the producer had not finished). A CTA claims its next unit as soon as its
+ * current unit's bands are complete: the atomic's round trip hides under the copy, and a CTA
+ * holds a claimed unit only while it is busy. A unit may leave once every band of its segment is
+ * complete, so a coalesced segment goes out as one burst of contiguous remote rows. Units are
  * announced on the owner's arrival counter; the owner expects recv_bands * ceil(col_tiles / T)
  * per call, so T must be the same on every rank (the context checks). T defaults to a whole band
  * with bulk copies and to 1 with register copies.
@@ -227,6 +232,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     tw_consumer_kernel(const tw_consumer_args a) {
   extern __shared__ __align__(128) char s_bulk[]; /* bulk: stages, then their barriers */
   __shared__ int s_ok;
+  __shared__ int s_unit;             /* the unit this CTA works on (claimed by thread 0) */
   __shared__ int s_copied;           /* bulk: thread 0's copy of the unit did not time out */
   __shared__ uint32_t s_pending[64]; /* (world) finished, not yet announced units per owner */
   __shared__ uint32_t* s_arrive[64]; /* (world) our arrival counter in each owner's window */
@@ -241,7 +247,10 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
                                               a.lay.arrive) +
                   a.rank;
   }
-  if (threadIdx.x == 0) s_copied = 1;
+  if (threadIdx.x == 0) {
+    s_copied = 1;
+    s_unit = (int)atomicAdd(a.unit_next, 1u);
+  }
   tw__bulk_pipe pipe = {s_bulk, reinterpret_cast<uint64_t*>(s_bulk + kBulkStages * kBulkStageBytes),
                         0};
   if (kBulk && threadIdx.x == 0) {
@@ -251,7 +260,8 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   }
   __syncthreads();
 
-  for (int u = blockIdx.x; u < a.total_units; u += gridDim.x) {
+  /* Claims only grow, so each CTA's units come in schedule order and seg only moves forward. */
+  for (int u = s_unit; u < a.total_units; u = s_unit) {
     while (a.seg_unit0[seg + 1] <= u) seg++;
     const tw_segment sg = a.segments[seg];
     const int local = u - a.seg_unit0[seg];
@@ -263,6 +273,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     const int dest = sg.dest;
     const bool fault_here = a.fault != TW_FAULT_NONE && u == a.fault_index;
 
+    uint32_t next_unit = 0; /* thread 0: the claim of the unit after this one */
     if (threadIdx.x == 0) {
       bool ok = true;
       if (a.wait_bands && (ready_seg != seg || fault_here)) {
@@ -281,6 +292,9 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
                          dest, a.rank);
         credited |= 1ull << dest;
       }
+      /* The unit is ready: claim the next one now. Its value is first used after the copy, so
+       * the atomic's round trip overlaps the copy (kept in a register until then). */
+      if (ok) next_unit = atomicAdd(a.unit_next, 1u);
       /* The acquires above are generic-proxy loads; the bulk copies that depend on them run in
        * the async proxy. */
       if (kBulk) asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -318,7 +332,9 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
         }
       }
     }
-    /* Every thread's stores above happen-before thread 0's later release (see NOTES, 3). */
+    /* Every thread's stores above happen-before thread 0's later release (see NOTES, 3). The
+     * barrier also publishes the next unit (every thread has read the current one). */
+    if (threadIdx.x == 0) s_unit = (int)next_unit;
     __syncthreads();
     if (kBulk && !s_copied) break; /* a load timed out (recorded) */
     if (threadIdx.x == 0 && !skip) s_pending[dest]++;

@@ -48,6 +48,7 @@ typedef struct tw_consumer_args {
   const tw_segment* segments;    /* (segments) in schedule order */
   const int32_t* seg_unit0;      /* (segments + 1) first unit of each segment; last = total */
   int32_t total_units;           /* transfer units = sum over segments of nbands * unit_chunks */
+  uint32_t* unit_next;           /* the next unit no CTA has claimed; 0 at launch */
   const uint32_t* band_counters; /* (num_bands) */
   int32_t wait_bands;            /* 0: data already complete (comm-only mode) */
   int32_t col_tiles, tn, hidden;

@@ -12,11 +12,11 @@
  * Threads per simulated rank r (W ranks in one process):
  *   producer  1: walks plan->tiles in schedule order, computes each tile (fp32, k order) into
  *                the rank's layout output, then release-increments band_done[band];
- *   consumers C = plan->comm_ctas: unit u (one band x one column tile, segments in schedule
- *                order) belongs to consumer u mod C; it waits (acquire) for all bands of the
- *                unit's segment, copies the band's valid rows x the tile's columns into the
- *                destination's receive buffer at the band's dest_offset and release-increments
- *                the destination's arrivals[r];
+ *   consumers C = plan->comm_ctas: each claims the next unit (one band x one column tile,
+ *                segments in schedule order) from the rank's claim counter, as the GPU's
+ *                consumer CTAs do; waits (acquire) for all bands of the unit's segment, copies
+ *                the band's valid rows x the tile's columns into the destination's receive
+ *                buffer at the band's dest_offset and release-increments its arrivals[r];
  *   receiver  1: waits (acquire) for plan->recv_bands[s] x col_tiles arrivals from every
  *                source s and for its own local bands, then computes
  *                out[t] = sum_j w[t][j] * row(slot_row[t k + j]) in fp32, slot order.
@@ -52,6 +52,7 @@ typedef struct exec_rank {
                               this rank's recv_bands, which the receiver waits for) */
   exec_unit* units;        /* (num_units) this rank's transfer units in schedule order */
   int64_t num_units;
+  atomic_llong unit_next; /* the next unit no consumer has claimed */
 } exec_rank;
 
 typedef struct exec_ctx {
@@ -150,8 +151,9 @@ static void* consumer_main(void* arg) {
   exec_ctx* ctx = th->ctx;
   exec_rank* rk = &ctx->ranks[th->rank];
   const struct tw_plan* plan = rk->plan;
-  const int32_t H = ctx->H, C = plan->comm_ctas;
-  for (int64_t u = th->index; u < rk->num_units; u += C) {
+  const int32_t H = ctx->H;
+  for (int64_t u = atomic_fetch_add_explicit(&rk->unit_next, 1, memory_order_relaxed);
+       u < rk->num_units; u = atomic_fetch_add_explicit(&rk->unit_next, 1, memory_order_relaxed)) {
     const exec_unit* un = &rk->units[u];
     const tw_segment* seg = &plan->segments[un->segment];
     for (int32_t b = seg->band0; b < seg->band0 + seg->nbands; b++) {
@@ -549,6 +551,7 @@ tw_status tw__plan_exec_cpu(tw_routing_t routing, const tw_plan_t* plans, const 
     memset(rk->recv, 0xff, ((size_t)p->recv_rows * ctx.H + 1) * sizeof(float));
     for (int32_t b = 0; b < p->num_bands; b++) atomic_init(&rk->band_done[b], 0);
     for (int32_t s = 0; s < ctx.W; s++) atomic_init(&rk->arrivals[s], 0);
+    atomic_init(&rk->unit_next, 0);
     for (int32_t v = 0; v < p->recv_rows; v++) atomic_init(&rk->recv_writes[v], 0);
   }
   st = check_plans(&ctx, plans);

@@ -121,8 +121,8 @@ typedef struct tw_plan_exec_options {
 /* Runs the plans of all W ranks on the CPU, threaded like the GPU, in fp32:
  *  - one producer thread per rank computes the tiles of plan->tiles in schedule order into the
  *    rank's layout output (rows, hidden) and release-increments the tile's band counter;
- *  - plan->comm_ctas consumer threads per rank take the transfer units (one band x one column
- *    tile, segments in schedule order) round-robin, wait (acquire) until every band of the
+ *  - plan->comm_ctas consumer threads per rank claim the transfer units (one band x one column
+ *    tile, segments in schedule order) one at a time from a shared counter, wait (acquire) until every band of the
  *    unit's segment is published, copy the band's valid rows x the tile's columns to the
  *    destination's receive buffer at the band's dest_offset and release-increment the
  *    destination's arrival counter for this source;

@@ -37,6 +37,10 @@
 #include "runtime.h"
 #include "tilewave.h"
 
+/* The consumer's claim counter sits alone in a 128-byte line ahead of the band counters: the
+ * producer's releases and the consumer's polls on those never contend with the claims. */
+static const size_t kClaimWords = 32;
+
 struct tw_context {
   tw_problem problem;
   ncclComm_t comm; /* borrowed */
@@ -61,7 +65,9 @@ struct tw_context {
 
   /* Local device memory. */
   uint16_t* c;             /* (rows_max, hidden) bf16 GEMM output */
-  uint32_t* band_counters; /* (bands_max) */
+  uint32_t* state;         /* the small-state block below (one allocation) */
+  uint32_t* unit_next;     /* consumer's unit claims (word 0 of state; zeroed with the counters) */
+  uint32_t* band_counters; /* (bands_max), kClaimWords after unit_next */
   uint32_t* reduce_done;   /* reduction CTA completion counter */
   tw_dev_error* err;       /* device error record */
   tw_dev_error* err_all;   /* (world) gathered records (tw_context_check) */
@@ -179,7 +185,8 @@ static tw_status tw__sync_all(tw_context_t ctx) {
 static tw_status tw__zero_state(tw_context_t ctx) {
   TW_CUDA_TRY(cudaMemsetAsync((char*)ctx->win_buf + ctx->lay.arrive, 0,
                               ctx->lay.bytes - ctx->lay.arrive, ctx->s_aux));
-  TW_CUDA_TRY(cudaMemsetAsync(ctx->band_counters, 0, (size_t)ctx->bands_max * 4, ctx->s_aux));
+  TW_CUDA_TRY(
+      cudaMemsetAsync(ctx->unit_next, 0, (kClaimWords + (size_t)ctx->bands_max) * 4, ctx->s_aux));
   TW_CUDA_TRY(cudaMemsetAsync(ctx->reduce_done, 0, 4, ctx->s_aux));
   TW_CUDA_TRY(cudaMemsetAsync(ctx->err, 0, sizeof(tw_dev_error), ctx->s_aux));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
@@ -201,6 +208,7 @@ static void tw__consumer_args_init(const struct tw_context* ctx, tw_consumer_arg
   ca->local_win = (char*)ctx->win_buf;
   ca->c = ctx->c;
   ca->band_counters = ctx->band_counters;
+  ca->unit_next = ctx->unit_next;
   ca->col_tiles = ctx->col_tiles;
   ca->tiles_per_unit = ctx->tiles_per_unit;
   ca->unit_chunks = ctx->unit_chunks;
@@ -309,7 +317,7 @@ static void tw__context_free(tw_context_t ctx) {
   if (ctx->win_registered) ncclCommWindowDeregister(ctx->comm, ctx->win);
   if (ctx->win_buf) ncclMemFree(ctx->win_buf);
   cudaFree(ctx->c);
-  cudaFree(ctx->band_counters);
+  cudaFree(ctx->state);
   cudaFreeHost(ctx->h_err);
   cudaFreeHost(ctx->h_err_all);
   cudaEvent_t* evs[] = {&ctx->ev_start,     &ctx->ev_gemm_done,  &ctx->ev_comm_done,
@@ -378,14 +386,17 @@ static tw_status tw__context_init(tw_context_t ctx) {
     return tw__fail(TW_ERR_OUT_OF_MEMORY,
                     "tw_context_create: GEMM output of %lld rows x %lld: %s; lower max_tokens",
                     (long long)ctx->rows_max, (long long)H, cudaGetErrorString(e));
-  const size_t n_state = (size_t)ctx->bands_max + 64 + (size_t)(W + 1) * 8 + ctx->slots_max;
-  e = cudaMalloc((void**)&ctx->band_counters, n_state * 4);
+  const size_t n_state =
+      kClaimWords + (size_t)ctx->bands_max + 64 + (size_t)(W + 1) * 8 + ctx->slots_max;
+  e = cudaMalloc((void**)&ctx->state, n_state * 4);
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_context_create: %zu bytes of state: %s", n_state * 4,
                     cudaGetErrorString(e));
   /* Word offsets below (and n_state above) give each error record 8 words. */
   static_assert(sizeof(tw_dev_error) == 32, "tw_dev_error must stay 32 bytes (8 words)");
-  uint32_t* next = ctx->band_counters + tw__align((uint64_t)ctx->bands_max, 32);
+  ctx->unit_next = ctx->state;
+  ctx->band_counters = ctx->state + kClaimWords;
+  uint32_t* next = ctx->state + tw__align(kClaimWords + (uint64_t)ctx->bands_max, 32);
   ctx->reduce_done = next + 8;
   ctx->scratch = (int32_t*)(next + 16);
   ctx->err = (tw_dev_error*)(next + 24); /* 32 bytes */
@@ -395,7 +406,7 @@ static tw_status tw__context_init(tw_context_t ctx) {
   TW_CUDA_TRY(cudaHostAlloc((void**)&ctx->h_err_all, (size_t)W * sizeof(tw_dev_error),
                             cudaHostAllocDefault));
   TW_CUDA_TRY(cudaMemsetAsync(ctx->win_buf, 0, L->bytes, ctx->s_aux));
-  TW_CUDA_TRY(cudaMemsetAsync(ctx->band_counters, 0, n_state * 4, ctx->s_aux));
+  TW_CUDA_TRY(cudaMemsetAsync(ctx->state, 0, n_state * 4, ctx->s_aux));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
 
   /* Every rank must cut bands into the same units (the owners count them): compare. */
@@ -918,10 +929,10 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   memcpy(ra.arrive_target, ctx->arrive_target, sizeof ra.arrive_target);
   ra.timeout_ns = timeout_ns;
 
-  /* Every call starts from zeroed band counters: the consumer waits for this call's publishes
-   * only. The previous call's producer is done here (stream order), and so is its consumer (the
-   * join before that call's reduction). */
-  TW_CUDA_TRY(cudaMemsetAsync(ctx->band_counters, 0, (size_t)d->num_bands * 4, stream));
+  /* Every call starts from zeroed band counters and unit claims (one memset: they are adjacent):
+   * the consumer waits for this call's publishes only. The previous call's producer is done here
+   * (stream order), and so is its consumer (the join before that call's reduction). */
+  TW_CUDA_TRY(cudaMemsetAsync(ctx->unit_next, 0, (kClaimWords + (size_t)d->num_bands) * 4, stream));
   /* S: producer first (co-residency), K: consumer after `start` (or after the producer). */
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_start, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_start, stream));
