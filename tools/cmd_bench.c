@@ -70,6 +70,7 @@ typedef struct twb_opts {
   int solve_reps;         /* tw_plan_create calls timed per point (0 = none) */
   int only[TWB_MAX_ONLY]; /* --points: 1-based matrix indices to measure; nonly = 0: all */
   int nonly;
+  int phases; /* bench --phases: time ours' phases with the context's events */
 } twb_opts;
 
 typedef struct twb_point {
@@ -218,6 +219,7 @@ static tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt,
   }
 
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  cc.timing = o->phases;
   TW_TRY(tw_context_create(&p, s->comm, &cc, &s->ctx));
   s->ndplans = n_sweep > 0 ? n_sweep : 1;
   for (int i = 0; i < s->ndplans; i++) {
@@ -387,6 +389,11 @@ typedef struct twb_bench_result {
   twb_policy pols[24];
   tw__bench_stats st[24];
   float err[24];
+  /* --phases: medians of ours' total, producer end, consumer end and reduction (from the
+   * consumer's end, with the wait for the peers' consumers), each sample the max over ranks;
+   * phase_n = 0 when not measured */
+  double phase_total, phase_gemm, phase_comm, phase_reduce;
+  int phase_n;
 } twb_bench_result;
 
 static int twb_policy_index(const twb_bench_result* r, int kind, int chunk) {
@@ -403,6 +410,39 @@ static void twb_add(twb_bench_result* r, int kind, int c, int chunk, int out, co
   p->chunk = chunk;
   p->out = out;
   snprintf(p->name, sizeof p->name, "%s", name);
+}
+
+/* --phases: runs ours o->iters more times with the context's phase events (tw_context_timings,
+ * each call waited for), after the same device delay as the timed rounds so that the start
+ * event does not count host launch time. The producer and consumer start with the call, so
+ * their durations are the times at which they end. */
+static tw_status twb_time_phases(twb_rank* s, const twb_opts* o, twb_bench_result* r) {
+  const int n = o->iters;
+  float* v = (float*)calloc(4 * (size_t)n, sizeof(float));
+  if (v == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "bench: out of host memory");
+  const twb_policy* ours = &r->pols[twb_policy_index(r, TWB_OURS, 0)];
+  tw_status st = TW_SUCCESS;
+  for (int i = 0; i < n && st == TW_SUCCESS; i++) {
+    tw_combine_timings t;
+    if ((st = twb_barrier(s)) != TW_SUCCESS) break;
+    if ((st = tw__bench_delay(s->stream, o->delay_us)) != TW_SUCCESS) break;
+    if ((st = twb_run(s, ours, i % s->nsets, s->stream)) != TW_SUCCESS) break;
+    if ((st = tw_context_timings(s->ctx, &t)) != TW_SUCCESS) break;
+    v[i] = 1e3f * t.total_ms;
+    v[n + i] = 1e3f * t.gemm_ms;
+    v[2 * n + i] = 1e3f * t.comm_ms;
+    v[3 * n + i] = 1e3f * t.reduce_ms;
+  }
+  if (st == TW_SUCCESS) st = twb_max_over_ranks(s, v, 4 * (size_t)n);
+  if (st == TW_SUCCESS) {
+    tw__bench_stats q[4];
+    for (int k = 0; k < 4; k++) tw__bench_stats_of(v + (size_t)k * n, n, &q[k]);
+    r->phase_total = q[0].median, r->phase_gemm = q[1].median;
+    r->phase_comm = q[2].median, r->phase_reduce = q[3].median;
+    r->phase_n = n;
+  }
+  free(v);
+  return st;
 }
 
 static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point* pt,
@@ -478,6 +518,7 @@ static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point
     if (lastc >= 0 && err2[lastc] > r->err[lastc]) r->err[lastc] = err2[lastc];
   }
   free(samples);
+  if (st == TW_SUCCESS && o->phases) st = twb_time_phases(s, o, r);
   return st;
 }
 
@@ -550,6 +591,12 @@ static void twb_print_row(const twb_opts* o, const twb_bench_result* r) {
       d.seq, d.seq_variant, d.ours, so->p10, so->p90, d.speedup, d.gemm, d.comm, d.ideal, d.eff,
       d.overlap, r->c, r->mgb, d.unfused, d.chunk, d.chunk_rows, d.max_err,
       d.pass ? "pass" : "FAIL");
+  if (r->phase_n > 0)
+    printf(
+        "|  | phases of ours (median of %d, max over ranks): producer ends at %.1f us, "
+        "consumer at %.1f us; reduction %.1f us (from the consumer's end, waiting for the "
+        "peers); total %.1f us |\n",
+        r->phase_n, r->phase_gemm, r->phase_comm, r->phase_reduce, r->phase_total);
   fflush(stdout);
 }
 
@@ -576,7 +623,14 @@ static void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_res
             "\"min_us\": %.2f, \"samples\": %d, \"rel_err\": %.3e}",
             i ? ",\n     " : "", r->pols[i].name, r->st[i].median, r->st[i].p10, r->st[i].p90,
             r->st[i].min, r->st[i].n, r->err[i] < 1e30f ? (double)r->err[i] : 1e30);
-  fprintf(f, "]}");
+  fprintf(f, "]");
+  if (r->phase_n > 0)
+    fprintf(
+        f,
+        ",\n   \"phases_us\": {\"samples\": %d, \"producer_end\": %.2f, \"consumer_end\": %.2f, "
+        "\"reduce\": %.2f, \"total\": %.2f}",
+        r->phase_n, r->phase_gemm, r->phase_comm, r->phase_reduce, r->phase_total);
+  fprintf(f, "}");
 }
 
 /* ---- sweep ----------------------------------------------------------------------------------- */
@@ -1347,7 +1401,10 @@ static void twb_usage(FILE* f, int sweep) {
   if (sweep)
     fprintf(f, "  --c-max C           largest C swept (default 32)\n");
   else
-    fprintf(f, "  --full              the grid with all three routers\n");
+    fprintf(f,
+            "  --full              the grid with all three routers\n"
+            "  --phases            also time ours' phases (producer end, consumer end,\n"
+            "                      reduction) with the context's events, --iters more calls\n");
   fprintf(f,
           "  --tol X             largest normwise relative error that passes (default 2e-2)\n"
           "  --ranks N           ranks to spawn (default: every visible GPU)\n"
@@ -1409,6 +1466,10 @@ static int twb_main(int argc, char** argv, int sweep) {
     }
     if (strcmp(a, "--full") == 0 && !sweep) {
       o.full = 1;
+      continue;
+    }
+    if (strcmp(a, "--phases") == 0 && !sweep) {
+      o.phases = 1;
       continue;
     }
     if (strcmp(a, "--oracle") == 0 && sweep) {
