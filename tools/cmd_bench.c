@@ -390,7 +390,7 @@ typedef struct twb_bench_result {
   tw__bench_stats st[24];
   float err[24];
   /* --phases: medians of ours' total, producer end, consumer end and reduction (from the
-   * consumer's end, with the wait for the peers' consumers), each sample the max over ranks;
+   * later of the two ends, with the wait for the peers' consumers), each sample the max over ranks;
    * phase_n = 0 when not measured */
   double phase_total, phase_gemm, phase_comm, phase_reduce;
   int phase_n;
@@ -594,7 +594,7 @@ static void twb_print_row(const twb_opts* o, const twb_bench_result* r) {
   if (r->phase_n > 0)
     printf(
         "|  | phases of ours (median of %d, max over ranks): producer ends at %.1f us, "
-        "consumer at %.1f us; reduction %.1f us (from the consumer's end, waiting for the "
+        "consumer at %.1f us; reduction %.1f us (after both end, incl. waiting for the "
         "peers); total %.1f us |\n",
         r->phase_n, r->phase_gemm, r->phase_comm, r->phase_reduce, r->phase_total);
   fflush(stdout);
