@@ -10,13 +10,15 @@
  * claim units in that order from one counter (atomicAdd), so the C CTAs are one pool: a CTA that
  * finishes early takes the next unit instead of leaving it to a CTA still busy with a long one
  * (with a fixed unit-to-CTA assignment, u mod C, units queued behind a busy CTA while others
- * waited for bands the producer had not finished). A CTA claims its next unit as soon as its
- * current unit's bands are complete: the atomic's round trip hides under the copy, and a CTA
- * holds a claimed unit only while it is busy. A unit may leave once every band of its segment is
- * complete, so a coalesced segment goes out as one burst of contiguous remote rows. Units are
- * announced on the owner's arrival counter; the owner expects recv_bands * ceil(col_tiles / T)
- * per call, so T must be the same on every rank (the context checks). T defaults to a whole band
- * with bulk copies and to 1 with register copies.
+ * waited for bands the producer had not finished). A CTA claims its next unit when it has
+ * issued the copy of the current one: the atomic's round trip overlaps the drain of that unit's
+ * bulk stores, and no unit waits behind a busy CTA (claiming while a whole unit was still to be
+ * copied held the last units back behind CTAs with a band of up to 2 MB in front of them). A
+ * unit may leave once every band of its segment is complete, so a coalesced segment goes out
+ * as one burst of contiguous remote rows. Units are announced on the owner's arrival counter;
+ * the owner expects recv_bands * ceil(col_tiles / T) per call, so T must be the same on every
+ * rank (the context checks). T defaults to a whole band with bulk copies and to 1 with register
+ * copies.
  * A system-scope release waits until the CTA's NVLink stores are acknowledged (a round trip of
  * microseconds), so a CTA does not release after every unit: it counts finished units per
  * owner and releases them with one reduction per owner when it runs out of units (and before
@@ -273,7 +275,6 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     const int dest = sg.dest;
     const bool fault_here = a.fault != TW_FAULT_NONE && u == a.fault_index;
 
-    uint32_t next_unit = 0; /* thread 0: the claim of the unit after this one */
     if (threadIdx.x == 0) {
       bool ok = true;
       if (a.wait_bands && (ready_seg != seg || fault_here)) {
@@ -292,9 +293,6 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
                          dest, a.rank);
         credited |= 1ull << dest;
       }
-      /* The unit is ready: claim the next one now. Its value is first used after the copy, so
-       * the atomic's round trip overlaps the copy (kept in a register until then). */
-      if (ok) next_unit = atomicAdd(a.unit_next, 1u);
       /* The acquires above are generic-proxy loads; the bulk copies that depend on them run in
        * the async proxy. */
       if (kBulk) asm volatile("fence.proxy.async.global;" ::: "memory");
@@ -334,7 +332,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     }
     /* Every thread's stores above happen-before thread 0's later release (see NOTES, 3). The
      * barrier also publishes the next unit (every thread has read the current one). */
-    if (threadIdx.x == 0) s_unit = (int)next_unit;
+    if (threadIdx.x == 0) s_unit = (int)atomicAdd(a.unit_next, 1u);
     __syncthreads();
     if (kBulk && !s_copied) break; /* a load timed out (recorded) */
     if (threadIdx.x == 0 && !skip) s_pending[dest]++;
