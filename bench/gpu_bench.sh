@@ -5,7 +5,8 @@
 # baselines against the double-precision reference (test_baseline), then runs, writing each
 # table under $OUT (default ./bench-out):
 #   bench.md / bench.json        tilewave bench: the main grid (overlap vs sequential, unfused,
-#                                chunked copy-engine), correctness checked on every point
+#                                chunked copy-engine, ours' phases), correctness checked on every
+#                                point
 #   bench-gemm.md                tilewave bench gemm: producer GEMM vs cuBLAS
 #   sweep.md / sweep.json        tilewave sweep: every C x mgb of one point, oracle, model, regret
 #   oracle.md / oracle.json      tilewave sweep --oracle: the model's regret over a workload matrix
@@ -63,7 +64,7 @@ else
 fi
 
 step "tilewave bench (default grid)"
-timeout 330 "$TW" bench "${bench_args[@]}" --json-file "$OUT/bench.json" | tee "$OUT/bench.md"
+timeout 330 "$TW" bench "${bench_args[@]}" --phases --json-file "$OUT/bench.json" | tee "$OUT/bench.md"
 note "tilewave bench" $?
 
 step "tilewave bench gemm"
