@@ -52,10 +52,13 @@
  * tw__model_choose therefore tabulates, once per candidate mgb and before the decision is timed,
  * the running last-tile index t'_s, the first segment at or after each tile index, and the
  * suffix sums of bytes and bands. The decision then runs without allocating: an exact lower
- * bound per candidate (first wave's term, compute end), the best-ranked bound evaluated first
- * (usually it is the answer), the others only if their bound lets them win; an evaluation skips
- * the waves whose terms cannot raise its maximum (tw__eval, tw__solve say why each step is
- * exact).
+ * bound per candidate (first wave's term, compute end) over only the C range that can win (the
+ * compute end only grows with C, the first term only falls), the best-ranked bound of one table
+ * evaluated first (often it is the answer), the other candidates' bounds raised by two probe
+ * terms (the last wave's and the one where the first evaluation's maximum fell) and evaluated
+ * best-ranked first, only while their bound lets them win; an evaluation starts from its probes
+ * and skips the waves whose terms cannot raise its maximum (tw__eval, tw__solve say why each
+ * step is exact).
  */
 #include <float.h>
 #include <math.h>
@@ -90,6 +93,9 @@ typedef struct tw__seg_table {
   int32_t twin;       /* a table searched before this one whose bound is <= this one's at every
                          C and which wins ties: this one's bounds are computed only if the search
                          gets to step 4 (tw__solve); -1 if none */
+  int32_t first_row;  /* row of the decision's scratch (tw__model_tables.first) holding its
+                         first terms: its slot's when it has the inputs of the slot's other
+                         tables (segments, total bytes and bands), else its own */
   int32_t nseg;       /* S */
   int32_t last_tile;  /* t'_{S-1}: running last-tile index of the last segment; -1 if S = 0 */
   tw__seg_entry* seg; /* (S + 1) per segment s, what a wave term reads (entry S: the empty
@@ -114,8 +120,9 @@ typedef struct tw__model_tables {
   double* comp_us; /* (slots, c_max + 1) compute end max(waves(C) tau_comp, mem_us) + exposed_us */
   double* inv_cta; /* (c_max + 1) 1 / (C link_cta) in us per byte: the CTAs' own rate */
   double* lat_c;   /* (c_max + 1) link_latency_us / C: a band's fixed cost shared by C CTAs */
+  double* first;   /* (TW__MAX_SCHED + TW__MAX_TABLES, c_max + 1) the decision's scratch: rows of
+                      first terms (tw__seg_table.first_row) */
   double inv_peak; /* 1 / link_peak in us per byte: the link's plateau */
-  double* first;   /* (TW__MAX_TABLES, c_max + 1) the decision's scratch: tw__first_terms */
   int32_t ntables;
   tw__seg_table t[TW__MAX_TABLES];
 } tw__model_tables;
@@ -226,8 +233,9 @@ static inline double tw__service(const tw__seg_table* tb, int32_t s, double lat_
   return ctas > link ? ctas : link;
 }
 
-/* For C in [c_lo, c_hi]: out[C - c_lo] = tau(C) + Q(0), the term of wave 1 taken with every
- * segment (the fast form's term for s = 0, w = 1; 0 when there is no segment). */
+/* For C in [c_lo, c_hi]: out[C - c_lo] = tau(C) + Q(0), the term of wave 1 taken with every segment
+ * (the fast form's term for s = 0, w = 1; 0 when there is no segment). The one copy of this
+ * arithmetic that the decision and tw_plan_predict share. */
 static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__seg_table* tb,
                                          int32_t c_lo, int32_t c_hi, double* out) {
   if (tb->nseg == 0) {
@@ -240,47 +248,71 @@ static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__se
 }
 
 /* T(C, mgb) of one table, in microseconds (the fast form; identical in value to the plain
- * reference's maximum up to floating-point association). first = tw__first_terms' value at C. Once
- * T is known to exceed `cutoff` it returns early with a value above `cutoff` (not T); DBL_MAX gives
- * T exactly.
+ * reference's maximum up to floating-point association). first = tw__first_terms' value at C.
+ * Once T is known to exceed `cutoff` (or, with `strict`, to reach it) it returns early with a
+ * value above (at) `cutoff` (not T); DBL_MAX gives T exactly. probe_wave (0: none) names a wave
+ * whose term is taken first; argmax_tile (may be NULL) receives the running last-tile index of
+ * the segment whose term is the maximum (-1: the compute end is).
  *
- * The maximum starts at the compute end (T = max(F, compute end) + reduce, and max is
- * exact in floating point, so folding it in first changes no bit of T). Waves are skipped when
- * they cannot raise it: the term of wave w is w tau(C) + Q(s_w), and Q is non-increasing in s
- * (suffix sums of non-negative bytes and bands) while s_w is non-decreasing in w. So every wave
- * w' in (w, w + k] has a term at most term(w) + k tau, and once the running maximum f is at
- * least that (with TW__SKIP_SLACK against rounding), those k waves need not be evaluated. When
- * the link is the bottleneck the service drains faster than tau per wave and the skips grow
- * geometrically: a handful of terms instead of one per wave. Skipping only leaves out terms
- * that are <= f, so the maximum, and hence T, is bit for bit the one the full loop gives. */
+ * The maximum starts at the compute end (T = max(F, compute end) + reduce, and max is exact in
+ * floating point, so folding it in first changes no bit of T), then takes the last wave's term
+ * and probe_wave's (see below). Waves are skipped when they cannot raise it: the term of wave w
+ * is w tau(C) + Q(s_w), and Q is non-increasing in s (suffix sums of non-negative bytes and
+ * bands) while s_w is non-decreasing in w. So every wave w' in (w, w + k] has a term at most
+ * term(w) + k tau, and once the running maximum f is at least that (with TW__SKIP_SLACK against
+ * rounding), those k waves need not be evaluated. When the link is the bottleneck the service
+ * drains faster than tau per wave and the skips grow geometrically: a handful of terms instead
+ * of one per wave. Skipping only leaves out terms that are <= f, so the maximum, and hence T,
+ * is bit for bit the one the full loop gives. */
 static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_table* tb, int32_t c,
-                                    double first, double cutoff) {
-  const tw_hardware* hw = &m->hw;
+                                    double first, double cutoff, int strict, int32_t probe_wave,
+                                    int32_t* argmax_tile) {
   const int32_t p = m->prod[c];
-  const size_t at = (size_t)tb->slot * ((size_t)hw->c_max + 1) + (size_t)c;
+  const size_t at = (size_t)tb->slot * ((size_t)m->hw.c_max + 1) + (size_t)c;
   const double tau = m->tau_us[at];
   const double comp_end = m->comp_us[at];
   const double reduce = m->reduce_us;
+  if (argmax_tile) *argmax_tile = -1;
   if (tb->nseg == 0) return comp_end + reduce;
-  const double lat_c = m->lat_c[c], inv_cta_c = m->inv_cta[c];
+  const double lat_c = m->lat_c[c], inv_cta_c = m->inv_cta[c], inv_peak = m->inv_peak;
+  const double inv_tau = m->inv_tau[at];
+  const int32_t* first_seg = tb->first_seg;
+  const tw__seg_entry* seg = tb->seg;
   const int64_t last_wave = (int64_t)tb->last_tile / p + 1; /* wave of the last segment */
   double f = comp_end;
-  if (f + reduce > cutoff) return f + reduce;
-  /* One term per wave: its first ready segment s, A = w tau plus all later service. */
+  int32_t arg = -1;
+  if (f + reduce > cutoff || (strict && f + reduce == cutoff)) return f + reduce;
+  /* Probes: the last wave's term (the consumer's tail, the maximum on most compute-bound
+   * shapes) and the term of `probe_wave` (where another candidate's maximum fell) first, so that
+   * a loser stops at once and the skipping below starts from a maximum close to the final one.
+   * Each is the term of the first segment not finished before that wave, taken in that wave,
+   * which is <= that segment's own term (it finishes in that wave or later), so <= F: starting
+   * from them changes nothing in the result. */
+  for (int32_t pass = 0; pass < 2; pass++) {
+    const int64_t pw = pass == 0 ? last_wave : probe_wave;
+    if (pw <= 1 || pw > last_wave || (pass == 1 && pw == last_wave)) continue;
+    const int32_t s = first_seg[(pw - 1) * p];
+    const double term = (double)pw * tau + tw__service(tb, s, lat_c, inv_cta_c, inv_peak);
+    if (term > f) {
+      f = term, arg = seg[s].run_last;
+      if (f + reduce > cutoff || (strict && f + reduce == cutoff)) goto done;
+    }
+  }
+  /* One term per wave: its first ready segment s, A = w tau plus all later service. Wave 1's
+   * segment is s = 0 and its term is `first`, computed by tw__first_terms. */
   int64_t w = 1, start = 0; /* start = (w - 1) P: first tile index of wave w */
-  while (w <= last_wave) {
-    const int32_t s = tb->first_seg[start];
-    if (tb->seg[s].run_last < start + p) { /* something becomes ready in wave w */
-      /* s = 0 in wave 1: the first term, computed once by tw__first_terms. */
-      const double term =
-          w == 1 ? first : (double)w * tau + tw__service(tb, s, lat_c, inv_cta_c, m->inv_peak);
-      if (term > f) {
-        f = term;
-        /* Already worse than the best candidate: the rest cannot make T smaller. */
-        if (f + reduce > cutoff) return f + reduce;
-      }
-      /* Waves w + 1 .. w + k have terms <= term + k tau <= f (see above). */
-      const double room = (f * TW__SKIP_SLACK - term) * m->inv_tau[at];
+  double term = first;
+  int32_t s = 0;
+  if (seg[0].run_last >= p) goto next; /* nothing is ready in wave 1 */
+  for (;;) {
+    if (term > f) {
+      f = term, arg = seg[s].run_last;
+      /* Already worse than the best candidate: the rest cannot make T smaller. */
+      if (f + reduce > cutoff || (strict && f + reduce == cutoff)) break;
+    } else {
+      /* Waves w + 1 .. w + k have terms <= term + k tau <= f (see above); when term > f the
+       * room is negative and nothing is skipped. */
+      const double room = (f * TW__SKIP_SLACK - term) * inv_tau;
       if (room >= (double)(last_wave - w)) break; /* no later wave can raise f */
       if (room >= 1.0) {
         const int64_t k = (int64_t)room;
@@ -288,9 +320,16 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
         start += k * p;
       }
     }
-    w++;
-    start += p;
+  next:
+    do { /* the next wave in which a segment becomes ready */
+      if (++w > last_wave) goto done;
+      start += p;
+      s = first_seg[start];
+    } while (seg[s].run_last >= start + p);
+    term = (double)w * tau + tw__service(tb, s, lat_c, inv_cta_c, inv_peak);
   }
+done:
+  if (argmax_tile) *argmax_tile = arg;
   return f + reduce;
 }
 
@@ -351,32 +390,90 @@ static int32_t tw__table_key(int32_t mgb, int32_t schedule) {
   return 2 * mgb + (schedule == TW_SCHEDULE_EXPERT_MAJOR);
 }
 
+/* A lower bound of the term tw__eval computes for the first segment not finished before wave
+ * `wave` (> 1) of C (the same arithmetic, which a compiler may still round differently there:
+ * TW__SKIP_SLACK covers it). */
+static inline double tw__probe_term(const tw__model_tables* m, const tw__seg_table* tb, int32_t c,
+                                    double tau, int32_t wave) {
+  const int32_t s = tb->first_seg[(int64_t)(wave - 1) * m->prod[c]];
+  return ((double)wave * tau + tw__service(tb, s, m->lat_c[c], m->inv_cta[c], m->inv_peak)) *
+         TW__SKIP_SLACK;
+}
+
+/* A candidate left for step 4: its bound (raised by the probes), its first term, and the wave
+ * of the hint for tw__eval (0: none). */
+typedef struct tw__cand {
+  double lb, first;
+  int32_t c, table, key, wave;
+} tw__cand;
+/* Candidates step 4 orders; more are evaluated as they come (the same answer, found slower). */
+#define TW__MAX_CANDS 64
+
+/* The last C in [c_lo, c_hi] whose compute end + reduce stays within bt (below it if `below`),
+ * c_lo - 1 if none, by bisection: the compute end is non-decreasing in C (tw__model_slot). */
+static int32_t tw__c_end(const double* comp_us, double reduce, double bt, int below, int32_t c_lo,
+                         int32_t c_hi) {
+  int32_t lo = c_lo - 1, hi = c_hi; /* the answer lies in [lo, hi] */
+  while (hi > lo) {
+    const double x = comp_us[hi] + reduce;
+    if (!(x > bt || (below && x == bt))) break; /* hi itself qualifies */
+    const int32_t mid = lo + (hi - lo + 1) / 2;
+    const double y = comp_us[mid] + reduce;
+    if (y > bt || (below && y == bt))
+      hi = mid - 1;
+    else
+      lo = mid;
+  }
+  return hi;
+}
+
+/* The last C a table's scan needs: beyond it the compute end + reduce exceeds bt, or equals it
+ * at a C above bc (a tie it loses). The two ends are cached per slot for the bt given. */
+static inline int32_t tw__scan_end(const double* comp_us, double reduce, double bt, int32_t bc,
+                                   int32_t c_lo, int32_t c_hi, double* cached_bt, int32_t* le,
+                                   int32_t* lt) {
+  if (*cached_bt != bt) {
+    *le = tw__c_end(comp_us, reduce, bt, 0, c_lo, c_hi);
+    *lt = bt == DBL_MAX ? *le : tw__c_end(comp_us, reduce, bt, 1, c_lo, *le);
+    *cached_bt = bt;
+  }
+  const int32_t tie_end = bc > 0 && bc < *le ? bc : *le;
+  return *lt > tie_end ? *lt : tie_end;
+}
+
 /* The decision: the best (C, mgb, schedule) over C in [c_lo, c_hi] and the tables of `use` (bit
  * i = table i; one table per mgb and schedule), by T, then the smaller C, then the larger key
  * (mgb, then expert-major); the same answer as evaluating every candidate, found by best-first
- * branch and bound:
+ * branch and bound on lb = max(first term, compute end) + reduce:
  *
- *   1. lower bounds lb = max(first term, compute end) + reduce (a few multiply-adds each) of
- *      one table's candidates (the last table: the largest mgb of the last schedule tabulated,
- *      usually the winner), and the exact T of its best-ranked one: an upper bound of the
- *      optimum;
- *   2. the bounds of the other tables, for C up to the last whose compute end + reduce stays
- *      within that T (the compute end max(waves(C) tau_comp, mem_us) + exposed_us only grows
- *      with C; beyond it every candidate loses; a schedule whose memory traffic alone exceeds
- *      that T is not looked at);
- *   3. if the candidate evaluated in 1 ranks first among all bounds by (lb, C, -key) and its T
+ *   1. one table (the last: the largest mgb of the last schedule tabulated, usually the winner)
+ *      is scanned from the smallest C up to its best-ranked bound (the compute end only grows
+ *      with C: the scan stops where it reaches the best bound so far) and that candidate's exact
+ *      T is evaluated: an upper bound bt of the optimum;
+ *   2. every table is scanned from the last C whose compute end + reduce stays within bt (by
+ *      bisection) down to the first C whose first term + reduce exceeds bt (the first term
+ *      only grows as C falls): what lies outside cannot win. The candidates inside are kept,
+ *      and the best-ranked bound over all tables is tracked;
+ *   3. if the candidate evaluated in 1 holds the best-ranked bound by (lb, C, -key) and its T
  *      equals its bound (T is the first wave's term on link-bound shapes, the compute end on
- *      compute-bound ones), it is the answer, since
- *      no bound is below it and equal bounds rank after it: the search ends here;
- *   4. otherwise every other candidate whose bound still lets it win (tw__better on the bound) is
- *      evaluated, with the best T as cutoff so that a loser stops at its first term above it.
+ *      compute-bound ones), it is the answer, since no bound is below it and equal bounds rank
+ *      after it: the search ends here;
+ *   4. otherwise each kept candidate's bound is raised by two probe terms (the last wave's, and
+ *      the one of the wave holding the tile where step 1's maximum fell) and the candidates are
+ *      evaluated best-ranked bound first, while that bound still lets one win (tw__better);
+ *      each evaluation starts from its probes and stops at its first term above the best T (or
+ *      reaching it, when a tie would lose).
  *
- * The bound is exact in floating point, lb <= T bit for bit, so it is compared without margin
- * and no candidate that could win or tie is skipped: T = max(f, compute end) + reduce where f
- * is the maximum of the wave terms; the first wave with a ready segment has s = 0 and A_0 >= 1;
- * when A_0 = 1 its term is the very value tw__first_terms gave (tw__eval reuses it), and when
- * A_0 > 1 it exceeds that value by at least tau, far beyond rounding. max and the same + reduce
- * keep the order. */
+ * The first-term bound is exact in floating point, lb <= T bit for bit, so it is compared
+ * without margin and no candidate that could win or tie is skipped: T = max(f, compute end) +
+ * reduce where f is the maximum of the wave terms; the first wave with a ready segment has s =
+ * 0 and A_0 >= 1; when A_0 = 1 its term is the very value tw__first_terms gave (tw__eval reuses
+ * it), and when A_0 > 1 it exceeds that value by at least tau, far beyond rounding. max and the
+ * same + reduce keep the order. The first term is non-increasing in C bit for bit (tau(C) and
+ * the service's per-C rates are, and rounding is monotone), which the scan of step 2 relies on.
+ * A probe is a term of the same arithmetic, taken with TW__SKIP_SLACK below it: a lower bound
+ * of T whatever the compiler fused. The search ends as soon as the best-ranked bound left cannot
+ * win, so bounds of equal value are never split by the slack. */
 static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, unsigned use,
                       int32_t* best_c, int32_t* best_table, double* best_t) {
   const size_t stride = (size_t)m->hw.c_max + 1;
@@ -385,62 +482,121 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
   int32_t bc = 0, bi = -1, bkey = 0;
   double bl = DBL_MAX; /* best-ranked bound */
   int32_t lc = 0, li = -1, lkey = 0;
+  int32_t hint = -1;             /* schedule index where step 1's maximum fell */
   int32_t c_end[TW__MAX_TABLES]; /* candidates C in [c_lo, c_end[i]] are left */
-  unsigned lazy = 0;             /* tables whose bounds are not computed yet (bit i) */
-  for (int32_t i = m->ntables - 1; i >= 0; i--) {
-    c_end[i] = c_lo - 1;
-    if (!(use & (1u << i))) continue;
-    const tw__seg_table* tb = &m->t[i];
-    const double* comp_us = m->comp_us + (size_t)tb->slot * stride;
-    double* first = m->first + (size_t)i * stride;
-    int32_t hi = c_hi;
-    while (hi >= c_lo && comp_us[hi] + reduce > bt) hi--; /* step 2 (no-op before step 1) */
-    c_end[i] = hi;
-    if (hi < c_lo) continue;
-    /* Dominated by a twin whose bounds are known at every C left here (its compute end is no
-     * larger, so its c_end is no smaller): every bound of this table ranks after the twin's
-     * bound at the same C, so it cannot rank before the candidate evaluated in step 1 unless a
-     * twin's bound does; step 3 holds without it, step 4 computes it. */
-    if (tb->twin >= 0 && (use & (1u << tb->twin)) && c_end[tb->twin] >= hi) {
-      lazy |= 1u << i;
-      continue;
+  unsigned lazy = 0;             /* tables whose scan waits for step 4 (bit i) */
+  /* Per schedule slot, for the bt they were found with: the last C whose compute end + reduce
+   * is within bt and below it (C beyond the latter tie at best: only C <= bc may still win). */
+  double slot_bt[TW__MAX_SCHED] = {-1.0, -1.0};
+  int32_t slot_le[TW__MAX_SCHED] = {0, 0}, slot_lt[TW__MAX_SCHED] = {0, 0};
+  tw__cand cand[TW__MAX_CANDS];
+  int32_t n = 0;
+  unsigned rows = 0;                         /* rows of m->first filled for this decision (bit r) */
+  for (int32_t pass = 0; pass < 2; pass++) { /* pass 0: steps 1-2; pass 1: lazy tables */
+    for (int32_t i = m->ntables - 1; i >= 0; i--) {
+      if (pass == 0) c_end[i] = c_lo - 1;
+      if (!(use & (1u << i)) || (pass == 1 && !(lazy & (1u << i)))) continue;
+      const tw__seg_table* tb = &m->t[i];
+      const double* comp_us = m->comp_us + (size_t)tb->slot * stride;
+      if (pass == 0) {
+        c_end[i] = tw__scan_end(comp_us, reduce, bt, bc, c_lo, c_hi, &slot_bt[tb->slot],
+                                &slot_le[tb->slot], &slot_lt[tb->slot]);
+        if (c_end[i] < c_lo) continue;
+        /* Dominated by a twin whose bounds are known at every C left here (its compute end is
+         * no larger, so its c_end is no smaller): every bound of this table ranks after the
+         * twin's bound at the same C, so it cannot hold the best-ranked bound unless a twin's
+         * bound does; step 3 holds without it, step 4 scans it. */
+        if (tb->twin >= 0 && (use & (1u << tb->twin)) && c_end[tb->twin] >= c_end[i]) {
+          lazy |= 1u << i;
+          continue;
+        }
+      }
+      /* The first terms of every C at once (a short loop the compiler vectorises), once per
+       * row: cheaper than one at a time where the scans below need a few per table. */
+      double* firsts = m->first + (size_t)tb->first_row * stride;
+      if (!(rows & (1u << tb->first_row))) {
+        tw__first_terms(m, tb, c_lo, c_hi, firsts + c_lo);
+        rows |= 1u << tb->first_row;
+      }
+      if (bi < 0) { /* step 1: up to the best-ranked bound, which is evaluated */
+        double tl = DBL_MAX, tf = 0.0;
+        int32_t tc = 0;
+        for (int32_t c = c_lo; c <= c_end[i]; c++) {
+          const double comp = comp_us[c] + reduce;
+          if (tc > 0 && comp >= tl) break; /* here and beyond: lb >= tl at a larger C */
+          const double first = firsts[c];
+          const double lb = first + reduce > comp ? first + reduce : comp;
+          if (tc == 0 || lb < tl) tl = lb, tc = c, tf = first;
+        }
+        bl = tl, lc = tc, li = i, lkey = tb->key;
+        bt = tw__eval(m, tb, tc, tf, DBL_MAX, 0, 0, &hint);
+        bc = tc, bi = i, bkey = tb->key;
+        c_end[i] = tw__scan_end(comp_us, reduce, bt, bc, c_lo, c_hi, &slot_bt[tb->slot],
+                                &slot_le[tb->slot], &slot_lt[tb->slot]);
+      }
+      /* Step 2: from the last C within bt down to the first whose first term exceeds it. */
+      for (int32_t c = c_end[i]; c >= c_lo; c--) {
+        const double first = firsts[c];
+        if (first + reduce > bt) break;
+        const double comp = comp_us[c];
+        const double lb = (first > comp ? first : comp) + reduce;
+        if (pass == 0 && tw__better(lb, c, tb->key, bl, lc, lkey))
+          bl = lb, lc = c, li = i, lkey = tb->key;
+        if ((i == bi && c == bc) || !tw__better(lb, c, tb->key, bt, bc, bkey)) continue;
+        if (n < TW__MAX_CANDS) {
+          cand[n++] = (tw__cand){lb, first, c, i, tb->key, 0};
+        } else { /* no room to order it: evaluate it now */
+          const double t = tw__eval(m, tb, c, first, bt, 0, 0, NULL);
+          if (tw__better(t, c, tb->key, bt, bc, bkey)) bt = t, bc = c, bi = i, bkey = tb->key;
+        }
+      }
     }
-    tw__first_terms(m, tb, c_lo, hi, first + c_lo);
-    for (int32_t c = c_lo; c <= hi; c++) {
-      const double comp = comp_us[c];
-      const double lb = (first[c] > comp ? first[c] : comp) + reduce;
-      if (tw__better(lb, c, tb->key, bl, lc, lkey)) bl = lb, lc = c, li = i, lkey = tb->key;
+    if (bi < 0) {
+      *best_c = 0, *best_table = -1, *best_t = 0.0;
+      return;
     }
-    if (bi < 0) { /* step 1: the first table's best-ranked bound, evaluated */
-      bt = tw__eval(m, tb, lc, first[lc], DBL_MAX);
-      bc = lc, bi = i, bkey = tb->key;
-    }
+    if (pass == 0 && li == bi && lc == bc && bt == bl) break; /* step 3 */
   }
-  if (bi < 0) {
-    *best_c = 0, *best_table = -1, *best_t = 0.0;
-    return;
-  }
-  const int32_t first_i = bi, first_c = bc;
-  if (li == first_i && lc == first_c && bt == bl) { /* step 3 */
-    *best_c = bc, *best_table = bi, *best_t = bt;
-    return;
-  }
-  for (int32_t i = 0; i < m->ntables; i++) { /* step 4 */
-    if (!(use & (1u << i))) continue;
-    const tw__seg_table* tb = &m->t[i];
-    const double* comp_us = m->comp_us + (size_t)tb->slot * stride;
-    double* first = m->first + (size_t)i * stride;
-    if ((lazy & (1u << i)) && c_end[i] >= c_lo)
-      tw__first_terms(m, tb, c_lo, c_end[i], first + c_lo);
-    for (int32_t c = c_lo; c <= c_end[i]; c++) {
-      const double comp = comp_us[c];
-      /* The compute end only grows with C: no later C can win either. */
-      if (comp + reduce > bt) break;
-      const double lb = (first[c] > comp ? first[c] : comp) + reduce;
-      if (!tw__better(lb, c, tb->key, bt, bc, bkey) || (i == first_i && c == first_c)) continue;
-      const double t = tw__eval(m, tb, c, first[c], bt);
-      if (tw__better(t, c, tb->key, bt, bc, bkey)) bt = t, bc = c, bi = i, bkey = tb->key;
+  /* Step 4: the probes raise each bound; the candidates that can still win are evaluated,
+   * best-ranked bound first, picked one at a time (most decisions end after one or two). */
+  int32_t k = 0;
+  for (int32_t j = 0; j < n && bi >= 0 && !(li == bi && lc == bc && bt == bl); j++) {
+    tw__cand x = cand[j];
+    const tw__seg_table* tb = &m->t[x.table];
+    const double tau = m->tau_us[(size_t)tb->slot * stride + (size_t)x.c];
+    const int32_t p = m->prod[x.c];
+    const int32_t last_wave = tb->last_tile / p + 1;
+    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) continue;
+    if (last_wave > 1) {
+      const double term = tw__probe_term(m, tb, x.c, tau, last_wave) + reduce;
+      if (term > x.lb) x.lb = term;
+      if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) continue;
     }
+    if (hint >= 0) {
+      const int32_t t = hint < tb->last_tile ? hint : tb->last_tile;
+      const int32_t wave = tb->seg[tb->first_seg[t]].run_last / p + 1;
+      if (wave > 1 && wave < last_wave) {
+        const double term = tw__probe_term(m, tb, x.c, tau, wave) + reduce;
+        if (term > x.lb) x.lb = term;
+        if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) continue;
+        x.wave = wave;
+      }
+    }
+    cand[k++] = x;
+  }
+  n = k;
+  while (n > 0 && !(li == bi && lc == bc && bt == bl)) {
+    int32_t j = 0;
+    for (int32_t q = 1; q < n; q++)
+      if (tw__better(cand[q].lb, cand[q].c, cand[q].key, cand[j].lb, cand[j].c, cand[j].key)) j = q;
+    const tw__cand x = cand[j];
+    /* The best-ranked bound left cannot win: none can. */
+    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) break;
+    cand[j] = cand[--n];
+    /* A candidate that loses ties stops at a term that reaches bt. */
+    const int strict = !tw__better(bt, x.c, x.key, bt, bc, bkey);
+    const double t = tw__eval(m, &m->t[x.table], x.c, x.first, bt, strict, x.wave, NULL);
+    if (tw__better(t, x.c, x.key, bt, bc, bkey)) bt = t, bc = x.c, bi = x.table, bkey = x.key;
   }
   *best_c = bc;
   *best_table = bi;
@@ -534,7 +690,9 @@ static int tw__bounds_dominated(const tw__model_tables* m, const tw__seg_table* 
 }
 
 /* Gives each table of an earlier slot the later slot's table of the same mgb as twin when its
- * bounds are dominated by it and it loses ties to it (tw__solve searches later tables first). */
+ * bounds are dominated by it and it loses ties to it (tw__solve searches later tables first),
+ * and its row of first terms: shared by the tables of a slot whose first-term inputs are the
+ * same (then the values are, bit for bit). */
 static void tw__find_twins(tw__model_tables* m) {
   for (int32_t i = 0; i < m->ntables; i++) {
     tw__seg_table* a = &m->t[i];
@@ -545,6 +703,13 @@ static void tw__find_twins(tw__model_tables* m) {
           tw__bounds_dominated(m, a, b))
         a->twin = j;
     }
+    const tw__seg_table* r = NULL; /* the slot's first table */
+    for (int32_t j = 0; j < m->ntables && r == NULL; j++)
+      if (m->t[j].slot == a->slot) r = &m->t[j];
+    const int same = (a->nseg > 0) == (r->nseg > 0) &&
+                     (a->nseg == 0 || (a->total_bytes == r->total_bytes &&
+                                       a->seg[0].suffix_bands == r->seg[0].suffix_bands));
+    a->first_row = same ? a->slot : TW__MAX_SCHED + i;
   }
 }
 
@@ -576,7 +741,7 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   m->comp_us = malloc((size_t)nsched * stride * sizeof *m->comp_us);
   m->inv_cta = malloc(stride * sizeof *m->inv_cta);
   m->lat_c = malloc(stride * sizeof *m->lat_c);
-  m->first = malloc((size_t)TW__MAX_TABLES * stride * sizeof *m->first);
+  m->first = malloc((size_t)(TW__MAX_SCHED + TW__MAX_TABLES) * stride * sizeof *m->first);
   if (!m->prod || !m->tau_us || !m->inv_tau || !m->comp_us || !m->inv_cta || !m->lat_c || !m->first)
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   for (int32_t c = 1; c <= hw->c_max; c++) {
@@ -722,7 +887,7 @@ tw_status tw__model_predict(const struct tw_plan* plan, int32_t schedule, int32_
                     coalesce, schedule, plan->coalesce, plan->schedule);
   double first[1];
   tw__first_terms(m, &m->t[i], comm_ctas, comm_ctas, first);
-  *t_us = tw__eval(m, &m->t[i], comm_ctas, first[0], DBL_MAX);
+  *t_us = tw__eval(m, &m->t[i], comm_ctas, first[0], DBL_MAX, 0, 0, NULL);
   return TW_SUCCESS;
 }
 
