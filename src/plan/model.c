@@ -23,8 +23,8 @@
  * moves the band, so C CTAs share them), and reduce_us is the owner's weighted reduction (reads
  * every (token, k) row, writes every token) at mem_gbps.
  *
- * The consumer is one pool: its CTAs deal units of every ready segment round-robin, so from the
- * moment segment s is ready, what is left (s and every later segment) takes the longer of what
+ * The consumer is one pool: its CTAs claim units of every ready segment from one counter, so from
+ * the moment segment s is ready, what is left (s and every later segment) takes the longer of what
  * the C CTAs need (bytes at C per-CTA rates plus the per-band costs they share) and what the
  * link needs (bytes at its plateau). Past the plateau the per-band costs hide under other CTAs'
  * transfers, so more CTAs stop paying off and the SMs they take from the GEMM decide (an
