@@ -201,6 +201,9 @@ typedef struct tw_hardware {
   double refetch_exposure; /* fraction of a second read of an expert's weights the producer
                               does not hide under its compute, 0..1 */
   double rho_ref;          /* first paper's reference service-rate ratio (eq. 14) */
+  double l2_mib;           /* L2 cache of one GPU, MiB: the weights of all local experts that fit
+                              in half of it are read from device memory once per call, whatever
+                              the schedule */
 } tw_hardware;
 
 tw_status tw_hardware_default(tw_hardware* hw);

@@ -6,6 +6,7 @@
  * Each number is fitted to the formula the model charges it in (src/plan/model.c), so that the
  * file means what the model reads (fits: calibrate_fit.c; method and caveats: docs/calibrate.md):
  *   sm_count          the device's multiprocessor count
+ *   l2_mib            the device's L2 cache size
  *   tile_tflops,      the producer GEMM alone (kernels API, band signals on, no consumer) on
  *                     P = SMs - 8 CTAs (a typical C beside it), on
  *   tile_overhead_us  two balanced problems per K that differ only in their wave count: the time
@@ -918,6 +919,7 @@ static void twc_print(const twc_state* s) {
   }
   printf("| parameter | default | measured | how |\n|---|---|---|---|\n");
   printf("| sm_count | %d | %d | cudaDevAttrMultiProcessorCount |\n", d->sm_count, h->sm_count);
+  printf("| l2_mib | %.1f | %.1f | cudaDevAttrL2CacheSize |\n", d->l2_mib, h->l2_mib);
   printf(
       "| occ_comp | %d | - | default kept: the library does not expose its kernels' occupancy |\n",
       d->occ_comp);
@@ -1010,6 +1012,7 @@ static int twc_fields(const twc_state* s, twc_field* f) {
       {"mem_gbps", s->prod_ok},
       {"refetch_exposure", s->ref_ok},
       {"rho_ref", 0},
+      {"l2_mib", 1},
   };
   const int n = (int)(sizeof all / sizeof all[0]);
   for (int i = 0; i < n; i++) f[i] = all[i];
@@ -1035,10 +1038,10 @@ static void twc_json_hw(FILE* f, const char* name, const tw_hardware* h) {
           "  \"%s\": {\"sm_count\": %d, \"occ_comp\": %d, \"occ_comm\": %d, \"c_max\": %d, "
           "\"tile_tflops\": %.6g, \"tile_overhead_us\": %.6g, \"link_cta_gbps\": %.6g, "
           "\"link_peak_gbps\": %.6g, \"link_latency_us\": %.6g, \"mem_gbps\": %.6g, "
-          "\"refetch_exposure\": %.6g, \"rho_ref\": %.6g}",
+          "\"refetch_exposure\": %.6g, \"rho_ref\": %.6g, \"l2_mib\": %.6g}",
           name, h->sm_count, h->occ_comp, h->occ_comm, h->c_max, h->tile_tflops,
           h->tile_overhead_us, h->link_cta_gbps, h->link_peak_gbps, h->link_latency_us, h->mem_gbps,
-          h->refetch_exposure, h->rho_ref);
+          h->refetch_exposure, h->rho_ref, h->l2_mib);
 }
 
 static tw_status twc_write_json(const twc_state* s, const char* path) {
@@ -1163,6 +1166,9 @@ static tw_status twc_run(twc_state* s) {
     return tw__fail(TW_ERR_UNSUPPORTED, "calibrate: %d SMs; need more than %d", sms,
                     TW_DEFAULT_COMM_CTAS + 1);
   s->hw.sm_count = sms;
+  int l2 = 0;
+  TW_CUDA_TRY(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
+  if (l2 > 0) s->hw.l2_mib = l2 / 1048576.0;
   if (s->hw.c_max > (sms - 1) * s->hw.occ_comm) s->hw.c_max = (sms - 1) * s->hw.occ_comm;
   twc_progress(s, "%d x %s, %d SMs", s->world, s->device_name, sms);
 

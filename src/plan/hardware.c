@@ -75,6 +75,8 @@ tw_status tw_hardware_default(tw_hardware* hw) {
   /* First paper's reference service-rate ratio (its Section III calibration, K=352, 128x128
    * tiles, D=4). */
   hw->rho_ref = 10.05;
+  /* H200 (HARDWARE.md): 60 MiB. */
+  hw->l2_mib = 60.0;
   return TW_SUCCESS;
 }
 
@@ -95,6 +97,7 @@ static const tw__hw_field tw__hw_fields[] = {
     TW__HW_I(c_max),         TW__HW_D(tile_tflops),      TW__HW_D(tile_overhead_us),
     TW__HW_D(link_cta_gbps), TW__HW_D(link_peak_gbps),   TW__HW_D(link_latency_us),
     TW__HW_D(mem_gbps),      TW__HW_D(refetch_exposure), TW__HW_D(rho_ref),
+    TW__HW_D(l2_mib),
 };
 #define TW__HW_NFIELDS (sizeof tw__hw_fields / sizeof tw__hw_fields[0])
 
@@ -120,11 +123,15 @@ tw_status tw__hardware_validate(const tw_hardware* hw) {
     const char* name;
     double v;
     int zero_ok;
-  } pos[] = {
-      {"tile_tflops", hw->tile_tflops, 0},           {"tile_overhead_us", hw->tile_overhead_us, 1},
-      {"link_cta_gbps", hw->link_cta_gbps, 0},       {"link_peak_gbps", hw->link_peak_gbps, 0},
-      {"link_latency_us", hw->link_latency_us, 1},   {"mem_gbps", hw->mem_gbps, 0},
-      {"refetch_exposure", hw->refetch_exposure, 1}, {"rho_ref", hw->rho_ref, 0}};
+  } pos[] = {{"tile_tflops", hw->tile_tflops, 0},
+             {"tile_overhead_us", hw->tile_overhead_us, 1},
+             {"link_cta_gbps", hw->link_cta_gbps, 0},
+             {"link_peak_gbps", hw->link_peak_gbps, 0},
+             {"link_latency_us", hw->link_latency_us, 1},
+             {"mem_gbps", hw->mem_gbps, 0},
+             {"refetch_exposure", hw->refetch_exposure, 1},
+             {"rho_ref", hw->rho_ref, 0},
+             {"l2_mib", hw->l2_mib, 1}};
   for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++) {
     if (!isfinite(pos[i].v) || pos[i].v < 0.0 || (!pos[i].zero_ok && pos[i].v == 0.0))
       return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw_hardware: %s = %g; must be finite and %s",

@@ -41,8 +41,11 @@
  * (tw__model_traffic, docs/model.md). A second read of an expert's weights costs more than the
  * roofline says: measured, remote-first takes refetch_exposure (0.30) x those bytes / mem_gbps
  * longer than expert-major beyond the roofline's own difference, also where both are
- * compute-bound, so that part is added to the waves. With the schedule left to the model, both
- * schedules' tables are built and searched together, and the plan is rebuilt in the winner's order.
+ * compute-bound, so that part is added to the waves. Where all local experts' weights fit in
+ * half the L2 (l2_mib), a second run finds them there: each expert counts once, nothing is
+ * exposed, and remote-first wins the ties (tw__table_key). With the schedule left to the model,
+ * both schedules' tables are built and searched together, and the plan is rebuilt in the winner's
+ * order.
  *
  * Evaluating F segment by segment costs O(S) per candidate. Replacing t_s by its running
  * maximum t'_s = max_{j <= s} t_j leaves the maximum unchanged (a term whose A_s was raised is
@@ -89,7 +92,8 @@ typedef struct tw__seg_entry {
 typedef struct tw__seg_table {
   int32_t mgb;
   int32_t slot;       /* schedule slot (tw__model_tables.sched) whose order the segments follow */
-  int32_t key;        /* tie rank: among equal T and C the larger wins (mgb, then expert-major) */
+  int32_t key;        /* tie rank: among equal T and C the larger wins (mgb, then a schedule:
+                         tw__table_key) */
   int32_t twin;       /* a table searched before this one whose bound is <= this one's at every
                          C and which wins ties: this one's bounds are computed only if the search
                          gets to step 4 (tw__solve); -1 if none */
@@ -382,12 +386,27 @@ static int tw__better(double t, int32_t c, int32_t key, double bt, int32_t bc, i
   return c < bc || (c == bc && key > bkey);
 }
 
+/* Whether the weights of all local experts fit in half the L2 cache, so that a second run of an
+ * expert finds them there: neither schedule then reads any expert's weights from device memory
+ * more than once (the other half: the activations and outputs streaming through). */
+static int tw__weights_stay_in_l2(const struct tw_plan* plan) {
+  const double w = 2.0 * (double)(plan->local_experts > 0 ? plan->local_experts : 1) *
+                   (double)plan->problem.hidden * (double)plan->problem.ffn; /* bf16 / fp16 */
+  return w <= 0.5 * plan->hardware.l2_mib * 1048576.0;
+}
+
 /* Tie rank of a table: the larger mgb wins a tie (fewer segments, fewer latencies the model may
- * underestimate), then expert-major: on such a tie the model cannot tell the schedules apart,
- * and expert-major reads each expert's weights once (what a second read costs the model sees
- * only in part: refetch_exposure). */
-static int32_t tw__table_key(int32_t mgb, int32_t schedule) {
-  return 2 * mgb + (schedule == TW_SCHEDULE_EXPERT_MAJOR);
+ * underestimate), then a schedule. On such a tie the model cannot tell the schedules apart.
+ * Usually expert-major wins it: it reads each expert's weights once (what a second read costs
+ * the model sees only in part: refetch_exposure). Where the weights stay in L2 there is no second
+ * read to pay, and remote-first wins it: its remote bands are all computed first, so its consumer
+ * ends before the producer, and the reduction reads the local rows computed last while they are
+ * in L2. Measured with bench --phases (2 x H200, granite at 1024-16384 tokens, C 17): expert-
+ * major's consumer ended 4-8 us after its producer and the call took 2.5-8% longer (dev/NOTES.md
+ * section 10); the model has no term for either effect. */
+static int32_t tw__table_key(int32_t mgb, int32_t schedule, int weights_in_l2) {
+  const int32_t wins = weights_in_l2 ? TW_SCHEDULE_REMOTE_FIRST : TW_SCHEDULE_EXPERT_MAJOR;
+  return 2 * mgb + (schedule == wins);
 }
 
 /* A lower bound of the term tw__eval computes for the first segment not finished before wave
@@ -635,6 +654,8 @@ tw_status tw__model_traffic(const struct tw_plan* plan, double* bytes, double* r
     seen[e] = 1;
   }
   free(seen);
+  /* Weights that stay in L2 come from device memory once per expert, whatever the runs. */
+  if (tw__weights_stay_in_l2(plan)) runs -= repeats, repeats = 0;
   const double h = (double)plan->problem.hidden, k = (double)plan->problem.ffn;
   *bytes = 2.0 * ((double)runs * h * k + (double)plan->rows * (k + h)); /* bf16 / fp16 */
   *refetch = 2.0 * (double)repeats * h * k;
@@ -723,6 +744,7 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   if (m == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   plan->model_tables = m;
   m->hw = plan->hardware;
+  const int in_l2 = tw__weights_stay_in_l2(plan);
   const double k = (double)plan->problem.ffn;
   m->tau_comp_us = 2.0 * (double)plan->tm * (double)plan->tn * k / (m->hw.tile_tflops * 1e6) +
                    m->hw.tile_overhead_us;
@@ -781,7 +803,7 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
         tw__seg_table* tb = &m->t[m->ntables++]; /* counted even if partly built: freed later */
         st = tw__table_build(plan, band_last, tb);
         tb->slot = slot;
-        tb->key = tw__table_key(mgbs[i], scheds[slot]);
+        tb->key = tw__table_key(mgbs[i], scheds[slot], in_l2);
       }
     }
   }

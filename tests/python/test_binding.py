@@ -281,6 +281,7 @@ class TestPlanAndModel(unittest.TestCase):
         # The fields after the ones set here must land where the C struct has them.
         self.assertAlmostEqual(hw.refetch_exposure, 0.30, 12)
         self.assertAlmostEqual(hw.rho_ref, 10.05, 12)
+        self.assertAlmostEqual(hw.l2_mib, 60.0, 12)
         hw.link_cta_gbps = 41.25
         hw.refetch_exposure = 0.125
         hw.c_max = 24

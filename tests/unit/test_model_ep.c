@@ -310,8 +310,9 @@ static int tabulated(tw_plan_t plan, int32_t schedule) {
   return schedule == plan->schedule || plan->schedule_request == TW_SCHEDULE_AUTO;
 }
 
-/* The best candidate by the model's rules (T, then C, then the larger mgb, then remote-first)
- * over every tabulated schedule, C in 1..c_max and mgb in mgb_list. */
+/* The best candidate by the model's rules (T, then C, then the larger mgb, then expert-major, or
+ * remote-first where every local expert's weights fit in half the L2) over every tabulated
+ * schedule, C in 1..c_max and mgb in mgb_list. */
 typedef struct best_cand {
   double t;
   int32_t c, mgb, schedule;
@@ -320,13 +321,18 @@ typedef struct best_cand {
 static best_cand argmin_all(tw_plan_t plan, const int32_t* mgb_list, int n_mgb) {
   best_cand b = {0, 0, 0, 0};
   int32_t bkey = 0;
+  const double weights =
+      2.0 * plan->local_experts * (double)plan->problem.hidden * (double)plan->problem.ffn;
+  const int32_t wins = weights <= 0.5 * plan->hardware.l2_mib * 1048576.0
+                           ? TW_SCHEDULE_REMOTE_FIRST
+                           : TW_SCHEDULE_EXPERT_MAJOR;
   for (int si = 0; si < 2; si++) {
     if (!tabulated(plan, scheds[si])) continue;
     for (int32_t c = 1; c <= plan->hardware.c_max; c++)
       for (int j = 0; j < n_mgb; j++) {
         double t = 0;
         CHECK_OK(tw__model_predict(plan, scheds[si], c, mgb_list[j], &t));
-        const int32_t key = 2 * mgb_list[j] + (scheds[si] == TW_SCHEDULE_EXPERT_MAJOR);
+        const int32_t key = 2 * mgb_list[j] + (scheds[si] == wins);
         if (b.c == 0 || t < b.t || (t == b.t && (c < b.c || (c == b.c && key > bkey)))) {
           b = (best_cand){t, c, mgb_list[j], scheds[si]};
           bkey = key;
@@ -353,10 +359,10 @@ static tw_status make_plan(const char* preset, int32_t world, int32_t tokens, tw
 }
 
 /* Checks that the plan's choice is the argmin over every candidate (both schedules when the
- * model chose the schedule), with ties to the smaller C, then the larger mgb, then expert-major;
- * and that the fast form equals the reference. other_too: also reorders the plan into every
- * tabulated schedule and mgb and checks each table against the reference (slow on big plans),
- * then restores the plan's choice. */
+ * model chose the schedule), with ties to the smaller C, then the larger mgb, then the schedule
+ * that wins ties (argmin_all); and that the fast form equals the reference. other_too: also
+ * reorders the plan into every tabulated schedule and mgb and checks each table against the
+ * reference (slow on big plans), then restores the plan's choice. */
 static void check_choice_is_argmin(tw_plan_t plan, const char* what, int other_too) {
   tw_plan_summary s;
   CHECK_OK(tw_plan_summary_get(plan, &s));
@@ -562,6 +568,8 @@ static void test_random_hardware_equivalence(void) {
     hw.occ_comp = 1 + (int32_t)(ep_rng() % 2);
     hw.c_max = 1 + (int32_t)(ep_rng() % 48);
     hw.mem_gbps = iter % 5 == 0 ? ep_uniform(50.0, 400.0) : ep_uniform(400.0, 8000.0);
+    /* Either side of "the weights stay in L2" (the tie rule between the schedules flips). */
+    hw.l2_mib = iter % 3 == 0 ? 0.0 : ep_uniform(1.0, 1024.0);
     const int32_t schedule = (int32_t)(ep_rng() % 3); /* auto, remote-first, expert-major */
     const int p = (int)(ep_rng() % (uint64_t)tw_preset_count());
     const int32_t world = 1 << (ep_rng() % 4); /* 1, 2, 4, 8 */
@@ -711,9 +719,52 @@ static void test_schedule_choice(void) {
   }
 }
 
+/* Granite's 16 local experts hold 16 MiB of weights: within half of the H200's 60 MiB L2, so
+ * remote-first's second runs are no device-memory traffic and it wins the model's ties (the
+ * measured case: dev/NOTES.md section 10); with a 16 MiB L2 the second reads count again. */
+static void test_weights_in_l2(void) {
+  const uint64_t seed = tw_test_seed;
+  tw_hardware hw;
+  CHECK_OK(tw_hardware_default(&hw));
+  for (int small = 0; small < 2; small++) {
+    hw.l2_mib = small ? 16.0 : 60.0;
+    tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+    cfg.hardware = &hw;
+    cfg.schedule = TW_SCHEDULE_REMOTE_FIRST;
+    tw_plan_t rf = NULL;
+    CHECK_OK(make_plan("granite-3.1-1b-a400m", 2, 4096, TW_ROUTER_BALANCED, seed, 0, &cfg, &rf));
+    if (rf == NULL) return;
+    double bytes = 0, refetch = -1;
+    CHECK_OK(tw__model_traffic(rf, &bytes, &refetch));
+    const double w = 2.0 * 1024.0 * 512.0; /* one expert's weights, bytes */
+    const double a_c = 2.0 * (double)rf->rows * (512.0 + 1024.0);
+    if (small) {
+      CHECK(refetch >= w);                              /* an expert with both kinds of rows */
+      CHECK_NEAR(bytes, a_c + 16.0 * w + refetch, 1.0); /* every second run from memory */
+    } else {
+      CHECK(refetch == 0.0);
+      CHECK_NEAR(bytes, a_c + 16.0 * w, 1.0); /* each expert's weights once */
+    }
+    tw_plan_destroy(rf);
+  }
+  /* With the weights in L2 the model picks remote-first there (measured 2.5-8% faster). */
+  hw.l2_mib = 60.0;
+  for (int32_t tokens = 1024; tokens <= 16384; tokens *= 4) {
+    tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+    cfg.hardware = &hw;
+    tw_plan_t au = NULL;
+    CHECK_OK(make_plan("granite-3.1-1b-a400m", 2, tokens, TW_ROUTER_BALANCED, seed, 0, &cfg, &au));
+    if (au == NULL) return;
+    CHECKF(au->schedule == TW_SCHEDULE_REMOTE_FIRST, "granite at %d tokens chose schedule %d",
+           tokens, au->schedule);
+    tw_plan_destroy(au);
+  }
+}
+
 TW_TEST_MAIN(TW_TEST(tw_test_seed_setup), TW_TEST(test_hand_plan_table),
              TW_TEST(test_hand_plan_explicit_and_defaults), TW_TEST(test_hand_plan_no_remote),
              TW_TEST(test_hand_plan_memory_bound), TW_TEST(test_schedule_choice),
              TW_TEST(test_real_plans_argmin), TW_TEST(test_real_plans_explicit_and_off),
              TW_TEST(test_monotonic_in_link), TW_TEST(test_large_explicit_coalesce),
-             TW_TEST(test_real_plan_no_remote), TW_TEST(test_random_hardware_equivalence))
+             TW_TEST(test_real_plan_no_remote), TW_TEST(test_random_hardware_equivalence),
+             TW_TEST(test_weights_in_l2))
