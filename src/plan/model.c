@@ -57,11 +57,12 @@
  * suffix sums of bytes and bands. The decision then runs without allocating: an exact lower
  * bound per candidate (first wave's term, compute end) over only the C range that can win (the
  * compute end only grows with C, the first term only falls), the best-ranked bound of one table
- * evaluated first (often it is the answer), the other candidates' bounds raised by two probe
- * terms (the last wave's and the one where the first evaluation's maximum fell) and evaluated
- * best-ranked first, only while their bound lets them win; an evaluation starts from its probes
- * and skips the waves whose terms cannot raise its maximum (tw__eval, tw__solve say why each
- * step is exact).
+ * evaluated first (often it is the answer), the other candidates taken best-ranked bound first,
+ * each bound raised by two exact probe terms (the last wave's and the one where the first
+ * evaluation's maximum fell; lazily while the probes leave the best-ranked bound as it was),
+ * only while their bound lets them win; an evaluation starts from its probes, skips the waves
+ * whose terms cannot raise its maximum and jumps from one wave with a ready segment to the next
+ * (tw__eval, tw__solve say why each step is exact).
  */
 #include <float.h>
 #include <math.h>
@@ -251,6 +252,15 @@ static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__se
     out[c - c_lo] = tau[c] + tw__service(tb, 0, m->lat_c[c], m->inv_cta[c], m->inv_peak);
 }
 
+/* The term of wave `wave` taken from segment s on: wave tau(C) + Q(s). Out of line, so that a
+ * probe of tw__solve and the same probe in tw__eval have the same bits whatever the compiler
+ * fuses: tw__eval folds the probe into its maximum, so the probe is a lower bound of T exactly. */
+static TW__NOINLINE double tw__wave_term(const tw__seg_table* tb, int32_t s, int64_t wave,
+                                         double tau, double lat_c, double inv_cta_c,
+                                         double inv_peak) {
+  return (double)wave * tau + tw__service(tb, s, lat_c, inv_cta_c, inv_peak);
+}
+
 /* T(C, mgb) of one table, in microseconds (the fast form; identical in value to the plain
  * reference's maximum up to floating-point association). first = tw__first_terms' value at C.
  * Once T is known to exceed `cutoff` (or, with `strict`, to reach it) it returns early with a
@@ -296,7 +306,7 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
     const int64_t pw = pass == 0 ? last_wave : probe_wave;
     if (pw <= 1 || pw > last_wave || (pass == 1 && pw == last_wave)) continue;
     const int32_t s = first_seg[(pw - 1) * p];
-    const double term = (double)pw * tau + tw__service(tb, s, lat_c, inv_cta_c, inv_peak);
+    const double term = tw__wave_term(tb, s, pw, tau, lat_c, inv_cta_c, inv_peak);
     if (term > f) {
       f = term, arg = seg[s].run_last;
       if (f + reduce > cutoff || (strict && f + reduce == cutoff)) goto done;
@@ -325,11 +335,12 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
       }
     }
   next:
-    do { /* the next wave in which a segment becomes ready */
-      if (++w > last_wave) goto done;
-      start += p;
-      s = first_seg[start];
-    } while (seg[s].run_last >= start + p);
+    /* The next wave in which a segment becomes ready: that of the last tile of the first
+     * segment not finished in wave w (w < last_wave, so w P <= last_tile). */
+    if (w >= last_wave) goto done;
+    s = first_seg[w * p];
+    w = seg[s].run_last / p + 1;
+    start = (w - 1) * p;
     term = (double)w * tau + tw__service(tb, s, lat_c, inv_cta_c, inv_peak);
   }
 done:
@@ -409,24 +420,50 @@ static int32_t tw__table_key(int32_t mgb, int32_t schedule, int weights_in_l2) {
   return 2 * mgb + (schedule == wins);
 }
 
-/* A lower bound of the term tw__eval computes for the first segment not finished before wave
- * `wave` (> 1) of C (the same arithmetic, which a compiler may still round differently there:
- * TW__SKIP_SLACK covers it). */
+/* The probe term tw__eval takes first for wave `wave` (> 1) of C: the term of the first segment
+ * not finished before that wave, with the same bits (tw__wave_term). */
 static inline double tw__probe_term(const tw__model_tables* m, const tw__seg_table* tb, int32_t c,
                                     double tau, int32_t wave) {
   const int32_t s = tb->first_seg[(int64_t)(wave - 1) * m->prod[c]];
-  return ((double)wave * tau + tw__service(tb, s, m->lat_c[c], m->inv_cta[c], m->inv_peak)) *
-         TW__SKIP_SLACK;
+  return tw__wave_term(tb, s, wave, tau, m->lat_c[c], m->inv_cta[c], m->inv_peak);
 }
 
-/* A candidate left for step 4: its bound (raised by the probes), its first term, and the wave
- * of the hint for tw__eval (0: none). */
+/* A candidate left for step 4: its bound (raised by the probes once probed), its first term,
+ * and the wave of the hint for tw__eval (0: none). */
 typedef struct tw__cand {
   double lb, first;
   int32_t c, table, key, wave;
 } tw__cand;
+/* Raises x's bound by its probes (exact terms tw__eval takes first, so lower bounds of its T):
+ * the last wave's term and, while x may still win against (bt, bc, bkey), the term of the wave
+ * holding tile `hint` (where step 1's maximum fell; -1: none), which x->wave then names. */
+static inline void tw__probe(const tw__model_tables* m, tw__cand* x, int32_t hint, double reduce,
+                             double bt, int32_t bc, int32_t bkey) {
+  const tw__seg_table* tb = &m->t[x->table];
+  const double tau = m->tau_us[(size_t)tb->slot * ((size_t)m->hw.c_max + 1) + (size_t)x->c];
+  const int32_t p = m->prod[x->c];
+  const int32_t last_wave = tb->last_tile / p + 1;
+  x->wave = 0;
+  if (last_wave > 1) {
+    const double term = tw__probe_term(m, tb, x->c, tau, last_wave) + reduce;
+    if (term > x->lb) x->lb = term;
+    if (!tw__better(x->lb, x->c, x->key, bt, bc, bkey)) return;
+  }
+  if (hint >= 0) {
+    const int32_t t = hint < tb->last_tile ? hint : tb->last_tile;
+    const int32_t wave = tb->seg[tb->first_seg[t]].run_last / p + 1;
+    if (wave > 1 && wave < last_wave) {
+      const double term = tw__probe_term(m, tb, x->c, tau, wave) + reduce;
+      if (term > x->lb) x->lb = term;
+      x->wave = wave;
+    }
+  }
+}
+
 /* Candidates step 4 orders; more are evaluated as they come (the same answer, found slower). */
 #define TW__MAX_CANDS 64
+/* Longest candidate list step 4 starts lazily (tw__solve). */
+#define TW__LAZY_MAX 16
 
 /* The last C in [c_lo, c_hi] whose compute end + reduce stays within bt (below it if `below`),
  * c_lo - 1 if none, by bisection: the compute end is non-decreasing in C (tw__model_slot). */
@@ -471,16 +508,20 @@ static inline int32_t tw__scan_end(const double* comp_us, double reduce, double 
  *      T is evaluated: an upper bound bt of the optimum;
  *   2. every table is scanned from the last C whose compute end + reduce stays within bt (by
  *      bisection) down to the first C whose first term + reduce exceeds bt (the first term
- *      only grows as C falls): what lies outside cannot win. The candidates inside are kept,
- *      and the best-ranked bound over all tables is tracked;
+ *      only grows as C falls): what lies outside cannot win. Where the first term + reduce
+ *      equals bt at a C above bc, the scan goes on at bc (those C tie at best and lose). The
+ *      candidates inside are kept, and the best-ranked bound over all tables is tracked;
  *   3. if the candidate evaluated in 1 holds the best-ranked bound by (lb, C, -key) and its T
  *      equals its bound (T is the first wave's term on link-bound shapes, the compute end on
  *      compute-bound ones), it is the answer, since no bound is below it and equal bounds rank
  *      after it: the search ends here;
- *   4. otherwise each kept candidate's bound is raised by two probe terms (the last wave's, and
- *      the one of the wave holding the tile where step 1's maximum fell) and the candidates are
- *      evaluated best-ranked bound first, while that bound still lets one win (tw__better);
- *      each evaluation starts from its probes and stops at its first term above the best T (or
+ *   4. otherwise the candidates are evaluated best-ranked bound first, each bound raised by two
+ *      probe terms (the last wave's, and the one of the wave holding the tile where step 1's
+ *      maximum fell), while the best-ranked bound still lets one win (tw__better). The probes
+ *      are taken lazily, for the best-ranked candidate only, while they leave its bound as it
+ *      was (it then still ranks first and is evaluated; if its T equals that bound, it is the
+ *      answer); at the first bound they raise, every candidate left is probed.
+ *      Each evaluation starts from its probes and stops at its first term above the best T (or
  *      reaching it, when a tie would lose).
  *
  * The first-term bound is exact in floating point, lb <= T bit for bit, so it is compared
@@ -490,9 +531,10 @@ static inline int32_t tw__scan_end(const double* comp_us, double reduce, double 
  * it), and when A_0 > 1 it exceeds that value by at least tau, far beyond rounding. max and the
  * same + reduce keep the order. The first term is non-increasing in C bit for bit (tau(C) and
  * the service's per-C rates are, and rounding is monotone), which the scan of step 2 relies on.
- * A probe is a term of the same arithmetic, taken with TW__SKIP_SLACK below it: a lower bound
- * of T whatever the compiler fused. The search ends as soon as the best-ranked bound left cannot
- * win, so bounds of equal value are never split by the slack. */
+ * A probe is computed by the one out-of-line copy (tw__wave_term) that tw__eval also uses for
+ * the same probe and folds into its maximum, so it is <= T bit for bit whatever the compiler
+ * fuses, and is compared without margin too: a tie of a probed bound with bt is decided by C and
+ * key, never by a slack. */
 static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, unsigned use,
                       int32_t* best_c, int32_t* best_table, double* best_t) {
   const size_t stride = (size_t)m->hw.c_max + 1;
@@ -510,7 +552,8 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
   int32_t slot_le[TW__MAX_SCHED] = {0, 0}, slot_lt[TW__MAX_SCHED] = {0, 0};
   tw__cand cand[TW__MAX_CANDS];
   int32_t n = 0;
-  unsigned rows = 0;                         /* rows of m->first filled for this decision (bit r) */
+  unsigned rows = 0; /* rows of m->first begun for this decision (bit r) */
+  int32_t row_hi[TW__MAX_SCHED + TW__MAX_TABLES];
   for (int32_t pass = 0; pass < 2; pass++) { /* pass 0: steps 1-2; pass 1: lazy tables */
     for (int32_t i = m->ntables - 1; i >= 0; i--) {
       if (pass == 0) c_end[i] = c_lo - 1;
@@ -530,11 +573,13 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
           continue;
         }
       }
-      /* The first terms of every C at once (a short loop the compiler vectorises), once per
-       * row: cheaper than one at a time where the scans below need a few per table. */
+      /* The first terms of a row are computed in runs of C (a short loop the compiler
+       * vectorises), each C once per row, and only as far as the scans reach: from c_lo up to
+       * the C step 1 stops at, in runs of 8, and up to c_end for step 2. */
       double* firsts = m->first + (size_t)tb->first_row * stride;
+      int32_t* filled = &row_hi[tb->first_row]; /* firsts[c_lo..*filled] hold values */
       if (!(rows & (1u << tb->first_row))) {
-        tw__first_terms(m, tb, c_lo, c_hi, firsts + c_lo);
+        *filled = c_lo - 1;
         rows |= 1u << tb->first_row;
       }
       if (bi < 0) { /* step 1: up to the best-ranked bound, which is evaluated */
@@ -543,6 +588,11 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
         for (int32_t c = c_lo; c <= c_end[i]; c++) {
           const double comp = comp_us[c] + reduce;
           if (tc > 0 && comp >= tl) break; /* here and beyond: lb >= tl at a larger C */
+          if (c > *filled) {
+            const int32_t e = c_end[i] - c > 7 ? c + 7 : c_end[i];
+            tw__first_terms(m, tb, *filled + 1, e, firsts + *filled + 1);
+            *filled = e;
+          }
           const double first = firsts[c];
           const double lb = first + reduce > comp ? first + reduce : comp;
           if (tc == 0 || lb < tl) tl = lb, tc = c, tf = first;
@@ -554,9 +604,19 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
                                 &slot_le[tb->slot], &slot_lt[tb->slot]);
       }
       /* Step 2: from the last C within bt down to the first whose first term exceeds it. */
+      if (c_end[i] > *filled) {
+        tw__first_terms(m, tb, *filled + 1, c_end[i], firsts + *filled + 1);
+        *filled = c_end[i];
+      }
       for (int32_t c = c_end[i]; c >= c_lo; c--) {
         const double first = firsts[c];
         if (first + reduce > bt) break;
+        if (first + reduce == bt && c > bc) {
+          /* A tie at a C above bc loses, and so does every C down to bc + 1 (their first
+           * terms are no smaller): go on at bc. */
+          c = bc + 1;
+          continue;
+        }
         const double comp = comp_us[c];
         const double lb = (first > comp ? first : comp) + reduce;
         if (pass == 0 && tw__better(lb, c, tb->key, bl, lc, lkey))
@@ -576,36 +636,56 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
     }
     if (pass == 0 && li == bi && lc == bc && bt == bl) break; /* step 3 */
   }
-  /* Step 4: the probes raise each bound; the candidates that can still win are evaluated,
-   * best-ranked bound first, picked one at a time (most decisions end after one or two). */
-  int32_t k = 0;
-  for (int32_t j = 0; j < n && bi >= 0 && !(li == bi && lc == bc && bt == bl); j++) {
+  /* Step 4: the probes raise bounds; the candidates that can still win are evaluated, best-ranked
+   * bound first. First lazily: the best-ranked candidate is probed, and evaluated at once while
+   * the probes leave its bound as it was (it still ranks first: probes only raise the others);
+   * most decisions end here, most candidates unprobed. At the first bound the probes raise (or
+   * rule out), every candidate left is probed and they are evaluated in order: each lazy step
+   * costs a scan of the list, so that is cheaper once the probes start to tell candidates apart,
+   * and from the start where the list is long (TW__LAZY_MAX). */
+  int done = li == bi && lc == bc && bt == bl;
+  int32_t j = -1; /* the candidate whose raised bound ended the lazy phase */
+  while (!done && n > 0 && n <= TW__LAZY_MAX) {
+    j = 0;
+    for (int32_t q = 1; q < n; q++)
+      if (tw__better(cand[q].lb, cand[q].c, cand[q].key, cand[j].lb, cand[j].c, cand[j].key)) j = q;
     tw__cand x = cand[j];
-    const tw__seg_table* tb = &m->t[x.table];
-    const double tau = m->tau_us[(size_t)tb->slot * stride + (size_t)x.c];
-    const int32_t p = m->prod[x.c];
-    const int32_t last_wave = tb->last_tile / p + 1;
-    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) continue;
-    if (last_wave > 1) {
-      const double term = tw__probe_term(m, tb, x.c, tau, last_wave) + reduce;
-      if (term > x.lb) x.lb = term;
-      if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) continue;
+    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) { /* the best-ranked cannot win: none can */
+      done = 1;
+      break;
     }
-    if (hint >= 0) {
-      const int32_t t = hint < tb->last_tile ? hint : tb->last_tile;
-      const int32_t wave = tb->seg[tb->first_seg[t]].run_last / p + 1;
-      if (wave > 1 && wave < last_wave) {
-        const double term = tw__probe_term(m, tb, x.c, tau, wave) + reduce;
-        if (term > x.lb) x.lb = term;
-        if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) continue;
-        x.wave = wave;
-      }
+    const double lb = x.lb;
+    tw__probe(m, &x, hint, reduce, bt, bc, bkey);
+    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) {
+      cand[j] = cand[--n], j = -1;
+      break;
+    }
+    if (x.lb != lb) {
+      cand[j] = x;
+      break;
+    }
+    cand[j] = cand[--n], j = -1;
+    /* A candidate that loses ties stops at a term that reaches bt. */
+    const int strict = !tw__better(bt, x.c, x.key, bt, bc, bkey);
+    const double t = tw__eval(m, &m->t[x.table], x.c, x.first, bt, strict, x.wave, NULL);
+    if (tw__better(t, x.c, x.key, bt, bc, bkey)) {
+      bt = t, bc = x.c, bi = x.table, bkey = x.key;
+      done = t == lb; /* T at its bound, which ranked first: no other can win */
+    }
+  }
+  int32_t k = 0;
+  for (int32_t q = 0; q < n && !done; q++) {
+    tw__cand x = cand[q];
+    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) continue;
+    if (q != j) {
+      tw__probe(m, &x, hint, reduce, bt, bc, bkey);
+      if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) continue;
     }
     cand[k++] = x;
   }
-  n = k;
-  while (n > 0 && !(li == bi && lc == bc && bt == bl)) {
-    int32_t j = 0;
+  n = done ? 0 : k;
+  while (n > 0) {
+    j = 0;
     for (int32_t q = 1; q < n; q++)
       if (tw__better(cand[q].lb, cand[q].c, cand[q].key, cand[j].lb, cand[j].c, cand[j].key)) j = q;
     const tw__cand x = cand[j];
