@@ -61,8 +61,7 @@
  * each bound raised by two exact probe terms (the last wave's and the one where the first
  * evaluation's maximum fell; lazily while the probes leave the best-ranked bound as it was),
  * only while their bound lets them win; an evaluation starts from its probes, skips the waves
- * whose terms cannot raise its maximum and jumps from one wave with a ready segment to the next
- * (tw__eval, tw__solve say why each step is exact).
+ * whose terms cannot raise its maximum (tw__eval, tw__solve say why each step is exact).
  */
 #include <float.h>
 #include <math.h>
@@ -335,12 +334,11 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
       }
     }
   next:
-    /* The next wave in which a segment becomes ready: that of the last tile of the first
-     * segment not finished in wave w (w < last_wave, so w P <= last_tile). */
-    if (w >= last_wave) goto done;
-    s = first_seg[w * p];
-    w = seg[s].run_last / p + 1;
-    start = (w - 1) * p;
+    do { /* the next wave in which a segment becomes ready */
+      if (++w > last_wave) goto done;
+      start += p;
+      s = first_seg[start];
+    } while (seg[s].run_last >= start + p);
     term = (double)w * tau + tw__service(tb, s, lat_c, inv_cta_c, inv_peak);
   }
 done:
