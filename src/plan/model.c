@@ -411,7 +411,7 @@ static int tw__weights_stay_in_l2(const struct tw_plan* plan) {
  * read to pay, and remote-first wins it: its remote bands are all computed first, so its consumer
  * ends before the producer, and the reduction reads the local rows computed last while they are
  * in L2. Measured with bench --phases (2 x H200, granite at 1024-16384 tokens, C 17): expert-
- * major's consumer ended 4-8 us after its producer and the call took 2.5-8% longer (dev/NOTES.md
+ * major's consumer ended 3-8 us after its producer and the call took 2.4-7.2% longer (dev/NOTES.md
  * section 10); the model has no term for either effect. */
 static int32_t tw__table_key(int32_t mgb, int32_t schedule, int weights_in_l2) {
   const int32_t wins = weights_in_l2 ? TW_SCHEDULE_REMOTE_FIRST : TW_SCHEDULE_EXPERT_MAJOR;
