@@ -65,8 +65,8 @@ struct tw_context {
 
   /* Local device memory. */
   uint16_t* c;             /* (rows_max, hidden) bf16 GEMM output */
-  uint32_t* state;         /* the small-state block below (one allocation) */
-  uint32_t* unit_next;     /* consumer's unit claims (word 0 of state; zeroed with the counters) */
+  uint32_t* unit_next;     /* consumer's unit claims; the start of the small-state block below
+                              (one allocation), zeroed with the band counters */
   uint32_t* band_counters; /* (bands_max), kClaimWords after unit_next */
   uint32_t* reduce_done;   /* reduction CTA completion counter */
   tw_dev_error* err;       /* device error record */
@@ -317,7 +317,7 @@ static void tw__context_free(tw_context_t ctx) {
   if (ctx->win_registered) ncclCommWindowDeregister(ctx->comm, ctx->win);
   if (ctx->win_buf) ncclMemFree(ctx->win_buf);
   cudaFree(ctx->c);
-  cudaFree(ctx->state);
+  cudaFree(ctx->unit_next);
   cudaFreeHost(ctx->h_err);
   cudaFreeHost(ctx->h_err_all);
   cudaEvent_t* evs[] = {&ctx->ev_start,     &ctx->ev_gemm_done,  &ctx->ev_comm_done,
@@ -388,15 +388,14 @@ static tw_status tw__context_init(tw_context_t ctx) {
                     (long long)ctx->rows_max, (long long)H, cudaGetErrorString(e));
   const size_t n_state =
       kClaimWords + (size_t)ctx->bands_max + 64 + (size_t)(W + 1) * 8 + ctx->slots_max;
-  e = cudaMalloc((void**)&ctx->state, n_state * 4);
+  e = cudaMalloc((void**)&ctx->unit_next, n_state * 4);
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_context_create: %zu bytes of state: %s", n_state * 4,
                     cudaGetErrorString(e));
   /* Word offsets below (and n_state above) give each error record 8 words. */
   static_assert(sizeof(tw_dev_error) == 32, "tw_dev_error must stay 32 bytes (8 words)");
-  ctx->unit_next = ctx->state;
-  ctx->band_counters = ctx->state + kClaimWords;
-  uint32_t* next = ctx->state + tw__align(kClaimWords + (uint64_t)ctx->bands_max, 32);
+  ctx->band_counters = ctx->unit_next + kClaimWords;
+  uint32_t* next = ctx->unit_next + tw__align(kClaimWords + (uint64_t)ctx->bands_max, 32);
   ctx->reduce_done = next + 8;
   ctx->scratch = (int32_t*)(next + 16);
   ctx->err = (tw_dev_error*)(next + 24); /* 32 bytes */
@@ -406,7 +405,7 @@ static tw_status tw__context_init(tw_context_t ctx) {
   TW_CUDA_TRY(cudaHostAlloc((void**)&ctx->h_err_all, (size_t)W * sizeof(tw_dev_error),
                             cudaHostAllocDefault));
   TW_CUDA_TRY(cudaMemsetAsync(ctx->win_buf, 0, L->bytes, ctx->s_aux));
-  TW_CUDA_TRY(cudaMemsetAsync(ctx->state, 0, n_state * 4, ctx->s_aux));
+  TW_CUDA_TRY(cudaMemsetAsync(ctx->unit_next, 0, n_state * 4, ctx->s_aux));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
 
   /* Every rank must cut bands into the same units (the owners count them): compare. */
