@@ -201,17 +201,25 @@ static tw_status twc_barrier(twc_state* s) {
 
 /* ---- producer -------------------------------------------------------------------------------- */
 
+/* Every problem calibrate measures: top-2 over `experts` routed experts, `tokens` per rank, and
+ * its balanced routing (seed 1). */
+static tw_status twc_problem(int world, int hidden, int ffn, int experts, int tokens, tw_problem* p,
+                             tw_routing_t* rt) {
+  *p = (tw_problem)TW_PROBLEM_INIT;
+  p->world_size = world;
+  p->hidden = hidden;
+  p->ffn = ffn;
+  p->experts = experts;
+  p->top_k = 2;
+  p->max_tokens = tokens;
+  return tw_routing_generate(p, TW_ROUTER_BALANCED, 0.0, tokens, 1, rt);
+}
+
 /* The balanced one-rank problem of producer point (k, tokens): its plan gives the tile list. */
 static tw_status twc_producer_plan(const twc_state* s, int k, int tokens, tw_plan_t* plan) {
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = 1;
-  p.hidden = TWC_PRODUCER_N;
-  p.ffn = k;
-  p.experts = TWC_PRODUCER_EXPERTS;
-  p.top_k = 2;
-  p.max_tokens = tokens;
+  tw_problem p;
   tw_routing_t rt = NULL;
-  TW_TRY(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, tokens, 1, &rt));
+  TW_TRY(twc_problem(1, TWC_PRODUCER_N, k, TWC_PRODUCER_EXPERTS, tokens, &p, &rt));
   tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
   cfg.comm_ctas = TW_DEFAULT_COMM_CTAS; /* the tile list does not depend on C */
   cfg.coalesce = 1;
@@ -390,14 +398,9 @@ typedef struct twc_ref_bufs {
  * measurement runs first). */
 static tw_status twc_measure_refetch_inner(twc_state* s, twc_ref_bufs* b) {
   const int reps = s->o.quick ? 7 : 15, warmup = 2;
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = 2;
-  p.hidden = TWC_REFETCH_N;
-  p.ffn = TWC_REFETCH_K;
-  p.experts = TWC_REFETCH_EXPERTS;
-  p.top_k = 2;
-  p.max_tokens = TWC_REFETCH_TOKENS;
-  TW_TRY(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, TWC_REFETCH_TOKENS, 1, &b->routing));
+  tw_problem p;
+  TW_TRY(twc_problem(2, TWC_REFETCH_N, TWC_REFETCH_K, TWC_REFETCH_EXPERTS, TWC_REFETCH_TOKENS, &p,
+                     &b->routing));
   tw_gemm_args g[2];
   double refetch[2];
   size_t bands_max = 1;
@@ -537,18 +540,13 @@ typedef struct twc_link_bufs {
 static tw_status twc_link_problem_inner(twc_state* s, int pi, twc_link_bufs* b,
                                         twc_link_point* mine) {
   const int tokens = s->o.quick ? 4096 : 8192, reps = s->o.quick ? 5 : 11, warmup = 2;
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = s->world;
-  p.hidden = twc_link_hidden[pi];
-  p.ffn = TWC_LINK_FFN;
-  p.experts = s->world <= 2 ? 16 : 8 * s->world;
-  p.top_k = 2;
-  p.max_tokens = tokens;
-  s->link_tokens = tokens;
-  s->link_experts = p.experts;
   /* The routing does not depend on the hidden size: both problems send the same rows in the
    * same bands, only the rows' width differs. */
-  TW_TRY(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, tokens, 1, &b->routing));
+  tw_problem p;
+  TW_TRY(twc_problem(s->world, twc_link_hidden[pi], TWC_LINK_FFN, s->world <= 2 ? 16 : 8 * s->world,
+                     tokens, &p, &b->routing));
+  s->link_tokens = tokens;
+  s->link_experts = p.experts;
   tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
   cfg.comm_ctas = TW_DEFAULT_COMM_CTAS; /* every call below passes its own C */
   cfg.coalesce = TWC_LINK_MGB;
