@@ -72,8 +72,10 @@
 #include "core.h"
 #include "plan.h"
 
-/* Candidate coalescing factors the model searches when the caller leaves coalesce = 0. */
-static const int32_t tw__mgb_candidates[] = {1, 2, 4};
+/* Candidate coalescing factors the model searches when the caller leaves coalesce = 0; mgb 1
+ * last, so that its tables are the last of each schedule (the search starts from the last table,
+ * and mgb 1 wins the ties: tw__table_key). */
+static const int32_t tw__mgb_candidates[] = {4, 2, 1};
 #define TW__NUM_MGB_CANDIDATES ((int32_t)(sizeof tw__mgb_candidates / sizeof tw__mgb_candidates[0]))
 /* Schedules one decision compares (remote-first and expert-major). */
 #define TW__MAX_SCHED 2
@@ -92,8 +94,8 @@ typedef struct tw__seg_entry {
 typedef struct tw__seg_table {
   int32_t mgb;
   int32_t slot;       /* schedule slot (tw__model_tables.sched) whose order the segments follow */
-  int32_t key;        /* tie rank: among equal T and C the larger wins (mgb, then a schedule:
-                         tw__table_key) */
+  int32_t key;        /* tie rank: among equal T and C the larger wins (the smaller mgb, then a
+                         schedule: tw__table_key) */
   int32_t twin;       /* a table searched before this one whose bound is <= this one's at every
                          C and which wins ties: this one's bounds are computed only if the search
                          gets to step 4 (tw__solve); -1 if none */
@@ -386,8 +388,8 @@ tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_
   return TW_SUCCESS;
 }
 
-/* Candidate ordering: smaller T; on equal T the smaller C, then the larger key (the larger mgb,
- * then expert-major: tw__table_key) (bc = 0: no best yet). Applied to a lower bound lb <= T, it
+/* Candidate ordering: smaller T; on equal T the smaller C, then the larger key (the smaller mgb,
+ * then a schedule: tw__table_key) (bc = 0: no best yet). Applied to a lower bound lb <= T, it
  * says whether the candidate may still win. */
 static int tw__better(double t, int32_t c, int32_t key, double bt, int32_t bc, int32_t bkey) {
   if (bc == 0 || t < bt) return 1;
@@ -404,8 +406,13 @@ static int tw__weights_stay_in_l2(const struct tw_plan* plan) {
   return w <= 0.5 * plan->hardware.l2_mib * 1048576.0;
 }
 
-/* Tie rank of a table: the larger mgb wins a tie (fewer segments, fewer latencies the model may
- * underestimate), then a schedule. On such a tie the model cannot tell the schedules apart.
+/* Tie rank of a table: the smaller mgb wins a tie, then a schedule. A coarser segment is never
+ * ready earlier and its per-band costs are the same, so T(mgb) >= T(1) in the model: mgb > 1 can
+ * only tie. Measured, it loses: at the model's C, mgb 1 was 0.2-0.4% faster than mgb 4 on average
+ * over the oracle matrix (runs 6, 6c, 6d), up to 3.3% at N 8192, 16384 tokens, where a segment
+ * of four 2 MB bands waits for its last band (dev/NOTES.md section 11). (It used to go the other
+ * way, on the guess that fewer segments meant fewer latencies the model underestimates.)
+ * On a tie between schedules the model cannot tell them apart.
  * Usually expert-major wins it: it reads each expert's weights once (what a second read costs
  * the model sees only in part: refetch_exposure). Where the weights stay in L2 there is no second
  * read to pay, and remote-first wins it: its remote bands are all computed first, so its consumer
@@ -415,7 +422,7 @@ static int tw__weights_stay_in_l2(const struct tw_plan* plan) {
  * section 10); the model has no term for either effect. */
 static int32_t tw__table_key(int32_t mgb, int32_t schedule, int weights_in_l2) {
   const int32_t wins = weights_in_l2 ? TW_SCHEDULE_REMOTE_FIRST : TW_SCHEDULE_EXPERT_MAJOR;
-  return 2 * mgb + (schedule == wins);
+  return -2 * mgb + (schedule == wins);
 }
 
 /* The probe term tw__eval takes first for wave `wave` (> 1) of C: the term of the first segment
@@ -497,10 +504,10 @@ static inline int32_t tw__scan_end(const double* comp_us, double reduce, double 
 
 /* The decision: the best (C, mgb, schedule) over C in [c_lo, c_hi] and the tables of `use` (bit
  * i = table i; one table per mgb and schedule), by T, then the smaller C, then the larger key
- * (mgb, then expert-major); the same answer as evaluating every candidate, found by best-first
+ * (the smaller mgb, then a schedule); the same answer as evaluating every candidate, found by best-first
  * branch and bound on lb = max(first term, compute end) + reduce:
  *
- *   1. one table (the last: the largest mgb of the last schedule tabulated, usually the winner)
+ *   1. one table (the last: mgb 1 of the last schedule tabulated, usually the winner)
  *      is scanned from the smallest C up to its best-ranked bound (the compute end only grows
  *      with C: the scan stops where it reaches the best bound so far) and that candidate's exact
  *      T is evaluated: an upper bound bt of the optimum;

@@ -55,7 +55,7 @@
  *     mgb 2: A 1 3 5 6, q 2/3 4/3 4/3 2/3: F 5/3, 13/3, 19/3, 7 -> T 7.1
  *     mgb 4: A 1 5 6, q 2/3 8/3 2/3: F 5/3, 23/3, 25/3 -> T 8.4333
  * Best: T = 7.1 at (C 2, mgb 1), (C 2, mgb 2), (C 3, mgb 1) and (C 3, mgb 2); ties go to the
- * smaller C, then the larger mgb: C = 2, mgb = 2. Sequential: ceil(14/5) = 3 waves + 98304 B /
+ * smaller C, then the smaller mgb: C = 2, mgb = 1. Sequential: ceil(14/5) = 3 waves + 98304 B /
  * 32768 B/us + 0.1 = 6.1. The plan has one expert, so remote-first and expert-major are the same
  * order; it is labelled remote-first and cannot be reordered (no layout_bands).
  */
@@ -148,8 +148,8 @@ static void test_hand_plan_table(void) {
              t, hand_t[c - 1][j]);
     }
   CHECK(h.plan.comm_ctas == 2);
-  CHECK(h.plan.coalesce == 2);
-  CHECK(h.plan.num_segments == 4); /* the plan keeps the chosen mgb's segments */
+  CHECK(h.plan.coalesce == 1);
+  CHECK(h.plan.num_segments == 6); /* the plan keeps the chosen mgb's segments */
   CHECK_NEAR(h.plan.predicted_us, 7.1, 1e-9);
   CHECK_NEAR(h.plan.sequential_us, 6.1, 1e-9);
   CHECK_NEAR(h.plan.gemm_us, 3.0, 1e-9);
@@ -163,7 +163,7 @@ static void test_hand_plan_table(void) {
   for (int c = 1; c <= 3; c++) {
     double t = 0;
     CHECK_OK(tw__model_eval_plain(&h.plan, c, &t));
-    CHECK_NEAR(t, hand_t[c - 1][1], 1e-9);
+    CHECK_NEAR(t, hand_t[c - 1][0], 1e-9);
   }
   /* Only tabulated mgb and valid C are predicted. */
   double t;
@@ -183,7 +183,7 @@ static void test_hand_plan_explicit_and_defaults(void) {
     int32_t c, mgb, use_model, want_c, want_mgb;
     double want_t;
   } cases[] = {
-      {3, 0, 1, 3, 2, 7.1},              /* C fixed: best mgb at C = 3 (1 and 2 tie) */
+      {3, 0, 1, 3, 1, 7.1},              /* C fixed: best mgb at C = 3 (1 and 2 tie) */
       {0, 4, 1, 3, 4, 25.0 / 3.0 + 0.1}, /* mgb fixed: best C in column mgb = 4 */
       {1, 1, 1, 1, 1, 13.1},             /* both fixed: the model only predicts */
       {0, 0, 0, 3, 2, 7.1},              /* selector off: TW_DEFAULT_COMM_CTAS (8) capped at c_max
@@ -221,7 +221,7 @@ static void test_hand_plan_explicit_and_defaults(void) {
 }
 
 /* Nothing to send: T = compute end + reduce, so the smallest C (most producers) wins, and every
- * mgb ties (-> the largest, 4).
+ * mgb ties (-> the smallest, 1).
  *   own rows = all 448 local + 128 received = 576, tokens 288: (576 + 288) x 256 B / 737280 B/us
  *   = 0.3 us. Compute: C=1 ceil(14/4) = 4, C=2 ceil(14/3) = 5, C=3 ceil(14/2) = 7 (memory 1.718
  *   us). T = 4.3, 5.3, 7.3. */
@@ -232,7 +232,7 @@ static void test_hand_plan_no_remote(void) {
   CHECK_OK(tw__model_choose(&h.plan, &cfg));
   CHECK(h.plan.num_segments == 0);
   CHECK(h.plan.comm_ctas == 1);
-  CHECK(h.plan.coalesce == 4);
+  CHECK(h.plan.coalesce == 1);
   CHECK_NEAR(h.plan.predicted_us, 4.3, 1e-9);
   const double want[3] = {4.3, 5.3, 7.3};
   for (int c = 1; c <= 3; c++)
@@ -284,7 +284,7 @@ static void test_hand_plan_memory_bound(void) {
       double t = 0;
       CHECK_OK(tw_plan_predict(&h.plan, c, mgbs[j], &t));
       CHECK(t >= mem + 1.0 - 1e-9); /* nothing ends before the traffic does */
-      if (bc == 0 || t < bt || (t == bt && (c < bc || (c == bc && mgbs[j] > bm))))
+      if (bc == 0 || t < bt || (t == bt && (c < bc || (c == bc && mgbs[j] < bm))))
         bt = t, bc = c, bm = mgbs[j];
     }
   CHECK(h.plan.comm_ctas == bc && h.plan.coalesce == bm && h.plan.predicted_us == bt);
@@ -310,7 +310,7 @@ static int tabulated(tw_plan_t plan, int32_t schedule) {
   return schedule == plan->schedule || plan->schedule_request == TW_SCHEDULE_AUTO;
 }
 
-/* The best candidate by the model's rules (T, then C, then the larger mgb, then expert-major, or
+/* The best candidate by the model's rules (T, then C, then the smaller mgb, then expert-major, or
  * remote-first where every local expert's weights fit in half the L2) over every tabulated
  * schedule, C in 1..c_max and mgb in mgb_list. */
 typedef struct best_cand {
@@ -332,7 +332,7 @@ static best_cand argmin_all(tw_plan_t plan, const int32_t* mgb_list, int n_mgb) 
       for (int j = 0; j < n_mgb; j++) {
         double t = 0;
         CHECK_OK(tw__model_predict(plan, scheds[si], c, mgb_list[j], &t));
-        const int32_t key = 2 * mgb_list[j] + (scheds[si] == wins);
+        const int32_t key = -2 * mgb_list[j] + (scheds[si] == wins);
         if (b.c == 0 || t < b.t || (t == b.t && (c < b.c || (c == b.c && key > bkey)))) {
           b = (best_cand){t, c, mgb_list[j], scheds[si]};
           bkey = key;
@@ -359,7 +359,7 @@ static tw_status make_plan(const char* preset, int32_t world, int32_t tokens, tw
 }
 
 /* Checks that the plan's choice is the argmin over every candidate (both schedules when the
- * model chose the schedule), with ties to the smaller C, then the larger mgb, then the schedule
+ * model chose the schedule), with ties to the smaller C, then the smaller mgb, then the schedule
  * that wins ties (argmin_all); and that the fast form equals the reference. other_too: also
  * reorders the plan into every tabulated schedule and mgb and checks each table against the
  * reference (slow on big plans), then restores the plan's choice. */
