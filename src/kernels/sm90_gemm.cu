@@ -17,8 +17,7 @@
  *      release's wait for the tile's stores no longer stalls the tensor cores.
  *   4  as 3, with the epilogue staged through shared memory: the consumers write bf16 to a
  *      staging tile and go on with the next tile; the epilogue warp writes each valid row with
- *      one bulk copy (cp.async.bulk), frees the staging tile once the copies have read it,
- *      waits for the writes to complete and publishes. The default.
+ *      one bulk copy (cp.async.bulk), waits for completion and publishes. The default.
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -401,8 +400,7 @@ __global__ void __launch_bounds__(384, 1)
   uint64_t* empty = full + STAGES;
   /* kEpiSignalWarp / kEpiStaged: the consumers -> epilogue warp hand-off of each tile
    * (epi_ready: one arrival per consumer warp after its part is stored or staged) and back
-   * (epi_done: the epilogue warp has freed the staging buffer (kEpiStaged: its bulk copies
-   * have read it, their writes may still be in flight) / published the tile). */
+   * (epi_done: the epilogue warp has published the tile / freed the staging buffer). */
   uint64_t* epi_ready = empty + STAGES;
   uint64_t* epi_done = epi_ready + 1;
   const bool signal = args.band_counters != NULL && args.scope != TW_SIGNAL_NONE;
@@ -443,12 +441,6 @@ __global__ void __launch_bounds__(384, 1)
             tw__bulk_store(C + ((int64_t)tile.row0 + r) * args.n + tile.col0,
                            staging + r * Cfg::kStagePitch, bytes);
           tw__bulk_commit();
-          /* The staging tile is free once every lane's copies have read it: the consumers may
-           * stage the next tile while these writes are still on their way (waiting for their
-           * completion here put a floor of ~5.4 us under every tile, dev/gemm/NOTES.md v7). */
-          tw__bulk_wait_read<0>();
-          __syncwarp();
-          if (lane == 0) tw__mbar_arrive(epi_done);
           /* NOTES: wait_group 0, NOT .read: .read only covers the reads of the staging buffer;
            * the release below needs this lane's global writes complete. Completion of a bulk
            * copy includes an implicit generic-async proxy fence, so no fence.proxy.async.global
@@ -468,7 +460,7 @@ __global__ void __launch_bounds__(384, 1)
             else
               tw_red_release_gpu(args.band_counters + tile.band, 1u);
           }
-          if (EPI != kEpiStaged) tw__mbar_arrive(epi_done); /* tile published */
+          tw__mbar_arrive(epi_done); /* staging buffer free / tile published */
         }
       }
     }
