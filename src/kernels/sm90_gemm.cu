@@ -468,12 +468,8 @@ __global__ void __launch_bounds__(384, 1)
       const int64_t n_b = SWIGLU ? 2 * (int64_t)args.n : args.n;
       int stage = 0;
       uint32_t phase = 0;
-      /* The next tile's record is loaded one tile ahead: a load at the tile boundary would stall
-       * this thread, and with it every TMA load, for a memory round trip per tile. */
-      tw_tile next = blockIdx.x < args.num_tiles ? args.tiles[blockIdx.x] : tw_tile{};
       for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
-        const tw_tile tile = next;
-        if (t + (int)gridDim.x < args.num_tiles) next = args.tiles[t + gridDim.x];
+        const tw_tile tile = args.tiles[t];
         const int32_t brow = (int32_t)(tile.expert * n_b + tile.col0);
         for (int kb = 0; kb < nk; kb++) {
           /* Wait until both consumers released this stage (a fresh barrier passes parity 1). */
