@@ -14,6 +14,8 @@
  *                     and the kernel's fixed costs; least squares of it against 2 TM TN K over
  *                     K in {1024, 2048, 4096} gives the per-SM rate (slope) and the per-tile
  *                     fixed cost (intercept)
+ *   tile_floor_us     the same at K 512, whose tiles take longer than their compute: the floor
+ *                     that the model's 4-norm needs for that wave (tw__calib_tile_floor)
  *   mem_gbps          a device-to-device copy: (read + write bytes) / time, as the default was
  *                     measured (the reduction's own rate is printed beside it)
  *   refetch_exposure  the same producer on one problem whose 64 local experts all have remote
@@ -61,7 +63,7 @@
 #include "spawn.h"
 #include "tilewave.h"
 
-#define TWC_NK 3
+#define TWC_NK 4 /* producer K points: the first gives the floor, the others the rate fit */
 #define TWC_NSIZES 2
 #define TWC_NC 6
 #define TWC_PRODUCER_N 4096
@@ -82,7 +84,7 @@
 #define TWC_REFETCH_K 2048
 #define TWC_REFETCH_N 4096
 
-static const int twc_ks[TWC_NK] = {1024, 2048, 4096};
+static const int twc_ks[TWC_NK] = {512, 1024, 2048, 4096};
 static const int twc_cs[TWC_NC] = {1, 2, 4, 8, 16, 32};
 /* Same bands, 4x different bytes per band: what separates link_cta from link_latency. */
 static const int twc_link_hidden[TWC_NPROB] = {4096, 1024};
@@ -341,13 +343,18 @@ static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
     x[i] = 2.0 * s->tm * s->tn * p->k;
     y[i] = p->us_per_wave;
   }
-  TW_TRY(tw__calib_fit_producer(x, y, TWC_NK, &s->hw.tile_tflops, &s->hw.tile_overhead_us, r));
-  for (int i = 0; i < TWC_NK; i++) s->prod[i].resid_us = r[i];
+  TW_TRY(tw__calib_fit_producer(x + 1, y + 1, TWC_NK - 1, &s->hw.tile_tflops,
+                                 &s->hw.tile_overhead_us, r + 1));
   if (s->hw.tile_overhead_us < 0) {
     snprintf(s->prod_note, sizeof s->prod_note,
              "fitted overhead %.3f us per tile < 0 (noise): written as 0", s->hw.tile_overhead_us);
     s->hw.tile_overhead_us = 0;
   }
+  /* K 512: the floor that makes the model's tile time equal this wave (so its residual is 0). */
+  TW_TRY(tw__calib_tile_floor(x[0], y[0], s->hw.tile_tflops, s->hw.tile_overhead_us,
+                              &s->hw.tile_floor_us));
+  r[0] = 0.0;
+  for (int i = 0; i < TWC_NK; i++) s->prod[i].resid_us = r[i];
   s->prod_ok = 1;
 
   /* Device memory: one copy between the two largest buffers, read + write counted. */
@@ -827,8 +834,11 @@ static void twc_print(const twc_state* s) {
              p->resid_us);
     }
     printf(
-        "fit: us/wave = 2 TM TN K / (%.3f TFLOP/s x 1e6) + %.3f us  (%.0f TFLOP/s over %d SMs)\n",
-        h->tile_tflops, h->tile_overhead_us, h->tile_tflops * h->sm_count, h->sm_count);
+        "fit: us/wave = 2 TM TN K / (%.3f TFLOP/s x 1e6) + %.3f us  (%.0f TFLOP/s over %d SMs; "
+        "K >= %d)\n",
+        h->tile_tflops, h->tile_overhead_us, h->tile_tflops * h->sm_count, h->sm_count, twc_ks[1]);
+    printf("floor: K %d's wave = (c^4 + %.3f^4)^(1/4) + %.3f us, c = its compute at that rate\n",
+           twc_ks[0], h->tile_floor_us, h->tile_overhead_us);
     if (s->prod_note[0]) printf("note: %s\n", s->prod_note);
     printf("\n");
   }
@@ -929,6 +939,8 @@ static void twc_print(const twc_state* s) {
            d->tile_tflops, h->tile_tflops);
     printf("| tile_overhead_us | %.3f | %.3f | producer alone, intercept of the same fit |\n",
            d->tile_overhead_us, h->tile_overhead_us);
+    printf("| tile_floor_us | %.3f | %.3f | producer alone, K %d's wave beyond its compute |\n",
+           d->tile_floor_us, h->tile_floor_us, twc_ks[0]);
     printf("| mem_gbps | %.0f | %.0f | device-to-device copy of %.0f MiB, read + write |\n",
            d->mem_gbps, h->mem_gbps, s->copy_bytes / 1048576.0);
   }
@@ -1011,6 +1023,7 @@ static int twc_fields(const twc_state* s, twc_field* f) {
       {"refetch_exposure", s->ref_ok},
       {"rho_ref", 0},
       {"l2_mib", 1},
+      {"tile_floor_us", s->prod_ok},
   };
   const int n = (int)(sizeof all / sizeof all[0]);
   for (int i = 0; i < n; i++) f[i] = all[i];
@@ -1036,10 +1049,10 @@ static void twc_json_hw(FILE* f, const char* name, const tw_hardware* h) {
           "  \"%s\": {\"sm_count\": %d, \"occ_comp\": %d, \"occ_comm\": %d, \"c_max\": %d, "
           "\"tile_tflops\": %.6g, \"tile_overhead_us\": %.6g, \"link_cta_gbps\": %.6g, "
           "\"link_peak_gbps\": %.6g, \"link_latency_us\": %.6g, \"mem_gbps\": %.6g, "
-          "\"refetch_exposure\": %.6g, \"rho_ref\": %.6g, \"l2_mib\": %.6g}",
+          "\"refetch_exposure\": %.6g, \"rho_ref\": %.6g, \"l2_mib\": %.6g, \"tile_floor_us\": %.6g}",
           name, h->sm_count, h->occ_comp, h->occ_comm, h->c_max, h->tile_tflops,
           h->tile_overhead_us, h->link_cta_gbps, h->link_peak_gbps, h->link_latency_us, h->mem_gbps,
-          h->refetch_exposure, h->rho_ref, h->l2_mib);
+          h->refetch_exposure, h->rho_ref, h->l2_mib, h->tile_floor_us);
 }
 
 static tw_status twc_write_json(const twc_state* s, const char* path) {

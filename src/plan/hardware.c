@@ -77,6 +77,12 @@ tw_status tw_hardware_default(tw_hardware* hw) {
   hw->rho_ref = 10.05;
   /* H200 (HARDWARE.md): 60 MiB. */
   hw->l2_mib = 60.0;
+  /* A producer tile takes at least ~5.4 us however short its K: measured per wave (2 x H200,
+   * 2026-11-30, dev/gemm/tile_times.sh, dev/gemm/NOTES.md v7), 128 x 128 tiles took 5.42 us at
+   * K 512 (compute 2.67 us at tile_tflops), 6.50 at K 1024 (5.35), then their compute; 128 x 256
+   * tiles 6.57 us at K 512 (5.35). (c^4 + 5.4^4)^(1/4) is within 3% of all eight measured
+   * shapes (tn 128 and 256, K 512-3072), where max(c, floor) is 14% off where the two meet. */
+  hw->tile_floor_us = 5.4;
   return TW_SUCCESS;
 }
 
@@ -97,7 +103,7 @@ static const tw__hw_field tw__hw_fields[] = {
     TW__HW_I(c_max),         TW__HW_D(tile_tflops),      TW__HW_D(tile_overhead_us),
     TW__HW_D(link_cta_gbps), TW__HW_D(link_peak_gbps),   TW__HW_D(link_latency_us),
     TW__HW_D(mem_gbps),      TW__HW_D(refetch_exposure), TW__HW_D(rho_ref),
-    TW__HW_D(l2_mib),
+    TW__HW_D(l2_mib),        TW__HW_D(tile_floor_us),
 };
 #define TW__HW_NFIELDS (sizeof tw__hw_fields / sizeof tw__hw_fields[0])
 
@@ -131,7 +137,8 @@ tw_status tw__hardware_validate(const tw_hardware* hw) {
              {"mem_gbps", hw->mem_gbps, 0},
              {"refetch_exposure", hw->refetch_exposure, 1},
              {"rho_ref", hw->rho_ref, 0},
-             {"l2_mib", hw->l2_mib, 1}};
+             {"l2_mib", hw->l2_mib, 1},
+             {"tile_floor_us", hw->tile_floor_us, 1}};
   for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++) {
     if (!isfinite(pos[i].v) || pos[i].v < 0.0 || (!pos[i].zero_ok && pos[i].v == 0.0))
       return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw_hardware: %s = %g; must be finite and %s",

@@ -6,7 +6,9 @@
  * the caller leaves the schedule to it, which schedule (remote-first or expert-major) the plan
  * keeps. It generalises the first paper's wave recurrence (model_tp.c) from splits to segments:
  *
- *   tau_comp        = 2 TM TN K / (tile_tflops 1e12) + tile_overhead_us   (one producer tile)
+ *   tau_comp        = (c^4 + tile_floor_us^4)^(1/4) + tile_overhead_us     (one producer tile),
+ *                     c = 2 TM TN K / (tile_tflops 1e12): the compute, and a floor that short
+ *                     tiles (small K) do not go below (hardware.c has the measurement)
  *   P(C)            = occ_comp (G - ceil(C / occ_comm))                   (producer CTAs)
  *   waves(C)        = ceil(num_tiles / P)
  *   mem_us          = (weight bytes x runs + A bytes + C bytes) / mem_gbps (the schedule's traffic)
@@ -831,8 +833,9 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   m->hw = plan->hardware;
   const int in_l2 = tw__weights_stay_in_l2(plan);
   const double k = (double)plan->problem.ffn;
-  m->tau_comp_us = 2.0 * (double)plan->tm * (double)plan->tn * k / (m->hw.tile_tflops * 1e6) +
-                   m->hw.tile_overhead_us;
+  const double c = 2.0 * (double)plan->tm * (double)plan->tn * k / (m->hw.tile_tflops * 1e6);
+  const double f = m->hw.tile_floor_us;
+  m->tau_comp_us = sqrt(sqrt(c * c * c * c + f * f * f * f)) + m->hw.tile_overhead_us;
   /* The owner reads each of its (token, k) rows (received or local) and writes each token. */
   const int64_t top_k = plan->problem.top_k;
   int64_t own_rows = plan->recv_rows;

@@ -69,6 +69,8 @@ static void test_round_trip(void) {
     hw.link_latency_us = rnd(0, 10) * 1e-3;
     hw.mem_gbps = rnd(500, 8000);
     hw.rho_ref = rnd(0.5, 50);
+    hw.l2_mib = rnd(0, 256);
+    hw.tile_floor_us = rnd(0, 10);
     const char* path = tmp_path("rt.txt");
     CHECK_OK(tw_hardware_write(&hw, path));
     memset(&back, 0x5a, sizeof back);

@@ -7,6 +7,7 @@
  * link bandwidth never hurts, a plan with nothing to send costs compute (or memory) + reduce at
  * the smallest C, and the memory term sends a weight-heavy plan to the expert-major schedule.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -120,6 +121,7 @@ static void hand_build(hand_plan* h, int remote) {
   h->hw.c_max = 3;
   h->hw.tile_tflops = 8.192;
   h->hw.tile_overhead_us = 0.0;
+  h->hw.tile_floor_us = 0.0; /* the hand tables below have no floor */
   h->hw.link_cta_gbps = 16.384;
   h->hw.link_peak_gbps = 32.768;
   h->hw.link_latency_us = 1.0;
@@ -522,8 +524,8 @@ static void test_real_plan_no_remote(void) {
   const tw_hardware* hw = &plan->hardware;
   CHECK(plan->num_segments == 0 && plan->send_bytes == 0);
   CHECK(plan->comm_ctas == 1);
-  const double tau = 2.0 * plan->tm * plan->tn * plan->problem.ffn / (hw->tile_tflops * 1e6) +
-                     hw->tile_overhead_us;
+  const double c = 2.0 * plan->tm * plan->tn * plan->problem.ffn / (hw->tile_tflops * 1e6);
+  const double tau = pow(pow(c, 4) + pow(hw->tile_floor_us, 4), 0.25) + hw->tile_overhead_us;
   const int32_t p = hw->occ_comp * (hw->sm_count - 1);
   const double reduce =
       (double)tokens * (plan->problem.top_k + 1) * plan->problem.hidden * 2 / (hw->mem_gbps * 1e3);
@@ -564,6 +566,7 @@ static void test_random_hardware_equivalence(void) {
     hw.link_latency_us = iter % 7 == 0 ? 0.0 : ep_uniform(0.05, 5.0);
     hw.tile_tflops = ep_uniform(1.0, 10.0);
     hw.tile_overhead_us = ep_uniform(0.0, 2.0);
+    hw.tile_floor_us = iter % 4 == 0 ? 0.0 : ep_uniform(0.0, 12.0);
     hw.occ_comm = 1 + (int32_t)(ep_rng() % 2);
     hw.occ_comp = 1 + (int32_t)(ep_rng() % 2);
     hw.c_max = 1 + (int32_t)(ep_rng() % 48);
