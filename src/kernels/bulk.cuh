@@ -70,42 +70,6 @@ __device__ __forceinline__ void tw__bulk_store(void* gdst, const void* ssrc, uin
                : "memory");
 }
 
-/* Lab: L2 cache-policy hints (TW_L2_HINTS), one bit per stream of bytes. */
-enum {
-  TW_L2_HINT_B_LAST = 1,         /* producer: weights evict_last */
-  TW_L2_HINT_A_FIRST = 2,        /* producer: activations evict_first */
-  TW_L2_HINT_CONSUMER_LOAD = 4,  /* consumer: finished bands read evict_first */
-  TW_L2_HINT_CONSUMER_STORE = 8, /* consumer: peer stores evict_first */
-};
-
-__device__ __forceinline__ uint64_t tw__policy_evict_first() {
-  uint64_t p;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-__device__ __forceinline__ uint64_t tw__policy_evict_last() {
-  uint64_t p;
-  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
-  return p;
-}
-
-__device__ __forceinline__ void tw__bulk_load_hint(void* sdst, const void* gsrc, uint32_t bytes,
-                                                   uint64_t* bar, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
-      "[%1], %2, [%3], %4;" ::"r"(tw__smem_u32(sdst)),
-      "l"(gsrc), "r"(bytes), "r"(tw__smem_u32(bar)), "l"(policy)
-      : "memory");
-}
-
-__device__ __forceinline__ void tw__bulk_store_hint(void* gdst, const void* ssrc, uint32_t bytes,
-                                                    uint64_t policy) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;" ::"l"(
-                   gdst),
-               "r"(tw__smem_u32(ssrc)), "r"(bytes), "l"(policy)
-               : "memory");
-}
-
 __device__ __forceinline__ void tw__bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }

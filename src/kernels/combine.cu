@@ -156,8 +156,6 @@ struct tw__bulk_pipe {
   char* stage;    /* (kBulkStages, kBulkStageBytes) shared */
   uint64_t* full; /* (kBulkStages) shared mbarriers */
   uint32_t next;  /* pieces loaded so far */
-  int32_t hints;  /* lab: TW_L2_HINT_CONSUMER_* bits */
-  uint64_t evict_first;
 };
 
 __device__ __forceinline__ void tw__bulk_load_piece(tw__bulk_pipe& pp, const tw__unit_shape& u,
@@ -167,12 +165,7 @@ __device__ __forceinline__ void tw__bulk_load_piece(tw__bulk_pipe& pp, const tw_
   uint64_t* full = &pp.full[g % kBulkStages];
   tw__mbar_expect_tx(full, (uint32_t)pc.nsub * pc.bytes);
   for (int i = 0; i < pc.nsub; i++)
-    if (pp.hints & TW_L2_HINT_CONSUMER_LOAD)
-      tw__bulk_load_hint(stage + (size_t)i * pc.bytes, u.src + pc.off + (size_t)i * u.ld, pc.bytes,
-                         full, pp.evict_first);
-    else
-      tw__bulk_load(stage + (size_t)i * pc.bytes, u.src + pc.off + (size_t)i * u.ld, pc.bytes,
-                    full);
+    tw__bulk_load(stage + (size_t)i * pc.bytes, u.src + pc.off + (size_t)i * u.ld, pc.bytes, full);
 }
 
 __device__ __forceinline__ void tw__bulk_store_piece(tw__bulk_pipe& pp, const tw__unit_shape& u,
@@ -180,11 +173,7 @@ __device__ __forceinline__ void tw__bulk_store_piece(tw__bulk_pipe& pp, const tw
   const tw__piece pc = tw__unit_piece(u, p);
   const char* stage = pp.stage + (size_t)(g % kBulkStages) * kBulkStageBytes;
   for (int i = 0; i < pc.nsub; i++)
-    if (pp.hints & TW_L2_HINT_CONSUMER_STORE)
-      tw__bulk_store_hint(u.dst + pc.off + (size_t)i * u.ld, stage + (size_t)i * pc.bytes, pc.bytes,
-                          pp.evict_first);
-    else
-      tw__bulk_store(u.dst + pc.off + (size_t)i * u.ld, stage + (size_t)i * pc.bytes, pc.bytes);
+    tw__bulk_store(u.dst + pc.off + (size_t)i * u.ld, stage + (size_t)i * pc.bytes, pc.bytes);
   tw__bulk_commit();
 }
 
@@ -265,7 +254,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     s_unit = (int)atomicAdd(a.unit_next, 1u);
   }
   tw__bulk_pipe pipe = {s_bulk, reinterpret_cast<uint64_t*>(s_bulk + kBulkStages * kBulkStageBytes),
-                        0, a.l2_hints, tw__policy_evict_first()};
+                        0};
   if (kBulk && threadIdx.x == 0) {
     for (int i = 0; i < kBulkStages; i++) tw__mbar_init(&pipe.full[i], 1);
     /* Make the initialised barriers visible to the async proxy (the bulk loads complete them). */

@@ -61,7 +61,6 @@ typedef struct tw_consumer_args {
   int32_t fault, fault_index;
   tw_dev_error* err;
   uint64_t timeout_ns;
-  int32_t l2_hints; /* lab: TW_L2_HINT_* bits (bulk.cuh) */
 } tw_consumer_args;
 
 typedef struct tw_reduce_args {

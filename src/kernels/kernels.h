@@ -48,7 +48,6 @@ typedef struct tw_gemm_args {
   int32_t variant; /* kernel version (sm90_gemm.cu header): 0 = default (4 where it covers
                       the shape, else 1), 1 = simple (WMMA, any supported shape), 2..4 = TMA +
                       wgmma with different epilogues; 1..4 for tests/benches */
-  int32_t l2_hints; /* lab: TW_L2_HINT_* bits (bulk.cuh) */
 } tw_gemm_args;
 
 /* Launches the producer. It only ever increments counters: after e launches (and no reset) band

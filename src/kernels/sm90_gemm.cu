@@ -319,17 +319,6 @@ __device__ __forceinline__ void tw__tma_load_2d(void* dst, const CUtensorMap* ma
       : "memory");
 }
 
-/* The same with an L2 cache policy (lab: TW_L2_HINTS). */
-__device__ __forceinline__ void tw__tma_load_2d_hint(void* dst, const CUtensorMap* map,
-                                                     uint64_t* bar, int32_t x, int32_t y,
-                                                     uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      ".L2::cache_hint [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(tw__smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(tw__smem_u32(bar)), "r"(x), "r"(y), "l"(policy)
-      : "memory");
-}
-
 /* wgmma shared-memory matrix descriptor for a K-major operand in 128B swizzle: start address
  * >> 4 (bits 0-13), leading byte offset unused for this layout (1), stride byte offset 1024 B
  * between 8-row groups (bits 32-45, in 16-byte units), swizzle mode 128B (bits 62-63 = 1). */
@@ -477,7 +466,6 @@ __global__ void __launch_bounds__(384, 1)
     }
     if (threadIdx.x == 0) {
       const int64_t n_b = SWIGLU ? 2 * (int64_t)args.n : args.n;
-      const uint64_t pol_a = tw__policy_evict_first(), pol_b = tw__policy_evict_last();
       int stage = 0;
       uint32_t phase = 0;
       for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
@@ -489,13 +477,8 @@ __global__ void __launch_bounds__(384, 1)
           uint8_t* sa = smem + stage * Cfg::kStageBytes;
           uint8_t* sb = sa + Cfg::kABytes;
           tw__mbar_expect_tx(&full[stage], Cfg::kStageBytes);
-          if (args.l2_hints & TW_L2_HINT_A_FIRST)
-            tw__tma_load_2d_hint(sa, &map_a, &full[stage], kb * 64, tile.row0, pol_a);
-          else
-            tw__tma_load_2d(sa, &map_a, &full[stage], kb * 64, tile.row0);
-          if (!SWIGLU && (args.l2_hints & TW_L2_HINT_B_LAST)) {
-            tw__tma_load_2d_hint(sb, &map_b, &full[stage], kb * 64, brow, pol_b);
-          } else if (SWIGLU) {
+          tw__tma_load_2d(sa, &map_a, &full[stage], kb * 64, tile.row0);
+          if (SWIGLU) {
             tw__tma_load_2d(sb, &map_b, &full[stage], kb * 64, brow);
             tw__tma_load_2d(sb + BN * 128, &map_b, &full[stage], kb * 64, brow + args.n);
           } else {

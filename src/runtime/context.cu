@@ -876,9 +876,6 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   g.scope = TW_SIGNAL_GPU;
   g.band_counters = ctx->band_counters;
   g.epilogue = TW_EPILOGUE_STORE;
-  /* Lab: L2 cache-policy hints (bulk.cuh, TW_L2_HINT_*). */
-  static const int l2_hints = getenv("TW_L2_HINTS") ? atoi(getenv("TW_L2_HINTS")) : 0;
-  g.l2_hints = l2_hints;
 
   if (mode == TW_COMBINE_GEMM_ONLY) {
     /* No consumer will reset band counters, so the producer must not touch them. */
@@ -915,7 +912,6 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ca.fault = ctx->fault;
   ca.fault_index = ctx->fault_index;
   ca.timeout_ns = timeout_ns;
-  ca.l2_hints = l2_hints;
   ctx->fault = TW_FAULT_NONE;
 
   tw_reduce_args ra;
