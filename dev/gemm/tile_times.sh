@@ -5,18 +5,22 @@
 # tail costs. Used to check the model's tau_comp = 2 TM TN K / tile_tflops + tile_overhead_us on
 # the narrow (tn 128) tiles of the small presets, which calibrate does not measure.
 # Usage: dev/gemm/tile_times.sh [path/to/tilewave]   (prints a markdown table)
+#        env VARIANT (producer kernel version, default 0 = the library's), KS (default 512 1024
+#        2048 3072)
 set -euo pipefail
 TW=${1:-build/tilewave}
+VARIANT=${VARIANT:-0}
+KS=${KS:-512 1024 2048 3072}
 echo "| tn | K | 4 waves us | 8 waves us | us per wave | TFLOP/s per SM |"
 echo "| ---: | ---: | ---: | ---: | ---: | ---: |"
 for tn in 128 256; do
   n=$((8 * tn))
-  for k in 512 1024 2048 3072; do
+  for k in $KS; do
     t=()
     for rows in 8448 16896; do
       # The "ours" column of bench gemm's table: "| rows | K | N | E | tn | us TF/s | ...".
       us=$("$TW" bench gemm --rows $rows --k $k --n $n --experts 2 --tm 128 --tn $tn --even \
-             --reps 20 --no-check | awk -F'|' '$2 ~ /^ *[0-9]+ *$/ {split($7, a, " "); print a[1]; exit}')
+             --variant $VARIANT --reps 20 --no-check | awk -F'|' '$2 ~ /^ *[0-9]+ *$/ {split($7, a, " "); print a[1]; exit}')
       t+=("$us")
     done
     awk -v tn=$tn -v k=$k -v a="${t[0]}" -v b="${t[1]}" 'BEGIN {
