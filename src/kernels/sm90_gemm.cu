@@ -17,7 +17,13 @@
  *      release's wait for the tile's stores no longer stalls the tensor cores.
  *   4  as 3, with the epilogue staged through shared memory: the consumers write bf16 to a
  *      staging tile and go on with the next tile; the epilogue warp writes each valid row with
- *      one bulk copy (cp.async.bulk), waits for completion and publishes. The default.
+ *      one bulk copy (cp.async.bulk), waits for completion and publishes.
+ *   5  as 4, with the staging tile in 64-column boxes in the 128-byte swizzle and a full tile
+ *      written by one TMA tensor store per box (2 or 4) instead of one bulk copy per row (128):
+ *      the TMA unit takes bulk operations one at a time, and 128 of them per tile put a floor of
+ *      ~5.4 us under every tile (dev/gemm/NOTES.md v7/v8). A tile with fewer valid rows (the
+ *      last band of an expert in the compact layout; the rows after it belong to the next
+ *      expert) is copied out by the epilogue warp's lanes, 16 bytes at a time. The default.
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -33,7 +39,7 @@
 namespace {
 
 /* Kernel used for variant 0 where it covers the shape. */
-constexpr int kDefaultVariant = 4;
+constexpr int kDefaultVariant = 5;
 
 /* v1 geometry: a CTA of 8 warps computes a 128 x 128 sub-tile per pass (a 4 x 2 grid of warps,
  * each 32 x 64 = 2 x 4 WMMA fragments); a tn = 256 tile is two passes, a tm = 64 tile masks the
@@ -296,14 +302,16 @@ __device__ __forceinline__ void tw__wgmma_m64n256k16(float* d, uint64_t desc_a, 
  * memory, fp32 accumulators in registers. The epilogue converts to bf16; kEpiDirect and
  * kEpiSignalWarp store straight from registers with st.global (masked by tile.rows and n),
  * kEpiStaged writes a staging tile that the epilogue warp copies out row by row (only rows <
- * tile.rows, columns < n); either way rows past tile.rows, which may belong to the next expert,
- * are never written. The producer runs ahead into the next tile while the consumers store, so
+ * tile.rows, columns < n), kEpiTma a swizzled one that it writes with one TMA tensor store per
+ * 64 columns when the tile is full (lane by lane otherwise); either way rows past tile.rows,
+ * which may belong to the next expert, are never written. The producer runs ahead into the next tile while the consumers store, so
  * loads of tile i+1 overlap the epilogue of tile i.
  *
  * Shared memory layout (dynamic, 1024-byte aligned base, per stage s):
  *   [s * STAGE_BYTES,                 + BM * 128)       A slice: BM rows x 64 bf16, 128B swizzle
  *   [s * STAGE_BYTES + BM * 128,      + B_ROWS * 128)   B slice: B_ROWS rows x 64 bf16, swizzled
- * then, for kEpiStaged only, the staging tile (BM rows x kStagePitch bytes), then 2 * STAGES + 2
+ * then the staging tile (kEpiStaged: BM rows x kStagePitch bytes; kEpiTma: BN / 64 boxes of BM
+ * rows x 128 bytes, 1024-byte aligned as the stages are), then 2 * STAGES + 2
  * mbarriers (8 bytes each): full[0..STAGES), empty[0..STAGES), epi_ready, epi_done.
  * B_ROWS = BN, or 2 * BN for SwiGLU (gate rows, then up rows).
  */
@@ -316,6 +324,17 @@ __device__ __forceinline__ void tw__tma_load_2d(void* dst, const CUtensorMap* ma
       "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
       " [%0], [%1, {%3, %4}], [%2];" ::"r"(tw__smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(tw__smem_u32(bar)), "r"(x), "r"(y)
+      : "memory");
+}
+
+/* 2D TMA tensor store of one box from shared memory to (x = column, y = row) of the tensor
+ * (async proxy, tracked by this thread's bulk groups); the tensor's bounds clip it. */
+__device__ __forceinline__ void tw__tma_store_2d(const CUtensorMap* map, const void* src,
+                                                 int32_t x, int32_t y) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(x), "r"(y), "r"(tw__smem_u32(src))
       : "memory");
 }
 
@@ -358,8 +377,8 @@ __device__ __forceinline__ void tw__wgmma(float* d, uint64_t da, uint64_t db) {
   if constexpr (N == 256) tw__wgmma_m64n256k16(d, da, db);
 }
 
-/* Epilogue modes of the wgmma kernel (variants 2, 3, 4). */
-enum { kEpiDirect = 0, kEpiSignalWarp = 1, kEpiStaged = 2 };
+/* Epilogue modes of the wgmma kernel (variants 2, 3, 4, 5). */
+enum { kEpiDirect = 0, kEpiSignalWarp = 1, kEpiStaged = 2, kEpiTma = 3 };
 
 template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
 struct V2Config {
@@ -372,7 +391,16 @@ struct V2Config {
   /* EPI = kEpiStaged: a (BM, BN) bf16 staging tile, rows padded by 16 bytes so that the
    * accumulator writes (8 rows x 4 lanes per instruction) hit 32 distinct banks. */
   static constexpr int kStagePitch = BN * 2 + 16;
-  static constexpr int kStagingBytes = EPI == kEpiStaged ? BM * kStagePitch : 0;
+  /* EPI = kEpiTma: BN / 64 boxes of (BM rows, 64 columns) bf16, each row of a box 128 bytes in
+   * the 128-byte swizzle (16-byte chunk q of row r at chunk q ^ (r % 8)): what a TMA tensor
+   * store reads, and the same 32 distinct banks for the accumulator writes. */
+  static constexpr int kBoxBytes = BM * 128;
+  static constexpr int kStagingBytes =
+      EPI == kEpiStaged ? BM * kStagePitch : (EPI == kEpiTma ? BN / 64 * kBoxBytes : 0);
+  /* Byte offset of tile element (r, c) in the swizzled staging tile (kEpiTma). */
+  static __device__ __forceinline__ int swizzled(int r, int c) {
+    return (c >> 6) * kBoxBytes + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
+  }
   static constexpr int kBarOffset = STAGES * kStageBytes + kStagingBytes;
   static constexpr int kSmemBytes = kBarOffset + (2 * STAGES + 2) * 8 + 1024; /* + align */
   static constexpr int kThreads = 384;
@@ -390,12 +418,13 @@ __device__ __forceinline__ void tw__consumer_bar() {
 template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
 __global__ void __launch_bounds__(384, 1)
     tw_gemm_v2_kernel(const __grid_constant__ CUtensorMap map_a,
-                      const __grid_constant__ CUtensorMap map_b, const tw_gemm_args args) {
+                      const __grid_constant__ CUtensorMap map_b,
+                      const __grid_constant__ CUtensorMap map_c, const tw_gemm_args args) {
   using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
                                              ~static_cast<uintptr_t>(1023));
-  uint8_t* staging = smem + STAGES * Cfg::kStageBytes; /* kEpiStaged only */
+  uint8_t* staging = smem + STAGES * Cfg::kStageBytes; /* kEpiStaged / kEpiTma only */
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Cfg::kBarOffset);
   uint64_t* empty = full + STAGES;
   /* kEpiSignalWarp / kEpiStaged: the consumers -> epilogue warp hand-off of each tile
@@ -405,7 +434,8 @@ __global__ void __launch_bounds__(384, 1)
   uint64_t* epi_done = epi_ready + 1;
   const bool signal = args.band_counters != NULL && args.scope != TW_SIGNAL_NONE;
   /* Whether the epilogue warp takes part (it always does for staged stores). */
-  const bool epi_warp = EPI == kEpiStaged || (EPI == kEpiSignalWarp && signal);
+  constexpr bool kStaging = EPI == kEpiStaged || EPI == kEpiTma;
+  const bool epi_warp = kStaging || (EPI == kEpiSignalWarp && signal);
   const int wg = threadIdx.x / 128;
   const int nk = args.k / 64;
 
@@ -447,6 +477,33 @@ __global__ void __launch_bounds__(384, 1)
            * is needed before the (generic) release. */
           tw__bulk_wait_all();
           /* Barrier among every lane that issued writes before lane 0 publishes. */
+          __syncwarp();
+        }
+        if (EPI == kEpiTma) {
+          const int rows = min(tile.rows, BM);
+          if (rows == BM) {
+            /* A full tile: one tensor store per box; boxes past n are clipped by the map. */
+            if (lane == 0) {
+              for (int b = 0; b < BN / 64 && tile.col0 + b * 64 < args.n; b++)
+                tw__tma_store_2d(&map_c, staging + b * Cfg::kBoxBytes, tile.col0 + b * 64,
+                                 tile.row0);
+              tw__bulk_commit();
+              /* NOTES: as for kEpiStaged: wait_group 0 (the writes complete, with the implicit
+               * generic-async proxy fence of a completed bulk copy) before the release. */
+              tw__bulk_wait_all();
+            }
+          } else {
+            /* Rows < tile.rows and columns < n only, 16 bytes per lane and step (n is a multiple
+             * of 8), from the swizzled boxes; generic stores, ordered before lane 0's release by
+             * the barrier below (as kEpiSignalWarp's consumers' stores are). */
+            const int chunks = min(BN, args.n - tile.col0) / 8;
+            __nv_bfloat16* C = static_cast<__nv_bfloat16*>(args.c);
+            for (int i = lane; i < rows * chunks; i += 32) {
+              const int r = i / chunks, c = (i - r * chunks) * 8;
+              const int4 v = *reinterpret_cast<const int4*>(staging + Cfg::swizzled(r, c));
+              *reinterpret_cast<int4*>(C + ((int64_t)tile.row0 + r) * args.n + tile.col0 + c) = v;
+            }
+          }
           __syncwarp();
         }
         if (lane == 0) {
@@ -551,12 +608,12 @@ __global__ void __launch_bounds__(384, 1)
     const int r0 = row_base + warp * 16 + lane / 4;
     const int lc0 = col_base + (lane % 4) * 2; /* column within the tile */
     constexpr int kOutChunks = SWIGLU ? Cfg::kWgN / 16 : Cfg::kWgN / 8;
-    if (EPI == kEpiStaged) /* the epilogue warp has finished reading the previous tile */
+    if (kStaging) /* the epilogue warp has finished reading the previous tile */
       tw__mbar_wait(epi_done, (it & 1) ^ 1);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
       const int r = r0 + h * 8;
-      if (EPI == kEpiStaged || r < rows) {
+      if (kStaging || r < rows) {
         __nv_bfloat16* crow = C + ((int64_t)tile.row0 + r) * args.n + tile.col0;
 #pragma unroll
         for (int j = 0; j < kOutChunks; j++) {
@@ -569,13 +626,15 @@ __global__ void __launch_bounds__(384, 1)
           const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
           if (EPI == kEpiStaged) /* every row and column; the bulk writes mask them */
             *reinterpret_cast<__nv_bfloat162*>(staging + r * Cfg::kStagePitch + col * 2) = v;
+          else if (EPI == kEpiTma) /* every row and column; the stores mask them */
+            *reinterpret_cast<__nv_bfloat162*>(staging + Cfg::swizzled(r, col)) = v;
           else if (tile.col0 + col < args.n) /* masked by tile.rows and n; n even: the pair is
                                                 all in or all out */
             *reinterpret_cast<__nv_bfloat162*>(crow + col) = v;
         }
       }
     }
-    if (EPI == kEpiStaged) {
+    if (kStaging) {
       /* Make this thread's staging writes visible to the async proxy (the bulk copies), then
        * hand the tile to the epilogue warp: __syncwarp orders the lanes, lane 0's arrive is a
        * release at CTA scope that the epilogue warp acquires. */
@@ -676,7 +735,11 @@ tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream)
   TW_TRY(tw__make_map(&map_a, args->a, args->rows, args->k, BM));
   /* B boxes are BN rows; SwiGLU loads the gate rows and the up rows as two boxes per stage. */
   TW_TRY(tw__make_map(&map_b, args->b, (int64_t)args->experts * n_b, args->k, BN));
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_a, map_b, *args);
+  /* kEpiTma: C as (rows, n) in boxes of 64 columns x BM rows, 128-byte swizzle (the staging
+   * tile's layout); the other epilogues do not read it. */
+  CUtensorMap map_c = map_a;
+  if (EPI == kEpiTma) TW_TRY(tw__make_map(&map_c, args->c, args->rows, args->n, BM));
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_a, map_b, map_c, *args);
   e = cudaGetLastError();
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "tw__gemm_launch: launch failed: %s", cudaGetErrorString(e));
@@ -751,7 +814,7 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
   const bool v2_ok = !swiglu || (args->tm == 128 && args->tn == 128);
   int variant = args->variant;
   if (variant == 0) variant = v2_ok ? kDefaultVariant : 1;
-  if (variant >= 2 && variant <= 4) {
+  if (variant >= 2 && variant <= 5) {
     if (!v2_ok)
       return tw__fail(TW_ERR_UNSUPPORTED,
                       "tw__gemm_launch: the wgmma kernels run SwiGLU only with tm = tn = 128 "
@@ -775,15 +838,24 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
         return tw__launch_v2<64, 256, 5, false, kEpiSignalWarp>(args, grid, stream);
       return tw__launch_v2<64, 128, 8, false, kEpiSignalWarp>(args, grid, stream);
     }
-    if (swiglu) return tw__launch_v2<128, 128, 3, true, kEpiStaged>(args, grid, stream);
+    if (variant == 4) {
+      if (swiglu) return tw__launch_v2<128, 128, 3, true, kEpiStaged>(args, grid, stream);
+      if (args->tm == 128 && args->tn == 256)
+        return tw__launch_v2<128, 256, 3, false, kEpiStaged>(args, grid, stream);
+      if (args->tm == 128)
+        return tw__launch_v2<128, 128, 5, false, kEpiStaged>(args, grid, stream);
+      if (args->tn == 256) return tw__launch_v2<64, 256, 4, false, kEpiStaged>(args, grid, stream);
+      return tw__launch_v2<64, 128, 8, false, kEpiStaged>(args, grid, stream);
+    }
+    if (swiglu) return tw__launch_v2<128, 128, 3, true, kEpiTma>(args, grid, stream);
     if (args->tm == 128 && args->tn == 256)
-      return tw__launch_v2<128, 256, 3, false, kEpiStaged>(args, grid, stream);
-    if (args->tm == 128) return tw__launch_v2<128, 128, 5, false, kEpiStaged>(args, grid, stream);
-    if (args->tn == 256) return tw__launch_v2<64, 256, 4, false, kEpiStaged>(args, grid, stream);
-    return tw__launch_v2<64, 128, 8, false, kEpiStaged>(args, grid, stream);
+      return tw__launch_v2<128, 256, 3, false, kEpiTma>(args, grid, stream);
+    if (args->tm == 128) return tw__launch_v2<128, 128, 5, false, kEpiTma>(args, grid, stream);
+    if (args->tn == 256) return tw__launch_v2<64, 256, 4, false, kEpiTma>(args, grid, stream);
+    return tw__launch_v2<64, 128, 8, false, kEpiTma>(args, grid, stream);
   }
   if (variant != 1)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__gemm_launch: variant = %d; use 0 to 4",
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__gemm_launch: variant = %d; use 0 to 5",
                     args->variant);
   if (swiglu)
     tw_gemm_v1_kernel<true><<<grid, kV1Threads, 0, stream>>>(*args);

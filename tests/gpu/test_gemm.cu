@@ -260,7 +260,7 @@ int64_t check_output(const Problem& p, const std::vector<uint16_t>& out, const R
 
 /* Kernel versions every shape runs through: the simple one and the TMA + wgmma ones (the
  * default, variant 0, is one of them). */
-const int kVariants[] = {1, 2, 3, 4};
+const int kVariants[] = {1, 2, 3, 4, 5};
 
 /* Runs each kernel version `epochs` times with poisoned output before each run, checks the
  * output and the counters after each. */
