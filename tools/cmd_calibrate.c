@@ -344,7 +344,7 @@ static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
     y[i] = p->us_per_wave;
   }
   TW_TRY(tw__calib_fit_producer(x + 1, y + 1, TWC_NK - 1, &s->hw.tile_tflops,
-                                 &s->hw.tile_overhead_us, r + 1));
+                                &s->hw.tile_overhead_us, r + 1));
   if (s->hw.tile_overhead_us < 0) {
     snprintf(s->prod_note, sizeof s->prod_note,
              "fitted overhead %.3f us per tile < 0 (noise): written as 0", s->hw.tile_overhead_us);
@@ -1045,14 +1045,15 @@ static void twc_json_str(FILE* f, const char* str) {
 }
 
 static void twc_json_hw(FILE* f, const char* name, const tw_hardware* h) {
-  fprintf(f,
-          "  \"%s\": {\"sm_count\": %d, \"occ_comp\": %d, \"occ_comm\": %d, \"c_max\": %d, "
-          "\"tile_tflops\": %.6g, \"tile_overhead_us\": %.6g, \"link_cta_gbps\": %.6g, "
-          "\"link_peak_gbps\": %.6g, \"link_latency_us\": %.6g, \"mem_gbps\": %.6g, "
-          "\"refetch_exposure\": %.6g, \"rho_ref\": %.6g, \"l2_mib\": %.6g, \"tile_floor_us\": %.6g}",
-          name, h->sm_count, h->occ_comp, h->occ_comm, h->c_max, h->tile_tflops,
-          h->tile_overhead_us, h->link_cta_gbps, h->link_peak_gbps, h->link_latency_us, h->mem_gbps,
-          h->refetch_exposure, h->rho_ref, h->l2_mib, h->tile_floor_us);
+  fprintf(
+      f,
+      "  \"%s\": {\"sm_count\": %d, \"occ_comp\": %d, \"occ_comm\": %d, \"c_max\": %d, "
+      "\"tile_tflops\": %.6g, \"tile_overhead_us\": %.6g, \"link_cta_gbps\": %.6g, "
+      "\"link_peak_gbps\": %.6g, \"link_latency_us\": %.6g, \"mem_gbps\": %.6g, "
+      "\"refetch_exposure\": %.6g, \"rho_ref\": %.6g, \"l2_mib\": %.6g, \"tile_floor_us\": %.6g}",
+      name, h->sm_count, h->occ_comp, h->occ_comm, h->c_max, h->tile_tflops, h->tile_overhead_us,
+      h->link_cta_gbps, h->link_peak_gbps, h->link_latency_us, h->mem_gbps, h->refetch_exposure,
+      h->rho_ref, h->l2_mib, h->tile_floor_us);
 }
 
 static tw_status twc_write_json(const twc_state* s, const char* path) {

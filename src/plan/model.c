@@ -506,8 +506,8 @@ static inline int32_t tw__scan_end(const double* comp_us, double reduce, double 
 
 /* The decision: the best (C, mgb, schedule) over C in [c_lo, c_hi] and the tables of `use` (bit
  * i = table i; one table per mgb and schedule), by T, then the smaller C, then the larger key
- * (the smaller mgb, then a schedule); the same answer as evaluating every candidate, found by best-first
- * branch and bound on lb = max(first term, compute end) + reduce:
+ * (the smaller mgb, then a schedule); the same answer as evaluating every candidate, found by
+ * best-first branch and bound on lb = max(first term, compute end) + reduce:
  *
  *   1. one table (the last: mgb 1 of the last schedule tabulated, usually the winner)
  *      is scanned from the smallest C up to its best-ranked bound (the compute end only grows

@@ -395,7 +395,7 @@ static void test_refetch_problem(void) {
 }
 
 TW_TEST_MAIN(TW_TEST(tw_test_seed_setup), TW_TEST(test_producer_exact),
-             TW_TEST(test_producer_noisy), TW_TEST(test_tile_floor), TW_TEST(test_pool_exact), TW_TEST(test_pool_by_hand),
-             TW_TEST(test_pool_noisy), TW_TEST(test_pool_refusals), TW_TEST(test_lsq2_refusals),
-             TW_TEST(test_pool_on_real_plans), TW_TEST(test_exposure),
+             TW_TEST(test_producer_noisy), TW_TEST(test_tile_floor), TW_TEST(test_pool_exact),
+             TW_TEST(test_pool_by_hand), TW_TEST(test_pool_noisy), TW_TEST(test_pool_refusals),
+             TW_TEST(test_lsq2_refusals), TW_TEST(test_pool_on_real_plans), TW_TEST(test_exposure),
              TW_TEST(test_refetch_problem))
