@@ -23,7 +23,7 @@
  *      the TMA unit takes bulk operations one at a time, and 128 of them per tile put a floor of
  *      ~5.4 us under every tile (dev/gemm/NOTES.md v7/v8). A tile with fewer valid rows (the
  *      last band of an expert in the compact layout; the rows after it belong to the next
- *      expert) is copied out by the epilogue warp's lanes, 16 bytes at a time. The default.
+ *      expert) is stored by the consumers from registers, masked, as in 3. The default.
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -303,9 +303,10 @@ __device__ __forceinline__ void tw__wgmma_m64n256k16(float* d, uint64_t desc_a, 
  * kEpiSignalWarp store straight from registers with st.global (masked by tile.rows and n),
  * kEpiStaged writes a staging tile that the epilogue warp copies out row by row (only rows <
  * tile.rows, columns < n), kEpiTma a swizzled one that it writes with one TMA tensor store per
- * 64 columns when the tile is full (lane by lane otherwise); either way rows past tile.rows,
- * which may belong to the next expert, are never written. The producer runs ahead into the next tile while the consumers store, so
- * loads of tile i+1 overlap the epilogue of tile i.
+ * 64 columns when the tile is full (partial tiles as kEpiSignalWarp); either way rows past
+ * tile.rows, which may belong to the next expert, are never written. The producer runs ahead
+ * into the next tile while the consumers store, so loads of tile i+1 overlap the epilogue of
+ * tile i.
  *
  * Shared memory layout (dynamic, 1024-byte aligned base, per stage s):
  *   [s * STAGE_BYTES,                 + BM * 128)       A slice: BM rows x 64 bf16, 128B swizzle
@@ -329,13 +330,12 @@ __device__ __forceinline__ void tw__tma_load_2d(void* dst, const CUtensorMap* ma
 
 /* 2D TMA tensor store of one box from shared memory to (x = column, y = row) of the tensor
  * (async proxy, tracked by this thread's bulk groups); the tensor's bounds clip it. */
-__device__ __forceinline__ void tw__tma_store_2d(const CUtensorMap* map, const void* src,
-                                                 int32_t x, int32_t y) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
-          reinterpret_cast<uint64_t>(map)),
-      "r"(x), "r"(y), "r"(tw__smem_u32(src))
-      : "memory");
+__device__ __forceinline__ void tw__tma_store_2d(const CUtensorMap* map, const void* src, int32_t x,
+                                                 int32_t y) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(x), "r"(y), "r"(tw__smem_u32(src))
+               : "memory");
 }
 
 /* wgmma shared-memory matrix descriptor for a K-major operand in 128B swizzle: start address
@@ -480,9 +480,10 @@ __global__ void __launch_bounds__(384, 1)
           __syncwarp();
         }
         if (EPI == kEpiTma) {
-          const int rows = min(tile.rows, BM);
-          if (rows == BM) {
-            /* A full tile: one tensor store per box; boxes past n are clipped by the map. */
+          /* A full tile: one tensor store per box; boxes past n are clipped by the map. A tile
+           * with fewer rows the consumers stored themselves (kEpiSignalWarp's way, see there):
+           * nothing to write here, only to publish. */
+          if (tile.rows >= BM) {
             if (lane == 0) {
               for (int b = 0; b < BN / 64 && tile.col0 + b * 64 < args.n; b++)
                 tw__tma_store_2d(&map_c, staging + b * Cfg::kBoxBytes, tile.col0 + b * 64,
@@ -491,17 +492,6 @@ __global__ void __launch_bounds__(384, 1)
               /* NOTES: as for kEpiStaged: wait_group 0 (the writes complete, with the implicit
                * generic-async proxy fence of a completed bulk copy) before the release. */
               tw__bulk_wait_all();
-            }
-          } else {
-            /* Rows < tile.rows and columns < n only, 16 bytes per lane and step (n is a multiple
-             * of 8), from the swizzled boxes; generic stores, ordered before lane 0's release by
-             * the barrier below (as kEpiSignalWarp's consumers' stores are). */
-            const int chunks = min(BN, args.n - tile.col0) / 8;
-            __nv_bfloat16* C = static_cast<__nv_bfloat16*>(args.c);
-            for (int i = lane; i < rows * chunks; i += 32) {
-              const int r = i / chunks, c = (i - r * chunks) * 8;
-              const int4 v = *reinterpret_cast<const int4*>(staging + Cfg::swizzled(r, c));
-              *reinterpret_cast<int4*>(C + ((int64_t)tile.row0 + r) * args.n + tile.col0 + c) = v;
             }
           }
           __syncwarp();
@@ -608,12 +598,15 @@ __global__ void __launch_bounds__(384, 1)
     const int r0 = row_base + warp * 16 + lane / 4;
     const int lc0 = col_base + (lane % 4) * 2; /* column within the tile */
     constexpr int kOutChunks = SWIGLU ? Cfg::kWgN / 16 : Cfg::kWgN / 8;
+    /* kEpiTma: a full tile goes through the staging tile; a partial one (its last rows belong to
+     * the next expert) is stored from registers, masked, as kEpiSignalWarp does. */
+    const bool staged = EPI == kEpiStaged || (EPI == kEpiTma && tile.rows >= BM);
     if (kStaging) /* the epilogue warp has finished reading the previous tile */
       tw__mbar_wait(epi_done, (it & 1) ^ 1);
 #pragma unroll
     for (int h = 0; h < 2; h++) {
       const int r = r0 + h * 8;
-      if (kStaging || r < rows) {
+      if (staged || r < rows) {
         __nv_bfloat16* crow = C + ((int64_t)tile.row0 + r) * args.n + tile.col0;
 #pragma unroll
         for (int j = 0; j < kOutChunks; j++) {
@@ -626,7 +619,7 @@ __global__ void __launch_bounds__(384, 1)
           const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
           if (EPI == kEpiStaged) /* every row and column; the bulk writes mask them */
             *reinterpret_cast<__nv_bfloat162*>(staging + r * Cfg::kStagePitch + col * 2) = v;
-          else if (EPI == kEpiTma) /* every row and column; the stores mask them */
+          else if (staged) /* kEpiTma, a full tile: the tensor stores clip columns past n */
             *reinterpret_cast<__nv_bfloat162*>(staging + Cfg::swizzled(r, col)) = v;
           else if (tile.col0 + col < args.n) /* masked by tile.rows and n; n even: the pair is
                                                 all in or all out */
@@ -637,7 +630,9 @@ __global__ void __launch_bounds__(384, 1)
     if (kStaging) {
       /* Make this thread's staging writes visible to the async proxy (the bulk copies), then
        * hand the tile to the epilogue warp: __syncwarp orders the lanes, lane 0's arrive is a
-       * release at CTA scope that the epilogue warp acquires. */
+       * release at CTA scope that the epilogue warp acquires (for kEpiTma's partial tiles the
+       * same chain orders the lanes' st.global before the epilogue warp's release, as for
+       * kEpiSignalWarp below). */
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       __syncwarp();
       if (lane == 0) tw__mbar_arrive(epi_ready);
@@ -842,8 +837,7 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
       if (swiglu) return tw__launch_v2<128, 128, 3, true, kEpiStaged>(args, grid, stream);
       if (args->tm == 128 && args->tn == 256)
         return tw__launch_v2<128, 256, 3, false, kEpiStaged>(args, grid, stream);
-      if (args->tm == 128)
-        return tw__launch_v2<128, 128, 5, false, kEpiStaged>(args, grid, stream);
+      if (args->tm == 128) return tw__launch_v2<128, 128, 5, false, kEpiStaged>(args, grid, stream);
       if (args->tn == 256) return tw__launch_v2<64, 256, 4, false, kEpiStaged>(args, grid, stream);
       return tw__launch_v2<64, 128, 8, false, kEpiStaged>(args, grid, stream);
     }
