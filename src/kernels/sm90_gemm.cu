@@ -17,13 +17,14 @@
  *      release's wait for the tile's stores no longer stalls the tensor cores.
  *   4  as 3, with the epilogue staged through shared memory: the consumers write bf16 to a
  *      staging tile and go on with the next tile; the epilogue warp writes each valid row with
- *      one bulk copy (cp.async.bulk), waits for completion and publishes.
+ *      one bulk copy (cp.async.bulk), waits for completion and publishes. The default.
  *   5  as 4, with the staging tile in 64-column boxes in the 128-byte swizzle and a full tile
  *      written by one TMA tensor store per box (2 or 4) instead of one bulk copy per row (128):
- *      the TMA unit takes bulk operations one at a time, and 128 of them per tile put a floor of
- *      ~5.4 us under every tile (dev/gemm/NOTES.md v7/v8). A tile with fewer valid rows (the
+ *      with 128 bulk operations per tile no tile took less than ~5.4 us, with 2 a 128 x 128 x
+ *      512 tile takes 3.3-3.75 us (dev/gemm/NOTES.md v7, v8). A tile with fewer valid rows (the
  *      last band of an expert in the compact layout; the rows after it belong to the next
- *      expert) is stored by the consumers from registers, masked, as in 3. The default.
+ *      expert) is stored by the consumers from registers, masked, as in 3. Not the default
+ *      yet: measured on one GPU only (1.41x faster than 4 at granite's K 512).
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -38,8 +39,9 @@
 
 namespace {
 
-/* Kernel used for variant 0 where it covers the shape. */
-constexpr int kDefaultVariant = 5;
+/* Kernel used for variant 0 where it covers the shape: 4 until 5 has run the two-GPU tests and
+ * the overlap benchmarks (dev/gemm/NOTES.md v8). */
+constexpr int kDefaultVariant = 4;
 
 /* v1 geometry: a CTA of 8 warps computes a 128 x 128 sub-tile per pass (a 4 x 2 grid of warps,
  * each 32 x 64 = 2 x 4 WMMA fragments); a tn = 256 tile is two passes, a tm = 64 tile masks the
