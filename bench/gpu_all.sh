@@ -4,7 +4,10 @@
 # then the benchmark tables (bench/gpu_bench.sh), all under $OUT (default ./gpu-out).
 # Usage: bench/gpu_all.sh [quick|tests]   quick: tests + a reduced benchmark grid; tests: build and
 #        ctest only (for lab runs that add their own measurements after it)
-# Takes about 5.5 minutes on 2 x H200 (326 and 324 s in runs 4A and 5, bench/results/).
+# Takes about 5.5 minutes on 2 x H200 with the quick oracle (326 and 324 s in runs 4A and 5,
+# bench/results/), 7.8 with ORACLE_MATRIX=full (run 7), plus ~1.5 for the producer-variant steps
+# added after run 7: with the full oracle that is close to a 10-minute call limit, so run
+# `tilewave sweep --oracle --matrix full` in a call of its own there.
 # Everything it writes is also archived as $OUT/00-gpu-results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -53,6 +56,11 @@ TW_TEST_QUICK=1 TW_TIMEOUT_MS=60000 timeout 200 compute-sanitizer --tool memchec
   "$BUILD/test_overlap" >"$OUT/sanitizer-overlap-memcheck.txt" 2>&1
 echo "test_overlap memcheck: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-overlap-memcheck.txt" | tr '\n' ' ')"
 grep -m 3 -A 12 "^========= Invalid\|^========= Program hit\|^========= Error" "$OUT/sanitizer-overlap-memcheck.txt" | head -45
+# The producer's variant 5 (not yet the default) through the whole overlapped path as well.
+for t in test_overlap test_timeout; do
+  TW_GEMM_VARIANT=5 timeout 300 "$BUILD/$t" >"$OUT/$t-gemm-v5.txt" 2>&1
+  echo "$t with TW_GEMM_VARIANT=5: exit $? $(tail -1 "$OUT/$t-gemm-v5.txt")"
+done
 
 step "benchmarks (bench/gpu_bench.sh)"
 if [ "$mode" = quick ]; then bench/gpu_bench.sh quick; else bench/gpu_bench.sh; fi

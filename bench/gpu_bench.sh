@@ -107,6 +107,28 @@ if [ "$mode" != quick ]; then
   done
 fi
 
+if [ "$mode" != quick ]; then
+  # The producer's variant 5 against the default v4, side by side in one run: the GEMM alone at
+  # granite's short tiles and on the grid's K 2048, then the whole overlapped call.
+  step "producer variants 4 and 5 side by side (bench gemm; bench with TW_GEMM_VARIANT)"
+  for v in 4 5; do
+    for shape in "--rows 65536 --k 512 --n 1024 --experts 32 --tn 128" \
+                 "--rows 16384 --k 2048 --n 8192 --experts 16" \
+                 "--rows 16384 --k 2048 --n 4096 --experts 64"; do
+      timeout 60 "$TW" bench gemm $shape --variant $v | grep -E "^\| +[0-9]" | sed "s/^/v$v /"
+    done
+  done | tee "$OUT/bench-gemm-variants.md"
+  for v in 4 5; do
+    for args in "--model granite-3.1-1b-a400m --tokens 4096,16384" \
+                "--tokens 8192 --hidden 8192 --ffn 2048 --experts 16 --topk 2" \
+                "--tokens 16384 --hidden 4096 --ffn 2048 --experts 64 --topk 2"; do
+      TW_GEMM_VARIANT=$v timeout 90 "$TW" bench $args --iters 20 --warmup 3 --chunks 4096 |
+        grep -E "^\| [0-9]" | sed "s/^/v$v /"
+    done
+  done | tee "$OUT/bench-variants.md"
+  note "producer variants" $?
+fi
+
 step "tilewave calibrate"
 timeout 120 "$TW" calibrate --out "$OUT/calibration.txt" --json "$OUT/calibration.json" \
   | tee "$OUT/calibrate.md"

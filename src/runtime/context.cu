@@ -50,6 +50,7 @@ struct tw_context {
   int32_t tiles_per_unit; /* consumer unit width in column tiles (TW_CONSUMER_TILES_PER_UNIT) */
   int32_t unit_chunks;    /* ceil(col_tiles / tiles_per_unit) */
   int32_t copy;           /* tw_consumer_copy: REGISTERS or BULK */
+  int32_t gemm_variant;   /* producer kernel version (TW_GEMM_VARIANT; 0 = the library's) */
   int64_t rows_max;       /* GEMM output rows any plan of this problem can need */
   int64_t bands_max;      /* bands (and segments) any plan can have */
   int64_t slots_max;      /* max_tokens * top_k */
@@ -277,6 +278,7 @@ static tw_status tw__warm_up(tw_context_t ctx) {
     g.scope = TW_SIGNAL_GPU;
     g.band_counters = counter;
     g.epilogue = TW_EPILOGUE_STORE;
+    g.variant = ctx->gemm_variant; /* the kernel the calls will launch */
     st = tw__gemm_launch(&g, ctx->s_aux);
     if (st != TW_SUCCESS) goto done;
 
@@ -468,6 +470,22 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
                       env);
   }
 
+  /* The producer's kernel version: a lab switch for side-by-side runs (sm90_gemm.cu lists them). */
+  int gemm_variant = 0;
+  {
+    const char* env = getenv("TW_GEMM_VARIANT");
+    if (env != NULL && env[0] != '\0') {
+      char* end = NULL;
+      const long v = strtol(env, &end, 10);
+      if (end == env || *end != '\0' || v < 0 || v > 5)
+        return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                        "tw_context_create: TW_GEMM_VARIANT='%s'; use 0 (the default kernel) to 5 "
+                        "(or unset it)",
+                        env);
+      gemm_variant = (int)v;
+    }
+  }
+
   /* The device communicator's layout is version-bound: headers and library must agree. */
   int nccl_version = 0;
   TW_NCCL_TRY(ncclGetVersion(&nccl_version));
@@ -518,6 +536,7 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
   ctx->tn = tw__resolve_tile_n(problem);
   ctx->col_tiles = (int32_t)tw__ceil_div(problem->hidden, ctx->tn);
   ctx->copy = copy;
+  ctx->gemm_variant = gemm_variant;
   /* Bulk copies move a whole band best: its rows are one contiguous run at both ends. */
   const int64_t tpu_default = copy == TW_CONSUMER_COPY_BULK ? ctx->col_tiles : 1;
   int64_t tpu =
@@ -876,6 +895,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   g.scope = TW_SIGNAL_GPU;
   g.band_counters = ctx->band_counters;
   g.epilogue = TW_EPILOGUE_STORE;
+  g.variant = ctx->gemm_variant;
 
   if (mode == TW_COMBINE_GEMM_ONLY) {
     /* No consumer will reset band counters, so the producer must not touch them. */
