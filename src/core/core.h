@@ -55,6 +55,11 @@ void tw__log(tw_log_level level, const char* fmt, ...) TW__PRINTF(2, 3);
 
 /* Tunables: integer environment variables read once and cached. */
 int64_t tw__env_int(const char* name, int64_t fallback);
+/* An integer environment variable that must lie in [lo, hi]: *out = its value, or fallback when it
+ * is unset or empty; anything else is TW_ERR_INVALID_ARGUMENT naming the variable and the range
+ * (the caller's `what` leads the message). */
+tw_status tw__env_int_in(const char* what, const char* name, int lo, int hi, int fallback,
+                         int* out);
 
 /* Validates the size/magic/version header of a config struct. */
 tw_status tw__check_header(const char* what, size_t size, size_t expected_size, uint32_t magic,

@@ -82,6 +82,24 @@ int64_t tw__env_int(const char* name, int64_t fallback) {
   return (int64_t)v;
 }
 
+tw_status tw__env_int_in(const char* what, const char* name, int lo, int hi, int fallback,
+                         int* out) {
+  TW_CHECK_NULL(out);
+  const char* s = getenv(name);
+  if (s == NULL || *s == '\0') {
+    *out = fallback;
+    return TW_SUCCESS;
+  }
+  char* end = NULL;
+  const long v = strtol(s, &end, 10);
+  const int spaced = *s == ' ' || *s == '\t'; /* strtol would skip them */
+  if (spaced || end == s || *end != '\0' || v < lo || v > hi)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "%s: %s='%s'; use an integer in %d..%d (or unset it)",
+                    what, name, s, lo, hi);
+  *out = (int)v;
+  return TW_SUCCESS;
+}
+
 tw_status tw__check_header(const char* what, size_t size, size_t expected_size, uint32_t magic,
                            uint32_t expected_magic, uint32_t version) {
   if (size != expected_size || magic != expected_magic || version != TW_API_VERSION)

@@ -470,21 +470,10 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
                       env);
   }
 
-  /* The producer's kernel version: a lab switch for side-by-side runs (sm90_gemm.cu lists them). */
+  /* The producer's kernel version: a switch for side-by-side runs (sm90_gemm.cu lists them; 0:
+   * the library's default). */
   int gemm_variant = 0;
-  {
-    const char* env = getenv("TW_GEMM_VARIANT");
-    if (env != NULL && env[0] != '\0') {
-      char* end = NULL;
-      const long v = strtol(env, &end, 10);
-      if (end == env || *end != '\0' || v < 0 || v > 5)
-        return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                        "tw_context_create: TW_GEMM_VARIANT='%s'; use 0 (the default kernel) to 5 "
-                        "(or unset it)",
-                        env);
-      gemm_variant = (int)v;
-    }
-  }
+  TW_TRY(tw__env_int_in("tw_context_create", "TW_GEMM_VARIANT", 0, 5, 0, &gemm_variant));
 
   /* The device communicator's layout is version-bound: headers and library must agree. */
   int nccl_version = 0;

@@ -358,6 +358,33 @@ static void test_bad_routing_file(void) {
   tw_routing_destroy(rt);
 }
 
+/* A bounded integer environment switch (TW_GEMM_VARIANT is one): unset or empty gives the
+ * fallback, a value in range is taken, anything else fails naming the variable and the range. */
+static void test_env_switch(void) {
+  const char* name = "TW_TEST_ENV_SWITCH";
+  int v = -1;
+  unsetenv(name);
+  CHECK_OK(tw__env_int_in("test", name, 0, 5, 3, &v));
+  CHECK(v == 3);
+  setenv(name, "", 1);
+  CHECK_OK(tw__env_int_in("test", name, 0, 5, 3, &v));
+  CHECK(v == 3);
+  setenv(name, "5", 1);
+  CHECK_OK(tw__env_int_in("test", name, 0, 5, 3, &v));
+  CHECK(v == 5);
+  const char* bad[] = {"6", "-1", "4x", "x", " 4", "99999999999999999999"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    setenv(name, bad[i], 1);
+    v = -1;
+    EXPECT_FAIL(tw__env_int_in("test", name, 0, 5, 3, &v), TW_ERR_INVALID_ARGUMENT);
+    EXPECT_MESSAGE(name);
+    EXPECT_MESSAGE("0..5");
+    CHECK(v == -1); /* untouched on failure */
+  }
+  EXPECT_FAIL(tw__env_int_in("test", name, 0, 5, 3, NULL), TW_ERR_NULL_POINTER);
+  unsetenv(name);
+}
+
 int main(void) {
   setenv("TW_DEBUG", "NONE", 0); /* expected failures would log a WARN each */
   static const tw_test_case cases[] = {
@@ -373,6 +400,7 @@ int main(void) {
       TW_TEST(test_config_header),
       TW_TEST(test_other_ranges),
       TW_TEST(test_bad_routing_file),
+      TW_TEST(test_env_switch),
   };
   return tw_test_run(cases, (int)(sizeof cases / sizeof cases[0]));
 }
