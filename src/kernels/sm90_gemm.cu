@@ -743,6 +743,30 @@ tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream)
   return TW_SUCCESS;
 }
 
+/* Pipeline stages per epilogue and tile shape: as many as fit in shared memory beside the
+ * epilogue's own buffer (the staging tile of kEpiStaged / kEpiTma). */
+template <int EPI>
+struct EpiStages {
+  static constexpr bool kStaged = EPI == kEpiStaged || EPI == kEpiTma;
+  static constexpr int kSwiglu = kStaged ? 3 : 4; /* 128 x 128, gate and up rows */
+  static constexpr int k128x256 = kStaged ? 3 : 4;
+  static constexpr int k128x128 = kStaged ? 5 : 6;
+  static constexpr int k64x256 = kStaged ? 4 : 5;
+  static constexpr int k64x128 = 8;
+};
+
+/* The wgmma kernel with epilogue EPI for the tile shape of args. */
+template <int EPI>
+tw_status tw__launch_epi(const tw_gemm_args* args, bool swiglu, int grid, cudaStream_t stream) {
+  using S = EpiStages<EPI>;
+  if (swiglu) return tw__launch_v2<128, 128, S::kSwiglu, true, EPI>(args, grid, stream);
+  if (args->tm == 128 && args->tn == 256)
+    return tw__launch_v2<128, 256, S::k128x256, false, EPI>(args, grid, stream);
+  if (args->tm == 128) return tw__launch_v2<128, 128, S::k128x128, false, EPI>(args, grid, stream);
+  if (args->tn == 256) return tw__launch_v2<64, 256, S::k64x256, false, EPI>(args, grid, stream);
+  return tw__launch_v2<64, 128, S::k64x128, false, EPI>(args, grid, stream);
+}
+
 /* SM count of the current device, cached per device (the launcher runs on every call). */
 int tw__sm_count(int* out) {
   static int cached[64];
@@ -817,38 +841,16 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
                       "tw__gemm_launch: the wgmma kernels run SwiGLU only with tm = tn = 128 "
                       "(got %d x %d); use variant 0 or 1",
                       args->tm, args->tn);
-    if (variant == 2) {
-      if (swiglu) return tw__launch_v2<128, 128, 4, true, kEpiDirect>(args, grid, stream);
-      if (args->tm == 128 && args->tn == 256)
-        return tw__launch_v2<128, 256, 4, false, kEpiDirect>(args, grid, stream);
-      if (args->tm == 128) return tw__launch_v2<128, 128, 6, false, kEpiDirect>(args, grid, stream);
-      if (args->tn == 256) return tw__launch_v2<64, 256, 5, false, kEpiDirect>(args, grid, stream);
-      return tw__launch_v2<64, 128, 8, false, kEpiDirect>(args, grid, stream);
+    switch (variant) {
+      case 2:
+        return tw__launch_epi<kEpiDirect>(args, swiglu, grid, stream);
+      case 3:
+        return tw__launch_epi<kEpiSignalWarp>(args, swiglu, grid, stream);
+      case 4:
+        return tw__launch_epi<kEpiStaged>(args, swiglu, grid, stream);
+      default:
+        return tw__launch_epi<kEpiTma>(args, swiglu, grid, stream);
     }
-    if (variant == 3) {
-      if (swiglu) return tw__launch_v2<128, 128, 4, true, kEpiSignalWarp>(args, grid, stream);
-      if (args->tm == 128 && args->tn == 256)
-        return tw__launch_v2<128, 256, 4, false, kEpiSignalWarp>(args, grid, stream);
-      if (args->tm == 128)
-        return tw__launch_v2<128, 128, 6, false, kEpiSignalWarp>(args, grid, stream);
-      if (args->tn == 256)
-        return tw__launch_v2<64, 256, 5, false, kEpiSignalWarp>(args, grid, stream);
-      return tw__launch_v2<64, 128, 8, false, kEpiSignalWarp>(args, grid, stream);
-    }
-    if (variant == 4) {
-      if (swiglu) return tw__launch_v2<128, 128, 3, true, kEpiStaged>(args, grid, stream);
-      if (args->tm == 128 && args->tn == 256)
-        return tw__launch_v2<128, 256, 3, false, kEpiStaged>(args, grid, stream);
-      if (args->tm == 128) return tw__launch_v2<128, 128, 5, false, kEpiStaged>(args, grid, stream);
-      if (args->tn == 256) return tw__launch_v2<64, 256, 4, false, kEpiStaged>(args, grid, stream);
-      return tw__launch_v2<64, 128, 8, false, kEpiStaged>(args, grid, stream);
-    }
-    if (swiglu) return tw__launch_v2<128, 128, 3, true, kEpiTma>(args, grid, stream);
-    if (args->tm == 128 && args->tn == 256)
-      return tw__launch_v2<128, 256, 3, false, kEpiTma>(args, grid, stream);
-    if (args->tm == 128) return tw__launch_v2<128, 128, 5, false, kEpiTma>(args, grid, stream);
-    if (args->tn == 256) return tw__launch_v2<64, 256, 4, false, kEpiTma>(args, grid, stream);
-    return tw__launch_v2<64, 128, 8, false, kEpiTma>(args, grid, stream);
   }
   if (variant != 1)
     return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__gemm_launch: variant = %d; use 0 to 5",
