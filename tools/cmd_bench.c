@@ -68,6 +68,7 @@ typedef struct twb_opts {
   const char* matrix;     /* "quick" or "full" */
   int list;               /* --list: print the matrix and a time estimate, measure nothing */
   int solve_reps;         /* tw_plan_create calls timed per point (0 = none) */
+  int confirm;            /* sweep: rounds of the confirmation timing (0 = none) */
   int only[TWB_MAX_ONLY]; /* --points: 1-based matrix indices to measure; nonly = 0: all */
   int nonly;
   int phases; /* bench --phases: time ours' phases with the context's events */
@@ -656,6 +657,12 @@ typedef struct twb_sweep_result {
   int model_c_lo, model_c_hi, model_mgb_lo, model_mgb_hi; /* the model's choices over ranks */
   tw_plan_summary ms; /* the model's choice on rank 0 (default config) */
   double t_oracle, t_model, regret;
+  /* --confirm: the model's cell, the other schedule's and the three fastest cells timed again,
+   * together, `confirm` rounds: the oracle is then the fastest of those, so that a cell that was
+   * fast by chance in the first timing (the minimum over ~100 noisy medians) does not set it.
+   * confirmed = 0 when not done. */
+  int confirmed;
+  double t_oracle_c, t_model_c, regret_c;
   /* The model inside tw_plan_create, `--solve-reps` plans with the launch's config: the plan's
    * own solve_us and the wall time of the whole call, median and p99, max over ranks. */
   double solve_med, solve_p99, create_med, create_p99;
@@ -700,6 +707,48 @@ static tw_status twb_time_solve(twb_rank* s, int reps, twb_sweep_result* r) {
     r->solve_reps = reps;
   }
   free(v);
+  return st;
+}
+
+/* The confirmation timing of a measured point (twb_sweep_result.confirmed). The cells are chosen
+ * from medians that are the same on every rank (samples are reduced over ranks), so every rank
+ * times the same collective policies. */
+static tw_status twb_sweep_confirm(twb_rank* s, const twb_opts* o, twb_sweep_result* r) {
+  enum { kTop = 3, kMax = kTop + 2 };
+  int idx[kMax], n = 0;
+  idx[n++] = r->model_i;
+  if (r->other_i != r->model_i) idx[n++] = r->other_i;
+  for (int t = 0; t < kTop; t++) { /* the fastest cells not chosen yet, fastest first */
+    int best = -1;
+    for (int i = 1; i < r->np; i++) {
+      int taken = 0;
+      for (int j = 0; j < n; j++) taken |= idx[j] == i;
+      if (!taken && (best < 0 || r->sts[i].median < r->sts[best].median)) best = i;
+    }
+    if (best >= 0 && n < kMax) idx[n++] = best;
+  }
+  twb_policy pols[kMax];
+  for (int j = 0; j < n; j++) pols[j] = r->pols[idx[j]];
+  twb_opts oc = *o;
+  oc.iters = o->confirm;
+  float* samples = (float*)calloc((size_t)n * (size_t)oc.iters, sizeof(float));
+  if (samples == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "sweep: out of host memory");
+  int last_set = 0;
+  tw_status st = twb_time(s, &oc, pols, n, samples, &last_set);
+  if (st == TW_SUCCESS) st = tw_context_check(s->ctx);
+  if (st == TW_SUCCESS) {
+    double t_min = INFINITY;
+    for (int j = 0; j < n; j++) {
+      tw__bench_stats bs;
+      tw__bench_stats_of(samples + (size_t)j * oc.iters, oc.iters, &bs);
+      if (j == 0) r->t_model_c = bs.median;
+      if (bs.median < t_min) t_min = bs.median;
+    }
+    r->t_oracle_c = t_min;
+    r->regret_c = tw__oracle_regret(r->t_model_c, r->t_oracle_c);
+    r->confirmed = 1;
+  }
+  free(samples);
   return st;
 }
 
@@ -857,6 +906,7 @@ static tw_status twb_sweep_measure(twb_rank* s, const twb_opts* o, const twb_poi
     r->regret = tw__oracle_regret(r->t_model, r->t_oracle);
   }
   free(samples);
+  if (st == TW_SUCCESS && o->confirm > 0 && r->model_i > 0) st = twb_sweep_confirm(s, o, r);
   return st;
 }
 
@@ -957,9 +1007,10 @@ static tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point
  * measured time, and the planning times. */
 typedef struct twb_oracle_acc {
   int npoints, ncand, done, failed;
-  double* t;       /* (npoints, ncand) */
-  double* t_model; /* (npoints) */
-  double* t_other; /* (npoints) the model's (C, mgb) with the other schedule */
+  double* t;        /* (npoints, ncand) */
+  double* t_model;  /* (npoints) */
+  double* t_other;  /* (npoints) the model's (C, mgb) with the other schedule */
+  double* regret_c; /* (npoints) the regret of the confirmation timing; NaN where not done */
   double* solve_med;
   double* solve_p99;
   double* create_med;
@@ -1005,6 +1056,9 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
   }
   acc->t_model[index] = r->t_model;
   acc->t_other[index] = r->t_other;
+  acc->regret_c[index] = r->confirmed ? r->regret_c : NAN;
+  char confirmed[48] = "";
+  if (r->confirmed) snprintf(confirmed, sizeof confirmed, " (confirmed %.2f%%)", 100 * r->regret_c);
   acc->solve_med[index] = r->solve_med, acc->solve_p99[index] = r->solve_p99;
   acc->create_med[index] = r->create_med, acc->create_p99[index] = r->create_p99;
   acc->done = index + 1;
@@ -1016,11 +1070,11 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
   if (!o->json) {
     printf(
         "| %d | %s | %d | %d | %d | %d | %d | %s | %s | %s | %s | %.1f | %.1f | %.1f | %d | %d | "
-        "%.1f | %.2f%% | %.3f / %.3f | %.1f / %.1f | %.2e%s |\n",
+        "%.1f | %.2f%%%s | %.3f / %.3f | %.1f / %.1f | %.2e%s |\n",
         pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
         tw__cli_router_name(pt->router), tw__cli_schedule_name(ms->schedule), mc, mm, r->t_model,
         ms->predicted_us, r->t_other, b->c, s->mgbs[b->dplan], r->t_oracle, 100 * r->regret,
-        r->solve_med, r->solve_p99, r->create_med, r->create_p99, (double)r->maxerr,
+        confirmed, r->solve_med, r->solve_p99, r->create_med, r->create_p99, (double)r->maxerr,
         pass ? "" : " FAIL");
     fflush(stdout);
   }
@@ -1045,16 +1099,22 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
             r->maxerr < 1e30f ? (double)r->maxerr : 1e30, pass ? "true" : "false",
             tw__now_seconds() - t0);
     twb_sweep_json_configs(js, s, r);
-    fprintf(js, "]}");
+    fprintf(js, "]");
+    if (r->confirmed)
+      fprintf(js,
+              ",\n   \"confirm\": {\"rounds\": %d, \"model_us\": %.2f, \"oracle_us\": %.2f, "
+              "\"regret\": %.5f}",
+              o->confirm, r->t_model_c, r->t_oracle_c, r->regret_c);
+    fprintf(js, "}");
     fflush(js);
   }
   const double el = tw__now_seconds() - acc->t_start;
   fprintf(stderr,
           "[oracle %d/%d] #%d %s: model C=%s mgb=%s %.1f us, oracle C=%d mgb=%d %.1f us, regret "
-          "%.2f%%%s; %.1f s; elapsed %.0f s, ETA %.0f s\n",
+          "%.2f%%%s%s; %.1f s; elapsed %.0f s, ETA %.0f s\n",
           index + 1, npoints, pt->index, pt->name, mc, mm, r->t_model, b->c, s->mgbs[b->dplan],
-          r->t_oracle, 100 * r->regret, pass ? "" : ", FAILED the check", tw__now_seconds() - t0,
-          el, el / (index + 1) * (npoints - index - 1));
+          r->t_oracle, 100 * r->regret, confirmed, pass ? "" : ", FAILED the check",
+          tw__now_seconds() - t0, el, el / (index + 1) * (npoints - index - 1));
 }
 
 static int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt, int index,
@@ -1101,6 +1161,15 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
   }
   free(tmp);
   const double slower_pct = n > 0 ? 100.0 * sum.model_slower / n : 0;
+  /* The confirmation timing's regret (--confirm), over the points where it ran. */
+  int cn = 0, cmax_i = -1;
+  double csum = 0;
+  for (int i = 0; i < n; i++) {
+    const double x = acc->regret_c[i];
+    if (!(x == x)) continue; /* NaN: not confirmed */
+    cn++, csum += x;
+    if (cmax_i < 0 || x > acc->regret_c[cmax_i]) cmax_i = i;
+  }
   if (!o->json) {
     printf(
         "\nsweep --oracle --matrix %s: %d point(s), %d rank(s); every (C, mgb) with C 1..%d and "
@@ -1112,6 +1181,14 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
       printf("| model: mean regret | %.2f%% | <= 2%% |\n", 100 * sum.mean_regret);
       printf("| model: max regret | %.2f%% (point %d, %s) | <= 5%% |\n", 100 * sum.max_regret,
              pts[sum.max_regret_point].index, pts[sum.max_regret_point].name);
+      if (cn > 0) {
+        printf(
+            "| model, confirmed (the model's, the other schedule's and the 3 fastest cells timed "
+            "again, %d rounds; %d points): mean / max regret | %.2f%% / %.2f%% (point %d, %s) | "
+            "|\n",
+            o->confirm, cn, 100 * csum / cn, 100 * acc->regret_c[cmax_i], pts[cmax_i].index,
+            pts[cmax_i].name);
+      }
       if (sum.fixed >= 0) {
         printf("| best single fixed (C, mgb) over the matrix | (%d, %d) | |\n", fc, fm);
         printf("| fixed (%d, %d): mean regret | %.2f%% | |\n", fc, fm, 100 * sum.fixed_mean_regret);
@@ -1153,12 +1230,15 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
             "\"model_slower_1pct\": %d, \"other_schedule_faster\": %d, "
             "\"other_schedule_faster_1pct\": %d, \"solve_us\": {\"median_of_medians\": %.3f, "
             "\"max_median\": %.3f, \"max_p99\": %.3f}, \"plan_create_us\": {\"median_of_medians\": "
-            "%.1f, \"max_median\": %.1f, \"max_p99\": %.1f}, \"seconds\": %.1f}}\n",
+            "%.1f, \"max_median\": %.1f, \"max_p99\": %.1f}, \"confirmed\": {\"rounds\": %d, "
+            "\"points\": %d, \"mean_regret\": %.5f, \"max_regret\": %.5f, \"max_regret_point\": "
+            "%d}, \"seconds\": %.1f}}\n",
             n, acc->failed, ok ? sum.mean_regret : -1.0, ok ? sum.max_regret : -1.0,
             ok ? pts[sum.max_regret_point].index : 0, fc, fm, sum.fixed_mean_regret,
             sum.fixed_max_regret, sum.model_slower, sum.model_slower_1pct, sum.other_faster,
-            sum.other_faster_1pct, sm, smax, sp99, cm, cmaxv, cp99,
-            tw__now_seconds() - acc->t_start);
+            sum.other_faster_1pct, sm, smax, sp99, cm, cmaxv, cp99, o->confirm, cn,
+            cn > 0 ? csum / cn : -1.0, cn > 0 ? acc->regret_c[cmax_i] : -1.0,
+            cn > 0 ? pts[cmax_i].index : 0, tw__now_seconds() - acc->t_start);
     fflush(js);
   }
 }
@@ -1218,8 +1298,10 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
       return 1;
     }
     const int rounds = o->warmup + o->iters + 1;
-    const double est =
-        rounds * (sum_pred + ncand * (o->delay_us + 100.0)) * 1e-6 + 2.0 + o->solve_reps * t_create;
+    /* --confirm: up to 5 cells near the best, each about the model's predicted time. */
+    const double confirm_s = o->confirm * 5 * (ms.predicted_us + o->delay_us + 100.0) * 1e-6;
+    const double est = rounds * (sum_pred + ncand * (o->delay_us + 100.0)) * 1e-6 + 2.0 +
+                       o->solve_reps * t_create + confirm_s;
     total += est;
     printf("| %d | %s | %d | %d | %d | %d | %d | %s | %d | %d | %.1f | %.1f |\n", pt->index,
            pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
@@ -1279,13 +1361,14 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
     acc.ncand = 3 * o->c_max;
     acc.t_start = tw__now_seconds();
     const size_t n = (size_t)job->npoints;
-    acc_buf = (double*)calloc(n * (size_t)acc.ncand + 6 * n, sizeof(double));
+    acc_buf = (double*)calloc(n * (size_t)acc.ncand + 7 * n, sizeof(double));
     if (acc_buf == NULL) st = tw__fail(TW_ERR_OUT_OF_MEMORY, "sweep: out of host memory");
     acc.t = acc_buf;
     acc.t_model = acc_buf + n * (size_t)acc.ncand;
     acc.solve_med = acc.t_model + n, acc.solve_p99 = acc.t_model + 2 * n;
     acc.create_med = acc.t_model + 3 * n, acc.create_p99 = acc.t_model + 4 * n;
     acc.t_other = acc.t_model + 5 * n;
+    acc.regret_c = acc.t_model + 6 * n;
     twb_oracle_begin(o, nranks, js);
   }
   for (int i = 0; i < job->npoints && st == TW_SUCCESS && res; i++) {
@@ -1372,7 +1455,11 @@ static void twb_usage(FILE* f, int sweep) {
         "  --solve-reps N      tw_plan_create calls timed per point for the solve time\n"
         "                      (median, p99; default 200, 0 = none)\n"
         "  --points I[,I...]   only these points of the matrix (1-based, as --list numbers\n"
-        "                      them; e.g. to resume after a point that stopped the run)\n\n"
+        "                      them; e.g. to resume after a point that stopped the run)\n"
+        "  --confirm R         then time the model's cell, the other schedule's and the 3\n"
+        "                      fastest cells again together, R rounds, and report the regret\n"
+        "                      against the fastest of those as well (the first timing's\n"
+        "                      oracle is the minimum over ~100 noisy medians; default 0: off)\n\n"
         "shape (default: tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced):\n");
   else
     fprintf(f,
@@ -1497,6 +1584,7 @@ static int twb_main(int argc, char** argv, int sweep) {
     TWB_INT("--timeout", o.timeout_s, 0, 1 << 30)
     TWB_INT("--c-max", o.c_max, 1, TW_MAX_COMM_CTAS)
     TWB_INT("--solve-reps", o.solve_reps, 0, 1000000)
+    TWB_INT("--confirm", o.confirm, 0, 100000)
 #undef TWB_INT
     if (v == NULL) {
       fprintf(stderr, "tilewave %s: unknown option or missing value: %s\n", argv[0], a);
