@@ -906,7 +906,8 @@ static tw_status twb_sweep_measure(twb_rank* s, const twb_opts* o, const twb_poi
     r->regret = tw__oracle_regret(r->t_model, r->t_oracle);
   }
   free(samples);
-  if (st == TW_SUCCESS && o->confirm > 0 && r->model_i > 0) st = twb_sweep_confirm(s, o, r);
+  if (st == TW_SUCCESS && o->oracle && o->confirm > 0 && r->model_i > 0)
+    st = twb_sweep_confirm(s, o, r);
   return st;
 }
 
