@@ -78,10 +78,12 @@ tw_status tw_hardware_default(tw_hardware* hw) {
   /* H200 (HARDWARE.md): 60 MiB. */
   hw->l2_mib = 60.0;
   /* A producer tile takes at least ~5.4 us however short its K: measured per wave (2 x H200,
-   * 2026-11-30, dev/gemm/tile_times.sh, dev/gemm/NOTES.md v7), 128 x 128 tiles took 5.42 us at
-   * K 512 (compute 2.67 us at tile_tflops), 6.50 at K 1024 (5.35), then their compute; 128 x 256
-   * tiles 6.57 us at K 512 (5.35). (c^4 + 5.4^4)^(1/4) is within 3% of all eight measured
-   * shapes (tn 128 and 256, K 512-3072), where max(c, floor) is 14% off where the two meet. */
+   * 2026-11-30, run 7a, dev/gemm/tile_times.sh, dev/gemm/NOTES.md v7), 128 x 128 tiles took
+   * 5.45 us at K 512 (compute 2.67 us at tile_tflops 6.275), 6.40 at K 1024 (5.35), then their
+   * compute; 128 x 256 tiles 6.45 us at K 512 (5.35). (c^4 + 5.4^4)^(1/4) alone is within 1.5%
+   * of all eight measured shapes (tn 128 and 256, K 512-3072), where max(c, 5.4) is 16% under at
+   * the knee (tn 128, K 1024). The model adds tile_overhead_us on top (the default 0.5 predates
+   * the floor: its tile is then 2-10% above these waves; refit the two together). */
   hw->tile_floor_us = 5.4;
   return TW_SUCCESS;
 }
