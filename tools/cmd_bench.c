@@ -716,8 +716,8 @@ static tw_status twb_time_solve(twb_rank* s, int reps, twb_sweep_result* r) {
 static tw_status twb_sweep_confirm(twb_rank* s, const twb_opts* o, twb_sweep_result* r) {
   enum { kTop = 3, kMax = kTop + 2 };
   int idx[kMax], n = 0;
-  idx[n++] = r->model_i;
-  if (r->other_i != r->model_i) idx[n++] = r->other_i;
+  idx[n++] = r->model_i; /* never other_i: that policy is only ever the other schedule */
+  idx[n++] = r->other_i;
   for (int t = 0; t < kTop; t++) { /* the fastest cells not chosen yet, fastest first */
     int best = -1;
     for (int i = 1; i < r->np; i++) {
@@ -725,7 +725,7 @@ static tw_status twb_sweep_confirm(twb_rank* s, const twb_opts* o, twb_sweep_res
       for (int j = 0; j < n; j++) taken |= idx[j] == i;
       if (!taken && (best < 0 || r->sts[i].median < r->sts[best].median)) best = i;
     }
-    if (best >= 0 && n < kMax) idx[n++] = best;
+    if (best >= 0) idx[n++] = best;
   }
   twb_policy pols[kMax];
   for (int j = 0; j < n; j++) pols[j] = r->pols[idx[j]];
