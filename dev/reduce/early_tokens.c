@@ -11,8 +11,19 @@
  */
 #include <stdio.h>
 #include <stdlib.h>
+
 #include "plan.h"
 #include "tilewave.h"
+
+/* Per band of a plan: (last tile of the band + 1) / tiles, the producer's progress when the band
+ * is complete. */
+static double* band_progress(const struct tw_plan* q) {
+  double* p = calloc((size_t)q->num_bands, sizeof(double));
+  if (p == NULL) exit(1);
+  for (int i = 0; i < q->num_tiles; i++) p[q->tiles[i].band] = (double)(i + 1) / q->num_tiles;
+  return p;
+}
+
 static void run(int tokens, int hidden, int experts, int sched) {
   tw_problem p = TW_PROBLEM_INIT;
   p.hidden = hidden;
@@ -22,64 +33,54 @@ static void run(int tokens, int hidden, int experts, int sched) {
   p.world_size = 2;
   p.max_tokens = tokens;
   tw_routing_t rt = NULL;
-  tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, tokens, 1, &rt);
   tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
   cfg.schedule = sched;
-  tw_plan_t pl[2];
-  for (int r = 0; r < 2; r++) tw_plan_create(&p, rt, r, &cfg, &pl[r]);
-  /* progress of each row on each rank: last tile index of its band / num_tiles */
-  double* rowp[2];
-  for (int r = 0; r < 2; r++) {
-    struct tw_plan* q = pl[r];
-    rowp[r] = calloc(q->rows, sizeof(double));
-    int* last = calloc(q->num_bands, sizeof(int));
-    for (int i = 0; i < q->num_tiles; i++) last[q->tiles[i].band] = i;
-    for (int b = 0; b < q->num_bands; b++)
-      for (int k = 0; k < q->bands[b].rows; k++)
-        rowp[r][q->bands[b].row0 + k] = (double)(last[b] + 1) / q->num_tiles;
-    free(last);
+  tw_plan_t own = NULL, peer = NULL; /* rank 0 (the owner measured here) and rank 1 */
+  if (tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, tokens, 1, &rt) != TW_SUCCESS ||
+      tw_plan_create(&p, rt, 0, &cfg, &own) != TW_SUCCESS ||
+      tw_plan_create(&p, rt, 1, &cfg, &peer) != TW_SUCCESS) {
+    fprintf(stderr, "early_tokens: %s\n", tw_last_error());
+    exit(1);
   }
-  for (int o = 0; o < 1; o++) {
-    struct tw_plan* q = pl[o];
-    struct tw_plan* s = pl[1 - o];
-    /* receive row -> progress on the source */
-    double* recvp = calloc(q->recv_rows > 0 ? q->recv_rows : 1, sizeof(double));
-    const long rb = 2L * hidden;
-    int* last = calloc(s->num_bands, sizeof(int));
-    for (int i = 0; i < s->num_tiles; i++) last[s->tiles[i].band] = i;
-    for (int b = 0; b < s->num_bands; b++) {
-      if (s->bands[b].dest != o) continue;
-      long r0 = s->bands[b].dest_offset / rb;
-      for (int k = 0; k < s->bands[b].valid_rows; k++)
-        recvp[r0 + k] = (double)(last[b] + 1) / s->num_tiles;
+  /* Progress at which each row exists: local rows by rank 0's bands, received rows by the rank 1
+   * bands that send them (their offset in rank 0's receive buffer names the rows). */
+  double* local = calloc((size_t)own->rows, sizeof(double));
+  double* recv = calloc((size_t)(own->recv_rows > 0 ? own->recv_rows : 1), sizeof(double));
+  double* bp = band_progress(own);
+  for (int b = 0; b < own->num_bands; b++)
+    for (int k = 0; k < own->bands[b].rows; k++) local[own->bands[b].row0 + k] = bp[b];
+  free(bp);
+  bp = band_progress(peer);
+  for (int b = 0; b < peer->num_bands; b++) {
+    if (peer->bands[b].dest != 0) continue;
+    const long r0 = (long)(peer->bands[b].dest_offset / (2L * hidden));
+    for (int k = 0; k < peer->bands[b].valid_rows; k++) recv[r0 + k] = bp[b];
+  }
+  free(bp);
+  const double th[4] = {0.5, 0.75, 0.9, 0.95};
+  int cnt[4] = {0, 0, 0, 0};
+  for (int t = 0; t < tokens; t++) {
+    double done = 0;
+    for (int j = 0; j < 2; j++) {
+      const int row = own->slot_row[t * 2 + j];
+      const double v = row < own->recv_rows ? recv[row] : local[row - own->recv_rows];
+      if (v > done) done = v;
     }
-    int cnt[4] = {0, 0, 0, 0};
-    const double th[4] = {0.5, 0.75, 0.9, 0.95};
-    for (int t = 0; t < tokens; t++) {
-      double done = 0;
-      for (int j = 0; j < 2; j++) {
-        int row = q->slot_row[t * 2 + j];
-        double v = row < q->recv_rows ? recvp[row] : rowp[o][row - q->recv_rows];
-        if (v > done) done = v;
-      }
-      for (int i = 0; i < 4; i++) cnt[i] += done <= th[i];
-    }
-    printf(
-        "tokens %5d N %d E %2d %-12s complete by 50%%: %4.1f%%  75%%: %4.1f%%  90%%: %4.1f%%  "
-        "95%%: %4.1f%%\n",
-        tokens, hidden, experts,
-        sched == TW_SCHEDULE_EXPERT_MAJOR ? "expert-major" : "remote-first",
-        100.0 * cnt[0] / tokens, 100.0 * cnt[1] / tokens, 100.0 * cnt[2] / tokens,
-        100.0 * cnt[3] / tokens);
-    free(recvp);
-    free(last);
+    for (int i = 0; i < 4; i++) cnt[i] += done <= th[i];
   }
-  for (int r = 0; r < 2; r++) {
-    free(rowp[r]);
-    tw_plan_destroy(pl[r]);
-  }
+  printf(
+      "tokens %5d N %d E %2d %-12s complete by 50%%: %4.1f%%  75%%: %4.1f%%  90%%: %4.1f%%  "
+      "95%%: %4.1f%%\n",
+      tokens, hidden, experts, sched == TW_SCHEDULE_EXPERT_MAJOR ? "expert-major" : "remote-first",
+      100.0 * cnt[0] / tokens, 100.0 * cnt[1] / tokens, 100.0 * cnt[2] / tokens,
+      100.0 * cnt[3] / tokens);
+  free(local);
+  free(recv);
+  tw_plan_destroy(own);
+  tw_plan_destroy(peer);
   tw_routing_destroy(rt);
 }
+
 int main(void) {
   const int es[5] = {4, 8, 16, 32, 64};
   for (int i = 0; i < 5; i++)
