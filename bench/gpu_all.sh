@@ -56,10 +56,12 @@ TW_TEST_QUICK=1 TW_TIMEOUT_MS=60000 timeout 200 compute-sanitizer --tool memchec
   "$BUILD/test_overlap" >"$OUT/sanitizer-overlap-memcheck.txt" 2>&1
 echo "test_overlap memcheck: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-overlap-memcheck.txt" | tr '\n' ' ')"
 grep -m 3 -A 12 "^========= Invalid\|^========= Program hit\|^========= Error" "$OUT/sanitizer-overlap-memcheck.txt" | head -45
-# The producer's variant 5 (not yet the default) through the whole overlapped path as well.
-for t in test_overlap test_timeout; do
-  TW_GEMM_VARIANT=5 timeout 300 "$BUILD/$t" >"$OUT/$t-gemm-v5.txt" 2>&1
-  echo "$t with TW_GEMM_VARIANT=5: exit $? $(tail -1 "$OUT/$t-gemm-v5.txt")"
+# The default runs v5 at tn 128 and v4 at tn 256: each of the two at every tile width as well.
+for v in 4 5; do
+  for t in test_overlap test_timeout; do
+    TW_GEMM_VARIANT=$v timeout 300 "$BUILD/$t" >"$OUT/$t-gemm-v$v.txt" 2>&1
+    echo "$t with TW_GEMM_VARIANT=$v: exit $? $(tail -1 "$OUT/$t-gemm-v$v.txt")"
+  done
 done
 
 step "benchmarks (bench/gpu_bench.sh)"

@@ -108,7 +108,8 @@ if [ "$mode" != quick ]; then
 fi
 
 if [ "$mode" != quick ]; then
-  # The producer's variant 5 against the default v4, side by side in one run: the GEMM alone at
+  # The producer's variants 4 and 5 side by side in one run (the default takes 5 at tn 128, 4 at
+  # tn 256; dev/gemm/NOTES.md v9): the GEMM alone at
   # granite's short tiles and on the grid's K 2048, then the whole overlapped call.
   step "producer variants 4 and 5 side by side (bench gemm; bench with TW_GEMM_VARIANT)"
   for v in 4 5; do

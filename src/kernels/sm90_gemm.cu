@@ -17,14 +17,17 @@
  *      release's wait for the tile's stores no longer stalls the tensor cores.
  *   4  as 3, with the epilogue staged through shared memory: the consumers write bf16 to a
  *      staging tile and go on with the next tile; the epilogue warp writes each valid row with
- *      one bulk copy (cp.async.bulk), waits for completion and publishes. The default.
+ *      one bulk copy (cp.async.bulk), waits for completion and publishes. The default for
+ *      tn = 256.
  *   5  as 4, with the staging tile in 64-column boxes in the 128-byte swizzle and a full tile
  *      written by one TMA tensor store per box (2 or 4) instead of one bulk copy per row (128):
  *      with 128 bulk operations per tile no tile took less than ~5.4 us, with 2 a 128 x 128 x
  *      512 tile takes 3.3-3.75 us (dev/gemm/NOTES.md v7, v8). A tile with fewer valid rows (the
  *      last band of an expert in the compact layout; the rows after it belong to the next
- *      expert) is stored by the consumers from registers, masked, as in 3. Not the default
- *      yet: measured on one GPU only (1.41x faster than 4 at granite's K 512).
+ *      expert) is stored by the consumers from registers, masked, as in 3. The default for
+ *      tn = 128: same run on 2 x H200 (v9), granite's K 512 GEMM 180 -> 128 us; at tn = 256 it
+ *      was 2-8% slower than 4 (its extra register stores of partial tiles; the 128 x 256 tile's
+ *      compute already hides the row copies).
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -39,9 +42,11 @@
 
 namespace {
 
-/* Kernel used for variant 0 where it covers the shape: 4 until 5 has run the two-GPU tests and
- * the overlap benchmarks (dev/gemm/NOTES.md v8). */
-constexpr int kDefaultVariant = 4;
+/* Kernel used for variant 0 where the wgmma kernels cover the shape: the faster of 4 and 5 for
+ * the tile width in the same-run comparison (dev/gemm/NOTES.md v9). */
+constexpr int tw__default_variant(int tn) {
+  return tn == 128 ? 5 : 4;
+}
 
 /* v1 geometry: a CTA of 8 warps computes a 128 x 128 sub-tile per pass (a 4 x 2 grid of warps,
  * each 32 x 64 = 2 x 4 WMMA fragments); a tn = 256 tile is two passes, a tm = 64 tile masks the
@@ -834,7 +839,7 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
   /* v2 covers every shape except SwiGLU with tm != 128 or tn != 128. */
   const bool v2_ok = !swiglu || (args->tm == 128 && args->tn == 128);
   int variant = args->variant;
-  if (variant == 0) variant = v2_ok ? kDefaultVariant : 1;
+  if (variant == 0) variant = v2_ok ? tw__default_variant(args->tn) : 1;
   if (variant >= 2 && variant <= 5) {
     if (!v2_ok)
       return tw__fail(TW_ERR_UNSUPPORTED,
