@@ -204,9 +204,9 @@ typedef struct tw_hardware {
   double l2_mib;           /* L2 cache of one GPU, MiB: the weights of all local experts that fit
                               in half of it are read from device memory once per call, whatever
                               the schedule */
-  double tile_floor_us;    /* shortest producer tile, us: a tile's time is the 4-norm of its
-                              compute (2 TM TN K / tile_tflops) and this floor, plus
-                              tile_overhead_us (0: no floor) */
+  double tile_floor_us;    /* shortest producer tile per 128 output columns, us: a tile's time
+                              is the 4-norm of its compute (2 TM TN K / tile_tflops) and
+                              tile_floor_us TN / 128, plus tile_overhead_us (0: no floor) */
 } tw_hardware;
 
 tw_status tw_hardware_default(tw_hardware* hw);

@@ -350,9 +350,11 @@ static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
              "fitted overhead %.3f us per tile < 0 (noise): written as 0", s->hw.tile_overhead_us);
     s->hw.tile_overhead_us = 0;
   }
-  /* K 512: the floor that makes the model's tile time equal this wave (so its residual is 0). */
+  /* K 512: the floor that makes the model's tile time equal this wave (so its residual is 0),
+   * written per 128 output columns as the model reads it (it scales the floor with tn). */
   TW_TRY(tw__calib_tile_floor(x[0], y[0], s->hw.tile_tflops, s->hw.tile_overhead_us,
                               &s->hw.tile_floor_us));
+  s->hw.tile_floor_us *= 128.0 / s->tn;
   r[0] = 0.0;
   for (int i = 0; i < TWC_NK; i++) s->prod[i].resid_us = r[i];
   s->prod_ok = 1;
@@ -837,8 +839,10 @@ static void twc_print(const twc_state* s) {
         "fit: us/wave = 2 TM TN K / (%.3f TFLOP/s x 1e6) + %.3f us  (%.0f TFLOP/s over %d SMs; "
         "K >= %d)\n",
         h->tile_tflops, h->tile_overhead_us, h->tile_tflops * h->sm_count, h->sm_count, twc_ks[1]);
-    printf("floor: K %d's wave = (c^4 + %.3f^4)^(1/4) + %.3f us, c = its compute at that rate\n",
-           twc_ks[0], h->tile_floor_us, h->tile_overhead_us);
+    printf(
+        "floor: K %d's wave = (c^4 + f^4)^(1/4) + %.3f us, c = its compute at that rate, f = "
+        "%.3f us x TN / 128\n",
+        twc_ks[0], h->tile_overhead_us, h->tile_floor_us);
     if (s->prod_note[0]) printf("note: %s\n", s->prod_note);
     printf("\n");
   }
@@ -939,8 +943,10 @@ static void twc_print(const twc_state* s) {
            d->tile_tflops, h->tile_tflops);
     printf("| tile_overhead_us | %.3f | %.3f | producer alone, intercept of the same fit |\n",
            d->tile_overhead_us, h->tile_overhead_us);
-    printf("| tile_floor_us | %.3f | %.3f | producer alone, K %d's wave beyond its compute |\n",
-           d->tile_floor_us, h->tile_floor_us, twc_ks[0]);
+    printf(
+        "| tile_floor_us | %.3f | %.3f | producer alone, K %d's wave beyond its compute, per 128 "
+        "columns |\n",
+        d->tile_floor_us, h->tile_floor_us, twc_ks[0]);
     printf("| mem_gbps | %.0f | %.0f | device-to-device copy of %.0f MiB, read + write |\n",
            d->mem_gbps, h->mem_gbps, s->copy_bytes / 1048576.0);
   }

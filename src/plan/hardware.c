@@ -77,14 +77,16 @@ tw_status tw_hardware_default(tw_hardware* hw) {
   hw->rho_ref = 10.05;
   /* H200 (HARDWARE.md): 60 MiB. */
   hw->l2_mib = 60.0;
-  /* A producer tile takes at least ~5.4 us however short its K: measured per wave (2 x H200,
-   * 2026-11-30, run 7a, dev/gemm/tile_times.sh, dev/gemm/NOTES.md v7), 128 x 128 tiles took
-   * 5.45 us at K 512 (compute 2.67 us at tile_tflops 6.275), 6.40 at K 1024 (5.35), then their
-   * compute; 128 x 256 tiles 6.45 us at K 512 (5.35). (c^4 + 5.4^4)^(1/4) alone is within 1.5%
-   * of all eight measured shapes (tn 128 and 256, K 512-3072), where max(c, 5.4) is 16% under at
-   * the knee (tn 128, K 1024). The model adds tile_overhead_us on top (the default 0.5 predates
-   * the floor: its tile is then 2-10% above these waves; refit the two together). */
-  hw->tile_floor_us = 5.4;
+  /* A producer tile takes a floor however short its K, about 2.8 us per 128 output columns
+   * with the default kernels (v5 at tn 128, v4 at tn 256): per wave at K 512 (compute 2.8 us per
+   * 128 x 128 tile at tile_tflops 6.0), 128 x 128 tiles took 3.3-3.75 us with v5 (dev/gemm/NOTES.md
+   * v8) and 128 x 256 tiles 6.45-6.6 with v4 (run 7a, dev/gemm/tile_times.sh, NOTES.md v7);
+   * (c^4 + (2.8 TN / 128)^4)^(1/4) gives 3.33 and 6.65. (v4's 128 x 128 tile had a floor of
+   * 5.4: its 128 bulk row copies per tile.) Replayed on the oracle matrices measured with v5 at
+   * every tile width (quick, 14 points), this floor with the default overhead 0.5 cut the mean
+   * regret 1.00% -> 0.86%; floors 2.5-3.2 gave the same, overheads below the default 0.5 were up to
+   * 0.07 points worse on v4's matrices (runs 7, 7a). */
+  hw->tile_floor_us = 2.8;
   return TW_SUCCESS;
 }
 

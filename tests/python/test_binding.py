@@ -282,7 +282,7 @@ class TestPlanAndModel(unittest.TestCase):
         self.assertAlmostEqual(hw.refetch_exposure, 0.30, 12)
         self.assertAlmostEqual(hw.rho_ref, 10.05, 12)
         self.assertAlmostEqual(hw.l2_mib, 60.0, 12)
-        self.assertAlmostEqual(hw.tile_floor_us, 5.4, 12)
+        self.assertAlmostEqual(hw.tile_floor_us, 2.8, 12)
         hw.link_cta_gbps = 41.25
         hw.refetch_exposure = 0.125
         hw.c_max = 24

@@ -525,7 +525,8 @@ static void test_real_plan_no_remote(void) {
   CHECK(plan->num_segments == 0 && plan->send_bytes == 0);
   CHECK(plan->comm_ctas == 1);
   const double c = 2.0 * plan->tm * plan->tn * plan->problem.ffn / (hw->tile_tflops * 1e6);
-  const double tau = pow(pow(c, 4) + pow(hw->tile_floor_us, 4), 0.25) + hw->tile_overhead_us;
+  const double f = hw->tile_floor_us * plan->tn / 128.0;
+  const double tau = pow(pow(c, 4) + pow(f, 4), 0.25) + hw->tile_overhead_us;
   const int32_t p = hw->occ_comp * (hw->sm_count - 1);
   const double reduce =
       (double)tokens * (plan->problem.top_k + 1) * plan->problem.hidden * 2 / (hw->mem_gbps * 1e3);
