@@ -4,10 +4,10 @@
 # then the benchmark tables (bench/gpu_bench.sh), all under $OUT (default ./gpu-out).
 # Usage: bench/gpu_all.sh [quick|tests]   quick: tests + a reduced benchmark grid; tests: build and
 #        ctest only (for lab runs that add their own measurements after it)
-# Takes about 5.5 minutes on 2 x H200 with the quick oracle (326 and 324 s in runs 4A and 5,
-# bench/results/), 7.8 with ORACLE_MATRIX=full (run 7), plus ~1.5 for the producer-variant steps
-# added after run 7: with the full oracle that is close to a 10-minute call limit, so run
-# `tilewave sweep --oracle --matrix full` in a call of its own there.
+# Takes about 6.5 minutes on 2 x H200 with the quick oracle (392 s in run 8, before the oracle's
+# default went from 5 to 15 timed rounds per cell, which adds ~30 s to the quick matrix). Run
+# `tilewave sweep --oracle --matrix full` (about 5 minutes) in a call of its own: with it the
+# script would pass a 10-minute call limit.
 # Everything it writes is also archived as $OUT/00-gpu-results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
