@@ -26,8 +26,8 @@
  *      last band of an expert in the compact layout; the rows after it belong to the next
  *      expert) is stored by the consumers from registers, masked, as in 3. The default for
  *      tn = 128: same run on 2 x H200 (v9), granite's K 512 GEMM 180 -> 128 us; at tn = 256 it
- *      was 2-8% slower than 4 (its extra register stores of partial tiles; the 128 x 256 tile's
- *      compute already hides the row copies).
+ *      was 3-8% slower than 4 (cause not measured; there the tile's compute already hides v4's
+ *      row copies, so v5 has nothing to win).
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
