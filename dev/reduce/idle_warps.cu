@@ -21,28 +21,11 @@
 #include <cstdlib>
 #include <vector>
 
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                           \
-    }                                                                                    \
-  } while (0)
+#include "lab_common.cuh"
 
 constexpr int kThreads = 512;
 constexpr int kK = 2;             /* top-k of the grid */
 constexpr int kFreeThreads = 480; /* warps 1..15 */
-
-__device__ __forceinline__ void acc8(float* acc, int4 v, float w) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const float2 f = __bfloat1622float2(h[i]);
-    acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
-    acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
-  }
-}
 
 /* Items (token, vector) i = base + j * stride for j < U per step; all U x k row loads first. */
 template <int U>
@@ -82,7 +65,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (it >= items) continue;
       float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
-      for (int j = 0; j < kK; j++) acc8(acc, x[u][j], w[u][j]);
+      for (int j = 0; j < kK; j++) tw__acc_bf16x8(acc, x[u][j], w[u][j]);
       __align__(16) __nv_bfloat162 o[4];
 #pragma unroll
       for (int i = 0; i < 4; i++) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);

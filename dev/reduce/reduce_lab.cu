@@ -45,14 +45,7 @@
 #include <random>
 #include <vector>
 
-#define CK(x)                                                                            \
-  do {                                                                                   \
-    cudaError_t e_ = (x);                                                                \
-    if (e_ != cudaSuccess) {                                                             \
-      fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                           \
-    }                                                                                    \
-  } while (0)
+#include "lab_common.cuh"
 
 struct lab_err {
   int32_t status, index;
@@ -78,16 +71,6 @@ __device__ __forceinline__ void lab_report(lab_err* e, int32_t index, uint32_t s
     e->index = index;
     e->seen = seen;
     e->target = target;
-  }
-}
-
-__device__ __forceinline__ void acc_bf16x8(float* acc, int4 v, float w) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const float2 f = __bfloat1622float2(h[i]);
-    acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
-    acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
   }
 }
 
@@ -171,7 +154,7 @@ __global__ void __launch_bounds__(256, MINB) k_orig(const lab_args a) {
       const float w = a.weights[(size_t)t * a.top_k + j];
       const char* row = r < a.recv_rows ? recv + (size_t)r * row_bytes
                                         : local + (size_t)(r - a.recv_rows) * row_bytes;
-      acc_bf16x8(acc, __ldcg(reinterpret_cast<const int4*>(row) + q), w);
+      tw__acc_bf16x8(acc, __ldcg(reinterpret_cast<const int4*>(row) + q), w);
       if (a.debug_tags && q == 0) debug_slot(a, t, j, r);
     }
     reinterpret_cast<int4*>(a.out + (size_t)t * a.hidden)[q] = pack_bf16x8(acc);
@@ -205,7 +188,7 @@ __global__ void __launch_bounds__(256) k_hoist(const lab_args a) {
     }
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < K; j++) acc_bf16x8(acc, x[j], w[j]);
+    for (int j = 0; j < K; j++) tw__acc_bf16x8(acc, x[j], w[j]);
     if (a.debug_tags && q == 0)
       for (int j = 0; j < K; j++) debug_slot(a, t, j, r[j]);
     reinterpret_cast<int4*>(a.out + (size_t)t * a.hidden)[q] = pack_bf16x8(acc);
@@ -246,7 +229,7 @@ __global__ void __launch_bounds__(256) k_flat(const lab_args a) {
     }
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int j = 0; j < K; j++) acc_bf16x8(acc, x[j], w[j]);
+    for (int j = 0; j < K; j++) tw__acc_bf16x8(acc, x[j], w[j]);
     if (a.debug_tags && q == 0)
       for (int j = 0; j < K; j++) debug_slot(a, t, j, r[j]);
     reinterpret_cast<int4*>(a.out + (size_t)t * a.hidden)[q] = pack_bf16x8(acc);
@@ -321,7 +304,7 @@ __device__ __forceinline__ void token_pass(const lab_args& a, const slots<KC>& s
         float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int j = 0; j < KC; j++)
-          if (j < k) acc_bf16x8(acc, x[j][u], s.w[j]);
+          if (j < k) tw__acc_bf16x8(acc, x[j][u], s.w[j]);
         dst[v] = pack_bf16x8(acc);
       }
     }
@@ -357,7 +340,7 @@ __device__ __forceinline__ void token_pass(const lab_args& a, const slots<KC>& s
       for (int j = 0; j < KC; j++)
         if (j0 + j < k)
 #pragma unroll
-          for (int u = 0; u < U; u++) acc_bf16x8(acc[u], x[j][u], w[j]);
+          for (int u = 0; u < U; u++) tw__acc_bf16x8(acc[u], x[j][u], w[j]);
     }
 #pragma unroll
     for (int u = 0; u < U; u++)

@@ -29,6 +29,7 @@
 #include <cuda_bf16.h>
 #include <nccl_device.h>
 
+#include "bf16x8.cuh"
 #include "core.h"
 
 namespace {
@@ -38,16 +39,6 @@ constexpr int kReduceThreads = 256;
 constexpr int kMaxSlotsInFlight = 8;
 /* Most row bytes in flight per SM the grid aims for (see tw__reduce_ctas_per_sm). */
 constexpr int kRowBytesInFlightPerSm = 144 * 1024;
-
-__device__ __forceinline__ void tw__acc_bf16x8(float* acc, int4 v, float w) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int i = 0; i < 4; i++) {
-    const float2 f = __bfloat1622float2(h[i]);
-    acc[2 * i] = fmaf(w, f.x, acc[2 * i]);
-    acc[2 * i + 1] = fmaf(w, f.y, acc[2 * i + 1]);
-  }
-}
 
 /* Debug tags: one thread per (token, slot) checks that the row came exactly once per column
  * tile, records what it saw, and clears it for the next call (before the credits go back). A
