@@ -72,18 +72,19 @@ tw_status tw__calib_fit_producer(const double* flop_per_tile, const double* us_p
   return TW_SUCCESS;
 }
 
-tw_status tw__calib_tile_floor(double flop_per_tile, double us_per_wave, double tile_tflops,
-                               double tile_overhead_us, double* floor_us) {
-  TW_CHECK_NULL(floor_us);
+tw_status tw__calib_tile_floor(double flop_per_tile, int tn, double us_per_wave, double tile_tflops,
+                               double tile_overhead_us, double* tile_floor_us) {
+  TW_CHECK_NULL(tile_floor_us);
   if (!isfinite(flop_per_tile) || !isfinite(us_per_wave) || !isfinite(tile_tflops) ||
-      !isfinite(tile_overhead_us) || flop_per_tile <= 0 || us_per_wave <= 0 || tile_tflops <= 0 ||
-      tile_overhead_us < 0)
+      !isfinite(tile_overhead_us) || flop_per_tile <= 0 || tn <= 0 || us_per_wave <= 0 ||
+      tile_tflops <= 0 || tile_overhead_us < 0)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "calibrate floor: flop %g, us/wave %g, tile_tflops %g, overhead %g: need "
-                    "finite positive values",
-                    flop_per_tile, us_per_wave, tile_tflops, tile_overhead_us);
+                    "calibrate floor: flop %g, tn %d, us/wave %g, tile_tflops %g, overhead %g: "
+                    "need finite positive values",
+                    flop_per_tile, tn, us_per_wave, tile_tflops, tile_overhead_us);
   const double c = flop_per_tile / (tile_tflops * 1e6), t = us_per_wave - tile_overhead_us;
-  *floor_us = t > c ? sqrt(sqrt(t * t * t * t - c * c * c * c)) : 0.0;
+  const double f = t > c ? sqrt(sqrt(t * t * t * t - c * c * c * c)) : 0.0;
+  *tile_floor_us = f * 128.0 / tn; /* the model scales it back by tn / 128 */
   return TW_SUCCESS;
 }
 

@@ -47,13 +47,14 @@ tw_status tw__calib_lsq2(const double* x1, const double* x2, const double* y, in
 tw_status tw__calib_fit_producer(const double* flop_per_tile, const double* us_per_wave, int n,
                                  double* tile_tflops, double* tile_overhead_us, double* resid);
 
-/* Producer floor: one wave of short tiles (flop_per_tile, small K) took us_per_wave; the model
- * charges (c^4 + floor^4)^(1/4) + tile_overhead_us with c = flop_per_tile / (tile_tflops 1e6),
- * so floor = ((us_per_wave - tile_overhead_us)^4 - c^4)^(1/4), or 0 where the tile took no
- * longer than its compute (no floor to see). TW_ERR_INVALID_ARGUMENT for a value that is not
- * finite or not positive (tile_overhead_us: negative). */
-tw_status tw__calib_tile_floor(double flop_per_tile, double us_per_wave, double tile_tflops,
-                               double tile_overhead_us, double* floor_us);
+/* Producer floor: one wave of short tiles tn columns wide (flop_per_tile, small K) took
+ * us_per_wave; the model charges (c^4 + f^4)^(1/4) + tile_overhead_us with c = flop_per_tile /
+ * (tile_tflops 1e6) and f = tile_floor_us tn / 128, so tile_floor_us = 128 / tn x ((us_per_wave -
+ * tile_overhead_us)^4 - c^4)^(1/4), or 0 where the tile took no longer than its compute (no floor
+ * to see). TW_ERR_INVALID_ARGUMENT for a value that is not finite or not positive
+ * (tile_overhead_us: negative). */
+tw_status tw__calib_tile_floor(double flop_per_tile, int tn, double us_per_wave, double tile_tflops,
+                               double tile_overhead_us, double* tile_floor_us);
 
 /* Consumer in the model's pool form where its CTAs bound it: a call with ctas[i] consumer CTAs
  * that sends bytes[i] in bands[i] bands took us[i] from its first segment's ready time to its end.

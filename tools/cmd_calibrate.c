@@ -350,11 +350,10 @@ static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
              "fitted overhead %.3f us per tile < 0 (noise): written as 0", s->hw.tile_overhead_us);
     s->hw.tile_overhead_us = 0;
   }
-  /* K 512: the floor that makes the model's tile time equal this wave (so its residual is 0),
-   * written per 128 output columns as the model reads it (it scales the floor with tn). */
-  TW_TRY(tw__calib_tile_floor(x[0], y[0], s->hw.tile_tflops, s->hw.tile_overhead_us,
+  /* K 512: the floor (per 128 output columns) that makes the model's tile time equal this wave,
+   * so its residual is 0. */
+  TW_TRY(tw__calib_tile_floor(x[0], s->tn, y[0], s->hw.tile_tflops, s->hw.tile_overhead_us,
                               &s->hw.tile_floor_us));
-  s->hw.tile_floor_us *= 128.0 / s->tn;
   r[0] = 0.0;
   for (int i = 0; i < TWC_NK; i++) s->prod[i].resid_us = r[i];
   s->prod_ok = 1;

@@ -45,9 +45,9 @@ typedef struct tw_gemm_args {
   tw_signal_scope scope;
   uint32_t* band_counters; /* (num_bands) device; +1 per finished tile of the band; NULL if none */
   tw_epilogue epilogue;
-  int32_t variant; /* kernel version (sm90_gemm.cu header): 0 = default (4 where it covers
-                      the shape, else 1), 1 = simple (WMMA, any supported shape), 2..5 = TMA +
-                      wgmma with different epilogues; 1..5 for tests/benches */
+  int32_t variant; /* kernel version (sm90_gemm.cu header): 0 = default (5 at tn 128 and 4
+                      at tn 256 where they cover the shape, else 1), 1 = simple (WMMA, any supported
+                      shape), 2..5 = TMA + wgmma with different epilogues; 1..5 for tests/benches */
 } tw_gemm_args;
 
 /* Launches the producer. It only ever increments counters: after e launches (and no reset) band

@@ -93,23 +93,29 @@ static int pool_points(uint64_t* s, double gbps, double lat, double* bytes, doub
 
 /* Exact data: the fit gives rate and latency back to rounding, and the residuals are 0. */
 /* The floor is what the model's 4-norm needs to give the measured wave: a synthetic wave built
- * from the model's formula gives the floor back; a wave no longer than its compute gives 0. */
+ * from the model's formula (floor tile_floor_us x tn / 128) gives tile_floor_us back at either
+ * tile width; a wave no longer than its compute gives 0. */
 static void test_tile_floor(void) {
-  const double tflops = 6.275, over = 0.125, x = 2.0 * 128 * 128 * 512; /* c = 2.674 us */
+  const double tflops = 6.275, over = 0.125;
   const double floors[3] = {5.4, 2.0, 9.0};
-  for (int i = 0; i < 3; i++) {
-    const double c = x / (tflops * 1e6);
-    const double y = pow(pow(c, 4) + pow(floors[i], 4), 0.25) + over;
-    double f = -1;
-    CHECK_OK(tw__calib_tile_floor(x, y, tflops, over, &f));
-    CHECK_NEAR(f, floors[i], 1e-9);
+  for (int tn = 128; tn <= 256; tn *= 2) {
+    const double x = 2.0 * 128 * tn * 512; /* c = 2.674 us at tn 128 */
+    for (int i = 0; i < 3; i++) {
+      const double c = x / (tflops * 1e6), ft = floors[i] * tn / 128.0;
+      const double y = pow(pow(c, 4) + pow(ft, 4), 0.25) + over;
+      double f = -1;
+      CHECK_OK(tw__calib_tile_floor(x, tn, y, tflops, over, &f));
+      CHECK_NEAR(f, floors[i], 1e-9);
+    }
   }
+  const double x = 2.0 * 128 * 128 * 512;
   double f = -1;
-  CHECK_OK(tw__calib_tile_floor(x, x / (tflops * 1e6), tflops, over, &f));
+  CHECK_OK(tw__calib_tile_floor(x, 128, x / (tflops * 1e6), tflops, over, &f));
   CHECK(f == 0.0);
-  CHECK_STATUS(tw__calib_tile_floor(x, 0.0, tflops, over, &f), TW_ERR_INVALID_ARGUMENT);
-  CHECK_STATUS(tw__calib_tile_floor(x, 5.0, tflops, -1.0, &f), TW_ERR_INVALID_ARGUMENT);
-  CHECK_STATUS(tw__calib_tile_floor(x, 5.0, tflops, over, NULL), TW_ERR_NULL_POINTER);
+  CHECK_STATUS(tw__calib_tile_floor(x, 128, 0.0, tflops, over, &f), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_tile_floor(x, 0, 5.0, tflops, over, &f), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_tile_floor(x, 128, 5.0, tflops, -1.0, &f), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_tile_floor(x, 128, 5.0, tflops, over, NULL), TW_ERR_NULL_POINTER);
 }
 
 static void test_pool_exact(void) {
