@@ -109,8 +109,8 @@ fi
 
 if [ "$mode" != quick ]; then
   # The producer's variants 4 and 5 side by side in one run (the default takes 5 at tn 128, 4 at
-  # tn 256; dev/gemm/NOTES.md v9): the GEMM alone at
-  # granite's short tiles and on the grid's K 2048, then the whole overlapped call.
+  # tn 256; dev/gemm/NOTES.md v9): the GEMM alone at granite's short tiles and on the grid's K
+  # 2048, then the whole overlapped call.
   step "producer variants 4 and 5 side by side (bench gemm; bench with TW_GEMM_VARIANT)"
   for v in 4 5; do
     for shape in "--rows 65536 --k 512 --n 1024 --experts 32 --tn 128" \
