@@ -37,6 +37,7 @@
 #include "kernels.h"
 #include "oracle.h"
 #include "plan.h"
+#include "runtime.h"
 #include "spawn.h"
 #include "tilewave.h"
 
@@ -394,6 +395,7 @@ typedef struct twb_bench_result {
    * later of the two ends, with the wait for the peers' consumers), each sample the max over ranks;
    * phase_n = 0 when not measured */
   double phase_total, phase_gemm, phase_comm, phase_reduce;
+  double phase_join; /* from the later of the producer's and the consumer's end to the reduction */
   int phase_n;
 } twb_bench_result;
 
@@ -414,12 +416,14 @@ static void twb_add(twb_bench_result* r, int kind, int c, int chunk, int out, co
 }
 
 /* --phases: runs ours o->iters more times with the context's phase events (tw_context_timings,
- * each call waited for), after the same device delay as the timed rounds so that the start
- * event does not count host launch time. The producer and consumer start with the call, so
- * their durations are the times at which they end. */
+ * tw__context_timeline; each call waited for), after the same device delay as the timed rounds so
+ * that the start event does not count host launch time. Per call and rank: when the producer
+ * and the consumer end, the reduction's kernel time, and the gap between the later of the two
+ * ends and the reduction's start (the cross-stream join and the launch); each the max over ranks
+ * per call, then the median over calls. */
 static tw_status twb_time_phases(twb_rank* s, const twb_opts* o, twb_bench_result* r) {
   const int n = o->iters;
-  float* v = (float*)calloc(4 * (size_t)n, sizeof(float));
+  float* v = (float*)calloc(5 * (size_t)n, sizeof(float));
   if (v == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "bench: out of host memory");
   const twb_policy* ours = &r->pols[twb_policy_index(r, TWB_OURS, 0)];
   tw_status st = TW_SUCCESS;
@@ -428,18 +432,22 @@ static tw_status twb_time_phases(twb_rank* s, const twb_opts* o, twb_bench_resul
     if ((st = twb_barrier(s)) != TW_SUCCESS) break;
     if ((st = tw__bench_delay(s->stream, o->delay_us)) != TW_SUCCESS) break;
     if ((st = twb_run(s, ours, i % s->nsets, s->stream)) != TW_SUCCESS) break;
+    float comm_end = 0, red_start = 0;
     if ((st = tw_context_timings(s->ctx, &t)) != TW_SUCCESS) break;
+    if ((st = tw__context_timeline(s->ctx, &comm_end, &red_start)) != TW_SUCCESS) break;
     v[i] = 1e3f * t.total_ms;
     v[n + i] = 1e3f * t.gemm_ms;
-    v[2 * n + i] = 1e3f * t.comm_ms;
+    v[2 * n + i] = 1e3f * comm_end;
     v[3 * n + i] = 1e3f * t.reduce_ms;
+    v[4 * n + i] = 1e3f * (red_start - (t.gemm_ms > comm_end ? t.gemm_ms : comm_end));
   }
-  if (st == TW_SUCCESS) st = twb_max_over_ranks(s, v, 4 * (size_t)n);
+  if (st == TW_SUCCESS) st = twb_max_over_ranks(s, v, 5 * (size_t)n);
   if (st == TW_SUCCESS) {
-    tw__bench_stats q[4];
-    for (int k = 0; k < 4; k++) tw__bench_stats_of(v + (size_t)k * n, n, &q[k]);
+    tw__bench_stats q[5];
+    for (int k = 0; k < 5; k++) tw__bench_stats_of(v + (size_t)k * n, n, &q[k]);
     r->phase_total = q[0].median, r->phase_gemm = q[1].median;
     r->phase_comm = q[2].median, r->phase_reduce = q[3].median;
+    r->phase_join = q[4].median;
     r->phase_n = n;
   }
   free(v);
@@ -595,9 +603,9 @@ static void twb_print_row(const twb_opts* o, const twb_bench_result* r) {
   if (r->phase_n > 0)
     printf(
         "|  | phases of ours (median of %d, max over ranks): producer ends at %.1f us, "
-        "consumer at %.1f us; reduction %.1f us (after both end, incl. waiting for the "
-        "peers); total %.1f us |\n",
-        r->phase_n, r->phase_gemm, r->phase_comm, r->phase_reduce, r->phase_total);
+        "consumer at %.1f us; the reduction starts %.1f us after both and takes %.1f us "
+        "(incl. waiting for the peers); total %.1f us |\n",
+        r->phase_n, r->phase_gemm, r->phase_comm, r->phase_join, r->phase_reduce, r->phase_total);
   fflush(stdout);
 }
 
@@ -629,8 +637,8 @@ static void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_res
     fprintf(
         f,
         ",\n   \"phases_us\": {\"samples\": %d, \"producer_end\": %.2f, \"consumer_end\": %.2f, "
-        "\"reduce\": %.2f, \"total\": %.2f}",
-        r->phase_n, r->phase_gemm, r->phase_comm, r->phase_reduce, r->phase_total);
+        "\"join\": %.2f, \"reduce\": %.2f, \"total\": %.2f}",
+        r->phase_n, r->phase_gemm, r->phase_comm, r->phase_join, r->phase_reduce, r->phase_total);
   fprintf(f, "}");
 }
 
