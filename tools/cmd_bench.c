@@ -391,11 +391,11 @@ typedef struct twb_bench_result {
   twb_policy pols[24];
   tw__bench_stats st[24];
   float err[24];
-  /* --phases: medians of ours' total, producer end, consumer end and reduction (from the
-   * later of the two ends, with the wait for the peers' consumers), each sample the max over ranks;
-   * phase_n = 0 when not measured */
-  double phase_total, phase_gemm, phase_comm, phase_reduce;
-  double phase_join; /* from the later of the producer's and the consumer's end to the reduction */
+  /* --phases: medians of ours' total, producer end, consumer end (both from the call's start),
+   * join (from the later of the two ends to the reduction's start) and the reduction's own time
+   * (with the wait for the peers' consumers), each sample the max over ranks; phase_n = 0 when
+   * not measured */
+  double phase_total, phase_gemm, phase_comm, phase_join, phase_reduce;
   int phase_n;
 } twb_bench_result;
 
