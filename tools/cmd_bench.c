@@ -72,7 +72,8 @@ typedef struct twb_opts {
   int confirm;            /* sweep: rounds of the confirmation timing (0 = none) */
   int only[TWB_MAX_ONLY]; /* --points: 1-based matrix indices to measure; nonly = 0: all */
   int nonly;
-  int phases; /* bench --phases: time ours' phases with the context's events */
+  int phases;         /* bench --phases: time ours' phases with the context's events */
+  int tile_m, tile_n; /* GEMM2 tile (0: the library's choice) */
 } twb_opts;
 
 typedef struct twb_point {
@@ -184,6 +185,8 @@ static tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt,
   p.experts = pt->experts;
   p.top_k = pt->topk;
   p.max_tokens = pt->tokens;
+  p.tile_m = o->tile_m;
+  p.tile_n = o->tile_n;
   TW_TRY(tw_problem_validate(&p));
   if (o->routing_file) {
     /* Read with a generous capacity, then size the problem to the busiest rank of the file. */
@@ -1276,6 +1279,7 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
     p.world_size = world;
     p.hidden = pt->hidden, p.ffn = pt->ffn, p.experts = pt->experts, p.top_k = pt->topk;
     p.max_tokens = pt->tokens;
+    p.tile_m = o->tile_m, p.tile_n = o->tile_n;
     tw_routing_t rt = NULL;
     tw_plan_t plan = NULL;
     const tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
@@ -1478,6 +1482,7 @@ static void twb_usage(FILE* f, int sweep) {
   fprintf(f,
           "  --model NAME        preset (tilewave plan --help lists them)\n"
           "  --hidden N --ffn K --experts E --topk k\n"
+          "  --tile-m TM --tile-n TN  GEMM2 tile (default 128 x chosen from N)\n"
           "  --tokens T[,T...]   tokens per rank (default 8192 with --model or shape flags)\n"
           "  --router R          balanced | moderate_skew | stress_skew | target:R_EXPERT\n"
           "  --routing FILE      replay a routing file instead (docs/routing-format.md)\n"
@@ -1584,6 +1589,8 @@ static int twb_main(int argc, char** argv, int sweep) {
     TWB_INT("--ffn", o.ffn, 8, 1 << 16)
     TWB_INT("--experts", o.experts, 1, 4096)
     TWB_INT("--topk", o.topk, 1, 64)
+    TWB_INT("--tile-m", o.tile_m, 1, 1024)
+    TWB_INT("--tile-n", o.tile_n, 1, 1024)
     TWB_INT("--comm-ctas", o.comm_ctas, 1, TW_MAX_COMM_CTAS)
     TWB_INT("--coalesce", o.coalesce, 1, 1 << 20)
     TWB_INT("--iters", o.iters, 1, 100000)
