@@ -207,6 +207,8 @@ typedef struct tw_hardware {
   double tile_floor_us;    /* shortest producer tile per 128 output columns, us: a tile's time
                               is the 4-norm of its compute (2 TM TN K / tile_tflops) and
                               tile_floor_us TN / 128, plus tile_overhead_us (0: no floor) */
+  double tile_m64_share;   /* throughput of 64-row producer tiles as a share of 128-row ones,
+                              (0, 1]: their compute is 2 TM TN K / (tile_tflops x this) */
 } tw_hardware;
 
 tw_status tw_hardware_default(tw_hardware* hw);

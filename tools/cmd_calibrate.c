@@ -1029,6 +1029,7 @@ static int twc_fields(const twc_state* s, twc_field* f) {
       {"rho_ref", 0},
       {"l2_mib", 1},
       {"tile_floor_us", s->prod_ok},
+      {"tile_m64_share", 0},
   };
   const int n = (int)(sizeof all / sizeof all[0]);
   for (int i = 0; i < n; i++) f[i] = all[i];

@@ -137,7 +137,7 @@ class _CHardware(ctypes.Structure):
                 ("link_peak_gbps", ctypes.c_double), ("link_latency_us", ctypes.c_double),
                 ("mem_gbps", ctypes.c_double), ("refetch_exposure", ctypes.c_double),
                 ("rho_ref", ctypes.c_double), ("l2_mib", ctypes.c_double),
-                ("tile_floor_us", ctypes.c_double)]
+                ("tile_floor_us", ctypes.c_double), ("tile_m64_share", ctypes.c_double)]
 
 
 class _CPlanConfig(ctypes.Structure):
@@ -465,6 +465,7 @@ class Hardware:
     rho_ref: float = 0.0
     l2_mib: float = 0.0
     tile_floor_us: float = 0.0
+    tile_m64_share: float = 0.0
 
     @classmethod
     def _from_c(cls, c):

@@ -87,6 +87,13 @@ tw_status tw_hardware_default(tw_hardware* hw) {
    * regret 1.00% -> 0.86%; floors 2.5-3.2 gave the same, overheads below the default 0.5 were up to
    * 0.07 points worse on v4's matrices (runs 7, 7a). */
   hw->tile_floor_us = 2.8;
+  /* 64-row tiles (problem tile_m 64) run at a lower rate than 128-row ones: at 8192 tokens/rank,
+   * K 2048, N 4096, 32 experts (2 x H200, 2026-11-30, bench/results/2026-11-30-run11-tile-m.md)
+   * the producer alone took 587.9 us for 4320 64 x 256 tiles and 453.9 us for 2272 128 x 256
+   * ones: a 64-row tile 0.68 of a 128-row one's time for half its work, a share of 0.5 / 0.68.
+   * With 1 the model predicted 64-row tiles 0.7-7.6% faster where they measured 1.19-1.37x
+   * slower. */
+  hw->tile_m64_share = 0.73;
   return TW_SUCCESS;
 }
 
@@ -107,7 +114,7 @@ static const tw__hw_field tw__hw_fields[] = {
     TW__HW_I(c_max),         TW__HW_D(tile_tflops),      TW__HW_D(tile_overhead_us),
     TW__HW_D(link_cta_gbps), TW__HW_D(link_peak_gbps),   TW__HW_D(link_latency_us),
     TW__HW_D(mem_gbps),      TW__HW_D(refetch_exposure), TW__HW_D(rho_ref),
-    TW__HW_D(l2_mib),        TW__HW_D(tile_floor_us),
+    TW__HW_D(l2_mib),        TW__HW_D(tile_floor_us),    TW__HW_D(tile_m64_share),
 };
 #define TW__HW_NFIELDS (sizeof tw__hw_fields / sizeof tw__hw_fields[0])
 
@@ -142,7 +149,8 @@ tw_status tw__hardware_validate(const tw_hardware* hw) {
              {"refetch_exposure", hw->refetch_exposure, 1},
              {"rho_ref", hw->rho_ref, 0},
              {"l2_mib", hw->l2_mib, 1},
-             {"tile_floor_us", hw->tile_floor_us, 1}};
+             {"tile_floor_us", hw->tile_floor_us, 1},
+             {"tile_m64_share", hw->tile_m64_share, 0}};
   for (size_t i = 0; i < sizeof pos / sizeof pos[0]; i++) {
     if (!isfinite(pos[i].v) || pos[i].v < 0.0 || (!pos[i].zero_ok && pos[i].v == 0.0))
       return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw_hardware: %s = %g; must be finite and %s",
@@ -153,6 +161,11 @@ tw_status tw__hardware_validate(const tw_hardware* hw) {
                     "tw_hardware: refetch_exposure = %g; a fraction of a read cannot exceed 1 "
                     "(0: the producer hides every second read of the weights)",
                     hw->refetch_exposure);
+  if (hw->tile_m64_share > 1.0)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_hardware: tile_m64_share = %g; 64-row tiles do not run faster per FLOP "
+                    "than 128-row ones: give a share in (0, 1]",
+                    hw->tile_m64_share);
   return TW_SUCCESS;
 }
 

@@ -7,9 +7,10 @@
  * keeps. It generalises the first paper's wave recurrence (model_tp.c) from splits to segments:
  *
  *   tau_comp        = (c^4 + f^4)^(1/4) + tile_overhead_us                  (one producer tile),
- *                     c = 2 TM TN K / (tile_tflops 1e12): the compute, and f = tile_floor_us x
+ *                     c = 2 TM TN K / (tile_tflops s_TM 1e12): the compute (s_128 = 1, s_64 =
+ *                     tile_m64_share: 64-row tiles run at a lower rate), and f = tile_floor_us x
  *                     TN / 128 a floor that short tiles (small K) do not go below; it grows with
- *                     the tile's width (hardware.c has the measurement)
+ *                     the tile's width (hardware.c has the measurements)
  *   P(C)            = occ_comp (G - ceil(C / occ_comm))                   (producer CTAs)
  *   waves(C)        = ceil(num_tiles / P)
  *   mem_us          = (weight bytes x runs + A bytes + C bytes) / mem_gbps (the schedule's traffic)
@@ -834,7 +835,8 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   m->hw = plan->hardware;
   const int in_l2 = tw__weights_stay_in_l2(plan);
   const double k = (double)plan->problem.ffn;
-  const double c = 2.0 * (double)plan->tm * (double)plan->tn * k / (m->hw.tile_tflops * 1e6);
+  const double tflops = m->hw.tile_tflops * (plan->tm < 128 ? m->hw.tile_m64_share : 1.0);
+  const double c = 2.0 * (double)plan->tm * (double)plan->tn * k / (tflops * 1e6);
   const double f = m->hw.tile_floor_us * (double)plan->tn / 128.0; /* the floor grows with tn */
   m->tau_comp_us = sqrt(sqrt(c * c * c * c + f * f * f * f)) + m->hw.tile_overhead_us;
   /* The owner reads each of its (token, k) rows (received or local) and writes each token. */

@@ -43,6 +43,7 @@ static void test_defaults(void) {
   CHECK(hw.link_peak_gbps >= 337 && hw.link_peak_gbps <= 359);
   CHECK(hw.link_latency_us > 0 && hw.tile_overhead_us >= 0);
   CHECK(hw.mem_gbps == 3800.0 && hw.rho_ref == 10.05);
+  CHECK(hw.tile_m64_share > 0.5 && hw.tile_m64_share < 1.0); /* run 11: 0.5 / 0.68 */
   CHECK_STATUS(tw_hardware_default(NULL), TW_ERR_NULL_POINTER);
 }
 
@@ -71,6 +72,7 @@ static void test_round_trip(void) {
     hw.rho_ref = rnd(0.5, 50);
     hw.l2_mib = rnd(0, 256);
     hw.tile_floor_us = rnd(0, 10);
+    hw.tile_m64_share = rnd(0.05, 1);
     const char* path = tmp_path("rt.txt");
     CHECK_OK(tw_hardware_write(&hw, path));
     memset(&back, 0x5a, sizeof back);

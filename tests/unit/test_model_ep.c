@@ -10,6 +10,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "plan.h"
 #include "tilewave.h"
@@ -121,7 +122,8 @@ static void hand_build(hand_plan* h, int remote) {
   h->hw.c_max = 3;
   h->hw.tile_tflops = 8.192;
   h->hw.tile_overhead_us = 0.0;
-  h->hw.tile_floor_us = 0.0; /* the hand tables below have no floor */
+  h->hw.tile_floor_us = 0.0;  /* the hand tables below have no floor */
+  h->hw.tile_m64_share = 1.0; /* and price their 64-row tiles at the full rate */
   h->hw.link_cta_gbps = 16.384;
   h->hw.link_peak_gbps = 32.768;
   h->hw.link_latency_us = 1.0;
@@ -765,10 +767,69 @@ static void test_weights_in_l2(void) {
   }
 }
 
+/* 64-row tiles: the model prices their compute at tile_m64_share of the 128-row rate. Measured on
+ * 2 x H200 (bench/results/2026-11-30-run11-tile-m.md): at 8192 tokens/rank, K 2048, N 4096, 32 and
+ * 64 experts the call took 1.24x and 1.19x as long with 64-row tiles; the default share must
+ * predict them slower, and a share of 1 (the former model) predicted them faster. */
+static tw_status plan_grid_point(int32_t experts, int32_t tile_m, double share, double* us) {
+  tw_problem prob = TW_PROBLEM_INIT;
+  prob.world_size = 2, prob.hidden = 4096, prob.ffn = 2048, prob.experts = experts;
+  prob.top_k = 2, prob.max_tokens = 8192, prob.tile_m = tile_m;
+  tw_hardware hw;
+  tw_status st = tw_hardware_default(&hw);
+  if (st != TW_SUCCESS) return st;
+  hw.tile_m64_share = share;
+  tw_routing_t rt = NULL;
+  st = tw_routing_generate(&prob, TW_ROUTER_BALANCED, 0.0, 8192, 1, &rt);
+  if (st != TW_SUCCESS) return st;
+  tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  cfg.hardware = &hw;
+  tw_plan_t plan = NULL;
+  st = tw_plan_create(&prob, rt, 0, &cfg, &plan);
+  tw_routing_destroy(rt);
+  if (st == TW_SUCCESS) *us = plan->predicted_us;
+  tw_plan_destroy(plan);
+  return st;
+}
+
+static void test_tile_height_rate(void) {
+  tw_hardware def;
+  CHECK_OK(tw_hardware_default(&def));
+  CHECK(def.tile_m64_share > 0.0 && def.tile_m64_share < 1.0);
+  for (int32_t e = 32; e <= 64; e *= 2) {
+    double t128 = 0, t64 = 0, t128_full = 0, t64_full = 0;
+    CHECK_OK(plan_grid_point(e, 128, def.tile_m64_share, &t128));
+    CHECK_OK(plan_grid_point(e, 64, def.tile_m64_share, &t64));
+    CHECK_OK(plan_grid_point(e, 128, 1.0, &t128_full));
+    CHECK_OK(plan_grid_point(e, 64, 1.0, &t64_full));
+    CHECKF(t64 > t128, "E %d: 64-row tiles predicted %.1f us, 128-row %.1f (measured 1.19-1.24x)",
+           e, t64, t128);
+    CHECK_NEAR(t128, t128_full, 1e-9 * t128); /* the share prices 64-row tiles only */
+    CHECKF(t64_full < t128_full, "E %d: at the full rate 64-row tiles %.1f us, 128-row %.1f", e,
+           t64_full, t128_full);
+  }
+  /* Outside (0, 1] is an error naming the key. */
+  tw_hardware hw = def;
+  hw.tile_m64_share = 1.5;
+  tw_problem prob = TW_PROBLEM_INIT;
+  prob.world_size = 2, prob.hidden = 1024, prob.ffn = 512, prob.experts = 8, prob.top_k = 2;
+  prob.max_tokens = 64;
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_routing_generate(&prob, TW_ROUTER_BALANCED, 0.0, 64, 1, &rt));
+  tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  cfg.hardware = &hw;
+  tw_plan_t plan = NULL;
+  CHECK_STATUS(tw_plan_create(&prob, rt, 0, &cfg, &plan), TW_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(tw_last_error(), "tile_m64_share") != NULL);
+  hw.tile_m64_share = 0.0;
+  CHECK_STATUS(tw_plan_create(&prob, rt, 0, &cfg, &plan), TW_ERR_INVALID_ARGUMENT);
+  tw_routing_destroy(rt);
+}
+
 TW_TEST_MAIN(TW_TEST(tw_test_seed_setup), TW_TEST(test_hand_plan_table),
              TW_TEST(test_hand_plan_explicit_and_defaults), TW_TEST(test_hand_plan_no_remote),
              TW_TEST(test_hand_plan_memory_bound), TW_TEST(test_schedule_choice),
              TW_TEST(test_real_plans_argmin), TW_TEST(test_real_plans_explicit_and_off),
              TW_TEST(test_monotonic_in_link), TW_TEST(test_large_explicit_coalesce),
              TW_TEST(test_real_plan_no_remote), TW_TEST(test_random_hardware_equivalence),
-             TW_TEST(test_weights_in_l2))
+             TW_TEST(test_weights_in_l2), TW_TEST(test_tile_height_rate))
