@@ -34,8 +34,10 @@
  *                     plausible range (TW_CALIB_*) is not written
  *   link_peak_gbps    the consumer alone (TW_COMBINE_COMM_ONLY, hidden 4096): the plateau of the
  *                     aggregate rate (bytes / time) over C
- * occ_comp and occ_comm keep their defaults: the library does not expose its kernels'
- * occupancy (no cudaOccupancyMaxActiveBlocksPerMultiprocessor hook), which the table says.
+ *   occ_comp,         cudaOccupancyMaxActiveBlocksPerMultiprocessor of the default producer
+ *   occ_comm          kernels (128 x 128 and 128 x 256 tiles; the smaller) and of the bulk
+ *                     consumer, each with its shared memory (tw__gemm_occupancy,
+ *                     tw__consumer_occupancy)
  *
  * One process per GPU (tw__run_ranks, as `tilewave bench`); rank 0 measures the producer, the
  * copy and the schedules while the others wait, then every rank takes part in the link
@@ -932,9 +934,10 @@ static void twc_print(const twc_state* s) {
   printf("| sm_count | %d | %d | cudaDevAttrMultiProcessorCount |\n", d->sm_count, h->sm_count);
   printf("| l2_mib | %.1f | %.1f | cudaDevAttrL2CacheSize |\n", d->l2_mib, h->l2_mib);
   printf(
-      "| occ_comp | %d | - | default kept: the library does not expose its kernels' occupancy |\n",
-      d->occ_comp);
-  printf("| occ_comm | %d | - | default kept: as occ_comp |\n", d->occ_comm);
+      "| occ_comp | %d | %d | resident CTAs per SM of the default producers (128 x 128, 128 x 256; "
+      "the smaller), cudaOccupancyMaxActiveBlocksPerMultiprocessor |\n",
+      d->occ_comp, h->occ_comp);
+  printf("| occ_comm | %d | %d | the same for the bulk consumer |\n", d->occ_comm, h->occ_comm);
   printf("| c_max | %d | %d | default, capped at (sm_count - 1) x occ_comm |\n", d->c_max,
          h->c_max);
   if (s->prod_ok) {
@@ -1016,8 +1019,8 @@ typedef struct twc_field {
 static int twc_fields(const twc_state* s, twc_field* f) {
   const twc_field all[] = {
       {"sm_count", 1},
-      {"occ_comp", 0},
-      {"occ_comm", 0},
+      {"occ_comp", 1},
+      {"occ_comm", 1},
       {"c_max", 0},
       {"tile_tflops", s->prod_ok},
       {"tile_overhead_us", s->prod_ok},
@@ -1187,6 +1190,19 @@ static tw_status twc_run(twc_state* s) {
   int l2 = 0;
   TW_CUDA_TRY(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev));
   if (l2 > 0) s->hw.l2_mib = l2 / 1048576.0;
+  /* Occupancy of each kernel role: the default producers at both tile widths (the smaller
+   * counts) and the default (bulk) consumer. */
+  int occ128 = 0, occ256 = 0, occ_comm = 0;
+  TW_TRY(tw__gemm_occupancy(128, 128, 0, &occ128));
+  TW_TRY(tw__gemm_occupancy(128, 256, 0, &occ256));
+  TW_TRY(tw__consumer_occupancy(TW_CONSUMER_COPY_DEFAULT, &occ_comm));
+  if (occ128 < 1 || occ256 < 1 || occ_comm < 1)
+    return tw__fail(TW_ERR_UNSUPPORTED,
+                    "calibrate: a kernel does not fit on an SM of this GPU (producer %d / %d, "
+                    "consumer %d CTAs per SM)",
+                    occ128, occ256, occ_comm);
+  s->hw.occ_comp = occ128 < occ256 ? occ128 : occ256;
+  s->hw.occ_comm = occ_comm;
   if (s->hw.c_max > (sms - 1) * s->hw.occ_comm) s->hw.c_max = (sms - 1) * s->hw.occ_comm;
   twc_progress(s, "%d x %s, %d SMs", s->world, s->device_name, sms);
 
@@ -1294,8 +1310,9 @@ static void twc_usage(FILE* f) {
           "Measures the resource model's machine description on the GPUs present (one process\n"
           "per GPU) and writes it as a calibration file; plans read it when TW_CALIBRATION\n"
           "names it. Takes well under a minute on 2 GPUs. See docs/calibrate.md.\n"
-          "  1 GPU:   sm_count, l2_mib, producer tile rate, overhead and floor (tile_tflops,\n"
-          "           tile_overhead_us, tile_floor_us), device memory rate (mem_gbps), the\n"
+          "  1 GPU:   sm_count, l2_mib, the kernels' occupancy (occ_comp, occ_comm), producer\n"
+          "           tile rate, overhead and floor (tile_tflops, tile_overhead_us,\n"
+          "           tile_floor_us), device memory rate (mem_gbps), the\n"
           "           exposed cost of remote-first's second weight reads (refetch_exposure: the\n"
           "           producer under both schedules); link values stay default\n"
           "  2+ GPUs: also the consumer's per-CTA rate and per-band cost (link_cta_gbps,\n"

@@ -341,6 +341,20 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   if (threadIdx.x == 0) tw__announce<kBulk>(s_arrive, a.world, s_pending);
 }
 
+/* The bulk kernel's opt-in shared memory size is a per-device function attribute: set once per
+ * device. */
+cudaError_t tw__consumer_enable_smem() {
+  static bool attr_set[64];
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e == cudaSuccess && (dev >= 64 || !attr_set[dev])) {
+    e = cudaFuncSetAttribute(tw_consumer_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             kBulkSmemBytes);
+    if (e == cudaSuccess && dev < 64) attr_set[dev] = true;
+  }
+  return e;
+}
+
 }  // namespace
 
 tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream) {
@@ -361,15 +375,7 @@ tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream
                     args->hidden, args->tn);
   cudaError_t e = cudaSuccess;
   if (args->copy == TW_CONSUMER_COPY_BULK) {
-    /* The opt-in shared memory size is a per-device function attribute: set once per device. */
-    static bool attr_set[64];
-    int dev = 0;
-    e = cudaGetDevice(&dev);
-    if (e == cudaSuccess && (dev >= 64 || !attr_set[dev])) {
-      e = cudaFuncSetAttribute(tw_consumer_kernel<true>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkSmemBytes);
-      if (e == cudaSuccess && dev < 64) attr_set[dev] = true;
-    }
+    e = tw__consumer_enable_smem();
     if (e == cudaSuccess)
       tw_consumer_kernel<true><<<grid, kConsumerThreads, kBulkSmemBytes, stream>>>(*args);
   } else {
@@ -379,5 +385,23 @@ tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "consumer: launch of %d CTAs failed: %s", grid,
                     cudaGetErrorString(e));
+  return TW_SUCCESS;
+}
+
+tw_status tw__consumer_occupancy(int copy, int* ctas_per_sm) {
+  TW_CHECK_NULL(ctas_per_sm);
+  *ctas_per_sm = 0;
+  if (copy != TW_CONSUMER_COPY_DEFAULT && copy != TW_CONSUMER_COPY_REGISTERS &&
+      copy != TW_CONSUMER_COPY_BULK)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__consumer_occupancy: copy mode %d", copy);
+  const bool bulk = copy != TW_CONSUMER_COPY_REGISTERS;
+  cudaError_t e = bulk ? tw__consumer_enable_smem() : cudaSuccess;
+  if (e == cudaSuccess)
+    e = bulk ? cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, tw_consumer_kernel<true>,
+                                                             kConsumerThreads, kBulkSmemBytes)
+             : cudaOccupancyMaxActiveBlocksPerMultiprocessor(ctas_per_sm, tw_consumer_kernel<false>,
+                                                             kConsumerThreads, 0);
+  if (e != cudaSuccess)
+    return tw__fail(TW_ERR_CUDA, "tw__consumer_occupancy: %s", cudaGetErrorString(e));
   return TW_SUCCESS;
 }

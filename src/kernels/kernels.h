@@ -55,6 +55,13 @@ typedef struct tw_gemm_args {
  * each call (combine.h). */
 tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stream);
 
+/* Resident CTAs per SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor, with each kernel's shared
+ * memory) of the producer tw__gemm_launch runs for a tile shape and variant (0: the default),
+ * and of the consumer with a copy mode (tw_consumer_copy; 0: bulk): `tilewave calibrate`'s
+ * occ_comp and occ_comm. The runtime launches one CTA per SM of each. */
+tw_status tw__gemm_occupancy(int32_t tm, int32_t tn, int32_t variant, int* ctas_per_sm);
+tw_status tw__consumer_occupancy(int copy, int* ctas_per_sm);
+
 #ifdef __cplusplus
 }
 #endif

@@ -717,21 +717,31 @@ tw_status tw__make_map(CUtensorMap* map, const void* base, int64_t rows, int64_t
   return TW_SUCCESS;
 }
 
+/* The opt-in shared memory size of a v2 kernel is a per-device function attribute: set once per
+ * device. */
 template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
-tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream) {
+tw_status tw__v2_enable_smem() {
   using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI>;
-  auto kernel = tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, EPI>;
-  /* The opt-in shared memory size is a per-device function attribute: set once per device. */
   static bool attr_set[64];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess && (dev >= 64 || !attr_set[dev])) {
-    e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
+    e = cudaFuncSetAttribute(tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, EPI>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
     if (e == cudaSuccess && dev < 64) attr_set[dev] = true;
   }
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "tw__gemm_launch: cannot enable %d bytes of shared memory: %s",
                     Cfg::kSmemBytes, cudaGetErrorString(e));
+  return TW_SUCCESS;
+}
+
+template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
+tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream) {
+  using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI>;
+  auto kernel = tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, EPI>;
+  TW_TRY((tw__v2_enable_smem<BM, BN, STAGES, SWIGLU, EPI>()));
+  cudaError_t e;
   CUtensorMap map_a, map_b;
   const int64_t n_b = SWIGLU ? 2 * (int64_t)args->n : args->n;
   TW_TRY(tw__make_map(&map_a, args->a, args->rows, args->k, BM));
@@ -760,16 +770,47 @@ struct EpiStages {
   static constexpr int k64x128 = 8;
 };
 
+/* Runs op on the wgmma kernel with epilogue EPI for a tile shape: op.template run<BM, BN, STAGES,
+ * SWIGLU, EPI>() launches it or queries it. */
+template <int EPI, class Op>
+tw_status tw__with_v2_kernel(int tm, int tn, bool swiglu, const Op& op) {
+  using S = EpiStages<EPI>;
+  if (swiglu) return op.template run<128, 128, S::kSwiglu, true, EPI>();
+  if (tm == 128 && tn == 256) return op.template run<128, 256, S::k128x256, false, EPI>();
+  if (tm == 128) return op.template run<128, 128, S::k128x128, false, EPI>();
+  if (tn == 256) return op.template run<64, 256, S::k64x256, false, EPI>();
+  return op.template run<64, 128, S::k64x128, false, EPI>();
+}
+
+struct tw__v2_launch {
+  const tw_gemm_args* args;
+  int grid;
+  cudaStream_t stream;
+  template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
+  tw_status run() const {
+    return tw__launch_v2<BM, BN, STAGES, SWIGLU, EPI>(args, grid, stream);
+  }
+};
+
+struct tw__v2_occupancy {
+  int* ctas_per_sm;
+  template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
+  tw_status run() const {
+    using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI>;
+    TW_TRY((tw__v2_enable_smem<BM, BN, STAGES, SWIGLU, EPI>()));
+    const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctas_per_sm, tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, EPI>, Cfg::kThreads,
+        Cfg::kSmemBytes);
+    if (e != cudaSuccess)
+      return tw__fail(TW_ERR_CUDA, "tw__gemm_occupancy: %s", cudaGetErrorString(e));
+    return TW_SUCCESS;
+  }
+};
+
 /* The wgmma kernel with epilogue EPI for the tile shape of args. */
 template <int EPI>
 tw_status tw__launch_epi(const tw_gemm_args* args, bool swiglu, int grid, cudaStream_t stream) {
-  using S = EpiStages<EPI>;
-  if (swiglu) return tw__launch_v2<128, 128, S::kSwiglu, true, EPI>(args, grid, stream);
-  if (args->tm == 128 && args->tn == 256)
-    return tw__launch_v2<128, 256, S::k128x256, false, EPI>(args, grid, stream);
-  if (args->tm == 128) return tw__launch_v2<128, 128, S::k128x128, false, EPI>(args, grid, stream);
-  if (args->tn == 256) return tw__launch_v2<64, 256, S::k64x256, false, EPI>(args, grid, stream);
-  return tw__launch_v2<64, 128, S::k64x128, false, EPI>(args, grid, stream);
+  return tw__with_v2_kernel<EPI>(args->tm, args->tn, swiglu, tw__v2_launch{args, grid, stream});
 }
 
 /* SM count of the current device, cached per device (the launcher runs on every call). */
@@ -868,4 +909,36 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "tw__gemm_launch: launch failed: %s", cudaGetErrorString(e));
   return TW_SUCCESS;
+}
+
+extern "C" tw_status tw__gemm_occupancy(int32_t tm, int32_t tn, int32_t variant, int* ctas_per_sm) {
+  TW_CHECK_NULL(ctas_per_sm);
+  *ctas_per_sm = 0;
+  if ((tm != 64 && tm != 128) || (tn != 128 && tn != 256))
+    return tw__fail(TW_ERR_UNSUPPORTED,
+                    "tw__gemm_occupancy: tile %d x %d; supported: 64 or 128 "
+                    "x 128 or 256",
+                    tm, tn);
+  if (variant == 0) variant = tw__default_variant(tn);
+  const tw__v2_occupancy q{ctas_per_sm};
+  switch (variant) {
+    case 1: {
+      const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          ctas_per_sm, tw_gemm_v1_kernel<false>, kV1Threads, 0);
+      if (e != cudaSuccess)
+        return tw__fail(TW_ERR_CUDA, "tw__gemm_occupancy: %s", cudaGetErrorString(e));
+      return TW_SUCCESS;
+    }
+    case 2:
+      return tw__with_v2_kernel<kEpiDirect>(tm, tn, false, q);
+    case 3:
+      return tw__with_v2_kernel<kEpiSignalWarp>(tm, tn, false, q);
+    case 4:
+      return tw__with_v2_kernel<kEpiStaged>(tm, tn, false, q);
+    case 5:
+      return tw__with_v2_kernel<kEpiTma>(tm, tn, false, q);
+    default:
+      return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__gemm_occupancy: variant = %d; use 0 to 5",
+                      variant);
+  }
 }
