@@ -807,10 +807,19 @@ struct tw__v2_occupancy {
   }
 };
 
-/* The wgmma kernel with epilogue EPI for the tile shape of args. */
-template <int EPI>
-tw_status tw__launch_epi(const tw_gemm_args* args, bool swiglu, int grid, cudaStream_t stream) {
-  return tw__with_v2_kernel<EPI>(args->tm, args->tn, swiglu, tw__v2_launch{args, grid, stream});
+/* Runs op on the wgmma kernel of variant 2..5 (its epilogue) for a tile shape. */
+template <class Op>
+tw_status tw__with_variant(int variant, int tm, int tn, bool swiglu, const Op& op) {
+  switch (variant) {
+    case 2:
+      return tw__with_v2_kernel<kEpiDirect>(tm, tn, swiglu, op);
+    case 3:
+      return tw__with_v2_kernel<kEpiSignalWarp>(tm, tn, swiglu, op);
+    case 4:
+      return tw__with_v2_kernel<kEpiStaged>(tm, tn, swiglu, op);
+    default:
+      return tw__with_v2_kernel<kEpiTma>(tm, tn, swiglu, op);
+  }
 }
 
 /* SM count of the current device, cached per device (the launcher runs on every call). */
@@ -887,16 +896,7 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
                       "tw__gemm_launch: the wgmma kernels run SwiGLU only with tm = tn = 128 "
                       "(got %d x %d); use variant 0 or 1",
                       args->tm, args->tn);
-    switch (variant) {
-      case 2:
-        return tw__launch_epi<kEpiDirect>(args, swiglu, grid, stream);
-      case 3:
-        return tw__launch_epi<kEpiSignalWarp>(args, swiglu, grid, stream);
-      case 4:
-        return tw__launch_epi<kEpiStaged>(args, swiglu, grid, stream);
-      default:
-        return tw__launch_epi<kEpiTma>(args, swiglu, grid, stream);
-    }
+    return tw__with_variant(variant, args->tm, args->tn, swiglu, tw__v2_launch{args, grid, stream});
   }
   if (variant != 1)
     return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__gemm_launch: variant = %d; use 0 to 5",
@@ -920,25 +920,14 @@ extern "C" tw_status tw__gemm_occupancy(int32_t tm, int32_t tn, int32_t variant,
                     "x 128 or 256",
                     tm, tn);
   if (variant == 0) variant = tw__default_variant(tn);
-  const tw__v2_occupancy q{ctas_per_sm};
-  switch (variant) {
-    case 1: {
-      const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          ctas_per_sm, tw_gemm_v1_kernel<false>, kV1Threads, 0);
-      if (e != cudaSuccess)
-        return tw__fail(TW_ERR_CUDA, "tw__gemm_occupancy: %s", cudaGetErrorString(e));
-      return TW_SUCCESS;
-    }
-    case 2:
-      return tw__with_v2_kernel<kEpiDirect>(tm, tn, false, q);
-    case 3:
-      return tw__with_v2_kernel<kEpiSignalWarp>(tm, tn, false, q);
-    case 4:
-      return tw__with_v2_kernel<kEpiStaged>(tm, tn, false, q);
-    case 5:
-      return tw__with_v2_kernel<kEpiTma>(tm, tn, false, q);
-    default:
-      return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__gemm_occupancy: variant = %d; use 0 to 5",
-                      variant);
-  }
+  if (variant >= 2 && variant <= 5)
+    return tw__with_variant(variant, tm, tn, false, tw__v2_occupancy{ctas_per_sm});
+  if (variant != 1)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__gemm_occupancy: variant = %d; use 0 to 5",
+                    variant);
+  const cudaError_t e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      ctas_per_sm, tw_gemm_v1_kernel<false>, kV1Threads, 0);
+  if (e != cudaSuccess)
+    return tw__fail(TW_ERR_CUDA, "tw__gemm_occupancy: %s", cudaGetErrorString(e));
+  return TW_SUCCESS;
 }
