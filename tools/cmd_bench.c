@@ -418,8 +418,8 @@ static void twb_add(twb_bench_result* r, int kind, int c, int chunk, int out, co
   snprintf(p->name, sizeof p->name, "%s", name);
 }
 
-/* --phases: runs ours o->iters more times with the context's phase events (tw_context_timings,
- * tw__context_timeline; each call waited for), after the same device delay as the timed rounds so
+/* --phases: runs ours o->iters more times with the context's phase events (tw__context_timeline;
+ * each call waited for), after the same device delay as the timed rounds so
  * that the start event does not count host launch time. Per call and rank: when the producer
  * and the consumer end, the reduction's kernel time, and the gap between the later of the two
  * ends and the reduction's start (the cross-stream join and the launch); each the max over ranks
@@ -436,8 +436,7 @@ static tw_status twb_time_phases(twb_rank* s, const twb_opts* o, twb_bench_resul
     if ((st = tw__bench_delay(s->stream, o->delay_us)) != TW_SUCCESS) break;
     if ((st = twb_run(s, ours, i % s->nsets, s->stream)) != TW_SUCCESS) break;
     float comm_end = 0, red_start = 0;
-    if ((st = tw_context_timings(s->ctx, &t)) != TW_SUCCESS) break;
-    if ((st = tw__context_timeline(s->ctx, &comm_end, &red_start)) != TW_SUCCESS) break;
+    if ((st = tw__context_timeline(s->ctx, &t, &comm_end, &red_start)) != TW_SUCCESS) break;
     v[i] = 1e3f * t.total_ms;
     v[n + i] = 1e3f * t.gemm_ms;
     v[2 * n + i] = 1e3f * comm_end;

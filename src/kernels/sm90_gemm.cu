@@ -741,7 +741,6 @@ tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream)
   using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI>;
   auto kernel = tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, EPI>;
   TW_TRY((tw__v2_enable_smem<BM, BN, STAGES, SWIGLU, EPI>()));
-  cudaError_t e;
   CUtensorMap map_a, map_b;
   const int64_t n_b = SWIGLU ? 2 * (int64_t)args->n : args->n;
   TW_TRY(tw__make_map(&map_a, args->a, args->rows, args->k, BM));
@@ -752,7 +751,7 @@ tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream)
   CUtensorMap map_c = map_a;
   if (EPI == kEpiTma) TW_TRY(tw__make_map(&map_c, args->c, args->rows, args->n, BM));
   kernel<<<grid, Cfg::kThreads, Cfg::kSmemBytes, stream>>>(map_a, map_b, map_c, *args);
-  e = cudaGetLastError();
+  const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "tw__gemm_launch: launch failed: %s", cudaGetErrorString(e));
   return TW_SUCCESS;

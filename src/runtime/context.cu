@@ -650,13 +650,12 @@ extern "C" tw_status tw_context_timings(tw_context_t ctx, tw_combine_timings* t)
   return TW_SUCCESS;
 }
 
-extern "C" tw_status tw__context_timeline(tw_context_t ctx, float* comm_end_ms,
-                                          float* reduce_start_ms) {
+extern "C" tw_status tw__context_timeline(tw_context_t ctx, tw_combine_timings* t,
+                                          float* comm_end_ms, float* reduce_start_ms) {
   TW_CHECK_NULL(comm_end_ms);
   TW_CHECK_NULL(reduce_start_ms);
   *comm_end_ms = *reduce_start_ms = 0.f;
-  tw_combine_timings t;
-  TW_TRY(tw_context_timings(ctx, &t)); /* checks, and waits for the call */
+  TW_TRY(tw_context_timings(ctx, t)); /* checks, and waits for the call */
   if (ctx->last_mode == TW_COMBINE_GEMM_ONLY) return TW_SUCCESS;
   TW_DEVICE_SCOPE(ctx);
   TW_CUDA_TRY(cudaEventElapsedTime(comm_end_ms, ctx->t_start, ctx->t_comm_end));
