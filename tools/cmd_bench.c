@@ -70,6 +70,7 @@ typedef struct twb_opts {
   int list;               /* --list: print the matrix and a time estimate, measure nothing */
   int solve_reps;         /* tw_plan_create calls timed per point (0 = none) */
   int confirm;            /* sweep: rounds of the confirmation timing (0 = none) */
+  int versus;             /* sweep --oracle: rounds of the head-to-head with the best fixed */
   int only[TWB_MAX_ONLY]; /* --points: 1-based matrix indices to measure; nonly = 0: all */
   int nonly;
   int phases;         /* bench --phases: time ours' phases with the context's events */
@@ -1029,6 +1030,131 @@ typedef struct twb_oracle_acc {
   double t_start;
 } twb_oracle_acc;
 
+/* ---- sweep --oracle --versus-fixed: the model against the best fixed (C, mgb) ------------------
+ */
+
+/* Whether the model's choice beats a static partition is decided cell by cell in the matrix by
+ * medians timed among ~100 other cells; where the two are within a fraction of a percent that is a
+ * coin toss. This pass times the two launches back to back instead (ABBA), `versus` rounds, after
+ * the matrix has named the best fixed cell, and gives per point the median of the paired ratios
+ * model / fixed with a distribution-free 95% interval. */
+typedef struct twb_versus {
+  int identical; /* every rank's choice is the fixed cell itself: nothing timed, ratio 1 */
+  double model_us, fixed_us;
+  double ratio, lo, hi; /* median of model / fixed over the rounds, its 95% interval */
+  float maxerr;         /* the two outputs against each other (bit-identical expected) */
+} twb_versus;
+
+/* One point (all ranks): setup, the model's plan as a launch makes it against the plan at the fixed
+ * mgb run at the fixed C, both outputs compared once, then timed. */
+static tw_status twb_versus_point(twb_rank* s, const twb_opts* o, const twb_point* pt, int fc,
+                                  int fm, twb_versus* v) {
+  memset(v, 0, sizeof *v);
+  v->ratio = v->lo = v->hi = 1.0;
+  TW_TRY(twb_setup(s, o, pt, &fm, 1)); /* dplans[0]: the plan at the fixed mgb */
+  tw_plan_summary ms;
+  TW_TRY(tw_plan_summary_get(s->plans[s->rank], &ms));
+  TW_TRY(tw_device_plan_create(s->ctx, &s->dplans[1])); /* the launch's own plan */
+  TW_TRY(tw_device_plan_upload(s->dplans[1], s->plans[s->rank], s->routing, s->stream));
+  s->ndplans = 2;
+  float differs = ms.comm_ctas != fc || ms.coalesce != fm ? 1.f : 0.f;
+  TW_TRY(twb_max_over_ranks(s, &differs, 1));
+  v->identical = differs == 0.f;
+  if (v->identical) return TW_SUCCESS;
+
+  twb_policy pols[2];
+  memset(pols, 0, sizeof pols);
+  pols[0].kind = pols[1].kind = TWB_OURS;
+  pols[0].c = 0; /* the plan's own C: each rank its own choice, as a launch runs it */
+  pols[0].dplan = 1;
+  pols[0].out = TWB_OUT_OURS;
+  snprintf(pols[0].name, sizeof pols[0].name, "model");
+  pols[1].c = fc;
+  pols[1].dplan = 0;
+  pols[1].out = TWB_OUT_SCRATCH;
+  snprintf(pols[1].name, sizeof pols[1].name, "C%d_mgb%d", fc, fm);
+  for (int i = 0; i < 2; i++) {
+    TW_TRY(tw__fill_bf16(s->out[pols[i].out], s->out_elems, TWB_POISON, s->stream));
+    TW_TRY(twb_barrier(s));
+    TW_TRY(twb_run(s, &pols[i], 0, s->stream));
+  }
+  TW_TRY(tw_context_check(s->ctx));
+  double rel = 0;
+  TW_TRY(tw__baseline_rel_diff(s->out[TWB_OUT_SCRATCH], s->out[TWB_OUT_OURS], s->out_elems,
+                               s->scratch, s->stream, &rel));
+  v->maxerr = isfinite(rel) ? (float)rel : INFINITY;
+  TW_TRY(twb_max_over_ranks(s, &v->maxerr, 1));
+
+  twb_opts ov = *o;
+  ov.iters = o->versus;
+  const int n = ov.iters;
+  float* samples = (float*)calloc(2 * (size_t)n, sizeof(float));
+  double* x = (double*)calloc(2 * (size_t)n, sizeof(double));
+  tw_status st =
+      samples && x ? TW_SUCCESS : tw__fail(TW_ERR_OUT_OF_MEMORY, "sweep: out of host memory");
+  int last_set = 0;
+  if (st == TW_SUCCESS) st = twb_time(s, &ov, pols, 2, samples, &last_set);
+  if (st == TW_SUCCESS) st = tw_context_check(s->ctx);
+  if (st == TW_SUCCESS) {
+    double lo = 0, hi = 0;
+    for (int i = 0; i < n; i++) x[i] = samples[i], x[n + i] = samples[n + i];
+    v->model_us = tw__oracle_percentile(x, n, 0.5);
+    v->fixed_us = tw__oracle_percentile(x + n, n, 0.5);
+    for (int i = 0; i < n; i++) x[i] = (double)samples[i] / (double)samples[n + i];
+    tw__oracle_median_ci(x, n, 0.95, &v->ratio, &lo, &hi);
+    v->lo = lo, v->hi = hi;
+  }
+  free(samples);
+  free(x);
+  return st;
+}
+
+/* The pass over the matrix (all ranks; rank 0 keeps the results in v[0..npoints)): the best fixed
+ * (C, mgb) comes from rank 0's summary of the matrix. Returns the points done in *done. */
+static tw_status twb_versus_pass(twb_rank* s, const twb_opts* o, const twb_point* pts, int npoints,
+                                 const twb_oracle_acc* acc, twb_versus* v, int* fixed, int* done) {
+  *done = 0;
+  float f[2] = {0.f, 0.f}; /* rank 0's (C, mgb); the others add zeros to the max */
+  if (s->rank == 0 && acc->done == npoints) {
+    tw__oracle_summary sum;
+    if (tw__oracle_summarize(acc->t, acc->done, acc->ncand, acc->t_model, acc->t_other, &sum) ==
+            0 &&
+        sum.fixed >= 0)
+      f[0] = (float)(sum.fixed % o->c_max + 1), f[1] = (float)twb_sweep_mgbs[sum.fixed / o->c_max];
+  }
+  TW_TRY(twb_max_over_ranks(s, f, 2));
+  fixed[0] = (int)f[0], fixed[1] = (int)f[1];
+  if (fixed[0] < 1) return TW_SUCCESS; /* no fixed cell measured at every point */
+  const double t_start = tw__now_seconds();
+  tw_status st = TW_SUCCESS;
+  for (int i = 0; i < npoints && st == TW_SUCCESS; i++) {
+    twb_versus one;
+    st = twb_versus_point(s, o, &pts[i], fixed[0], fixed[1], &one);
+    twb_rank_free(s);
+    if (st == TW_SUCCESS && one.maxerr > o->tol)
+      st = tw__fail(TW_ERR_INTERNAL,
+                    "sweep --versus-fixed: point %d: the model's output differs from fixed (%d, "
+                    "%d)'s by %.3e",
+                    pts[i].index, fixed[0], fixed[1], (double)one.maxerr);
+    if (st != TW_SUCCESS) break;
+    if (s->rank == 0) {
+      v[i] = one;
+      const double el = tw__now_seconds() - t_start;
+      if (one.identical)
+        fprintf(stderr, "[versus %d/%d] #%d %s: the model chose (%d, %d) itself\n", i + 1, npoints,
+                pts[i].index, pts[i].name, fixed[0], fixed[1]);
+      else
+        fprintf(stderr,
+                "[versus %d/%d] #%d %s: model %.1f us, fixed (%d, %d) %.1f us, model/fixed %.4f "
+                "[%.4f, %.4f]; elapsed %.0f s, ETA %.0f s\n",
+                i + 1, npoints, pts[i].index, pts[i].name, one.model_us, fixed[0], fixed[1],
+                one.fixed_us, one.ratio, one.lo, one.hi, el, el / (i + 1) * (npoints - i - 1));
+    }
+    *done = i + 1;
+  }
+  return st;
+}
+
 static void twb_oracle_header(void) {
   printf(
       "| # | workload | tokens/rank | K | N | E | top-k | router | schedule | model C | model mgb "
@@ -1144,7 +1270,8 @@ static int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt,
 /* The matrix's summary (rank 0): the model's mean and max regret, the best single fixed (C, mgb)
  * and how often the model loses to it, the planning time. Markdown on stdout, JSON to js. */
 static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pts,
-                               const twb_oracle_acc* acc, FILE* js) {
+                               const twb_oracle_acc* acc, const twb_versus* vs, int nvs,
+                               const int* vfixed, FILE* js) {
   const int n = acc->done;
   tw__oracle_summary sum;
   memset(&sum, 0, sizeof sum);
@@ -1181,6 +1308,17 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
     cn++, csum += x;
     if (cmax_i < 0 || x > acc->regret_c[cmax_i]) cmax_i = i;
   }
+  /* The head-to-head (--versus-fixed) over the points it reached. */
+  int v_ident = 0, v_slower = 0, v_slower95 = 0, v_faster95 = 0;
+  double v_logsum = 0;
+  for (int i = 0; i < nvs; i++) {
+    v_ident += vs[i].identical;
+    v_slower += vs[i].ratio > 1.0;
+    v_slower95 += vs[i].lo > 1.0;
+    v_faster95 += vs[i].hi < 1.0;
+    v_logsum += log(vs[i].ratio);
+  }
+  const double v_geo = nvs > 0 ? exp(v_logsum / nvs) : NAN;
   if (!o->json) {
     printf(
         "\nsweep --oracle --matrix %s: %d point(s), %d rank(s); every (C, mgb) with C 1..%d and "
@@ -1210,6 +1348,21 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
             fc, fm, sum.model_slower, n, slower_pct, sum.model_slower_1pct);
       } else {
         printf("| best single fixed (C, mgb) | none measured at every point | |\n");
+      }
+      if (nvs > 0) {
+        printf(
+            "| head to head with fixed (%d, %d), %d paired rounds per point (%d points): the model "
+            "chose the fixed cell itself | %d | |\n",
+            vfixed[0], vfixed[1], o->versus, nvs, v_ident);
+        printf(
+            "| head to head: the model slower (median of model / fixed > 1) | %d of %d (%.1f%%) | "
+            "<= 10%% |\n",
+            v_slower, nvs, 100.0 * v_slower / nvs);
+        printf(
+            "| head to head: the model slower / faster with 95%% confidence (the median's "
+            "interval above / below 1) | %d / %d of %d | |\n",
+            v_slower95, v_faster95, nvs);
+        printf("| head to head: geometric mean of model / fixed | %.4f | |\n", v_geo);
       }
       printf(
           "| points where the other schedule at the model's (C, mgb) was faster | %d of %d; %d "
@@ -1243,13 +1396,30 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
             "\"max_median\": %.3f, \"max_p99\": %.3f}, \"plan_create_us\": {\"median_of_medians\": "
             "%.1f, \"max_median\": %.1f, \"max_p99\": %.1f}, \"confirmed\": {\"rounds\": %d, "
             "\"points\": %d, \"mean_regret\": %.5f, \"max_regret\": %.5f, \"max_regret_point\": "
-            "%d}, \"seconds\": %.1f}}\n",
+            "%d}, \"seconds\": %.1f",
             n, acc->failed, ok ? sum.mean_regret : -1.0, ok ? sum.max_regret : -1.0,
             ok ? pts[sum.max_regret_point].index : 0, fc, fm, sum.fixed_mean_regret,
             sum.fixed_max_regret, sum.model_slower, sum.model_slower_1pct, sum.other_faster,
             sum.other_faster_1pct, sm, smax, sp99, cm, cmaxv, cp99, o->confirm, cn,
             cn > 0 ? csum / cn : -1.0, cn > 0 ? acc->regret_c[cmax_i] : -1.0,
             cn > 0 ? pts[cmax_i].index : 0, tw__now_seconds() - acc->t_start);
+    if (nvs > 0) {
+      fprintf(js,
+              ",\n  \"versus_fixed\": {\"comm_ctas\": %d, \"coalesce\": %d, \"rounds\": %d, "
+              "\"points\": %d, \"identical\": %d, \"slower\": %d, \"slower_95\": %d, "
+              "\"faster_95\": %d, \"geomean_ratio\": %.5f,\n   \"per_point\": [",
+              vfixed[0], vfixed[1], o->versus, nvs, v_ident, v_slower, v_slower95, v_faster95,
+              v_geo);
+      for (int i = 0; i < nvs; i++)
+        fprintf(js,
+                "%s{\"index\": %d, \"identical\": %s, \"model_us\": %.2f, \"fixed_us\": %.2f, "
+                "\"ratio\": %.5f, \"lo\": %.5f, \"hi\": %.5f}",
+                i ? ",\n    " : "", pts[i].index, vs[i].identical ? "true" : "false",
+                vs[i].model_us, vs[i].fixed_us, vs[i].ratio, isfinite(vs[i].lo) ? vs[i].lo : 0.0,
+                isfinite(vs[i].hi) ? vs[i].hi : 1e30);
+      fprintf(js, "]}");
+    }
+    fprintf(js, "}}\n");
     fflush(js);
   }
 }
@@ -1312,8 +1482,12 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
     const int rounds = o->warmup + o->iters + 1;
     /* --confirm: up to 5 cells near the best, each about the model's predicted time. */
     const double confirm_s = o->confirm * 5 * (ms.predicted_us + o->delay_us + 100.0) * 1e-6;
+    /* --versus-fixed: a second setup and two launches per round. */
+    const double versus_s = o->versus > 0 ? 2.0 + (o->warmup + o->versus) * 2 *
+                                                      (ms.predicted_us + o->delay_us + 100.0) * 1e-6
+                                          : 0.0;
     const double est = rounds * (sum_pred + ncand * (o->delay_us + 100.0)) * 1e-6 + 2.0 +
-                       o->solve_reps * t_create + confirm_s;
+                       o->solve_reps * t_create + confirm_s + versus_s;
     total += est;
     printf("| %d | %s | %d | %d | %d | %d | %d | %s | %d | %d | %.1f | %.1f |\n", pt->index,
            pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
@@ -1413,7 +1587,18 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
   if (res == NULL) st = tw__fail(TW_ERR_OUT_OF_MEMORY, "bench: out of host memory");
   if (js && !o->sweep) fprintf(js, "\n]}\n");
   /* The summary covers the points measured, also when a point stopped the run. */
-  if (o->oracle && rank == 0 && acc_buf) twb_oracle_summary(o, nranks, job->points, &acc, js);
+  twb_versus* vs = NULL;
+  int nvs = 0, vfixed[2] = {0, 0};
+  if (o->oracle && o->versus > 0 && st == TW_SUCCESS) {
+    vs = (twb_versus*)calloc((size_t)job->npoints, sizeof(twb_versus));
+    if (vs == NULL)
+      st = tw__fail(TW_ERR_OUT_OF_MEMORY, "sweep: out of host memory");
+    else
+      st = twb_versus_pass(&s, o, job->points, job->npoints, &acc, vs, vfixed, &nvs);
+  }
+  if (o->oracle && rank == 0 && acc_buf)
+    twb_oracle_summary(o, nranks, job->points, &acc, vs, nvs, vfixed, js);
+  free(vs);
   free(acc_buf);
   if (s.json_out) fclose(s.json_out);
   fflush(stdout);
@@ -1471,7 +1656,11 @@ static void twb_usage(FILE* f, int sweep) {
         "  --confirm R         then time the model's cell, the other schedule's and the 3\n"
         "                      fastest cells again together, R rounds, and report the regret\n"
         "                      against the fastest of those as well (the first timing's\n"
-        "                      oracle is the minimum over ~100 noisy medians; default 0: off)\n\n"
+        "                      oracle is the minimum over ~100 noisy medians; default 0: off)\n"
+        "  --versus-fixed R    after the matrix, time the model's launch and the best fixed\n"
+        "                      (C, mgb) back to back at every point, R rounds, and count where\n"
+        "                      the model is slower (median of the paired ratios, and with 95%%\n"
+        "                      confidence); default 0: off\n\n"
         "shape (default: tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced):\n");
   else
     fprintf(f,
@@ -1496,8 +1685,8 @@ static void twb_usage(FILE* f, int sweep) {
           "  --chunks R[,R...]   chunked baseline rows per chunk (default 1024,2048,4096,8192)\n"
           "  --delay-us U        device delay before each sample (default 300; 0 = count host\n"
           "                      launch time)\n",
-          sweep ? 20 : 50, sweep ? "; 5 with --oracle" : "", sweep ? 3 : 5,
-          sweep ? "; 1 with --oracle" : "");
+          sweep ? 20 : 50, sweep ? "; 15 with --oracle" : "", sweep ? 3 : 5,
+          sweep ? "; 2 with --oracle" : "");
   if (sweep)
     fprintf(f, "  --c-max C           largest C swept (default 32)\n");
   else
@@ -1600,6 +1789,7 @@ static int twb_main(int argc, char** argv, int sweep) {
     TWB_INT("--c-max", o.c_max, 1, TW_MAX_COMM_CTAS)
     TWB_INT("--solve-reps", o.solve_reps, 0, 1000000)
     TWB_INT("--confirm", o.confirm, 0, 100000)
+    TWB_INT("--versus-fixed", o.versus, 0, 100000)
 #undef TWB_INT
     if (v == NULL) {
       fprintf(stderr, "tilewave %s: unknown option or missing value: %s\n", argv[0], a);
@@ -1675,6 +1865,10 @@ static int twb_main(int argc, char** argv, int sweep) {
    * max regret 7.23% with 5 rounds, 4.85% with 15, same code; bench/results/2026-11-30-run8.md). */
   if (o.iters < 0) o.iters = o.oracle ? 15 : sweep ? 20 : 50;
   if (o.warmup < 0) o.warmup = o.oracle ? 2 : sweep ? 3 : 5;
+  if (o.versus > 0 && !o.oracle) {
+    fprintf(stderr, "tilewave sweep: --versus-fixed needs a matrix (--oracle)\n");
+    return 2;
+  }
   if (o.oracle) {
     if (o.matrix == NULL) o.matrix = "quick";
     const char* conflict = shape_given       ? "--model/--hidden/--ffn/--experts/--topk/--routing"

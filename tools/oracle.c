@@ -105,6 +105,36 @@ double tw__oracle_percentile(double* v, int n, double q) {
   return v[lo] + (pos - lo) * (v[hi] - v[lo]);
 }
 
+double tw__oracle_median_ci(double* v, int n, double conf, double* median, double* lo, double* hi) {
+  if (median == NULL || lo == NULL || hi == NULL) return NAN;
+  *median = *lo = *hi = NAN;
+  if (v == NULL || n < 1 || !(conf > 0 && conf < 1)) return NAN;
+  *median = tw__oracle_percentile(v, n, 0.5);
+  /* cdf = P(B <= j - 1) for B ~ Binomial(n, 1/2), grown one term at a time; the interval
+   * [v_(k), v_(n+1-k)] misses the median with probability 2 P(B <= k - 1). */
+  const double tail = 0.5 * (1.0 - conf);
+  double term = pow(0.5, n), cdf = 0; /* term = P(B = j - 1), starting at j = 1 */
+  int k = 0;
+  for (int j = 1; 2 * j <= n; j++) {
+    cdf += term;
+    if (cdf > tail) break;
+    k = j;
+    term *= (double)(n - (j - 1)) / (double)j;
+  }
+  if (k == 0) {
+    *lo = -INFINITY, *hi = INFINITY;
+    return 1.0;
+  }
+  *lo = v[k - 1], *hi = v[n - k];
+  /* The coverage: 1 - 2 P(B <= k - 1). */
+  double miss = 0, t = pow(0.5, n);
+  for (int j = 0; j < k; j++) {
+    miss += t;
+    t *= (double)(n - j) / (double)(j + 1);
+  }
+  return 1.0 - 2.0 * miss;
+}
+
 double tw__oracle_regret(double t_chosen, double t_oracle) {
   return (t_chosen - t_oracle) / t_oracle;
 }

@@ -36,6 +36,14 @@ int tw__oracle_matrix(const char* which, tw__oracle_point* out, int cap);
  * default, as the benchmark's p10/p90). Sorts v in place; n < 1 gives NaN. */
 double tw__oracle_percentile(double* v, int n, double q);
 
+/* The sample median of v[0..n) and a distribution-free confidence interval for the population
+ * median at confidence >= `conf` (0 < conf < 1): the order statistics [v_(k), v_(n+1-k)] (1-based)
+ * with the largest k such that P(Binomial(n, 1/2) < k) <= (1 - conf) / 2. Where even k = 1 is
+ * not enough (n = 5 or fewer at 95%), lo = -inf and hi = +inf. Sorts v in place. Returns the
+ * coverage of the interval (1 when unbounded), or NaN (and NaN outputs) for n < 1, a NULL
+ * pointer or conf outside (0, 1). */
+double tw__oracle_median_ci(double* v, int n, double conf, double* median, double* lo, double* hi);
+
 /* Regret of a chosen time against the oracle's: (t_chosen - t_oracle) / t_oracle. */
 double tw__oracle_regret(double t_chosen, double t_oracle);
 

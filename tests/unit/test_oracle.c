@@ -108,6 +108,28 @@ static void test_percentile(void) {
   CHECK(isnan(tw__oracle_percentile(w, 0, 0.5)));
 }
 
+/* The median's order-statistic interval: n = 31 at 95% takes the 10th and 22nd values (coverage
+ * 1 - 2 P(B(31, 1/2) <= 9) = 0.970551); n = 6 the extremes (0.96875); n = 5 is too few. */
+static void test_median_ci(void) {
+  double v[31], med, lo, hi;
+  for (int i = 0; i < 31; i++) v[i] = (double)((i * 17) % 31); /* 0..30, shuffled */
+  CHECK_NEAR(tw__oracle_median_ci(v, 31, 0.95, &med, &lo, &hi), 0.9705506, 1e-6);
+  CHECK(med == 15 && lo == 9 && hi == 21);
+  double w[6] = {6, 1, 5, 2, 4, 3};
+  CHECK_NEAR(tw__oracle_median_ci(w, 6, 0.95, &med, &lo, &hi), 0.96875, 1e-12);
+  CHECK(med == 3.5 && lo == 1 && hi == 6);
+  double u[5] = {1, 2, 3, 4, 5};
+  CHECK(tw__oracle_median_ci(u, 5, 0.95, &med, &lo, &hi) == 1.0);
+  CHECK(med == 3 && isinf(lo) && lo < 0 && isinf(hi) && hi > 0);
+  /* A lower confidence narrows the interval. */
+  for (int i = 0; i < 31; i++) v[i] = i;
+  CHECK(tw__oracle_median_ci(v, 31, 0.5, &med, &lo, &hi) < 0.9);
+  CHECK(lo > 9 && hi < 21 && lo <= med && med <= hi);
+  CHECK(isnan(tw__oracle_median_ci(v, 0, 0.95, &med, &lo, &hi)) && isnan(med));
+  CHECK(isnan(tw__oracle_median_ci(v, 31, 1.0, &med, &lo, &hi)));
+  CHECK(isnan(tw__oracle_median_ci(NULL, 31, 0.95, &med, &lo, &hi)));
+}
+
 static void test_bad_input(void) {
   const double t[2] = {1, 2};
   double tm[1] = {1};
@@ -231,5 +253,5 @@ static void test_matrices(void) {
 
 TW_TEST_MAIN(TW_TEST(test_hand_computed), TW_TEST(test_ties_and_small_losses),
              TW_TEST(test_other_configuration), TW_TEST(test_no_fixed_candidate),
-             TW_TEST(test_percentile), TW_TEST(test_bad_input), TW_TEST(test_random_properties),
-             TW_TEST(test_matrices))
+             TW_TEST(test_percentile), TW_TEST(test_median_ci), TW_TEST(test_bad_input),
+             TW_TEST(test_random_properties), TW_TEST(test_matrices))
