@@ -88,6 +88,27 @@ tw_status tw__calib_tile_floor(double flop_per_tile, int tn, double us_per_wave,
   return TW_SUCCESS;
 }
 
+tw_status tw__calib_tile_share(double flop_per_tile, int tn, double us_per_wave, double tile_tflops,
+                               double tile_overhead_us, double tile_floor_us, double* share) {
+  TW_CHECK_NULL(share);
+  if (!isfinite(flop_per_tile) || !isfinite(us_per_wave) || !isfinite(tile_tflops) ||
+      !isfinite(tile_overhead_us) || !isfinite(tile_floor_us) || flop_per_tile <= 0 || tn <= 0 ||
+      us_per_wave <= 0 || tile_tflops <= 0 || tile_overhead_us < 0 || tile_floor_us < 0)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "calibrate tile share: flop %g, tn %d, us/wave %g, tile_tflops %g, overhead "
+                    "%g, floor %g: need finite positive values",
+                    flop_per_tile, tn, us_per_wave, tile_tflops, tile_overhead_us, tile_floor_us);
+  const double t = us_per_wave - tile_overhead_us, f = tile_floor_us * tn / 128.0;
+  if (t <= f)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "calibrate tile share: a wave of %g us is no longer than the overhead %g us "
+                    "and the floor %g us: no compute to see (use a larger K)",
+                    us_per_wave, tile_overhead_us, f);
+  const double c = sqrt(sqrt(t * t * t * t - f * f * f * f));
+  *share = flop_per_tile / (tile_tflops * 1e6 * c);
+  return TW_SUCCESS;
+}
+
 tw_status tw__calib_fit_pool(const double* bytes, const double* bands, const double* ctas,
                              const double* us, int n, double* link_cta_gbps,
                              double* link_latency_us, double* resid) {

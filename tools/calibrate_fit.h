@@ -56,6 +56,16 @@ tw_status tw__calib_fit_producer(const double* flop_per_tile, const double* us_p
 tw_status tw__calib_tile_floor(double flop_per_tile, int tn, double us_per_wave, double tile_tflops,
                                double tile_overhead_us, double* tile_floor_us);
 
+/* 64-row tiles: one wave of them (flop_per_tile = 2 64 TN K) took us_per_wave. The model charges
+ * (c^4 + f^4)^(1/4) + tile_overhead_us with c = flop_per_tile / (tile_tflops tile_m64_share 1e6)
+ * and f = tile_floor_us tn / 128 (the 128-row fit's values), so tile_m64_share = flop_per_tile /
+ * (tile_tflops 1e6 ((us_per_wave - tile_overhead_us)^4 - f^4)^(1/4)). The value comes back as
+ * computed, also above 1 (the caller checks it). TW_ERR_INVALID_ARGUMENT for a value that is not
+ * finite or not positive (tile_overhead_us, tile_floor_us: negative) and where the wave took no
+ * longer than the floor and the overhead (no compute to see). */
+tw_status tw__calib_tile_share(double flop_per_tile, int tn, double us_per_wave, double tile_tflops,
+                               double tile_overhead_us, double tile_floor_us, double* share);
+
 /* Consumer in the model's pool form where its CTAs bound it: a call with ctas[i] consumer CTAs
  * that sends bytes[i] in bands[i] bands took us[i] from its first segment's ready time to its end.
  * Least squares of ctas x us against bytes and bands (no intercept):

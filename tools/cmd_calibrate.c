@@ -16,6 +16,9 @@
  *                     fixed cost (intercept)
  *   tile_floor_us     the same at K 512, whose tiles take longer than their compute: the floor
  *                     that the model's 4-norm needs for that wave (tw__calib_tile_floor)
+ *   tile_m64_share    the same problems at K 2048 with 64-row tiles, timed with the others: the
+ *                     share of tile_tflops at which the model's tile time equals their wave
+ *                     (tw__calib_tile_share); not written outside (0, 1]
  *   mem_gbps          a device-to-device copy: (read + write bytes) / time, as the default was
  *                     measured (the reduction's own rate is printed beside it)
  *   refetch_exposure  the same producer on one problem whose 64 local experts all have remote
@@ -65,7 +68,8 @@
 #include "spawn.h"
 #include "tilewave.h"
 
-#define TWC_NK 4 /* producer K points: the first gives the floor, the others the rate fit */
+#define TWC_NK 4  /* producer K points: the first gives the floor, the others the rate fit */
+#define TWC_K64 2 /* the K point (twc_ks index) timed with 64-row tiles too: tile_m64_share */
 #define TWC_NSIZES 2
 #define TWC_NC 6
 #define TWC_PRODUCER_N 4096
@@ -140,6 +144,8 @@ typedef struct twc_state {
   /* producer */
   int tm, tn, grid, prod_ok;
   twc_prod_point prod[TWC_NK];
+  int tn64, m64_ok;   /* 64-row tiles at K twc_ks[TWC_K64] (tile_m64_share written) */
+  twc_prod_point m64; /* that point, timed with the others; resid_us unused */
   /* memory */
   double copy_bytes, copy_us;
   /* refetch exposure (rank 0) */
@@ -162,7 +168,7 @@ typedef struct twc_state {
   twc_pool_fit cfit[TWC_NC]; /* pool fit at each C up to fit_c (the others: information) */
   int cta_written, latency_written;
   double reduce_us, reduce_bytes;
-  char link_note[600], prod_note[200];
+  char link_note[600], prod_note[200], m64_note[400];
 } twc_state;
 
 static void twc_progress(const twc_state* s, const char* fmt, ...) TW__PRINTF(2, 3);
@@ -219,11 +225,13 @@ static tw_status twc_problem(int world, int hidden, int ffn, int experts, int to
   return tw_routing_generate(p, TW_ROUTER_BALANCED, 0.0, tokens, 1, rt);
 }
 
-/* The balanced one-rank problem of producer point (k, tokens): its plan gives the tile list. */
-static tw_status twc_producer_plan(const twc_state* s, int k, int tokens, tw_plan_t* plan) {
+/* The balanced one-rank problem of producer point (k, tokens) with tm-row tiles (0: the
+ * library's choice): its plan gives the tile list. */
+static tw_status twc_producer_plan(const twc_state* s, int k, int tokens, int tm, tw_plan_t* plan) {
   tw_problem p;
   tw_routing_t rt = NULL;
   TW_TRY(twc_problem(1, TWC_PRODUCER_N, k, TWC_PRODUCER_EXPERTS, tokens, &p, &rt));
+  p.tile_m = tm;
   tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
   cfg.comm_ctas = TW_DEFAULT_COMM_CTAS; /* the tile list does not depend on C */
   cfg.coalesce = 1;
@@ -236,8 +244,8 @@ static tw_status twc_producer_plan(const twc_state* s, int k, int tokens, tw_pla
 typedef struct twc_prod_bufs {
   void *a, *w, *c;
   uint32_t* counters; /* (most bands of any point) band counters the producer signals */
-  tw_tile* tiles[TWC_NK][TWC_NSIZES];
-  cudaEvent_t ev[TWC_NK * TWC_NSIZES + 1];
+  tw_tile* tiles[TWC_NK + 1][TWC_NSIZES]; /* row TWC_NK: the 64-row tiles */
+  cudaEvent_t ev[(TWC_NK + 1) * TWC_NSIZES + 1];
   int nev;
 } twc_prod_bufs;
 
@@ -289,21 +297,28 @@ static tw_status twc_time_rotated(const twc_state* s, const tw_gemm_args* g, int
 static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
   const int sizes[TWC_NSIZES] = {s->o.quick ? 2048 : 4096, s->o.quick ? 8192 : 16384};
   const int reps = s->o.quick ? 5 : 15, warmup = 2;
-  tw_gemm_args g[TWC_NK][TWC_NSIZES];
+  /* Rows 0..TWC_NK-1: the library's tiles at each K; row TWC_NK: 64-row tiles at K
+   * twc_ks[TWC_K64] (the model prices them by tile_m64_share). */
+  tw_gemm_args g[TWC_NK + 1][TWC_NSIZES];
   size_t a_max = 0, c_max = 0, bands_max = 1;
   s->grid = s->hw.sm_count - TW_DEFAULT_COMM_CTAS;
-  for (int i = 0; i < TWC_NK; i++)
+  for (int i = 0; i <= TWC_NK; i++)
     for (int j = 0; j < TWC_NSIZES; j++) {
+      const int m64 = i == TWC_NK, k = twc_ks[m64 ? TWC_K64 : i];
       tw_plan_t plan = NULL;
-      TW_TRY(twc_producer_plan(s, twc_ks[i], sizes[j], &plan));
+      TW_TRY(twc_producer_plan(s, k, sizes[j], m64 ? 64 : 0, &plan));
       const struct tw_plan* pl = plan;
-      s->tm = pl->tm, s->tn = pl->tn;
-      s->prod[i].k = twc_ks[i];
-      s->prod[i].tiles[j] = pl->num_tiles;
-      s->prod[i].waves[j] = tw__ceil_div(pl->num_tiles, s->grid);
+      twc_prod_point* p = m64 ? &s->m64 : &s->prod[i];
+      if (m64)
+        s->tn64 = pl->tn;
+      else
+        s->tm = pl->tm, s->tn = pl->tn;
+      p->k = k;
+      p->tiles[j] = pl->num_tiles;
+      p->waves[j] = tw__ceil_div(pl->num_tiles, s->grid);
       tw_gemm_args* a = &g[i][j];
       const size_t nb = (size_t)pl->num_bands;
-      const tw_status st = twc_gemm_args(s, pl, twc_ks[i], TWC_PRODUCER_N, &b->tiles[i][j], a);
+      const tw_status st = twc_gemm_args(s, pl, k, TWC_PRODUCER_N, &b->tiles[i][j], a);
       tw_plan_destroy(plan);
       TW_TRY(st);
       if (nb > bands_max) bands_max = nb;
@@ -322,20 +337,20 @@ static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
    * could let a future kernel skip work). */
   TW_TRY(tw__baseline_fill_random(b->a, a_max, 7, 1.0f, s->stream));
   TW_TRY(tw__baseline_fill_random(b->w, w_max, 8, 1.0f / 64.0f, s->stream));
-  for (int i = 0; i < TWC_NK; i++)
+  for (int i = 0; i <= TWC_NK; i++)
     for (int j = 0; j < TWC_NSIZES; j++) {
       g[i][j].a = b->a, g[i][j].b = b->w, g[i][j].c = b->c;
       g[i][j].band_counters = b->counters;
     }
   s->copy_bytes = 2.0 * (double)(a_max < c_max ? a_max : c_max); /* bytes of one copy's source */
 
-  /* All six runs, run r = i * TWC_NSIZES + j, rotated rep by rep. */
-  const int nrun = TWC_NK * TWC_NSIZES;
+  /* Every run, run r = i * TWC_NSIZES + j, rotated rep by rep. */
+  const int nrun = (TWC_NK + 1) * TWC_NSIZES;
   for (int e = 0; e <= nrun; e++) {
     TW_CUDA_TRY(cudaEventCreate(&b->ev[e]));
     b->nev = e + 1;
   }
-  double samples[TWC_NK * TWC_NSIZES][32];
+  double samples[(TWC_NK + 1) * TWC_NSIZES][32];
   TW_TRY(twc_time_rotated(s, &g[0][0], nrun, warmup, reps, b->ev, samples));
   double x[TWC_NK], y[TWC_NK], r[TWC_NK];
   for (int i = 0; i < TWC_NK; i++) {
@@ -360,6 +375,27 @@ static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
   for (int i = 0; i < TWC_NK; i++) s->prod[i].resid_us = r[i];
   s->prod_ok = 1;
 
+  /* 64-row tiles: the share of the 128-row rate that makes the model's tile time equal their
+   * wave (tile_overhead_us and the floor as just fitted). */
+  twc_prod_point* p64 = &s->m64;
+  for (int j = 0; j < TWC_NSIZES; j++)
+    p64->us[j] = twc_median(samples[TWC_NK * TWC_NSIZES + j], reps);
+  p64->us_per_wave = tw__calib_per_wave(p64->us[0], p64->waves[0], p64->us[1], p64->waves[1]);
+  double share = 0;
+  const tw_status sst =
+      tw__calib_tile_share(2.0 * 64 * s->tn64 * p64->k, s->tn64, p64->us_per_wave,
+                           s->hw.tile_tflops, s->hw.tile_overhead_us, s->hw.tile_floor_us, &share);
+  if (sst == TW_SUCCESS && share > 0 && share <= 1) {
+    s->hw.tile_m64_share = share;
+    s->m64_ok = 1;
+  } else {
+    twc_note(s->m64_note, sizeof s->m64_note,
+             "64-row tiles: %.3f us per wave gives a share of %.3f of the 128-row rate%s%s; "
+             "the default %.2f is kept",
+             p64->us_per_wave, share, sst == TW_SUCCESS ? " (outside (0, 1])" : ": ",
+             sst == TW_SUCCESS ? "" : tw_last_error(), s->def.tile_m64_share);
+  }
+
   /* Device memory: one copy between the two largest buffers, read + write counted. */
   const size_t cb = (size_t)(s->copy_bytes);
   for (int rep = 0; rep < warmup + reps; rep++) {
@@ -382,7 +418,7 @@ static tw_status twc_measure_producer(twc_state* s) {
   tw_status st = twc_measure_producer_inner(s, &b);
   cudaStreamSynchronize(s->stream);
   for (int e = 0; e < b.nev; e++) cudaEventDestroy(b.ev[e]);
-  for (int i = 0; i < TWC_NK; i++)
+  for (int i = 0; i <= TWC_NK; i++)
     for (int j = 0; j < TWC_NSIZES; j++) cudaFree(b.tiles[i][j]);
   cudaFree(b.a);
   cudaFree(b.w);
@@ -844,7 +880,19 @@ static void twc_print(const twc_state* s) {
         "floor: K %d's wave = (c^4 + f^4)^(1/4) + %.3f us, c = its compute at that rate, f = "
         "%.3f us x TN / 128\n",
         twc_ks[0], h->tile_overhead_us, h->tile_floor_us);
+    const twc_prod_point* p64 = &s->m64;
+    printf(
+        "64-row tiles (64x%d), K %d: %lld tiles, %lld waves, %.1f us; %lld tiles, %lld waves, "
+        "%.1f us; %.3f us/wave",
+        s->tn64, p64->k, (long long)p64->tiles[0], (long long)p64->waves[0], p64->us[0],
+        (long long)p64->tiles[1], (long long)p64->waves[1], p64->us[1], p64->us_per_wave);
+    if (s->m64_ok)
+      printf(" = the model's tile at %.3f of the 128-row rate (tile_m64_share)\n",
+             s->hw.tile_m64_share);
+    else
+      printf("\n");
     if (s->prod_note[0]) printf("note: %s\n", s->prod_note);
+    if (s->m64_note[0]) printf("note: %s\n", s->m64_note);
     printf("\n");
   }
   if (s->ref_ok) {
@@ -949,6 +997,11 @@ static void twc_print(const twc_state* s) {
         "| tile_floor_us | %.3f | %.3f | producer alone, K %d's wave beyond its compute, per 128 "
         "columns |\n",
         d->tile_floor_us, h->tile_floor_us, twc_ks[0]);
+    if (s->m64_ok)
+      printf(
+          "| tile_m64_share | %.3f | %.3f | producer alone, 64 x %d tiles at K %d: the share of "
+          "tile_tflops that prices their wave |\n",
+          d->tile_m64_share, h->tile_m64_share, s->tn64, s->m64.k);
     printf("| mem_gbps | %.0f | %.0f | device-to-device copy of %.0f MiB, read + write |\n",
            d->mem_gbps, h->mem_gbps, s->copy_bytes / 1048576.0);
   }
@@ -1032,7 +1085,7 @@ static int twc_fields(const twc_state* s, twc_field* f) {
       {"rho_ref", 0},
       {"l2_mib", 1},
       {"tile_floor_us", s->prod_ok},
-      {"tile_m64_share", 0},
+      {"tile_m64_share", s->m64_ok},
   };
   const int n = (int)(sizeof all / sizeof all[0]);
   for (int i = 0; i < n; i++) f[i] = all[i];
@@ -1094,7 +1147,16 @@ static tw_status twc_write_json(const twc_state* s, const char* path) {
             (long long)p->waves[0], (long long)p->waves[1], p->us[0], p->us[1], p->us_per_wave,
             p->resid_us);
   }
-  fprintf(f, "]},\n  \"copy\": {\"bytes\": %.0f, \"us\": %.3f},\n", s->copy_bytes, s->copy_us);
+  const twc_prod_point* p64 = &s->m64;
+  fprintf(f,
+          "],\n    \"m64\": {\"measured\": %s, \"tm\": 64, \"tn\": %d, \"k\": %d, \"tiles\": "
+          "[%lld, %lld], \"waves\": [%lld, %lld], \"us\": [%.3f, %.3f], \"us_per_wave\": %.4f, "
+          "\"note\": ",
+          s->m64_ok ? "true" : "false", s->tn64, p64->k, (long long)p64->tiles[0],
+          (long long)p64->tiles[1], (long long)p64->waves[0], (long long)p64->waves[1], p64->us[0],
+          p64->us[1], p64->us_per_wave);
+  twc_json_str(f, s->m64_note);
+  fprintf(f, "}},\n  \"copy\": {\"bytes\": %.0f, \"us\": %.3f},\n", s->copy_bytes, s->copy_us);
   fprintf(f,
           "  \"refetch\": {\"measured\": %s, \"tokens\": %d, \"experts\": %d, \"local_experts\": "
           "%d, \"k\": %d, \"n\": %d, \"grid\": %d, \"rows\": %d, \"tiles\": %lld, "
@@ -1312,7 +1374,8 @@ static void twc_usage(FILE* f) {
           "names it. Takes well under a minute on 2 GPUs. See docs/calibrate.md.\n"
           "  1 GPU:   sm_count, l2_mib, the kernels' occupancy (occ_comp, occ_comm), producer\n"
           "           tile rate, overhead and floor (tile_tflops, tile_overhead_us,\n"
-          "           tile_floor_us), device memory rate (mem_gbps), the\n"
+          "           tile_floor_us), the rate of 64-row tiles (tile_m64_share), device\n"
+          "           memory rate (mem_gbps), the\n"
           "           exposed cost of remote-first's second weight reads (refetch_exposure: the\n"
           "           producer under both schedules); link values stay default\n"
           "  2+ GPUs: also the consumer's per-CTA rate and per-band cost (link_cta_gbps,\n"

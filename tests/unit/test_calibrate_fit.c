@@ -118,6 +118,33 @@ static void test_tile_floor(void) {
   CHECK_STATUS(tw__calib_tile_floor(x, 128, 5.0, tflops, over, NULL), TW_ERR_NULL_POINTER);
 }
 
+/* The 64-row share round trip: a wave priced by the model at share s gives s back, with and
+ * without a floor; a wave inside the floor and overhead, or bad values, are refused. */
+static void test_tile_share(void) {
+  const double tflops = 6.275, over = 0.125, shares[3] = {0.73, 0.5, 1.0};
+  for (int tn = 128; tn <= 256; tn *= 2)
+    for (int i = 0; i < 3; i++)
+      for (int fl = 0; fl < 2; fl++) {
+        const double floor = fl ? 3.1 : 0.0, x = 2.0 * 64 * tn * 2048;
+        const double c = x / (tflops * shares[i] * 1e6), ft = floor * tn / 128.0;
+        const double y = pow(pow(c, 4) + pow(ft, 4), 0.25) + over;
+        double s = -1;
+        CHECK_OK(tw__calib_tile_share(x, tn, y, tflops, over, floor, &s));
+        CHECK_NEAR(s, shares[i], 1e-9);
+      }
+  const double x = 2.0 * 64 * 256 * 2048;
+  double s = -1;
+  /* A faster wave than the 128-row rate allows comes back above 1 for the caller to refuse. */
+  CHECK_OK(tw__calib_tile_share(x, 256, 0.5 * x / (6.275e6) + 0.125, 6.275, 0.125, 0.0, &s));
+  CHECK_NEAR(s, 2.0, 1e-9);
+  CHECK_STATUS(tw__calib_tile_share(x, 256, 6.0, 6.275, 0.125, 3.0, &s), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_tile_share(x, 256, 0.1, 6.275, 0.125, 0.0, &s), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_tile_share(x, 256, 9.0, 6.275, 0.125, -1.0, &s), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_tile_share(x, 0, 9.0, 6.275, 0.125, 0.0, &s), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_tile_share(x, 256, NAN, 6.275, 0.125, 0.0, &s), TW_ERR_INVALID_ARGUMENT);
+  CHECK_STATUS(tw__calib_tile_share(x, 256, 9.0, 6.275, 0.125, 0.0, NULL), TW_ERR_NULL_POINTER);
+}
+
 static void test_pool_exact(void) {
   uint64_t s = tw_test_seed ^ 0x33;
   for (int trial = 0; trial < 50; trial++) {
@@ -401,7 +428,8 @@ static void test_refetch_problem(void) {
 }
 
 TW_TEST_MAIN(TW_TEST(tw_test_seed_setup), TW_TEST(test_producer_exact),
-             TW_TEST(test_producer_noisy), TW_TEST(test_tile_floor), TW_TEST(test_pool_exact),
-             TW_TEST(test_pool_by_hand), TW_TEST(test_pool_noisy), TW_TEST(test_pool_refusals),
-             TW_TEST(test_lsq2_refusals), TW_TEST(test_pool_on_real_plans), TW_TEST(test_exposure),
+             TW_TEST(test_producer_noisy), TW_TEST(test_tile_floor), TW_TEST(test_tile_share),
+             TW_TEST(test_pool_exact), TW_TEST(test_pool_by_hand), TW_TEST(test_pool_noisy),
+             TW_TEST(test_pool_refusals), TW_TEST(test_lsq2_refusals),
+             TW_TEST(test_pool_on_real_plans), TW_TEST(test_exposure),
              TW_TEST(test_refetch_problem))
