@@ -1482,8 +1482,9 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
     const int rounds = o->warmup + o->iters + 1;
     /* --confirm: up to 5 cells near the best, each about the model's predicted time. */
     const double confirm_s = o->confirm * 5 * (ms.predicted_us + o->delay_us + 100.0) * 1e-6;
-    /* --versus-fixed: a second setup and two launches per round. */
-    const double versus_s = o->versus > 0 ? 2.0 + (o->warmup + o->versus) * 2 *
+    /* --versus-fixed: a second setup (~0.1 s: run 13's pass took 12 s for 114 points) and two
+     * launches per round. */
+    const double versus_s = o->versus > 0 ? 0.1 + (o->warmup + o->versus) * 2 *
                                                       (ms.predicted_us + o->delay_us + 100.0) * 1e-6
                                           : 0.0;
     const double est = rounds * (sum_pred + ncand * (o->delay_us + 100.0)) * 1e-6 + 2.0 +
