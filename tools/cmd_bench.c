@@ -1030,8 +1030,7 @@ typedef struct twb_oracle_acc {
   double t_start;
 } twb_oracle_acc;
 
-/* ---- sweep --oracle --versus-fixed: the model against the best fixed (C, mgb) ------------------
- */
+/* ---- sweep --oracle --versus-fixed: the model against the best fixed (C, mgb) ------------- */
 
 /* Whether the model's choice beats a static partition is decided cell by cell in the matrix by
  * medians timed among ~100 other cells; where the two are within a fraction of a percent that is a
