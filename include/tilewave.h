@@ -268,7 +268,7 @@ typedef struct tw_plan_summary {
   int32_t comm_ctas;    /* chosen or given C */
   int32_t coalesce;     /* chosen or given mgb */
   int64_t rows;         /* rows of the aligned layout, padding included */
-  int64_t padding_rows; /* zero rows added at owner boundaries */
+  int64_t padding_rows; /* zero rows added between remote owners' groups (none with 2 ranks) */
   int64_t tiles;        /* producer tiles in the schedule */
   int64_t remote_tiles; /* tiles whose band is sent to another rank */
   int64_t bands;        /* row bands */

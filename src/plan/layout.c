@@ -6,11 +6,15 @@
  *
  * The rules (second paper, Algorithm 1, with the choices fixed in plan.h and DESIGN.md):
  *  - layout: expert e's rows are grouped by owner in the order (r+1)%W, ..., (r+W-1)%W, then r
- *    itself; each remote group is padded with zero rows to a multiple of TM so that every TM-row
- *    band (counted from the expert's first row) has one owner; the local group is not padded;
- *    within a group rows are in (token, slot) order; experts follow each other in index order.
- *    Starting each rank's owner cycle at r+1 spreads the first transfers of different ranks
- *    over different destinations.
+ *    itself; each remote group but the last is padded with zero rows to a multiple of TM so that
+ *    the rows every TM-row band (counted from the expert's first row) sends go to one owner; the
+ *    last remote group and the local group share the band where one ends and the other begins:
+ *    that band sends its first rows (the remote group's tail) and keeps the rest, which the owner's
+ *    reduction reads in place like every local row. So no band ever sends to two ranks, and with
+ *    two ranks nothing is padded (the paper pads every remote group; the shared band saves an
+ *    expert's tile row whenever its two tails fit in one band). Within a group rows are in
+ *    (token, slot) order; experts follow each other in index order. Starting each rank's owner
+ *    cycle at r+1 spreads the first transfers of different ranks over different destinations.
  *  - schedule: experts sorted by remote band count (descending, ties by index), then either
  *    remote-first (the second paper's: every remote band's column tiles, expert by expert, then
  *    every local band's tiles, same expert order) or expert-major (expert by expert, each its
@@ -161,7 +165,8 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
     }
   }
 
-  /* Layout: groups of each expert in owner order r+1, ..., r+W-1, r; remote groups padded. */
+  /* Layout: groups of each expert in owner order r+1, ..., r+W-1, r; every remote group but the
+   * last (q = W - 1) padded to whole bands; the last one and the local group then share a band. */
   int64_t row = 0;
   int32_t num_bands = 0;
   for (int32_t e = 0; e < E; e++) {
@@ -172,11 +177,12 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
       int32_t c = sc.cnt[(size_t)e * W + o];
       sc.grp_row0[(size_t)e * W + o] = (int32_t)row;
       int32_t nb = (int32_t)tw__ceil_div(c, TM);
-      row += o == rank ? c : (int64_t)nb * TM;
+      row += q >= W - 1 ? c : (int64_t)nb * TM;
       e_real += c;
       if (o != rank) remote_bands += nb;
-      num_bands += nb;
+      if (q < W - 1) num_bands += nb;
     }
+    num_bands += (int32_t)tw__ceil_div(row - sc.grp_row0[(size_t)e * W + (rank + W - 1) % W], TM);
     if (row > INT32_MAX) {
       st = tw__fail(TW_ERR_INTERNAL, "plan: layout rows exceed int32 despite validation");
       goto done;
@@ -191,8 +197,8 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
   qsort(sc.keys, (size_t)E, sizeof *sc.keys, tw__order_cmp);
   for (int32_t i = 0; i < E; i++) pl->expert_order[i] = sc.keys[i].expert;
 
-  /* Row sources: padding rows (the tail of each remote group), then pass 2 places every routed
-   * row in (token, slot) order within its group (owners ascending, tokens ascending, slots
+  /* Row sources: padding rows (the tail of each padded remote group), then pass 2 places every
+   * routed row in (token, slot) order within its group (owners ascending, tokens ascending, slots
    * ascending). Every row is written exactly once. */
   pl->row_src = tw__alloc((size_t)pl->rows, sizeof(tw_row_src));
   pl->bands = tw__alloc((size_t)num_bands, sizeof(tw_band));
@@ -205,9 +211,8 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
     goto done;
   }
   for (int32_t e = 0; e < E; e++) {
-    for (int32_t o = 0; o < W; o++) {
-      if (o == rank) continue; /* the local group is not padded */
-      const size_t gi = (size_t)e * W + o;
+    for (int32_t q = 1; q < W - 1; q++) { /* the padded groups */
+      const size_t gi = (size_t)e * W + (rank + q) % W;
       const int32_t c = sc.cnt[gi];
       const int32_t end = sc.grp_row0[gi] + (int32_t)tw__ceil_div(c, TM) * TM;
       for (int32_t r = sc.grp_row0[gi] + c; r < end; r++) pl->row_src[r] = (tw_row_src){-1, -1, -1};
@@ -248,31 +253,56 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
   }
 
   /* Bands in layout order: expert by expert, groups in layout order (owners r+1, ..., r-1, then
-   * r: an expert's remote bands come before its local ones), bands in row order. The schedule
-   * orders them (tw__plan_set_schedule). */
+   * r: an expert's remote bands come before its local ones), bands in row order. A band sends its
+   * first valid_rows rows to dest; the rest are padding, or in the band shared by the last remote
+   * group and the local group, local rows. The schedule orders them (tw__plan_set_schedule). */
   int32_t nb = 0;
   int64_t send_rows = 0;
   for (int32_t e = 0; e < E; e++) {
     pl->expert_band0[e] = nb;
+    pl->expert_local_band0[e] = -1;
+    const int64_t e_end = (int64_t)pl->expert_row0[e] + pl->expert_rows[e];
     for (int32_t q = 1; q <= W; q++) {
-      int32_t o = (rank + q) % W;
-      int is_local = o == rank;
-      if (is_local) pl->expert_local_band0[e] = nb;
-      size_t gi = (size_t)e * W + o;
-      int32_t c = sc.cnt[gi];
-      for (int32_t b = 0; (int64_t)b * TM < c; b++) {
-        tw_band* band = &pl->layout_bands[nb++];
-        int32_t valid = c - b * TM < TM ? c - b * TM : TM;
+      const int32_t o = (rank + q) % W;
+      if (o == rank) break; /* the local group's bands start inside the loop below */
+      const size_t gi = (size_t)e * W + o;
+      const int32_t c = sc.cnt[gi], g0 = sc.grp_row0[gi];
+      /* The last remote group's bands run on into the local group (to the expert's end). */
+      const int64_t end = q < W - 1 ? g0 + tw__ceil_div(c, TM) * TM : e_end;
+      for (int64_t r0 = g0; r0 < end; r0 += TM) {
+        tw_band* band = &pl->layout_bands[nb];
+        const int32_t rows = (int32_t)(end - r0 < TM ? end - r0 : TM);
+        const int64_t sent = g0 + (int64_t)c - r0; /* this group's rows from r0 on */
         band->expert = e;
-        band->row0 = sc.grp_row0[gi] + b * TM;
-        band->rows = is_local ? valid : TM; /* remote groups are whole bands */
-        band->valid_rows = valid;
-        band->dest = o;
+        band->row0 = (int32_t)r0;
+        band->rows = rows;
         band->segment = -1;
-        band->dest_offset = is_local ? -1 : (sc.dest_row[gi] + (int64_t)b * TM) * row_bytes;
-        if (!is_local) send_rows += valid;
+        if (sent > 0) { /* sends to o */
+          band->valid_rows = (int32_t)(sent < rows ? sent : rows);
+          band->dest = o;
+          band->dest_offset = (sc.dest_row[gi] + (r0 - g0)) * row_bytes;
+          send_rows += band->valid_rows;
+        } else { /* past the last remote group: a local band */
+          if (pl->expert_local_band0[e] < 0) pl->expert_local_band0[e] = nb;
+          band->valid_rows = rows;
+          band->dest = rank;
+          band->dest_offset = -1;
+        }
+        nb++;
       }
     }
+    if (W == 1) /* no remote group: the local group's bands alone */
+      for (int64_t r0 = pl->expert_row0[e]; r0 < e_end; r0 += TM) {
+        tw_band* band = &pl->layout_bands[nb++];
+        band->expert = e;
+        band->row0 = (int32_t)r0;
+        band->rows = band->valid_rows = (int32_t)(e_end - r0 < TM ? e_end - r0 : TM);
+        band->dest = rank;
+        band->segment = -1;
+        band->dest_offset = -1;
+        if (pl->expert_local_band0[e] < 0) pl->expert_local_band0[e] = nb - 1;
+      }
+    if (pl->expert_local_band0[e] < 0) pl->expert_local_band0[e] = nb; /* no local band */
   }
   pl->expert_band0[E] = nb;
   if (nb != num_bands) {

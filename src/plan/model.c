@@ -839,12 +839,19 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   const double c = 2.0 * (double)plan->tm * (double)plan->tn * k / (tflops * 1e6);
   const double f = m->hw.tile_floor_us * (double)plan->tn / 128.0; /* the floor grows with tn */
   m->tau_comp_us = sqrt(sqrt(c * c * c * c + f * f * f * f)) + m->hw.tile_overhead_us;
-  /* The owner reads each of its (token, k) rows (received or local) and writes each token. */
+  /* The owner reads each of its (token, k) rows (received or local) and writes each token. Its
+   * local rows are every routed row of its experts less those it sends (some sit in a band that
+   * sends its first rows to another rank). */
   const int64_t top_k = plan->problem.top_k;
-  int64_t own_rows = plan->recv_rows;
-  for (int32_t b = 0; b < plan->num_bands; b++)
-    if (plan->bands[b].dest == plan->rank) own_rows += plan->bands[b].valid_rows;
   const double row_bytes = 2.0 * (double)plan->problem.hidden;
+  int64_t own_rows = plan->recv_rows;
+  if (plan->expert_real_rows != NULL) { /* a planned layout */
+    own_rows -= (int64_t)((double)plan->send_bytes / row_bytes);
+    for (int32_t e = 0; e < plan->local_experts; e++) own_rows += plan->expert_real_rows[e];
+  } else { /* a plan built by hand: its local bands hold its local rows */
+    for (int32_t b = 0; b < plan->num_bands; b++)
+      if (plan->bands[b].dest == plan->rank) own_rows += plan->bands[b].valid_rows;
+  }
   m->reduce_us = (double)(own_rows + own_rows / top_k) * row_bytes / (m->hw.mem_gbps * 1e3);
   const tw_hardware* hw = &m->hw;
   const size_t stride = (size_t)hw->c_max + 1;

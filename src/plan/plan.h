@@ -10,7 +10,9 @@
  *   row      one (token, k-slot) assignment, H values wide, or a zero padding row;
  *   group    the rows of one local expert owned by one rank (contiguous in the layout);
  *   band     TM consecutive rows of one local expert, starting at a multiple of TM from the
- *            expert's first row; every band belongs to exactly one group, hence one owner;
+ *            expert's first row; the rows a band sends (its first valid_rows) belong to one
+ *            group, hence one owner; after them come padding rows, or, in the band where the
+ *            expert's last remote group ends, rows of the local group (layout.c);
  *   tile     one band x TN columns: the producer's unit of work;
  *   segment  one or more consecutive bands of one group, sent as one contiguous remote write.
  */
@@ -55,7 +57,8 @@ typedef struct tw_band {
   int32_t expert;      /* local expert */
   int32_t row0;        /* first row in the layout */
   int32_t rows;        /* rows in the band (TM except an expert's last band) */
-  int32_t valid_rows;  /* rows that carry tokens (the rest are padding, never sent) */
+  int32_t valid_rows;  /* rows sent to dest (all rows of a local band); the rest are padding or,
+                          in the band a remote group shares with the local group, local rows */
   int32_t dest;        /* owner rank of every valid row */
   int32_t segment;     /* segment index, -1 for local bands */
   int64_t dest_offset; /* byte offset of the band's first valid row in dest's receive buffer;

@@ -203,13 +203,20 @@ static void* receiver_main(void* arg) {
       return NULL;
     }
   }
+  /* Every band that holds rows of our own tokens: the local bands, and a band that sends its
+   * first rows to another rank and keeps ours after them (the last remote group's tail). On the
+   * GPU the final reduction runs after the producer kernel, which covers both. */
   for (int32_t b = 0; b < plan->num_bands; b++) {
-    if (plan->bands[b].dest != r) continue;
+    const tw_band* bd = &plan->bands[b];
+    const int shared = bd->dest != r && bd->valid_rows < bd->rows &&
+                       plan->row_src[bd->row0 + bd->valid_rows].owner == r;
+    if (bd->dest != r && !shared) continue;
     if (!exec_wait(ctx, &rk->band_done[b], ctx->col_tiles, &seen)) {
       exec_fail(ctx, TW_ERR_TIMEOUT,
-                "rank %d receiver: local band %d has %d of %d tiles "
+                "rank %d receiver: band %d (%s) has %d of %d tiles "
                 "published after %.0f ms",
-                r, b, seen, ctx->col_tiles, ctx->timeout_s * 1e3);
+                r, b, shared ? "shared with a remote group" : "local", seen, ctx->col_tiles,
+                ctx->timeout_s * 1e3);
       return NULL;
     }
   }
@@ -310,7 +317,8 @@ static tw_status check_plans(exec_ctx* ctx, const tw_plan_t* plans) {
             ctx->col_tiles);
       }
     free(tiles_of);
-    /* Bands: valid rows first and all owned by dest, padding after; offsets in bounds. */
+    /* Bands: valid rows first and all owned by dest; after them padding, or in a band shared by
+     * the last remote group and the local group, this rank's own rows; offsets in bounds. */
     for (int32_t b = 0; b < p->num_bands; b++) {
       const tw_band* bd = &p->bands[b];
       if (bd->dest < 0 || bd->dest >= W || bd->row0 < 0 || bd->row0 + bd->rows > p->rows ||
@@ -319,7 +327,8 @@ static tw_status check_plans(exec_ctx* ctx, const tw_plan_t* plans) {
             b, bd->dest, bd->row0, bd->rows, bd->valid_rows);
       for (int32_t i = 0; i < bd->rows; i++) {
         int32_t owner = p->row_src[bd->row0 + i].owner;
-        if ((i < bd->valid_rows && owner != bd->dest) || (i >= bd->valid_rows && owner != -1))
+        if ((i < bd->valid_rows && owner != bd->dest) ||
+            (i >= bd->valid_rows && owner != -1 && !(owner == r && bd->dest != r)))
           BAD("plan exec: rank %d band %d row %d has owner %d; the band sends %d valid rows to "
               "rank %d",
               r, b, bd->row0 + i, owner, bd->valid_rows, bd->dest);

@@ -639,7 +639,8 @@ static tw_status custom_plan(int32_t hidden, int32_t ffn, int32_t experts, int32
   return st;
 }
 
-/* Experts of the plan with both remote and local rows: the ones remote-first reads twice. */
+/* Experts of the plan with both remote and local bands: the ones remote-first reads twice (an
+ * expert whose local rows all fit in the band its remote rows end in has no local band). */
 static int64_t split_experts(tw_plan_t plan) {
   int64_t n = 0;
   for (int32_t e = 0; e < plan->local_experts; e++)
@@ -648,8 +649,9 @@ static int64_t split_experts(tw_plan_t plan) {
   return n;
 }
 
-/* Weight-heavy: 64 local experts of H 4096 x F 2048 (16.8 MB of weights each) and about 64 rows
- * each, so the weights dominate the producer's traffic and remote-first reads them twice. The
+/* Weight-heavy: 64 local experts of H 4096 x F 2048 (16.8 MB of weights each) and about 256 rows
+ * each (128 remote, 128 local: two or three bands), so the weights dominate the producer's traffic
+ * and remote-first reads them twice. The
  * model must see it (GEMM and T both slower under remote-first) and choose expert-major. Then
  * compute-heavy: 2 local experts with 16384 rows each, where the weights are a rounding error
  * and the choice may go either way, but never to the slower prediction: the model's choice
@@ -657,9 +659,9 @@ static int64_t split_experts(tw_plan_t plan) {
 static void test_schedule_choice(void) {
   const uint64_t seed = tw_test_seed; /* the run's seed, TW_TEST_SEED to replay */
   tw_plan_t rf = NULL, em = NULL, au = NULL;
-  CHECK_OK(custom_plan(4096, 2048, 128, 2048, TW_SCHEDULE_REMOTE_FIRST, seed, &rf));
-  CHECK_OK(custom_plan(4096, 2048, 128, 2048, TW_SCHEDULE_EXPERT_MAJOR, seed, &em));
-  CHECK_OK(custom_plan(4096, 2048, 128, 2048, TW_SCHEDULE_AUTO, seed, &au));
+  CHECK_OK(custom_plan(4096, 2048, 128, 8192, TW_SCHEDULE_REMOTE_FIRST, seed, &rf));
+  CHECK_OK(custom_plan(4096, 2048, 128, 8192, TW_SCHEDULE_EXPERT_MAJOR, seed, &em));
+  CHECK_OK(custom_plan(4096, 2048, 128, 8192, TW_SCHEDULE_AUTO, seed, &au));
   if (rf && em && au) {
     const int64_t split = split_experts(rf);
     CHECKF(split >= 48, "only %lld of 64 experts have remote and local rows", (long long)split);

@@ -257,8 +257,9 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
     const struct tw_plan* pl = plans[r];
     CHECK(pl->rank == r && pl->local_experts == E);
     CHECK(pl->col_tiles == cdiv(p->hidden, pl->tn));
-    /* Layout: experts contiguous in index order; groups r+1, ..., r-1, r; padding at remote
-     * group tails only, < TM per group; rows in (token, slot) order inside each group. */
+    /* Layout: experts contiguous in index order; groups r+1, ..., r-1, r; padding at the tails
+     * of remote groups but the last (r-1), < TM per group; rows in (token, slot) order inside each
+     * group. */
     int32_t row = 0;
     int32_t* remote_bands = calloc((size_t)E, sizeof *remote_bands);
     for (int32_t e = 0; e < E; e++) {
@@ -285,11 +286,11 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
           seen[o][key]++;
         }
         real += c;
-        if (o != r) {
+        if (o != r) remote_bands[e] += (int32_t)cdiv(c, TM);
+        if (q < W - 1) {
           int32_t pad = (int32_t)(cdiv(c, TM) * TM - c);
           CHECK(pad < TM);
           for (int32_t i = 0; i < pad; i++, row++) CHECK(pl->row_src[row].owner == -1);
-          remote_bands[e] += (int32_t)cdiv(c, TM);
         }
       }
       CHECK(pl->expert_real_rows[e] == real);
@@ -311,7 +312,9 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
     }
     for (int32_t e = 0; e < E; e++) CHECK(used[e] == 1);
 
-    /* Bands: in schedule order, one owner each, covering every row of every expert once. */
+    /* Bands: in schedule order, covering every row of every expert once; each sends its valid
+     * rows to one owner and holds after them padding or, shared by the last remote group and the
+     * local group, rows of its own rank. */
     int32_t* band_cover = calloc((size_t)pl->rows + 1, sizeof *band_cover);
     int32_t expected_bands = 0;
     for (int32_t e = 0; e < E; e++) expected_bands += (int32_t)cdiv(pl->expert_rows[e], TM);
@@ -379,7 +382,10 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
         if (x < b->valid_rows)
           CHECKF(owner == b->dest, "band %d row %d: owner %d, dest %d", i, x, owner, b->dest);
         else
-          CHECK(owner == -1);
+          CHECKF(owner == -1 || (owner == r && !local),
+                 "band %d row %d: owner %d after %d valid "
+                 "rows for %d",
+                 i, x, owner, b->valid_rows, b->dest);
       }
       if (local) {
         CHECK(b->segment == -1 && b->dest_offset == -1 && b->rows == b->valid_rows);
@@ -677,17 +683,19 @@ static void test_tokens_not_multiple_of_tm(void) {
   edge(3, 9, 2, 64, tokens, MODE_HOT);
 }
 
-/* Hand-checked small case: W 2, 2 local experts, TM 64, exact rows, offsets and segments. */
+/* Hand-checked small case: W 2, 2 local experts, TM 64, exact rows, offsets and segments, and one
+ * band shared by a remote group's tail and the local group. */
 static void test_hand_example(void) {
   tw_problem p = TW_PROBLEM_INIT;
   p.world_size = 2, p.experts = 4, p.top_k = 1, p.hidden = 64, p.ffn = 64, p.max_tokens = 200;
   p.tile_m = 64;
-  /* Rank 0: 100 tokens to expert 2 (rank 1's local 0), 10 to expert 0. Rank 1: 5 tokens to
-   * expert 3 (its local 1), 70 to expert 1 (rank 0's local 1). */
-  int32_t tokens[2] = {110, 75};
-  int32_t ids0[110], ids1[75];
-  float w0[110], w1[75];
-  for (int i = 0; i < 110; i++) ids0[i] = i < 100 ? 2 : 0, w0[i] = 1.0f;
+  /* Rank 0: 100 tokens to expert 2 (rank 1's local 0), 10 to expert 0, 20 to expert 1 (its own
+   * locals 0 and 1). Rank 1: 5 tokens to expert 3 (its local 1), 70 to expert 1 (rank 0's
+   * local 1). */
+  int32_t tokens[2] = {130, 75};
+  int32_t ids0[130], ids1[75];
+  float w0[130], w1[75];
+  for (int i = 0; i < 130; i++) ids0[i] = i < 100 ? 2 : i < 110 ? 0 : 1, w0[i] = 1.0f;
   for (int i = 0; i < 75; i++) ids1[i] = i < 5 ? 3 : 1, w1[i] = 1.0f;
   const int32_t* ids[2] = {ids0, ids1};
   const float* ws[2] = {w0, w1};
@@ -699,14 +707,19 @@ static void test_hand_example(void) {
   CHECK_OK(tw_plan_create(&p, rt, 0, &cfg, &p0));
   CHECK_OK(tw_plan_create(&p, rt, 1, &cfg, &p1));
   if (p0 && p1) {
-    /* Rank 0: expert 0 = 10 local rows; expert 1 = 70 rows from rank 1 padded to 128. */
+    /* Rank 0: expert 0 = 10 local rows; expert 1 = 70 rows from rank 1, then its own 20, no
+     * padding: bands [10, 74) to rank 1 and [74, 100), which sends its first 6 rows to rank 1
+     * and keeps rank 0's 20 rows after them. */
     CHECK(p0->expert_row0[0] == 0 && p0->expert_rows[0] == 10);
-    CHECK(p0->expert_row0[1] == 10 && p0->expert_rows[1] == 128);
-    CHECK(p0->rows == 138 && p0->expert_order[0] == 1 && p0->expert_order[1] == 0);
+    CHECK(p0->expert_row0[1] == 10 && p0->expert_rows[1] == 90);
+    CHECK(p0->rows == 100 && p0->expert_order[0] == 1 && p0->expert_order[1] == 0);
     CHECK(p0->num_bands == 3 && p0->num_remote_tiles == 2);
     CHECK(p0->bands[0].row0 == 10 && p0->bands[0].valid_rows == 64 && p0->bands[0].dest == 1);
-    CHECK(p0->bands[1].row0 == 74 && p0->bands[1].valid_rows == 6);
+    CHECK(p0->bands[1].row0 == 74 && p0->bands[1].rows == 26 && p0->bands[1].valid_rows == 6 &&
+          p0->bands[1].dest == 1);
+    CHECK(p0->row_src[79].owner == 1 && p0->row_src[80].owner == 0 && p0->row_src[80].token == 110);
     CHECK(p0->bands[2].row0 == 0 && p0->bands[2].rows == 10 && p0->bands[2].dest == 0);
+    CHECK(p0->expert_local_band0[1] == p0->expert_band0[2]); /* expert 1 has no local band */
     /* Rank 1 receives from rank 0 only: rows of token 5..74 in order, at offset 0. */
     CHECK(p0->bands[0].dest_offset == 0 && p0->bands[1].dest_offset == 64 * 128);
     CHECK(p1->recv_rows == 70 && p1->recv_bands[0] == 2 && p1->recv_bands[1] == 0);
@@ -714,12 +727,17 @@ static void test_hand_example(void) {
     CHECK(p0->num_segments == 2 && p0->segments[0].nbands == 1 && p0->segments[1].nbands == 1);
     CHECK(p0->send_bytes == 70 * 128);
     CHECK(p1->slot_row[5] == 0 && p1->slot_row[74] == 69);
-    /* Rank 1: expert 0 (global 2) has 100 rows from rank 0 -> 128; expert 1 (global 3) 5 local. */
-    CHECK(p1->expert_rows[0] == 128 && p1->expert_rows[1] == 5 && p1->rows == 133);
-    CHECK(p1->slot_row[0] == p1->recv_rows + 128);
+    /* Rank 0's own rows: received (tokens 0..99) and in place, in the shared band (110..129). */
+    CHECK(p0->recv_rows == 100 && p0->slot_row[0] == 0 && p0->slot_row[99] == 99);
+    CHECK(p0->slot_row[110] == p0->recv_rows + 80 && p0->slot_row[129] == p0->recv_rows + 99);
+    CHECK(p0->slot_row[100] == p0->recv_rows + 0);
+    /* Rank 1: expert 0 (global 2) has 100 rows from rank 0, no padding; expert 1 (global 3) 5
+     * local. */
+    CHECK(p1->expert_rows[0] == 100 && p1->expert_rows[1] == 5 && p1->rows == 105);
+    CHECK(p1->slot_row[0] == p1->recv_rows + 100);
     tw_plan_summary s;
     CHECK_OK(tw_plan_summary_get(p1, &s));
-    CHECK(s.rank == 1 && s.rows == 133 && s.padding_rows == 28 && s.bands == 3);
+    CHECK(s.rank == 1 && s.rows == 105 && s.padding_rows == 0 && s.bands == 3);
     CHECK(s.tiles == 3 && s.remote_tiles == 2 && s.segments == 2 && s.send_bytes == 100 * 128);
     CHECK(s.coalesce == 4);
   }
