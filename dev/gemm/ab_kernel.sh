@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# A kernel change side by side with the kernel it replaces, on a GPU machine, in one go: builds
-# the tree as it is (build-gpu) and a copy of it with src/kernels/sm90_gemm.cu taken from OLD
-# (build-old), then
+# A change side by side with what it replaces, on a GPU machine, in one go: builds the tree as it
+# is (build-gpu) and an old one (OLD: a kernel file that replaces src/kernels/sm90_gemm.cu in a
+# copy of this tree, or a .tgz of a whole older tree, e.g. `git archive REV | gzip`), then
 #   tests:  ctest (GPU tests included) and compute-sanitizer racecheck / synccheck on test_gemm
 #           (small shapes), new build only;
+#   gputests: the GPU tests only (ctest -R gpu), new build only;
 #   gemm:   `tilewave bench gemm` (the default grid), old, new, old, new;
 #   points: `tilewave bench` at the given shapes (POINTS: "N:E ..." at tokens 8192,16384), each
 #           old then new.
-# Usage: dev/gemm/ab_kernel.sh OLD_KERNEL_FILE [tests] [gemm] [points]   results under $OUT
+# Usage: dev/gemm/ab_kernel.sh OLD [tests|gputests] [gemm] [points]   results under $OUT
 set -uo pipefail
 OLD=$1; shift
 OUT=${OUT:-$PWD/ab-out}
@@ -16,7 +17,12 @@ export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 CUDA_MODULE_LOADING=EAGER
 NCCL_ROOT=$(python3 -c 'import nvidia.nccl as m; print(m.__path__[0])' 2>/dev/null || true)
 cfg() { cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release ${NCCL_ROOT:+-DTW_NCCL_ROOT=$NCCL_ROOT}; }
 OLDTREE=$(mktemp -d)
-cp -r CMakeLists.txt include src tools tests python bench dev scripts "$OLDTREE"/ && cp "$OLD" "$OLDTREE/src/kernels/sm90_gemm.cu"
+if [[ $OLD == *.tgz ]]; then
+  tar -xzf "$OLD" -C "$OLDTREE"
+else
+  cp -r CMakeLists.txt include src tools tests python bench dev scripts "$OLDTREE"/ &&
+    cp "$OLD" "$OLDTREE/src/kernels/sm90_gemm.cu"
+fi
 { cfg . build-gpu && cmake --build build-gpu -j "$(nproc)"; } >"$OUT/build-new.log" 2>&1 || { tail -30 "$OUT/build-new.log"; exit 1; }
 { cfg "$OLDTREE" "$OLDTREE/build" && cmake --build "$OLDTREE/build" -j "$(nproc)" --target tilewave_cli; } \
   >"$OUT/build-old.log" 2>&1 || { tail -30 "$OUT/build-old.log"; exit 1; }
@@ -34,6 +40,12 @@ for what in "$@"; do
           build-gpu/test_gemm >"$OUT/sanitizer-gemm-$tool.txt" 2>&1
         echo "test_gemm $tool: exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-gemm-$tool.txt" | tr '\n' ' ')"
       done ;;
+    gputests)
+      ctest --test-dir build-gpu -R '^gpu\.' --output-on-failure --timeout 300 >"$OUT/ctest-gpu.log" 2>&1
+      rc=$?
+      echo "ctest (GPU tests) exit $rc: $(grep -E 'tests passed|tests failed' "$OUT/ctest-gpu.log")"
+      grep -E "Failed|\*\*\*|CHECK failed" "$OUT/ctest-gpu.log" | head
+      [ $rc = 0 ] || { echo "stopping: a GPU test failed"; break; } ;;
     gemm)
       for round in 1 2; do
         for v in old new; do
