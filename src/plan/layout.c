@@ -262,12 +262,12 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
     pl->expert_band0[e] = nb;
     pl->expert_local_band0[e] = -1;
     const int64_t e_end = (int64_t)pl->expert_row0[e] + pl->expert_rows[e];
-    for (int32_t q = 1; q <= W; q++) {
+    /* Remote groups r+1, ..., r-1 (with one rank: the local group alone, as a group that sends
+     * nothing); the last one's bands run on into the local group, to the expert's end. */
+    for (int32_t q = 1; q <= (W > 1 ? W - 1 : 1); q++) {
       const int32_t o = (rank + q) % W;
-      if (o == rank) break; /* the local group's bands start inside the loop below */
       const size_t gi = (size_t)e * W + o;
-      const int32_t c = sc.cnt[gi], g0 = sc.grp_row0[gi];
-      /* The last remote group's bands run on into the local group (to the expert's end). */
+      const int32_t c = o == rank ? 0 : sc.cnt[gi], g0 = sc.grp_row0[gi];
       const int64_t end = q < W - 1 ? g0 + tw__ceil_div(c, TM) * TM : e_end;
       for (int64_t r0 = g0; r0 < end; r0 += TM) {
         tw_band* band = &pl->layout_bands[nb];
@@ -291,17 +291,6 @@ static tw_status tw__plan_build(struct tw_plan* pl, const struct tw_routing* rt)
         nb++;
       }
     }
-    if (W == 1) /* no remote group: the local group's bands alone */
-      for (int64_t r0 = pl->expert_row0[e]; r0 < e_end; r0 += TM) {
-        tw_band* band = &pl->layout_bands[nb++];
-        band->expert = e;
-        band->row0 = (int32_t)r0;
-        band->rows = band->valid_rows = (int32_t)(e_end - r0 < TM ? e_end - r0 : TM);
-        band->dest = rank;
-        band->segment = -1;
-        band->dest_offset = -1;
-        if (pl->expert_local_band0[e] < 0) pl->expert_local_band0[e] = nb - 1;
-      }
     if (pl->expert_local_band0[e] < 0) pl->expert_local_band0[e] = nb; /* no local band */
   }
   pl->expert_band0[E] = nb;
