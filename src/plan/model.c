@@ -840,18 +840,21 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   const double f = m->hw.tile_floor_us * (double)plan->tn / 128.0; /* the floor grows with tn */
   m->tau_comp_us = sqrt(sqrt(c * c * c * c + f * f * f * f)) + m->hw.tile_overhead_us;
   /* The owner reads each of its (token, k) rows (received or local) and writes each token. Its
-   * local rows are every routed row of its experts less those it sends (some sit in a band that
-   * sends its first rows to another rank). */
+   * local rows: every row of its local bands, and in a band that sends its first rows to another
+   * rank, the rows of its own after them (the band a remote group shares with the local group;
+   * elsewhere those rows are padding). */
   const int64_t top_k = plan->problem.top_k;
-  const double row_bytes = 2.0 * (double)plan->problem.hidden;
   int64_t own_rows = plan->recv_rows;
-  if (plan->expert_real_rows != NULL) { /* a planned layout */
-    own_rows -= (int64_t)((double)plan->send_bytes / row_bytes);
-    for (int32_t e = 0; e < plan->local_experts; e++) own_rows += plan->expert_real_rows[e];
-  } else { /* a plan built by hand: its local bands hold its local rows */
-    for (int32_t b = 0; b < plan->num_bands; b++)
-      if (plan->bands[b].dest == plan->rank) own_rows += plan->bands[b].valid_rows;
+  for (int32_t b = 0; b < plan->num_bands; b++) {
+    const tw_band* bd = &plan->bands[b];
+    if (bd->dest == plan->rank) {
+      own_rows += bd->valid_rows;
+      continue;
+    }
+    for (int32_t r = bd->row0 + bd->valid_rows; r < bd->row0 + bd->rows; r++)
+      own_rows += plan->row_src[r].owner == plan->rank;
   }
+  const double row_bytes = 2.0 * (double)plan->problem.hidden;
   m->reduce_us = (double)(own_rows + own_rows / top_k) * row_bytes / (m->hw.mem_gbps * 1e3);
   const tw_hardware* hw = &m->hw;
   const size_t stride = (size_t)hw->c_max + 1;
