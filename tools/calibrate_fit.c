@@ -72,6 +72,12 @@ tw_status tw__calib_fit_producer(const double* flop_per_tile, const double* us_p
   return TW_SUCCESS;
 }
 
+/* The model's tile time is the 4-norm of two parts, (a^4 + b^4)^(1/4): given the whole t and
+ * one part b, the other, or 0 where t is not above b. */
+static double tw__norm4_rest(double t, double b) {
+  return t > b ? sqrt(sqrt(t * t * t * t - b * b * b * b)) : 0.0;
+}
+
 tw_status tw__calib_tile_floor(double flop_per_tile, int tn, double us_per_wave, double tile_tflops,
                                double tile_overhead_us, double* tile_floor_us) {
   TW_CHECK_NULL(tile_floor_us);
@@ -82,9 +88,9 @@ tw_status tw__calib_tile_floor(double flop_per_tile, int tn, double us_per_wave,
                     "calibrate floor: flop %g, tn %d, us/wave %g, tile_tflops %g, overhead %g: "
                     "need finite positive values",
                     flop_per_tile, tn, us_per_wave, tile_tflops, tile_overhead_us);
-  const double c = flop_per_tile / (tile_tflops * 1e6), t = us_per_wave - tile_overhead_us;
-  const double f = t > c ? sqrt(sqrt(t * t * t * t - c * c * c * c)) : 0.0;
-  *tile_floor_us = f * 128.0 / tn; /* the model scales it back by tn / 128 */
+  const double c = flop_per_tile / (tile_tflops * 1e6);
+  /* the model scales it back by tn / 128 */
+  *tile_floor_us = tw__norm4_rest(us_per_wave - tile_overhead_us, c) * 128.0 / tn;
   return TW_SUCCESS;
 }
 
@@ -104,8 +110,7 @@ tw_status tw__calib_tile_share(double flop_per_tile, int tn, double us_per_wave,
                     "calibrate tile share: a wave of %g us is no longer than the overhead %g us "
                     "and the floor %g us: no compute to see (use a larger K)",
                     us_per_wave, tile_overhead_us, f);
-  const double c = sqrt(sqrt(t * t * t * t - f * f * f * f));
-  *share = flop_per_tile / (tile_tflops * 1e6 * c);
+  *share = flop_per_tile / (tile_tflops * 1e6 * tw__norm4_rest(t, f));
   return TW_SUCCESS;
 }
 
