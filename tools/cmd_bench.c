@@ -1088,23 +1088,22 @@ static tw_status twb_versus_point(twb_rank* s, const twb_opts* o, const twb_poin
   ov.iters = o->versus;
   const int n = ov.iters;
   float* samples = (float*)calloc(2 * (size_t)n, sizeof(float));
-  double* x = (double*)calloc(2 * (size_t)n, sizeof(double));
+  double* ratio = (double*)calloc((size_t)n, sizeof(double));
   tw_status st =
-      samples && x ? TW_SUCCESS : tw__fail(TW_ERR_OUT_OF_MEMORY, "sweep: out of host memory");
+      samples && ratio ? TW_SUCCESS : tw__fail(TW_ERR_OUT_OF_MEMORY, "sweep: out of host memory");
   int last_set = 0;
   if (st == TW_SUCCESS) st = twb_time(s, &ov, pols, 2, samples, &last_set);
   if (st == TW_SUCCESS) st = tw_context_check(s->ctx);
   if (st == TW_SUCCESS) {
-    double lo = 0, hi = 0;
-    for (int i = 0; i < n; i++) x[i] = samples[i], x[n + i] = samples[n + i];
-    v->model_us = tw__oracle_percentile(x, n, 0.5);
-    v->fixed_us = tw__oracle_percentile(x + n, n, 0.5);
-    for (int i = 0; i < n; i++) x[i] = (double)samples[i] / (double)samples[n + i];
-    tw__oracle_median_ci(x, n, 0.95, &v->ratio, &lo, &hi);
-    v->lo = lo, v->hi = hi;
+    tw__bench_stats sm, sf;
+    tw__bench_stats_of(samples, n, &sm);
+    tw__bench_stats_of(samples + n, n, &sf);
+    v->model_us = sm.median, v->fixed_us = sf.median;
+    for (int i = 0; i < n; i++) ratio[i] = (double)samples[i] / (double)samples[n + i];
+    tw__oracle_median_ci(ratio, n, 0.95, &v->ratio, &v->lo, &v->hi);
   }
   free(samples);
-  free(x);
+  free(ratio);
   return st;
 }
 
@@ -1479,13 +1478,13 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
       return 1;
     }
     const int rounds = o->warmup + o->iters + 1;
-    /* --confirm: up to 5 cells near the best, each about the model's predicted time. */
-    const double confirm_s = o->confirm * 5 * (ms.predicted_us + o->delay_us + 100.0) * 1e-6;
+    /* One more launch of about the model's choice, with the delay and ~100 us around it. */
+    const double launch_s = (ms.predicted_us + o->delay_us + 100.0) * 1e-6;
+    /* --confirm: up to 5 cells near the best. */
+    const double confirm_s = o->confirm * 5 * launch_s;
     /* --versus-fixed: a second setup (~0.1 s: run 13's pass took 12 s for 114 points) and two
      * launches per round. */
-    const double versus_s = o->versus > 0 ? 0.1 + (o->warmup + o->versus) * 2 *
-                                                      (ms.predicted_us + o->delay_us + 100.0) * 1e-6
-                                          : 0.0;
+    const double versus_s = o->versus > 0 ? 0.1 + (o->warmup + o->versus) * 2 * launch_s : 0.0;
     const double est = rounds * (sum_pred + ncand * (o->delay_us + 100.0)) * 1e-6 + 2.0 +
                        o->solve_reps * t_create + confirm_s + versus_s;
     total += est;
