@@ -21,17 +21,9 @@
 #include <algorithm>
 #include <vector>
 
+#include "../reduce/lab_common.cuh" /* CK */
 #include "kernels.h"
 #include "tilewave.h"
-
-#define CK(x)                                                                             \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      exit(1);                                                                            \
-    }                                                                                     \
-  } while (0)
 
 __global__ void fill_random(uint32_t* p, size_t n, uint32_t seed, uint32_t mask) {
   for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;

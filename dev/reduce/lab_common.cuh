@@ -1,7 +1,7 @@
 /*
  * lab_common.cuh: what the reduction labs (reduce_lab.cu, idle_warps.cu) share: a CUDA error
- * check that stops the lab, and the library's reduction arithmetic (src/kernels/bf16x8.cuh), so
- * that every lab sums exactly like the library.
+ * check that stops the lab (dev/gemm/idle_warps_lab.cu uses it too), and the library's reduction
+ * arithmetic (src/kernels/bf16x8.cuh), so that every lab sums exactly like the library.
  */
 #pragma once
 
