@@ -4,11 +4,10 @@
 # then the benchmark tables (bench/gpu_bench.sh), all under $OUT (default ./gpu-out).
 # Usage: bench/gpu_all.sh [quick|tests]   quick: tests + a reduced benchmark grid; tests: build and
 #        ctest only (for lab runs that add their own measurements after it)
-# Takes about 6.5 minutes on 2 x H200 with the quick oracle (392 s in run 8, before the oracle's
-# default went from 5 to 15 timed rounds per cell; not timed since: the quick matrix took 17 s
-# with 5 rounds, about three times that is expected). Run
-# `tilewave sweep --oracle --matrix full` (about 5 minutes) in a call of its own: with it the
-# script would pass a 10-minute call limit.
+# Takes about 8 minutes on 2 x H200 with the quick oracle (470 s for the whole call in run 14,
+# build included; the quick matrix 36 s of it). Run `tilewave sweep --oracle --matrix full`
+# (281 s with 15 rounds, run 13) in a call of its own: with it the script would pass a 10-minute
+# call limit.
 # Everything it writes is also archived as $OUT/00-gpu-results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
