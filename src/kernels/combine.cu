@@ -5,26 +5,26 @@
  * stores, below), and
  * announces each piece with a release reduction on the owner's arrival counter.
  *
- * Work is cut into units of (band, T consecutive column tiles) of the plan's segments, in
- * schedule order (the order in which the producer finishes bands, either schedule). The CTAs
- * claim units in that order from one counter (atomicAdd), so the C CTAs are one pool: a CTA that
- * finishes early takes the next unit instead of leaving it to a CTA still busy with a long one
- * (with a fixed unit-to-CTA assignment, u mod C, units queued behind a busy CTA while others
- * waited for bands the producer had not finished). A CTA claims its next unit when it has
- * issued the copy of the current one: the atomic's round trip overlaps the drain of that unit's
- * bulk stores, and no unit waits behind a busy CTA (claiming while a whole unit was still to be
- * copied held the last units back behind CTAs with a band of up to 2 MB in front of them). A
- * unit may leave once every band of its segment is complete, so a coalesced segment goes out
- * as one burst of contiguous remote rows. Units are announced on the owner's arrival counter;
- * the owner expects recv_bands * ceil(col_tiles / T) per call, so T must be the same on every
- * rank (the context checks). T defaults to a whole band with bulk copies and to 1 with register
- * copies.
- * A system-scope release waits until the CTA's NVLink stores are acknowledged (a round trip of
- * microseconds), so a CTA does not release after every unit: it counts finished units per
- * owner and releases them with one reduction per owner when it runs out of units (and before
- * its first wait for an owner's credit, at most W times). The owner's reduction waits for all
- * units anyway. (An earlier form also released whenever the CTA was about to block on a band
- * that was not ready yet; dropping that changed no measured time, 2 x H200, run 5.)
+ * Work is cut into units of (band, T consecutive column tiles) of the plan's segments (the last
+ * bands of each destination stream also into row parts, combine.h), in schedule order (the order in
+ * which the producer finishes bands, either schedule). The CTAs claim units in that order from one
+ * counter (atomicAdd), so the C CTAs are one pool: a CTA that finishes early takes the next unit
+ * instead of leaving it to a CTA still busy with a long one (with a fixed unit-to-CTA assignment, u
+ * mod C, units queued behind a busy CTA while others waited for bands the producer had not
+ * finished). A CTA claims its next unit when it has issued the copy of the current one: the
+ * atomic's round trip overlaps the drain of that unit's bulk stores, and no unit waits behind a
+ * busy CTA (claiming while a whole unit was still to be copied held the last units back behind CTAs
+ * with a band of up to 2 MB in front of them). A unit may leave once every band of its segment is
+ * complete, so a coalesced segment goes out as one burst of contiguous remote rows. Units are
+ * announced on the owner's arrival counter; the owner expects recv_bands * ceil(col_tiles / T) per
+ * call, so T must be the same on every rank (the context checks). T defaults to a whole band with
+ * bulk copies and to 1 with register copies. A system-scope release waits until the CTA's NVLink
+ * stores are acknowledged (a round trip of microseconds), so a CTA does not release after every
+ * unit: it counts finished units per owner and releases them with one reduction per owner when it
+ * runs out of units (and before its first wait for an owner's credit, at most W times). The owner's
+ * reduction waits for all units anyway. (An earlier form also released whenever the CTA was about
+ * to block on a band that was not ready yet; dropping that changed no measured time, 2 x H200,
+ * run 5.)
  *
  * NOTES: ordering, per unit:
  *  1. thread 0 acquires (.gpu) the band counters of the segment: the producer released them
@@ -266,10 +266,26 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   for (int u = s_unit; u < a.total_units; u = s_unit) {
     while (a.seg_unit0[seg + 1] <= u) seg++;
     const tw_segment sg = a.segments[seg];
-    const int local = u - a.seg_unit0[seg];
-    const int band_local = local / a.unit_chunks;
+    /* Unit -> (band, column chunk, row part): bands before seg_split0 are unit_chunks units
+     * each; the segment's later bands (the stream's last, see combine.h) unit_chunks x
+     * tail_parts, consecutive units being different row parts so that CTAs share a band. */
+    int local = u - a.seg_unit0[seg];
+    const int split0 = a.seg_split0[seg];
+    int band_local, chunk, part = 0, parts = 1;
+    if (local < split0 * a.unit_chunks) {
+      band_local = local / a.unit_chunks;
+      chunk = local - band_local * a.unit_chunks;
+    } else {
+      local -= split0 * a.unit_chunks;
+      parts = a.tail_parts;
+      const int per_band = a.unit_chunks * parts;
+      const int k = local / per_band;
+      band_local = split0 + k;
+      chunk = (local - k * per_band) / parts;
+      part = local - k * per_band - chunk * parts;
+    }
     const int band_i = sg.band0 + band_local;
-    const int ct0 = (local - band_local * a.unit_chunks) * a.tiles_per_unit;
+    const int ct0 = chunk * a.tiles_per_unit;
     const int unit_tiles =
         a.col_tiles - ct0 < a.tiles_per_unit ? a.col_tiles - ct0 : a.tiles_per_unit;
     const int dest = sg.dest;
@@ -306,25 +322,29 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     const tw_band band = a.bands[band_i];
     const int c0 = ct0 * a.tn;
     const int ncols = a.hidden - c0 < unit_tiles * a.tn ? a.hidden - c0 : unit_tiles * a.tn;
+    /* This part's rows of the band's valid ones: [r0, r0 + nrows). */
+    const int part_rows = (band.valid_rows + parts - 1) / parts;
+    const int r0 = part * part_rows;
+    const int nrows = band.valid_rows - r0 < part_rows ? max(band.valid_rows - r0, 0) : part_rows;
     char* peer = static_cast<char*>(ncclGetPeerPointer(a.win, 0, dest));
-    if (!skip && band.valid_rows > 0) {
-      const char* src =
-          reinterpret_cast<const char*>(a.c) + (size_t)band.row0 * row_bytes + (size_t)c0 * 2;
-      char* dst = peer + a.lay.data + (size_t)band.dest_offset + (size_t)c0 * 2;
+    if (!skip && nrows > 0) {
+      const size_t at = (size_t)r0 * row_bytes + (size_t)c0 * 2;
+      const char* src = reinterpret_cast<const char*>(a.c) + (size_t)band.row0 * row_bytes + at;
+      char* dst = peer + a.lay.data + (size_t)band.dest_offset + at;
       if (!kBulk) {
-        tw__copy_rows(dst, row_bytes, src, row_bytes, band.valid_rows, ncols / 8);
+        tw__copy_rows(dst, row_bytes, src, row_bytes, nrows, ncols / 8);
       } else if (threadIdx.x == 0) {
         const tw__unit_shape us =
-            tw__unit_shape_make(src, dst, row_bytes, (size_t)ncols * 2, band.valid_rows);
+            tw__unit_shape_make(src, dst, row_bytes, (size_t)ncols * 2, nrows);
         s_copied = tw__bulk_copy_unit(pipe, us, a);
       }
       if (a.debug_tags) {
         /* One tag per row and one count per (row, column tile): the owner expects exactly
          * col_tiles hits. */
-        const size_t row0 = (size_t)band.dest_offset / row_bytes;
+        const size_t row0 = (size_t)band.dest_offset / row_bytes + (size_t)r0;
         uint32_t* tags = reinterpret_cast<uint32_t*>(peer + a.lay.tags) + row0;
         uint32_t* hits = reinterpret_cast<uint32_t*>(peer + a.lay.hits) + row0;
-        for (int r = threadIdx.x; r < band.valid_rows; r += blockDim.x) {
+        for (int r = threadIdx.x; r < nrows; r += blockDim.x) {
           if (ct0 == 0) tags[r] = (uint32_t)a.rank + 1;
           atomicAdd_system(&hits[r], (uint32_t)unit_tiles);
         }

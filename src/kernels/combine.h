@@ -8,7 +8,8 @@
  *                  (release .gpu); the consumer waits for col_tiles (acquire .gpu). The host
  *                  zeroes them before every call, on the caller's stream before the producer.
  *   arrivals[s]    in the owner's window, one per source rank s; the source's consumer adds
- *                  its sent units, batched (release .sys; recv_bands * unit_chunks per call);
+ *                  its sent units, batched (release .sys; per call unit_chunks per band and
+ *                  tail_parts times that for the source's last tail_bands bands to this owner);
  *                  cumulative since the last reset, the host keeps the running target.
  *   credits[d]     in the source's window, one per owner rank d; d's reduction adds 1 per call
  *                  once it has finished reading its receive buffer (release .sys); a source
@@ -25,6 +26,13 @@
 #include "kernels.h"
 #include "runtime.h"
 #include "sync.cuh"
+
+/* The consumer's tail split (context.cu): the last TW_DEFAULT_TAIL_BANDS bands of every
+ * destination stream go as TW_DEFAULT_TAIL_PARTS row parts each. The band the producer finishes
+ * last is otherwise one CTA's copy at ~35 GB/s after the GEMM has ended (2 MB at hidden 8192:
+ * ~57 us); in parts, the pool's CTAs share it. */
+#define TW_DEFAULT_TAIL_BANDS 2
+#define TW_DEFAULT_TAIL_PARTS 4
 
 /* Further kinds of device-side failure (tw_dev_error.where), after sync.cuh's TW_WAIT_*. */
 enum { TW_WAIT_CREDIT = 4, TW_CHECK_TAGS = 5, TW_WAIT_COPY = 6 };
@@ -47,13 +55,15 @@ typedef struct tw_consumer_args {
   const tw_band* bands;          /* (num_bands) */
   const tw_segment* segments;    /* (segments) in schedule order */
   const int32_t* seg_unit0;      /* (segments + 1) first unit of each segment; last = total */
-  int32_t total_units;           /* transfer units = sum over segments of nbands * unit_chunks */
+  const int32_t* seg_split0;     /* (segments) first band of a segment cut into row parts */
+  int32_t total_units;           /* transfer units (seg_unit0[segments]) */
   uint32_t* unit_next;           /* the next unit no CTA has claimed; 0 at launch */
   const uint32_t* band_counters; /* (num_bands) */
   int32_t wait_bands;            /* 0: data already complete (comm-only mode) */
   int32_t col_tiles, tn, hidden;
   int32_t tiles_per_unit; /* T: column tiles per transfer unit (1..col_tiles) */
   int32_t unit_chunks;    /* ceil(col_tiles / T): units per band */
+  int32_t tail_parts;     /* row parts of each band from seg_split0 on (1: whole bands) */
   int32_t copy;           /* TW_CONSUMER_COPY_REGISTERS or _BULK (combine.cu) */
   int32_t rank, world;
   uint32_t credit_target; /* epoch - 1 */

@@ -49,12 +49,16 @@ struct tw_context {
   int32_t tm, tn, col_tiles, local_experts;
   int32_t tiles_per_unit; /* consumer unit width in column tiles (TW_CONSUMER_TILES_PER_UNIT) */
   int32_t unit_chunks;    /* ceil(col_tiles / tiles_per_unit) */
-  int32_t copy;           /* tw_consumer_copy: REGISTERS or BULK */
-  int32_t gemm_variant;   /* producer kernel version (TW_GEMM_VARIANT; 0 = the library's) */
-  int64_t rows_max;       /* GEMM output rows any plan of this problem can need */
-  int64_t bands_max;      /* bands (and segments) any plan can have */
-  int64_t slots_max;      /* max_tokens * top_k */
-  int64_t recv_rows_max;  /* rows other ranks can send here in one call */
+  /* The last tail_bands bands of every destination stream go as tail_parts row parts each, so
+   * that the band the producer finishes last is not one CTA's copy after the GEMM has ended
+   * (TW_CONSUMER_TAIL_BANDS / TW_CONSUMER_TAIL_PARTS; the owners count the units). */
+  int32_t tail_bands, tail_parts;
+  int32_t copy;          /* tw_consumer_copy: REGISTERS or BULK */
+  int32_t gemm_variant;  /* producer kernel version (TW_GEMM_VARIANT; 0 = the library's) */
+  int64_t rows_max;      /* GEMM output rows any plan of this problem can need */
+  int64_t bands_max;     /* bands (and segments) any plan can have */
+  int64_t slots_max;     /* max_tokens * top_k */
+  int64_t recv_rows_max; /* rows other ranks can send here in one call */
 
   /* Symmetric window: receive rows, arrivals, credits, debug tags (combine.h). */
   tw_window_layout lay;
@@ -98,9 +102,10 @@ struct tw_device_plan {
   tw_band* bands;       /* (bands_max) */
   tw_segment* segments; /* (bands_max) */
   int32_t* seg_unit0;   /* (bands_max + 1) */
+  int32_t* seg_split0;  /* (bands_max) */
   int32_t* slot_row;    /* (slots_max) */
   float* weights;       /* (slots_max) */
-  int32_t* h_seg_unit0; /* host staging of seg_unit0 */
+  int32_t* h_seg_unit0; /* host staging of seg_unit0, then seg_split0 */
   int uploaded;
   int32_t rows, recv_rows, num_tiles, num_bands, total_units, tokens, comm_ctas;
   int32_t recv_bands[TW_MAX_RANKS];
@@ -213,6 +218,7 @@ static void tw__consumer_args_init(const struct tw_context* ctx, tw_consumer_arg
   ca->col_tiles = ctx->col_tiles;
   ca->tiles_per_unit = ctx->tiles_per_unit;
   ca->unit_chunks = ctx->unit_chunks;
+  ca->tail_parts = ctx->tail_parts;
   ca->copy = ctx->copy;
   ca->tn = ctx->tn;
   ca->hidden = ctx->problem.hidden;
@@ -412,10 +418,12 @@ static tw_status tw__context_init(tw_context_t ctx) {
 
   /* Every rank must cut bands into the same units (the owners count them): compare. */
   {
-    int32_t mine[2] = {ctx->tiles_per_unit, -ctx->tiles_per_unit}, all[2] = {0, 0};
+    int32_t mine[6] = {ctx->tiles_per_unit, -ctx->tiles_per_unit, ctx->tail_bands,
+                       -ctx->tail_bands,    ctx->tail_parts,      -ctx->tail_parts};
+    int32_t all[6] = {0, 0, 0, 0, 0, 0};
     TW_CUDA_TRY(cudaMemcpy(ctx->scratch, mine, sizeof mine, cudaMemcpyHostToDevice));
     TW_NCCL_TRY(
-        ncclAllReduce(ctx->scratch, ctx->scratch, 2, ncclInt32, ncclMax, ctx->comm, ctx->s_aux));
+        ncclAllReduce(ctx->scratch, ctx->scratch, 6, ncclInt32, ncclMax, ctx->comm, ctx->s_aux));
     TW_CUDA_TRY(cudaMemcpyAsync(all, ctx->scratch, sizeof all, cudaMemcpyDeviceToHost, ctx->s_aux));
     TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
     if (all[0] != mine[0] || all[1] != mine[1])
@@ -424,6 +432,12 @@ static tw_status tw__context_init(tw_context_t ctx) {
                       "%d over all ranks); give every rank the same unit_tiles / "
                       "TW_CONSUMER_TILES_PER_UNIT",
                       mine[0], -all[1], all[0]);
+    if (all[2] != mine[2] || all[3] != mine[3] || all[4] != mine[4] || all[5] != mine[5])
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_context_create: ranks split their last bands differently (%d bands in %d "
+                      "parts here; %d..%d bands, %d..%d parts over all ranks); give every rank the "
+                      "same TW_CONSUMER_TAIL_BANDS and TW_CONSUMER_TAIL_PARTS",
+                      mine[2], mine[4], -all[3], all[2], -all[5], all[4]);
   }
   TW_TRY(tw__warm_up(ctx));
   TW_TRY(tw__zero_state(ctx));
@@ -474,6 +488,12 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
    * the library's default). */
   int gemm_variant = 0;
   TW_TRY(tw__env_int_in("tw_context_create", "TW_GEMM_VARIANT", 0, 5, 0, &gemm_variant));
+  /* The consumer's tail split (0 bands or 1 part: every band is one unit per column chunk). */
+  int tail_bands = 0, tail_parts = 0;
+  TW_TRY(tw__env_int_in("tw_context_create", "TW_CONSUMER_TAIL_BANDS", 0, 1 << 20,
+                        TW_DEFAULT_TAIL_BANDS, &tail_bands));
+  TW_TRY(tw__env_int_in("tw_context_create", "TW_CONSUMER_TAIL_PARTS", 1, 64, TW_DEFAULT_TAIL_PARTS,
+                        &tail_parts));
 
   /* The device communicator's layout is version-bound: headers and library must agree. */
   int nccl_version = 0;
@@ -532,6 +552,8 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
       cfg.unit_tiles > 0 ? cfg.unit_tiles : tw__env_int("TW_CONSUMER_TILES_PER_UNIT", tpu_default);
   ctx->tiles_per_unit = (int32_t)(tpu < 1 ? 1 : tpu > ctx->col_tiles ? ctx->col_tiles : tpu);
   ctx->unit_chunks = (int32_t)tw__ceil_div(ctx->col_tiles, ctx->tiles_per_unit);
+  ctx->tail_bands = tail_bands;
+  ctx->tail_parts = tail_parts;
   int64_t tmo = cfg.timeout_ms > 0 ? cfg.timeout_ms : tw__env_int("TW_TIMEOUT_MS", 0);
   ctx->timeout_ms = (int32_t)(tmo > 0 && tmo < INT32_MAX ? tmo : TW_DEFAULT_TIMEOUT_MS);
   ctx->debug_tags = cfg.debug_tags ? cfg.debug_tags : (tw__env_int("TW_DEBUG_TAGS", 0) != 0);
@@ -680,10 +702,10 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   size_t off_bands = tw__align(off_tiles + nt * sizeof(tw_tile), 256);
   size_t off_segs = tw__align(off_bands + nb * sizeof(tw_band), 256);
   size_t off_unit0 = tw__align(off_segs + nb * sizeof(tw_segment), 256);
-  size_t off_slot = tw__align(off_unit0 + (nb + 1) * 4, 256);
+  size_t off_slot = tw__align(off_unit0 + (2 * nb + 1) * 4, 256);
   size_t off_w = tw__align(off_slot + ns * 4 + 4, 256);
   size_t bytes = off_w + ns * 4 + 4;
-  d->h_seg_unit0 = (int32_t*)malloc((nb + 1) * 4);
+  d->h_seg_unit0 = (int32_t*)malloc((2 * nb + 1) * 4);
   cudaError_t e = cudaMalloc(&d->mem, bytes);
   if (e != cudaSuccess || d->h_seg_unit0 == NULL) {
     free(d->h_seg_unit0);
@@ -697,6 +719,7 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   d->bands = (tw_band*)(m + off_bands);
   d->segments = (tw_segment*)(m + off_segs);
   d->seg_unit0 = (int32_t*)(m + off_unit0);
+  d->seg_split0 = d->seg_unit0 + nb + 1;
   d->slot_row = (int32_t*)(m + off_slot);
   d->weights = (float*)(m + off_w);
   *out = d;
@@ -772,14 +795,30 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
                       "is out of bounds",
                       i, b->row0, b->rows, b->valid_rows, b->dest, (long long)b->dest_offset);
   }
-  int64_t units = 0;
+  /* Units: unit_chunks per band, tail_parts times that for the last tail_bands bands of each
+   * destination stream (segments come in schedule order, so those are a suffix of the stream and
+   * of each segment they fall in; seg_split0 = the first such band of a segment). */
+  int64_t stream_bands[TW_MAX_RANKS] = {0}, seen[TW_MAX_RANKS] = {0};
   for (int32_t s = 0; s < plan->num_segments; s++) {
     const tw_segment* sg = &plan->segments[s];
     if (sg->band0 < 0 || sg->nbands < 1 || sg->band0 + sg->nbands > plan->num_bands ||
-        sg->dest == ctx->rank)
+        sg->dest < 0 || sg->dest >= ctx->world || sg->dest == ctx->rank)
       return tw__fail(TW_ERR_INTERNAL, "tw_device_plan_upload: segment %d is malformed", s);
+    stream_bands[sg->dest] += sg->nbands;
+  }
+  int32_t* h_split0 = d->h_seg_unit0 + ctx->bands_max + 1;
+  int64_t units = 0;
+  for (int32_t s = 0; s < plan->num_segments; s++) {
+    const tw_segment* sg = &plan->segments[s];
+    const int64_t first_split = stream_bands[sg->dest] - ctx->tail_bands - seen[sg->dest];
+    const int32_t split0 = (int32_t)(first_split < 0            ? 0
+                                     : first_split > sg->nbands ? sg->nbands
+                                                                : first_split);
+    seen[sg->dest] += sg->nbands;
     d->h_seg_unit0[s] = (int32_t)units;
-    units += (int64_t)sg->nbands * ctx->unit_chunks;
+    h_split0[s] = split0;
+    units +=
+        ((int64_t)split0 + (int64_t)(sg->nbands - split0) * ctx->tail_parts) * ctx->unit_chunks;
   }
   d->h_seg_unit0[plan->num_segments] = (int32_t)units;
   const int64_t nslots = (int64_t)tokens * p->top_k;
@@ -811,6 +850,9 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
                                 cudaMemcpyHostToDevice, stream));
   TW_CUDA_TRY(cudaMemcpyAsync(d->seg_unit0, d->h_seg_unit0, (size_t)(plan->num_segments + 1) * 4,
                               cudaMemcpyHostToDevice, stream));
+  if (plan->num_segments > 0)
+    TW_CUDA_TRY(cudaMemcpyAsync(d->seg_split0, d->h_seg_unit0 + ctx->bands_max + 1,
+                                (size_t)plan->num_segments * 4, cudaMemcpyHostToDevice, stream));
   if (nslots > 0) {
     TW_CUDA_TRY(cudaMemcpyAsync(d->slot_row, plan->slot_row, (size_t)nslots * 4,
                                 cudaMemcpyHostToDevice, stream));
@@ -917,8 +959,13 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
 
   /* From here on a failure leaves the ranks' counters out of step: mark the context failed. */
   ctx->epoch++;
-  for (int s = 0; s < ctx->world; s++)
-    ctx->arrive_target[s] += (uint32_t)d->recv_bands[s] * (uint32_t)ctx->unit_chunks;
+  for (int s = 0; s < ctx->world; s++) {
+    /* What s sends here: unit_chunks per band, tail_parts times that for its last tail_bands. */
+    const int64_t nb = d->recv_bands[s];
+    const int64_t tail = nb < ctx->tail_bands ? nb : ctx->tail_bands;
+    ctx->arrive_target[s] +=
+        (uint32_t)((nb + tail * (ctx->tail_parts - 1)) * (int64_t)ctx->unit_chunks);
+  }
   ctx->failed = 1;
   const uint64_t timeout_ns = (uint64_t)ctx->timeout_ms * 1000000ull;
 
@@ -927,6 +974,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ca.bands = d->bands;
   ca.segments = d->segments;
   ca.seg_unit0 = d->seg_unit0;
+  ca.seg_split0 = d->seg_split0;
   ca.total_units = d->total_units;
   ca.wait_bands = mode != TW_COMBINE_COMM_ONLY;
   ca.credit_target = (uint32_t)(ctx->epoch - 1);
