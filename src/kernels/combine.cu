@@ -5,26 +5,31 @@
  * stores, below), and
  * announces each piece with a release reduction on the owner's arrival counter.
  *
- * Work is cut into units of (band, T consecutive column tiles) of the plan's segments (the last
- * bands of each destination stream also into row parts, combine.h), in schedule order (the order in
- * which the producer finishes bands, either schedule). The CTAs claim units in that order from one
- * counter (atomicAdd), so the C CTAs are one pool: a CTA that finishes early takes the next unit
- * instead of leaving it to a CTA still busy with a long one (with a fixed unit-to-CTA assignment, u
- * mod C, units queued behind a busy CTA while others waited for bands the producer had not
- * finished). A CTA claims its next unit when it has issued the copy of the current one: the
- * atomic's round trip overlaps the drain of that unit's bulk stores, and no unit waits behind a
- * busy CTA (claiming while a whole unit was still to be copied held the last units back behind CTAs
- * with a band of up to 2 MB in front of them). A unit may leave once every band of its segment is
- * complete, so a coalesced segment goes out as one burst of contiguous remote rows. Units are
- * announced on the owner's arrival counter; the owner expects recv_bands * ceil(col_tiles / T) per
- * call, so T must be the same on every rank (the context checks). T defaults to a whole band with
- * bulk copies and to 1 with register copies. A system-scope release waits until the CTA's NVLink
- * stores are acknowledged (a round trip of microseconds), so a CTA does not release after every
- * unit: it counts finished units per owner and releases them with one reduction per owner when it
- * runs out of units (and before its first wait for an owner's credit, at most W times). The owner's
- * reduction waits for all units anyway. (An earlier form also released whenever the CTA was about
- * to block on a band that was not ready yet; dropping that changed no measured time, 2 x H200,
- * run 5.)
+ * Work is cut into units of (band, T consecutive column tiles) of the plan's segments, in
+ * schedule order (the order in which the producer finishes bands, either schedule). The CTAs
+ * claim units in that order from one counter (atomicAdd), so the C CTAs are one pool: a CTA that
+ * finishes early takes the next unit instead of leaving it to a CTA still busy with a long one
+ * (with a fixed unit-to-CTA assignment, u mod C, units queued behind a busy CTA while others
+ * waited for bands the producer had not finished). A CTA claims its next unit when it has
+ * issued the copy of the current one: the atomic's round trip overlaps the drain of that unit's
+ * bulk stores, and no unit waits behind a busy CTA (claiming while a whole unit was still to be
+ * copied held the last units back behind CTAs with a band of up to 2 MB in front of them). A
+ * unit may leave once every band of its segment is complete, so a coalesced segment goes out
+ * as one burst of contiguous remote rows. T defaults to a whole band with bulk copies and to 1
+ * with register copies.
+ *
+ * The last tail_bands bands of each destination stream are also cut into tail_parts row parts
+ * (combine.h): at the end of the call they are all that is left, and whole they would be one
+ * CTA's copy each while the others idle (run 18: the consumer's lag behind the producer halves).
+ * Units are announced on the owner's arrival counter; the owner counts them from the bands it
+ * receives (context.cu), so T and the split must be the same on every rank (the context checks).
+ *
+ * A system-scope release waits until the CTA's NVLink stores are acknowledged (a round trip of
+ * microseconds), so a CTA does not release after every unit: it counts finished units per
+ * owner and releases them with one reduction per owner when it runs out of units (and before
+ * its first wait for an owner's credit, at most W times). The owner's reduction waits for all
+ * units anyway. (An earlier form also released whenever the CTA was about to block on a band
+ * that was not ready yet; dropping that changed no measured time, 2 x H200, run 5.)
  *
  * NOTES: ordering, per unit:
  *  1. thread 0 acquires (.gpu) the band counters of the segment: the producer released them
