@@ -197,10 +197,12 @@ static int find_band(world* wd, int remote, int32_t* rank, int32_t* band) {
 /* A band whose publish is skipped must end the execution with TW_ERR_TIMEOUT, promptly. */
 static void test_missing_publish_times_out(void) {
   uint64_t s = tw_test_seed ^ 0xdef;
-  tw_problem p = tw_test_problem(3, 96, 16, 6, 2, 100, 64, 64);
+  /* ~97 local rows per expert: more than a band of 64, so that some band holds only local rows
+   * (with ~30, every expert's local rows could share the band its last remote group ends in). */
+  tw_problem p = tw_test_problem(3, 96, 16, 6, 2, 300, 64, 64);
   for (int remote = 1; remote >= 0; remote--) {
     tw_routing_t rt = NULL;
-    CHECK_OK(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, 90, tw_test_rng_next(&s), &rt));
+    CHECK_OK(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, 290, tw_test_rng_next(&s), &rt));
     world wd;
     if (!world_setup(&wd, rt, 3, 2, &s)) {
       world_free(&wd);
