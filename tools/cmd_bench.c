@@ -1868,6 +1868,15 @@ static int twb_main(int argc, char** argv, int sweep) {
     fprintf(stderr, "tilewave sweep: --versus-fixed needs a matrix (--oracle)\n");
     return 2;
   }
+  /* The confirmation re-times a matrix point's best cells: without --oracle there are none, and
+   * silently timing nothing would read as a confirmed result. */
+  if (o.confirm > 0 && !o.oracle) {
+    fprintf(stderr,
+            "tilewave %s: --confirm R re-times the cells of an oracle matrix; use it with "
+            "`tilewave sweep --oracle`\n",
+            argv[0]);
+    return 2;
+  }
   if (o.oracle) {
     if (o.matrix == NULL) o.matrix = "quick";
     const char* conflict = shape_given       ? "--model/--hidden/--ffn/--experts/--topk/--routing"
