@@ -820,6 +820,11 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
     units +=
         ((int64_t)split0 + (int64_t)(sg->nbands - split0) * ctx->tail_parts) * ctx->unit_chunks;
   }
+  if (units > INT32_MAX)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_device_plan_upload: %lld consumer units do not fit 32 bits; use fewer "
+                    "TW_CONSUMER_TAIL_PARTS or wider units (TW_CONSUMER_TILES_PER_UNIT)",
+                    (long long)units);
   d->h_seg_unit0[plan->num_segments] = (int32_t)units;
   const int64_t nslots = (int64_t)tokens * p->top_k;
   for (int64_t i = 0; i < nslots; i++) {
