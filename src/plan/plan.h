@@ -173,6 +173,16 @@ tw_status tw__schedule_resolve(const tw_plan_config* config, int32_t* schedule);
  * (an old-size config has no more). Model (model.c). */
 tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config);
 
+/* The consumer's transfer units of a plan (units.c): unit_chunks per band, tail_parts times that
+ * for the last tail_bands bands of each destination stream (row parts). Fills seg_unit0
+ * (num_segments + 1: each segment's first unit, then the total) and seg_split0 (num_segments:
+ * each segment's first band cut into parts) and returns the total; -1 for bad arguments or a
+ * segment without bands or with a destination outside the world. tw__owner_units: the units an
+ * owner receives from a source that sends it `bands` bands, by the same rule. */
+int64_t tw__consumer_units(const struct tw_plan* plan, int32_t tail_bands, int32_t tail_parts,
+                           int32_t unit_chunks, int32_t* seg_unit0, int32_t* seg_split0);
+int64_t tw__owner_units(int64_t bands, int32_t tail_bands, int32_t tail_parts, int32_t unit_chunks);
+
 /* Hardware description (hardware.c). validate: checks header and ranges. resolve: copies `given`
  * when non-NULL (validated), else the TW_CALIBRATION file (read once per process) if set, else
  * the built-in defaults; a bad calibration file is an error, never a silent fallback. */

@@ -795,37 +795,22 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
                       "is out of bounds",
                       i, b->row0, b->rows, b->valid_rows, b->dest, (long long)b->dest_offset);
   }
-  /* Units: unit_chunks per band, tail_parts times that for the last tail_bands bands of each
-   * destination stream (segments come in schedule order, so those are a suffix of the stream and
-   * of each segment they fall in; seg_split0 = the first such band of a segment). */
-  int64_t stream_bands[TW_MAX_RANKS] = {0}, seen[TW_MAX_RANKS] = {0};
   for (int32_t s = 0; s < plan->num_segments; s++) {
     const tw_segment* sg = &plan->segments[s];
     if (sg->band0 < 0 || sg->nbands < 1 || sg->band0 + sg->nbands > plan->num_bands ||
         sg->dest < 0 || sg->dest >= ctx->world || sg->dest == ctx->rank)
       return tw__fail(TW_ERR_INTERNAL, "tw_device_plan_upload: segment %d is malformed", s);
-    stream_bands[sg->dest] += sg->nbands;
   }
-  int32_t* h_split0 = d->h_seg_unit0 + ctx->bands_max + 1;
-  int64_t units = 0;
-  for (int32_t s = 0; s < plan->num_segments; s++) {
-    const tw_segment* sg = &plan->segments[s];
-    const int64_t first_split = stream_bands[sg->dest] - ctx->tail_bands - seen[sg->dest];
-    const int32_t split0 = (int32_t)(first_split < 0            ? 0
-                                     : first_split > sg->nbands ? sg->nbands
-                                                                : first_split);
-    seen[sg->dest] += sg->nbands;
-    d->h_seg_unit0[s] = (int32_t)units;
-    h_split0[s] = split0;
-    units +=
-        ((int64_t)split0 + (int64_t)(sg->nbands - split0) * ctx->tail_parts) * ctx->unit_chunks;
-  }
+  const int64_t units = tw__consumer_units(plan, ctx->tail_bands, ctx->tail_parts, ctx->unit_chunks,
+                                           d->h_seg_unit0, d->h_seg_unit0 + ctx->bands_max + 1);
+  if (units < 0)
+    return tw__fail(TW_ERR_INTERNAL,
+                    "tw_device_plan_upload: the segments cannot be cut into units");
   if (units > INT32_MAX)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_device_plan_upload: %lld consumer units do not fit 32 bits; use fewer "
                     "TW_CONSUMER_TAIL_PARTS or wider units (TW_CONSUMER_TILES_PER_UNIT)",
                     (long long)units);
-  d->h_seg_unit0[plan->num_segments] = (int32_t)units;
   const int64_t nslots = (int64_t)tokens * p->top_k;
   for (int64_t i = 0; i < nslots; i++) {
     if (plan->slot_row[i] < 0 || plan->slot_row[i] >= plan->recv_rows + plan->rows)
@@ -965,11 +950,8 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   /* From here on a failure leaves the ranks' counters out of step: mark the context failed. */
   ctx->epoch++;
   for (int s = 0; s < ctx->world; s++) {
-    /* What s sends here: unit_chunks per band, tail_parts times that for its last tail_bands. */
-    const int64_t nb = d->recv_bands[s];
-    const int64_t tail = nb < ctx->tail_bands ? nb : ctx->tail_bands;
-    ctx->arrive_target[s] +=
-        (uint32_t)((nb + tail * (ctx->tail_parts - 1)) * (int64_t)ctx->unit_chunks);
+    ctx->arrive_target[s] += (uint32_t)tw__owner_units(d->recv_bands[s], ctx->tail_bands,
+                                                       ctx->tail_parts, ctx->unit_chunks);
   }
   ctx->failed = 1;
   const uint64_t timeout_ns = (uint64_t)ctx->timeout_ms * 1000000ull;

@@ -11,10 +11,11 @@
  * first: remote tiles first, experts in the documented order in each half; expert-major: each
  * expert's tiles together, experts in the documented order, remote bands before local ones);
  * segments follow the first/last/mgb rules, list every remote band once, in schedule order, and
- * become ready in the order the consumer walks them. Every random world is planned under both
- * schedules (and some under the model's choice), and the two plans must share one layout. The
- * seed is printed; set TW_TEST_SEED to replay a run and TW_TEST_WORLDS to change the number of
- * random worlds (5000).
+ * become ready in the order the consumer walks them; the consumer's transfer units (units.c, at
+ * a random tail split) add up, per owner, to what the owner expects. Every random world is planned
+ * under both schedules (and some under the model's choice), and the two plans must share one
+ * layout. The seed is printed; set TW_TEST_SEED to replay a run and TW_TEST_WORLDS to change the
+ * number of random worlds (5000).
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <stdint.h>
@@ -505,6 +506,52 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
   free(cnt);
 }
 
+/* The consumer's units (units.c) at a random split: what each source's segments are cut into
+ * adds up, per owner, to exactly what the owner expects from the bands it receives; the parts
+ * are the last tail_bands bands of each stream (a suffix, in schedule order). */
+static void check_units(const tw_problem* p, struct tw_plan** plans) {
+  const int32_t W = p->world_size;
+  const int32_t tail_bands = rnd_in(0, 4), tail_parts = rnd_in(1, 8), chunks = rnd_in(1, 3);
+  int64_t* sent = calloc((size_t)W * W, sizeof *sent); /* sent[r * W + d] */
+  for (int32_t r = 0; r < W; r++) {
+    const struct tw_plan* pl = plans[r];
+    int32_t* unit0 = malloc(((size_t)pl->num_segments + 1) * sizeof *unit0);
+    int32_t* split0 = malloc(((size_t)pl->num_segments + 1) * sizeof *split0);
+    int64_t* stream = calloc((size_t)W, sizeof *stream);
+    int64_t* parted = calloc((size_t)W, sizeof *parted);
+    const int64_t total = tw__consumer_units(pl, tail_bands, tail_parts, chunks, unit0, split0);
+    CHECKF(total >= 0, "rank %d: tw__consumer_units failed", r);
+    for (int32_t s = 0; s < pl->num_segments && total >= 0; s++) {
+      const tw_segment* sg = &pl->segments[s];
+      CHECK(unit0[s + 1] > unit0[s] && split0[s] >= 0 && split0[s] <= sg->nbands);
+      /* Once a stream has parts, all its later bands have them. */
+      if (parted[sg->dest] > 0) CHECK(split0[s] == 0);
+      stream[sg->dest] += sg->nbands;
+      parted[sg->dest] += sg->nbands - split0[s];
+      sent[(size_t)r * W + sg->dest] += unit0[s + 1] - unit0[s];
+    }
+    if (total >= 0) CHECK(unit0[pl->num_segments] == total);
+    for (int32_t d = 0; d < W; d++)
+      CHECKF(parted[d] == (stream[d] < tail_bands ? stream[d] : tail_bands),
+             "rank %d -> %d: %lld of %lld bands in parts, tail_bands %d", r, d,
+             (long long)parted[d], (long long)stream[d], tail_bands);
+    free(unit0);
+    free(split0);
+    free(stream);
+    free(parted);
+  }
+  for (int32_t o = 0; o < W; o++)
+    for (int32_t r = 0; r < W; r++)
+      if (r != o)
+        CHECKF(sent[(size_t)r * W + o] ==
+                   tw__owner_units(plans[o]->recv_bands[r], tail_bands, tail_parts, chunks),
+               "rank %d sends %lld units to %d, which expects %lld (tail %d x %d, chunks %d)", r,
+               (long long)sent[(size_t)r * W + o], o,
+               (long long)tw__owner_units(plans[o]->recv_bands[r], tail_bands, tail_parts, chunks),
+               tail_bands, tail_parts, chunks);
+  free(sent);
+}
+
 /* Builds all plans of (p, rt) with coalescing mgb and `schedule` (TW_SCHEDULE_AUTO: the
  * model's choice, which may differ between ranks), runs check_world, frees. */
 static void plan_and_check(const tw_problem* p, tw_routing_t rt, int32_t mgb, int32_t schedule) {
@@ -521,6 +568,7 @@ static void plan_and_check(const tw_problem* p, tw_routing_t rt, int32_t mgb, in
     if (s == TW_SUCCESS && schedule != TW_SCHEDULE_AUTO) CHECK(plans[r]->schedule == schedule);
   }
   if (ok) check_world(p, rt, plans);
+  if (ok) check_units(p, plans);
   for (int32_t r = 0; r < W; r++) tw_plan_destroy(plans[r]);
   free(plans);
 }
