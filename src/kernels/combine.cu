@@ -22,7 +22,8 @@
  * (combine.h): at the end of the call they are all that is left, and whole they would be one
  * CTA's copy each while the others idle (run 18: the consumer's lag behind the producer halves).
  * Units are announced on the owner's arrival counter; the owner counts them from the bands it
- * receives (context.cu), so T and the split must be the same on every rank (the context checks).
+ * receives (src/plan/units.c), so T and the split must be the same on every rank (the context
+ * checks).
  *
  * A system-scope release waits until the CTA's NVLink stores are acknowledged (a round trip of
  * microseconds), so a CTA does not release after every unit: it counts finished units per

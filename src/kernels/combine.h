@@ -27,10 +27,10 @@
 #include "runtime.h"
 #include "sync.cuh"
 
-/* The consumer's tail split (context.cu): the last TW_DEFAULT_TAIL_BANDS bands of every
- * destination stream go as TW_DEFAULT_TAIL_PARTS row parts each. The band the producer finishes
- * last is otherwise one CTA's copy at ~35 GB/s after the GEMM has ended (2 MB at hidden 8192:
- * ~57 us); in parts, the pool's CTAs share it. */
+/* The consumer's tail split (src/plan/units.c; defaults read in context.cu): the last
+ * TW_DEFAULT_TAIL_BANDS bands of every destination stream go as TW_DEFAULT_TAIL_PARTS row parts
+ * each. The band the producer finishes last is otherwise one CTA's copy at ~35 GB/s after the GEMM
+ * has ended (2 MB at hidden 8192: ~57 us); in parts, the pool's CTAs share it. */
 #define TW_DEFAULT_TAIL_BANDS 2
 #define TW_DEFAULT_TAIL_PARTS 4
 
