@@ -385,6 +385,24 @@ static tw_status twb_time(twb_rank* s, const twb_opts* o, const twb_policy* pols
   return twb_max_over_ranks(s, samples, (size_t)np * (size_t)o->iters);
 }
 
+/* The model's prediction of the call: the largest of the ranks' own predictions under the default
+ * config (each rank plans for itself and the slowest bounds the call; rank 0's alone can be far
+ * below it on skewed routings, dev/NOTES.md section 15). */
+static tw_status twb_predicted_call(const tw_problem* p, tw_routing_t rt, double* us) {
+  *us = 0;
+  for (int r = 0; r < p->world_size; r++) {
+    tw_plan_t plan = NULL;
+    const tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+    tw_plan_summary sum;
+    tw_status st = tw_plan_create(p, rt, r, &cfg, &plan);
+    if (st == TW_SUCCESS) st = tw_plan_summary_get(plan, &sum);
+    tw_plan_destroy(plan);
+    TW_TRY(st);
+    if (sum.predicted_us > *us) *us = sum.predicted_us;
+  }
+  return TW_SUCCESS;
+}
+
 /* ---- bench ----------------------------------------------------------------------------------- */
 
 typedef struct twb_bench_result {
@@ -666,7 +684,8 @@ typedef struct twb_sweep_result {
   int other_i; /* the model's C and mgb with the other schedule (joins the oracle, never chosen) */
   double t_other;
   int model_c_lo, model_c_hi, model_mgb_lo, model_mgb_hi; /* the model's choices over ranks */
-  tw_plan_summary ms; /* the model's choice on rank 0 (default config) */
+  tw_plan_summary ms;    /* the model's choice on rank 0 (default config) */
+  double predicted_call; /* the largest of the ranks' own predictions (twb_predicted_call) */
   double t_oracle, t_model, regret;
   /* --confirm: the model's cell, the other schedule's and the three fastest cells timed again,
    * together, `confirm` rounds: the oracle is then the fastest of those, so that a cell that was
@@ -782,6 +801,7 @@ static tw_status twb_sweep_measure(twb_rank* s, const twb_opts* o, const twb_poi
   tw_plan_destroy(model_plan);
   TW_TRY(st);
   r->ms = ms;
+  TW_TRY(twb_predicted_call(&s->problem, s->routing, &r->predicted_call));
   int model_mgb_index = -1;
   for (int i = 0; i < nm; i++)
     if (r->mgbs[i] == ms.coalesce) model_mgb_index = i;
@@ -1156,7 +1176,8 @@ static tw_status twb_versus_pass(twb_rank* s, const twb_opts* o, const twb_point
 static void twb_oracle_header(void) {
   printf(
       "| # | workload | tokens/rank | K | N | E | top-k | router | schedule | model C | model mgb "
-      "| model us | predicted us | other schedule us | oracle C | oracle mgb | oracle us | regret "
+      "| model us | predicted us (rank 0 / slowest rank) | other schedule us | oracle C | oracle "
+      "mgb | oracle us | regret "
       "| solve us (median / p99) | tw_plan_create us (median / p99) | max rel err |\n");
   printf(
       "| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | "
@@ -1204,13 +1225,13 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
   twb_range_str(mm, sizeof mm, r->model_mgb_lo, r->model_mgb_hi);
   if (!o->json) {
     printf(
-        "| %d | %s | %d | %d | %d | %d | %d | %s | %s | %s | %s | %.1f | %.1f | %.1f | %d | %d | "
-        "%.1f | %.2f%%%s | %.3f / %.3f | %.1f / %.1f | %.2e%s |\n",
+        "| %d | %s | %d | %d | %d | %d | %d | %s | %s | %s | %s | %.1f | %.1f / %.1f | %.1f | %d | "
+        "%d | %.1f | %.2f%%%s | %.3f / %.3f | %.1f / %.1f | %.2e%s |\n",
         pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
         tw__cli_router_name(pt->router), tw__cli_schedule_name(ms->schedule), mc, mm, r->t_model,
-        ms->predicted_us, r->t_other, b->c, s->mgbs[b->dplan], r->t_oracle, 100 * r->regret,
-        confirmed, r->solve_med, r->solve_p99, r->create_med, r->create_p99, (double)r->maxerr,
-        pass ? "" : " FAIL");
+        ms->predicted_us, r->predicted_call, r->t_other, b->c, s->mgbs[b->dplan], r->t_oracle,
+        100 * r->regret, confirmed, r->solve_med, r->solve_p99, r->create_med, r->create_p99,
+        (double)r->maxerr, pass ? "" : " FAIL");
     fflush(stdout);
   }
   if (js) {
@@ -1220,7 +1241,8 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
             "\"oracle\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f},\n   \"model\": "
             "{\"comm_ctas\": %d, \"coalesce\": %d, \"comm_ctas_min\": %d, \"comm_ctas_max\": "
             "%d, \"coalesce_min\": %d, \"coalesce_max\": %d, \"us\": %.2f, \"predicted_us\": "
-            "%.2f, \"sequential_predicted_us\": %.2f, \"schedule\": \"%s\", "
+            "%.2f, \"predicted_call_us\": %.2f, \"sequential_predicted_us\": %.2f, "
+            "\"schedule\": \"%s\", "
             "\"other_schedule_us\": %.2f},\n   \"regret\": %.5f, \"solve_us\": "
             "{\"median\": %.3f, \"p99\": %.3f}, \"plan_create_us\": {\"median\": %.1f, \"p99\": "
             "%.1f}, \"solve_reps\": %d, \"max_rel_err\": %.3e, \"pass\": %s, \"seconds\": %.1f,"
@@ -1228,7 +1250,7 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
             index ? ",\n" : "", pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts,
             pt->topk, tw__cli_router_name(pt->router), b->c, s->mgbs[b->dplan], r->t_oracle,
             ms->comm_ctas, ms->coalesce, r->model_c_lo, r->model_c_hi, r->model_mgb_lo,
-            r->model_mgb_hi, r->t_model, ms->predicted_us, ms->sequential_us,
+            r->model_mgb_hi, r->t_model, ms->predicted_us, r->predicted_call, ms->sequential_us,
             tw__cli_schedule_name(ms->schedule), r->t_other, r->regret, r->solve_med, r->solve_p99,
             r->create_med, r->create_p99, r->solve_reps,
             r->maxerr < 1e30f ? (double)r->maxerr : 1e30, pass ? "true" : "false",
@@ -1437,7 +1459,7 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
       o->matrix, n, world, o->iters, o->warmup, o->c_max, o->solve_reps);
   printf(
       "| # | workload | tokens/rank | K | N | E | top-k | router | model C | model mgb | "
-      "predicted us | estimated s |\n");
+      "predicted us (rank 0 / slowest rank) | estimated s |\n");
   printf("| ---: | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |\n");
   double total = 0;
   for (int i = 0; i < n; i++) {
@@ -1451,7 +1473,7 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
     tw_plan_t plan = NULL;
     const tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
     tw_plan_summary ms;
-    double t_create = 0, sum_pred = 0;
+    double t_create = 0, sum_pred = 0, call_pred = 0;
     tw_status st =
         tw_routing_generate(&p, (tw_router)pt->router, pt->router_param, pt->tokens, o->seed, &rt);
     if (st == TW_SUCCESS) {
@@ -1460,6 +1482,7 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
       t_create = tw__now_seconds() - t0;
     }
     if (st == TW_SUCCESS) st = tw_plan_summary_get(plan, &ms);
+    if (st == TW_SUCCESS) st = twb_predicted_call(&p, rt, &call_pred);
     int ncand = 0;
     for (int m = 0; m < 3 && st == TW_SUCCESS; m++)
       for (int c = 1; c <= o->c_max && st == TW_SUCCESS; c++) {
@@ -1479,7 +1502,7 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
     }
     const int rounds = o->warmup + o->iters + 1;
     /* One more launch of about the model's choice, with the delay and ~100 us around it. */
-    const double launch_s = (ms.predicted_us + o->delay_us + 100.0) * 1e-6;
+    const double launch_s = (call_pred + o->delay_us + 100.0) * 1e-6;
     /* --confirm: up to 5 cells near the best. */
     const double confirm_s = o->confirm * 5 * launch_s;
     /* --versus-fixed: a second setup (~0.1 s: run 13's pass took 12 s for 114 points) and two
@@ -1488,9 +1511,10 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
     const double est = rounds * (sum_pred + ncand * (o->delay_us + 100.0)) * 1e-6 + 2.0 +
                        o->solve_reps * t_create + confirm_s + versus_s;
     total += est;
-    printf("| %d | %s | %d | %d | %d | %d | %d | %s | %d | %d | %.1f | %.1f |\n", pt->index,
+    printf("| %d | %s | %d | %d | %d | %d | %d | %s | %d | %d | %.1f / %.1f | %.1f |\n", pt->index,
            pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-           tw__cli_router_name(pt->router), ms.comm_ctas, ms.coalesce, ms.predicted_us, est);
+           tw__cli_router_name(pt->router), ms.comm_ctas, ms.coalesce, ms.predicted_us, call_pred,
+           est);
   }
   printf("\nestimated total: %.0f s (%.1f min), plus ~10 s to start the ranks\n", total,
          total / 60);
