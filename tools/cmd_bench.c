@@ -387,10 +387,13 @@ static tw_status twb_time(twb_rank* s, const twb_opts* o, const twb_policy* pols
 
 /* The model's prediction of the call: the largest of the ranks' own predictions under the default
  * config (each rank plans for itself and the slowest bounds the call; rank 0's alone can be far
- * below it on skewed routings, dev/NOTES.md section 15). */
-static tw_status twb_predicted_call(const tw_problem* p, tw_routing_t rt, double* us) {
-  *us = 0;
+ * below it on skewed routings, dev/NOTES.md section 15). The caller has already planned
+ * `known_rank` (its prediction `known_us`): only the other ranks are planned here. */
+static tw_status twb_predicted_call(const tw_problem* p, tw_routing_t rt, int known_rank,
+                                    double known_us, double* us) {
+  *us = known_us;
   for (int r = 0; r < p->world_size; r++) {
+    if (r == known_rank) continue;
     tw_plan_t plan = NULL;
     const tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
     tw_plan_summary sum;
@@ -801,7 +804,7 @@ static tw_status twb_sweep_measure(twb_rank* s, const twb_opts* o, const twb_poi
   tw_plan_destroy(model_plan);
   TW_TRY(st);
   r->ms = ms;
-  TW_TRY(twb_predicted_call(&s->problem, s->routing, &r->predicted_call));
+  TW_TRY(twb_predicted_call(&s->problem, s->routing, s->rank, ms.predicted_us, &r->predicted_call));
   int model_mgb_index = -1;
   for (int i = 0; i < nm; i++)
     if (r->mgbs[i] == ms.coalesce) model_mgb_index = i;
@@ -1482,7 +1485,7 @@ static int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
       t_create = tw__now_seconds() - t0;
     }
     if (st == TW_SUCCESS) st = tw_plan_summary_get(plan, &ms);
-    if (st == TW_SUCCESS) st = twb_predicted_call(&p, rt, &call_pred);
+    if (st == TW_SUCCESS) st = twb_predicted_call(&p, rt, 0, ms.predicted_us, &call_pred);
     int ncand = 0;
     for (int m = 0; m < 3 && st == TW_SUCCESS; m++)
       for (int c = 1; c <= o->c_max && st == TW_SUCCESS; c++) {

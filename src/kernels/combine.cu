@@ -331,7 +331,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     /* This part's rows of the band's valid ones: [r0, r0 + nrows). */
     const int part_rows = (band.valid_rows + parts - 1) / parts;
     const int r0 = part * part_rows;
-    const int nrows = band.valid_rows - r0 < part_rows ? max(band.valid_rows - r0, 0) : part_rows;
+    const int nrows = max(0, min(part_rows, band.valid_rows - r0));
     char* peer = static_cast<char*>(ncclGetPeerPointer(a.win, 0, dest));
     if (!skip && nrows > 0) {
       const size_t at = (size_t)r0 * row_bytes + (size_t)c0 * 2;

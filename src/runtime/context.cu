@@ -97,15 +97,16 @@ struct tw_context {
 
 struct tw_device_plan {
   tw_context_t ctx;
-  void* mem;            /* one device allocation holding the arrays below */
-  tw_tile* tiles;       /* (tiles_max) */
-  tw_band* bands;       /* (bands_max) */
-  tw_segment* segments; /* (bands_max) */
-  int32_t* seg_unit0;   /* (bands_max + 1) */
-  int32_t* seg_split0;  /* (bands_max) */
-  int32_t* slot_row;    /* (slots_max) */
-  float* weights;       /* (slots_max) */
-  int32_t* h_seg_unit0; /* host staging of seg_unit0, then seg_split0 */
+  void* mem;             /* one device allocation holding the arrays below */
+  tw_tile* tiles;        /* (tiles_max) */
+  tw_band* bands;        /* (bands_max) */
+  tw_segment* segments;  /* (bands_max) */
+  int32_t* seg_unit0;    /* (bands_max + 1) */
+  int32_t* seg_split0;   /* (bands_max) */
+  int32_t* slot_row;     /* (slots_max) */
+  float* weights;        /* (slots_max) */
+  int32_t* h_seg_unit0;  /* host staging of seg_unit0 */
+  int32_t* h_seg_split0; /* host staging of seg_split0 (in h_seg_unit0's allocation) */
   int uploaded;
   int32_t rows, recv_rows, num_tiles, num_bands, total_units, tokens, comm_ctas;
   int32_t recv_bands[TW_MAX_RANKS];
@@ -720,6 +721,7 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   d->segments = (tw_segment*)(m + off_segs);
   d->seg_unit0 = (int32_t*)(m + off_unit0);
   d->seg_split0 = d->seg_unit0 + nb + 1;
+  d->h_seg_split0 = d->h_seg_unit0 + nb + 1;
   d->slot_row = (int32_t*)(m + off_slot);
   d->weights = (float*)(m + off_w);
   *out = d;
@@ -802,7 +804,7 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
       return tw__fail(TW_ERR_INTERNAL, "tw_device_plan_upload: segment %d is malformed", s);
   }
   const int64_t units = tw__consumer_units(plan, ctx->tail_bands, ctx->tail_parts, ctx->unit_chunks,
-                                           d->h_seg_unit0, d->h_seg_unit0 + ctx->bands_max + 1);
+                                           d->h_seg_unit0, d->h_seg_split0);
   if (units < 0)
     return tw__fail(TW_ERR_INTERNAL,
                     "tw_device_plan_upload: the segments cannot be cut into units");
@@ -841,8 +843,8 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
   TW_CUDA_TRY(cudaMemcpyAsync(d->seg_unit0, d->h_seg_unit0, (size_t)(plan->num_segments + 1) * 4,
                               cudaMemcpyHostToDevice, stream));
   if (plan->num_segments > 0)
-    TW_CUDA_TRY(cudaMemcpyAsync(d->seg_split0, d->h_seg_unit0 + ctx->bands_max + 1,
-                                (size_t)plan->num_segments * 4, cudaMemcpyHostToDevice, stream));
+    TW_CUDA_TRY(cudaMemcpyAsync(d->seg_split0, d->h_seg_split0, (size_t)plan->num_segments * 4,
+                                cudaMemcpyHostToDevice, stream));
   if (nslots > 0) {
     TW_CUDA_TRY(cudaMemcpyAsync(d->slot_row, plan->slot_row, (size_t)nslots * 4,
                                 cudaMemcpyHostToDevice, stream));
