@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Consumer settings side by side, one binary, on a GPU machine: `tilewave bench --phases` over the
+# default grid once per arm and again in reverse order (A B C C B A), then a table of each arm's
+# median of its two runs against the first arm's. An arm is NAME=ASSIGNMENTS, the assignments
+# comma-separated environment variables (empty: the defaults).
+# Usage (after a build): dev/comm/env_ab.sh BUILD ARM ARM...
+#   e.g. dev/comm/env_ab.sh build-gpu tail2= tail8=TW_CONSUMER_TAIL_BANDS=8
+set -uo pipefail
+BUILD=$1
+shift
+OUT=${OUT:-$PWD/ab-out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 CUDA_MODULE_LOADING=EAGER
+arms=("$@")
+order=("${arms[@]}")
+for ((j = ${#arms[@]} - 1; j >= 0; j--)); do order+=("${arms[j]}"); done
+i=0
+for arm in "${order[@]}"; do
+  i=$((i + 1))
+  name=${arm%%=*}
+  assignments=${arm#*=}
+  (
+    IFS=, && for a in $assignments; do export "${a?}"; done
+    timeout 200 "$BUILD/tilewave" bench --phases --json-file "$OUT/ab-$i-$name.json" \
+      >"$OUT/ab-$i-$name.md" 2>&1
+    echo "run $i ($name: ${assignments:-defaults}): exit $? $(date -u +%T)"
+  )
+done
+python3 - "$OUT" "${arms[@]%%=*}" <<'PY'
+import glob, json, os, statistics, sys
+out, names = sys.argv[1], sys.argv[2:]
+runs = {}
+for f in sorted(glob.glob(os.path.join(out, "ab-*.json"))):
+    arm = os.path.basename(f)[:-5].split("-", 2)[2]
+    for p in json.load(open(f))["points"]:
+        key = (p["tokens_per_rank"], p["hidden"], p["experts"])
+        runs.setdefault(key, {}).setdefault(arm, []).append(p)
+base = names[0]
+head = "| tokens/rank | N | E | C | " + " | ".join("%s us" % n for n in names)
+head += " | " + " | ".join("%s / %s" % (n, base) for n in names[1:])
+head += " | consumer - producer end, " + " / ".join(names) + " us |"
+print(head)
+print("|" + " ---: |" * (4 + 2 * len(names) - 1) + " --- |")
+logs = {n: 0.0 for n in names[1:]}
+for key, arms in runs.items():
+    med = {a: statistics.median(q["ours_us"] for q in arms[a]) for a in names}
+    gap = {a: statistics.median(q["phases_us"]["consumer_end"] - q["phases_us"]["producer_end"]
+                                for q in arms[a]) for a in names}
+    cells = ["%.1f" % med[a] for a in names] + ["%.4f" % (med[a] / med[base]) for a in names[1:]]
+    for a in names[1:]:
+        logs[a] += __import__("math").log(med[a] / med[base])
+    print("| %d | %d | %d | %d | " % (*key, arms[base][0]["comm_ctas"]) + " | ".join(cells) +
+          " | " + " / ".join("%+.1f" % gap[a] for a in names) + " |")
+for a in names[1:]:
+    print("\ngeometric mean %s / %s %.4f over %d points" % (a, base, __import__("math").exp(logs[a] / len(runs)), len(runs)))
+PY
