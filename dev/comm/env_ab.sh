@@ -3,7 +3,8 @@
 # default grid once per arm and again in reverse order (A B C C B A), then a table of each arm's
 # median of its two runs against the first arm's. An arm is NAME=ASSIGNMENTS, the assignments
 # comma-separated environment variables (empty: the defaults).
-# Usage (after a build): dev/comm/env_ab.sh BUILD ARM ARM...
+# Usage (after a build): dev/comm/env_ab.sh BUILD ARM ARM...; env BENCH_ARGS adds bench options
+# (e.g. "--chunks 8192": one chunked size instead of four, a shorter run).
 #   e.g. dev/comm/env_ab.sh build-gpu tail2= tail8=TW_CONSUMER_TAIL_BANDS=8
 set -uo pipefail
 BUILD=$1
@@ -21,7 +22,8 @@ for arm in "${order[@]}"; do
   assignments=${arm#*=}
   (
     IFS=, && for a in $assignments; do export "${a?}"; done
-    timeout 200 "$BUILD/tilewave" bench --phases --json-file "$OUT/ab-$i-$name.json" \
+    # shellcheck disable=SC2086 # BENCH_ARGS is a list of options
+    timeout 200 "$BUILD/tilewave" bench --phases ${BENCH_ARGS:-} --json-file "$OUT/ab-$i-$name.json" \
       >"$OUT/ab-$i-$name.md" 2>&1
     echo "run $i ($name: ${assignments:-defaults}): exit $? $(date -u +%T)"
   )
