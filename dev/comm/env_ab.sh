@@ -21,9 +21,10 @@ for arm in "${order[@]}"; do
   name=${arm%%=*}
   assignments=${arm#*=}
   (
-    IFS=, && for a in $assignments; do export "${a?}"; done
-    # shellcheck disable=SC2086 # BENCH_ARGS is a list of options
-    timeout 200 "$BUILD/tilewave" bench --phases ${BENCH_ARGS:-} --json-file "$OUT/ab-$i-$name.json" \
+    IFS=, read -ra settings <<<"$assignments"
+    for a in "${settings[@]}"; do export "${a?}"; done
+    read -ra extra <<<"${BENCH_ARGS:-}"
+    timeout 200 "$BUILD/tilewave" bench --phases "${extra[@]}" --json-file "$OUT/ab-$i-$name.json" \
       >"$OUT/ab-$i-$name.md" 2>&1
     echo "run $i ($name: ${assignments:-defaults}): exit $? $(date -u +%T)"
   )
@@ -38,6 +39,9 @@ for f in sorted(glob.glob(os.path.join(out, "ab-*.json"))):
         key = (p["tokens_per_rank"], p["hidden"], p["experts"])
         runs.setdefault(key, {}).setdefault(arm, []).append(p)
 base = names[0]
+missing = [n for n in names if not any(n in a for a in runs.values())]
+if missing:
+    sys.exit("no results for arm(s) %s: see the ab-*.md files" % ", ".join(missing))
 head = "| tokens/rank | N | E | C | " + " | ".join("%s us" % n for n in names)
 head += " | " + " | ".join("%s / %s" % (n, base) for n in names[1:])
 head += " | consumer - producer end, " + " / ".join(names) + " us |"
