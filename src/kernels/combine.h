@@ -29,9 +29,15 @@
 
 /* The consumer's tail split (src/plan/units.c; defaults read in context.cu): the last
  * TW_DEFAULT_TAIL_BANDS bands of every destination stream go as TW_DEFAULT_TAIL_PARTS row parts
- * each. The band the producer finishes last is otherwise one CTA's copy at ~35 GB/s after the GEMM
- * has ended (2 MB at hidden 8192: ~57 us); in parts, the pool's CTAs share it. */
-#define TW_DEFAULT_TAIL_BANDS 2
+ * each. Whole, a band is one CTA's copy at ~35 GB/s (2 MB at hidden 8192: ~57 us, about 2.5 of
+ * the producer's waves of ~22 us; 1 MB at 4096: ~1.3 waves), so a band finished in the GEMM's last
+ * few waves would still be in one CTA's hands after the GEMM has ended; 8 bands per stream cover
+ * those waves at both widths (a wave finishes ~4-8 bands, about half of them remote). Measured on
+ * the grid (run 21, 2 -> 8 bands): where the consumer ended over 10 us after the producer (8
+ * points, 10.7-24.6 us) it ends 5.4-12.0 us after; the calls at 16-64 experts -1.2%..+0.1%,
+ * geometric mean over the grid 0.9960. Splitting every band measured the same (0.9956) and would
+ * multiply the per-unit costs where the consumer bounds small calls. */
+#define TW_DEFAULT_TAIL_BANDS 8
 #define TW_DEFAULT_TAIL_PARTS 4
 
 /* Further kinds of device-side failure (tw_dev_error.where), after sync.cuh's TW_WAIT_*. */

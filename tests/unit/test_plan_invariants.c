@@ -511,7 +511,7 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
  * are the last tail_bands bands of each stream (a suffix, in schedule order). */
 static void check_units(const tw_problem* p, struct tw_plan** plans) {
   const int32_t W = p->world_size;
-  const int32_t tail_bands = rnd_in(0, 4), tail_parts = rnd_in(1, 8), chunks = rnd_in(1, 3);
+  const int32_t tail_bands = rnd_in(0, 12), tail_parts = rnd_in(1, 8), chunks = rnd_in(1, 3);
   int64_t* sent = calloc((size_t)W * W, sizeof *sent); /* sent[r * W + d] */
   for (int32_t r = 0; r < W; r++) {
     const struct tw_plan* pl = plans[r];
