@@ -447,6 +447,14 @@ static tw_status tw__context_init(tw_context_t ctx) {
   return TW_SUCCESS;
 }
 
+/* The default row parts of a tail band: parts of at least TW_TAIL_PART_MIN_BYTES, at most
+ * TW_TAIL_MAX_PARTS, 1 (a whole band) when the band is smaller than two such parts (combine.h
+ * says why). Depends only on the problem, so every rank derives the same value. */
+static int tw__tail_parts(int32_t tm, int32_t hidden) {
+  const int64_t parts = (int64_t)tm * hidden * 2 / TW_TAIL_PART_MIN_BYTES;
+  return (int)(parts < 1 ? 1 : parts > TW_TAIL_MAX_PARTS ? TW_TAIL_MAX_PARTS : parts);
+}
+
 extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t comm,
                                        const tw_context_config* config, tw_context_t* out) {
   tw__clear_error();
@@ -489,12 +497,13 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
    * the library's default). */
   int gemm_variant = 0;
   TW_TRY(tw__env_int_in("tw_context_create", "TW_GEMM_VARIANT", 0, 5, 0, &gemm_variant));
-  /* The consumer's tail split (0 bands or 1 part: every band is one unit per column chunk). */
+  /* The consumer's tail split (0 bands or 1 part: every band is one unit per column chunk; 0
+   * parts, the default: by the band's size). */
   int tail_bands = 0, tail_parts = 0;
   TW_TRY(tw__env_int_in("tw_context_create", "TW_CONSUMER_TAIL_BANDS", 0, 1 << 20,
                         TW_DEFAULT_TAIL_BANDS, &tail_bands));
-  TW_TRY(tw__env_int_in("tw_context_create", "TW_CONSUMER_TAIL_PARTS", 1, 64, TW_DEFAULT_TAIL_PARTS,
-                        &tail_parts));
+  TW_TRY(tw__env_int_in("tw_context_create", "TW_CONSUMER_TAIL_PARTS", 0, 64, 0, &tail_parts));
+  if (tail_parts == 0) tail_parts = tw__tail_parts(tw__resolve_tile_m(problem), problem->hidden);
 
   /* The device communicator's layout is version-bound: headers and library must agree. */
   int nccl_version = 0;
