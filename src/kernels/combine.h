@@ -39,13 +39,13 @@
  * multiply the per-unit costs where the consumer bounds small calls. */
 #define TW_DEFAULT_TAIL_BANDS 8
 /* Row parts per tail band: by default as many parts of at least TW_TAIL_PART_MIN_BYTES as the band
- * holds, at most TW_TAIL_MAX_PARTS (tw__tail_parts in context.cu; 128-row bands: 4 at hidden
- * 8192, 2 at 4096, whole bands from 2048 down). A unit has a fixed cost of a few microseconds
- * (poll, claim, first load: link_latency_us ~3 us, ~100 KB at a CTA's ~35 GB/s), so parts below
- * ~0.5 MB cost more than the sharing wins: with 4 parts at every width, the small calls of the
- * oracle matrix (hidden 512-1024, 128 KB-256 KB bands) took 6-7% longer at C 12 (run 22 against
- * run 17: m-trans-xl 1024 tokens) while their C 28-32 cells did not move. */
-#define TW_TAIL_PART_MIN_BYTES (512 << 10)
+ * holds, at most TW_TAIL_MAX_PARTS (tw__tail_parts in context.cu; 128-row bands: 4 from hidden
+ * 1024 up, 2 at 512). A unit has a fixed cost of a few microseconds (poll, claim, first load:
+ * link_latency_us ~3 us), so a part can be too small to pay for the sharing. Measured at C 12
+ * (run 23, bench at 1024 and 4096 tokens): 32 KB parts (hidden 512 in 4) 3.6% slower than whole
+ * bands, 64 KB parts (hidden 1024 in 4) 1.4% faster; at hidden 4096, 4 parts of 256 KB 0.4-0.9%
+ * faster than 2 of 512 KB at 32-64 experts. */
+#define TW_TAIL_PART_MIN_BYTES (64 << 10)
 #define TW_TAIL_MAX_PARTS 4
 
 /* Further kinds of device-side failure (tw_dev_error.where), after sync.cuh's TW_WAIT_*. */
