@@ -38,13 +38,13 @@
  * geometric mean over the grid 0.9960. Splitting every band measured the same (0.9956) and would
  * multiply the per-unit costs where the consumer bounds small calls. */
 #define TW_DEFAULT_TAIL_BANDS 8
-/* Row parts per tail band: by default as many parts of at least TW_TAIL_PART_MIN_BYTES as the band
- * holds, at most TW_TAIL_MAX_PARTS (tw__tail_parts in context.cu; 128-row bands: 4 from hidden
- * 1024 up, 2 at 512). A unit has a fixed cost of a few microseconds (poll, claim, first load:
- * link_latency_us ~3 us), so a part can be too small to pay for the sharing. Measured at C 12
- * (run 23, bench at 1024 and 4096 tokens): 32 KB parts (hidden 512 in 4) 3.6% slower than whole
- * bands, 64 KB parts (hidden 1024 in 4) 1.4% faster; at hidden 4096, 4 parts of 256 KB 0.4-0.9%
- * faster than 2 of 512 KB at 32-64 experts. */
+/* Row parts per tail band: by default TW_TAIL_MAX_PARTS when each part holds at least
+ * TW_TAIL_PART_MIN_BYTES, else the band stays whole (tw__tail_parts in context.cu; 128-row bands:
+ * 4 parts from hidden 1024 up, whole at 512). A unit has a fixed cost of a few microseconds (poll,
+ * claim, first load: link_latency_us ~3 us), which a short band's copy does not amortise over
+ * parts. Measured at C 12 (bench at 1024 and 4096 tokens, runs 23-24): at hidden 512 (128 KB
+ * bands) 2 parts 0.7% and 4 parts 3.6% slower than whole bands; at 1024 (256 KB) 4 parts 1.4%
+ * faster than whole; at 4096 with 32-64 experts 4 parts 0.4-0.9% faster than 2. */
 #define TW_TAIL_PART_MIN_BYTES (64 << 10)
 #define TW_TAIL_MAX_PARTS 4
 

@@ -447,12 +447,12 @@ static tw_status tw__context_init(tw_context_t ctx) {
   return TW_SUCCESS;
 }
 
-/* The default row parts of a tail band: parts of at least TW_TAIL_PART_MIN_BYTES, at most
- * TW_TAIL_MAX_PARTS, 1 (a whole band) when the band is smaller than two such parts (combine.h
- * says why). Depends only on the problem, so every rank derives the same value. */
+/* The default row parts of a tail band: TW_TAIL_MAX_PARTS when each holds at least
+ * TW_TAIL_PART_MIN_BYTES, else 1 (a whole band; combine.h says why). Depends only on the problem,
+ * so every rank derives the same value. */
 static int tw__tail_parts(int32_t tm, int32_t hidden) {
-  const int64_t parts = (int64_t)tm * hidden * 2 / TW_TAIL_PART_MIN_BYTES;
-  return (int)(parts < 1 ? 1 : parts > TW_TAIL_MAX_PARTS ? TW_TAIL_MAX_PARTS : parts);
+  const int64_t band_bytes = (int64_t)tm * hidden * 2; /* bf16 rows */
+  return band_bytes >= (int64_t)TW_TAIL_MAX_PARTS * TW_TAIL_PART_MIN_BYTES ? TW_TAIL_MAX_PARTS : 1;
 }
 
 extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t comm,
