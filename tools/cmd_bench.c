@@ -422,6 +422,11 @@ typedef struct twb_bench_result {
    * not measured */
   double phase_total, phase_gemm, phase_comm, phase_join, phase_reduce;
   int phase_n;
+  /* --phases, the sequential loop (0) and the fastest chunked size (1): medians of the GEMMs'
+   * end, the exchange's (last copy's) end, the reduction's start and the total, from the call's
+   * start, each sample the max over ranks (tw__baseline_timeline); bphase_rows: the chunk size */
+  double bphase[2][4];
+  int bphase_rows;
 } twb_bench_result;
 
 static int twb_policy_index(const twb_bench_result* r, int kind, int chunk) {
@@ -438,6 +443,44 @@ static void twb_add(twb_bench_result* r, int kind, int c, int chunk, int out, co
   p->chunk = chunk;
   p->out = out;
   snprintf(p->name, sizeof p->name, "%s", name);
+}
+
+/* --phases for the baselines: the sequential loop and the fastest chunked size (by the timed
+ * rounds' medians), o->iters more calls each with the baseline's phase events, as for ours. */
+static tw_status twb_time_baseline_phases(twb_rank* s, const twb_opts* o, twb_bench_result* r) {
+  int best = -1;
+  for (int i = 0; i < r->np; i++)
+    if (r->pols[i].kind == TWB_CHUNKED && (best < 0 || r->st[i].median < r->st[best].median))
+      best = i;
+  const int pol[2] = {twb_policy_index(r, TWB_SEQ, 0), best};
+  r->bphase_rows = best >= 0 ? r->pols[best].chunk : 0;
+  const int n = o->iters;
+  float* v = (float*)calloc(4 * (size_t)n, sizeof(float));
+  if (v == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "bench: out of host memory");
+  tw_status st = tw__baseline_set_timing(s->baseline, 1);
+  for (int b = 0; b < 2 && st == TW_SUCCESS; b++) {
+    if (pol[b] < 0) continue;
+    for (int i = 0; i < n && st == TW_SUCCESS; i++) {
+      tw__bl_timeline t;
+      if ((st = twb_barrier(s)) != TW_SUCCESS) break;
+      if ((st = tw__bench_delay(s->stream, o->delay_us)) != TW_SUCCESS) break;
+      if ((st = twb_run(s, &r->pols[pol[b]], i % s->nsets, s->stream)) != TW_SUCCESS) break;
+      if ((st = tw__baseline_timeline(s->baseline, &t)) != TW_SUCCESS) break;
+      v[i] = 1e3f * t.gemm_end_ms;
+      v[n + i] = 1e3f * t.comm_end_ms;
+      v[2 * n + i] = 1e3f * t.reduce_start_ms;
+      v[3 * n + i] = 1e3f * t.total_ms;
+    }
+    if (st == TW_SUCCESS) st = twb_max_over_ranks(s, v, 4 * (size_t)n);
+    for (int k = 0; k < 4 && st == TW_SUCCESS; k++) {
+      tw__bench_stats q;
+      tw__bench_stats_of(v + (size_t)k * n, n, &q);
+      r->bphase[b][k] = q.median;
+    }
+  }
+  const tw_status off = tw__baseline_set_timing(s->baseline, 0);
+  free(v);
+  return st != TW_SUCCESS ? st : off;
 }
 
 /* --phases: runs ours o->iters more times with the context's phase events (tw__context_timeline;
@@ -475,6 +518,7 @@ static tw_status twb_time_phases(twb_rank* s, const twb_opts* o, twb_bench_resul
     r->phase_n = n;
   }
   free(v);
+  if (st == TW_SUCCESS) st = twb_time_baseline_phases(s, o, r);
   return st;
 }
 
@@ -630,6 +674,13 @@ static void twb_print_row(const twb_opts* o, const twb_bench_result* r) {
         "consumer at %.1f us; the reduction starts %.1f us after both and takes %.1f us "
         "(incl. waiting for the peers); total %.1f us |\n",
         r->phase_n, r->phase_gemm, r->phase_comm, r->phase_join, r->phase_reduce, r->phase_total);
+  if (r->phase_n > 0)
+    printf(
+        "|  | phases of the baselines (from each call's start): sequential GEMMs end at %.1f us, "
+        "its exchange at %.1f, its reduction runs %.1f-%.1f us; chunked (%d rows) GEMMs end at "
+        "%.1f us, copies at %.1f, reduction %.1f-%.1f us |\n",
+        r->bphase[0][0], r->bphase[0][1], r->bphase[0][2], r->bphase[0][3], r->bphase_rows,
+        r->bphase[1][0], r->bphase[1][1], r->bphase[1][2], r->bphase[1][3]);
   fflush(stdout);
 }
 
@@ -663,6 +714,13 @@ static void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_res
         ",\n   \"phases_us\": {\"samples\": %d, \"producer_end\": %.2f, \"consumer_end\": %.2f, "
         "\"join\": %.2f, \"reduce\": %.2f, \"total\": %.2f}",
         r->phase_n, r->phase_gemm, r->phase_comm, r->phase_join, r->phase_reduce, r->phase_total);
+  if (r->phase_n > 0)
+    for (int b = 0; b < 2; b++)
+      fprintf(f,
+              ",\n   \"%s_phases_us\": {\"rows\": %d, \"gemm_end\": %.2f, \"comm_end\": %.2f, "
+              "\"reduce_start\": %.2f, \"total\": %.2f}",
+              b == 0 ? "seq" : "chunked", b == 0 ? 0 : r->bphase_rows, r->bphase[b][0],
+              r->bphase[b][1], r->bphase[b][2], r->bphase[b][3]);
   fprintf(f, "}");
 }
 

@@ -115,7 +115,13 @@ struct tw_baseline {
   cudaStream_t copy_stream;
   cudaEvent_t* chunk_events; /* (num_remote_bands + 1) */
   cudaEvent_t copies_done;
+  /* Phase events (tw__baseline_set_timing): recorded only while timing is on; timed = 1 once a
+   * call has recorded all of them. */
+  int32_t timing, timed;
+  cudaEvent_t t_ev[5]; /* TW__BL_T_* */
 };
+
+enum { TW__BL_T_START, TW__BL_T_GEMM_END, TW__BL_T_COMM_END, TW__BL_T_RED_START, TW__BL_T_END };
 
 /* ---- kernels --------------------------------------------------------------------------------- */
 
@@ -496,6 +502,7 @@ static tw_status tw__bl_create(tw_baseline_t b, const struct tw_plan* const* pla
   for (int32_t i = 0; i <= nrb; i++)
     TW_CUDA_TRY(cudaEventCreateWithFlags(&b->chunk_events[i], cudaEventDisableTiming));
   TW_CUDA_TRY(cudaEventCreateWithFlags(&b->copies_done, cudaEventDisableTiming));
+  for (int i = 0; i < 5; i++) TW_CUDA_TRY(cudaEventCreate(&b->t_ev[i]));
   TW_CUBLAS_TRY(cublasCreate(&b->cublas));
 
   /* Exchange receive buffers: IPC handles where ranks are processes, raw pointers (and peer access)
@@ -601,6 +608,8 @@ extern "C" tw_status tw__baseline_destroy(tw_baseline_t b) {
     for (int32_t i = 0; i <= b->num_remote_bands; i++)
       if (b->chunk_events[i]) cudaEventDestroy(b->chunk_events[i]);
   if (b->copies_done) cudaEventDestroy(b->copies_done);
+  for (int i = 0; i < 5; i++)
+    if (b->t_ev[i]) cudaEventDestroy(b->t_ev[i]);
   if (b->copy_stream) cudaStreamDestroy(b->copy_stream);
   cudaFree(b->c);
   cudaFree(b->recv);
@@ -813,28 +822,65 @@ extern "C" tw_status tw__baseline_gemm_grouped(tw_baseline_t b, const void* a, c
   return TW_SUCCESS;
 }
 
+/* Records phase event `which` on `stream` while timing is on. */
+static tw_status tw__bl_mark(tw_baseline_t b, int which, cudaStream_t stream) {
+  if (!b->timing) return TW_SUCCESS;
+  TW_CUDA_TRY(cudaEventRecord(b->t_ev[which], stream));
+  if (which == TW__BL_T_END) b->timed = 1;
+  return TW_SUCCESS;
+}
+
+/* The sequential forms: GEMM, exchange, reduction, all on `stream`. */
+static tw_status tw__bl_sequential(tw_baseline_t b, const void* a, const void* w, void* out,
+                                   cudaStream_t stream,
+                                   tw_status (*gemm)(tw_baseline_t, const void*, const void*,
+                                                     cudaStream_t),
+                                   tw_status (*exchange)(tw_baseline_t, cudaStream_t)) {
+  TW_TRY(tw__bl_check_io(b, a, w, out));
+  TW_TRY(tw__bl_mark(b, TW__BL_T_START, stream));
+  TW_TRY(gemm(b, a, w, stream));
+  TW_TRY(tw__bl_mark(b, TW__BL_T_GEMM_END, stream));
+  TW_TRY(exchange(b, stream));
+  TW_TRY(tw__bl_mark(b, TW__BL_T_COMM_END, stream));
+  TW_TRY(tw__bl_mark(b, TW__BL_T_RED_START, stream));
+  TW_TRY(tw__baseline_reduce(b, b->c, b->recv, out, stream));
+  return tw__bl_mark(b, TW__BL_T_END, stream);
+}
+
 extern "C" tw_status tw__baseline_sequential_grouped(tw_baseline_t b, const void* a, const void* w,
                                                      void* out, cudaStream_t stream) {
-  TW_TRY(tw__bl_check_io(b, a, w, out));
-  TW_TRY(tw__baseline_gemm_grouped(b, a, w, stream));
-  TW_TRY(tw__baseline_exchange(b, stream));
-  return tw__baseline_reduce(b, b->c, b->recv, out, stream);
+  return tw__bl_sequential(b, a, w, out, stream, tw__baseline_gemm_grouped, tw__baseline_exchange);
 }
 
 extern "C" tw_status tw__baseline_sequential_packed(tw_baseline_t b, const void* a, const void* w,
                                                     void* out, cudaStream_t stream) {
-  TW_TRY(tw__bl_check_io(b, a, w, out));
-  TW_TRY(tw__baseline_gemm(b, a, w, stream));
-  TW_TRY(tw__baseline_exchange_packed(b, stream));
-  return tw__baseline_reduce(b, b->c, b->recv, out, stream);
+  return tw__bl_sequential(b, a, w, out, stream, tw__baseline_gemm, tw__baseline_exchange_packed);
 }
 
 extern "C" tw_status tw__baseline_sequential(tw_baseline_t b, const void* a, const void* w,
                                              void* out, cudaStream_t stream) {
-  TW_TRY(tw__bl_check_io(b, a, w, out));
-  TW_TRY(tw__baseline_gemm(b, a, w, stream));
-  TW_TRY(tw__baseline_exchange(b, stream));
-  return tw__baseline_reduce(b, b->c, b->recv, out, stream);
+  return tw__bl_sequential(b, a, w, out, stream, tw__baseline_gemm, tw__baseline_exchange);
+}
+
+extern "C" tw_status tw__baseline_set_timing(tw_baseline_t b, int on) {
+  TW_CHECK_NULL(b);
+  b->timing = on != 0;
+  b->timed = 0;
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw__baseline_timeline(tw_baseline_t b, tw__bl_timeline* t) {
+  TW_CHECK_NULL(b);
+  TW_CHECK_NULL(t);
+  if (!b->timed)
+    return tw__fail(TW_ERR_STATE,
+                    "tw__baseline_timeline: no sequential or chunked call has run with timing on "
+                    "since tw__baseline_set_timing");
+  TW_CUDA_TRY(cudaEventSynchronize(b->t_ev[TW__BL_T_END]));
+  float* out[4] = {&t->gemm_end_ms, &t->comm_end_ms, &t->reduce_start_ms, &t->total_ms};
+  for (int i = 0; i < 4; i++)
+    TW_CUDA_TRY(cudaEventElapsedTime(out[i], b->t_ev[TW__BL_T_START], b->t_ev[i + 1]));
+  return TW_SUCCESS;
 }
 
 /* Cross-rank fence on `stream`: a one-element allreduce completes on a rank only after every rank
@@ -866,6 +912,7 @@ extern "C" tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const 
     return tw__fail(TW_ERR_INVALID_SIZE, "tw__baseline_chunked: chunk_rows %d must be >= 1",
                     chunk_rows);
   if (chunk_rows != b->chunk_rows) tw__bl_build_chunks(b, chunk_rows);
+  TW_TRY(tw__bl_mark(b, TW__BL_T_START, stream));
   TW_CUBLAS_TRY(cublasSetStream(b->cublas, stream));
   /* The copy stream must not run ahead of anything the caller queued before this call. */
   TW_CUDA_TRY(cudaEventRecord(b->chunk_events[b->num_chunks], stream));
@@ -885,10 +932,14 @@ extern "C" tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const 
     const tw__bl_range* r = &b->local_gemms[g];
     TW_TRY(tw__bl_gemm_range(b, a, w, r->expert, r->row0, r->rows));
   }
+  TW_TRY(tw__bl_mark(b, TW__BL_T_GEMM_END, stream));
+  TW_TRY(tw__bl_mark(b, TW__BL_T_COMM_END, b->copy_stream));
   TW_CUDA_TRY(cudaEventRecord(b->copies_done, b->copy_stream));
   TW_CUDA_TRY(cudaStreamWaitEvent(stream, b->copies_done, 0));
   TW_TRY(tw__bl_fence(b, stream));
-  return tw__baseline_reduce(b, b->c, b->recv, out, stream);
+  TW_TRY(tw__bl_mark(b, TW__BL_T_RED_START, stream));
+  TW_TRY(tw__baseline_reduce(b, b->c, b->recv, out, stream));
+  return tw__bl_mark(b, TW__BL_T_END, stream);
 }
 
 /* ---- checks and inputs ----------------------------------------------------------------------- */

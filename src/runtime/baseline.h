@@ -82,6 +82,17 @@ tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const void* w, vo
  * [in]  local: (plan rows, H) bf16
  * [in]  recv:  (recv_rows, H) bf16
  * [out] out:   (tokens, H) bf16 */
+/* Phase events of the sequential and chunked baselines (bench --phases). With timing on, each
+ * call records, on the streams it uses, when it starts, when its GEMMs end, when its exchange (or
+ * its last copy) ends, when the reduction starts (after the cross-rank fence) and when it ends;
+ * tw__baseline_timeline waits for the last such call and gives those times in milliseconds from
+ * its start. Off by default, so the timed rounds record nothing extra. */
+typedef struct tw__bl_timeline {
+  float gemm_end_ms, comm_end_ms, reduce_start_ms, total_ms;
+} tw__bl_timeline;
+tw_status tw__baseline_set_timing(tw_baseline_t b, int on);
+tw_status tw__baseline_timeline(tw_baseline_t b, tw__bl_timeline* t);
+
 tw_status tw__baseline_reduce(tw_baseline_t b, const void* local, const void* recv, void* out,
                               cudaStream_t stream);
 
