@@ -7,7 +7,9 @@
 #   bench.md / bench.json        tilewave bench: the main grid (overlap vs sequential, unfused,
 #                                chunked copy-engine, ours' phases), correctness checked on every
 #                                point
-#   bench-gemm.md                tilewave bench gemm: producer GEMM vs cuBLAS
+#   bench-gemm.md                tilewave bench gemm: producer GEMM vs cuBLAS (calls back to back)
+#   bench-gemm-idle.md           the same with 300 us of idle device before each call, as in
+#                                tilewave bench (cuBLAS measured 17% faster that way at one point)
 #   sweep.md / sweep.json        tilewave sweep: every C x mgb of one point, oracle, model, regret
 #   oracle.md / oracle.json      tilewave sweep --oracle: the model's regret over a workload matrix
 #                                (ORACLE_MATRIX, default quick) and the best fixed (C, mgb)
@@ -73,6 +75,9 @@ if [ "$mode" = quick ]; then
 elif "$TW" bench gemm --help >/dev/null 2>&1; then
   timeout 90 "$TW" bench gemm | tee "$OUT/bench-gemm.md"
   note "tilewave bench gemm" $?
+  step "tilewave bench gemm --delay-us 300 (each call after 300 us of idle device)"
+  timeout 90 "$TW" bench gemm --delay-us 300 | tee "$OUT/bench-gemm-idle.md"
+  note "tilewave bench gemm --delay-us 300" $?
 else
   echo "this build has no GEMM benchmark"
 fi

@@ -21,6 +21,7 @@
 #include <functional>
 #include <vector>
 
+#include "bench_common.h"
 #include "cli.h"
 #include "core.h"
 #include "kernels.h"
@@ -35,6 +36,7 @@ struct BenchOpts {
   int grid = 0;
   int variant = 0;
   int reps = 20, warmup = 3;
+  int delay_us = 0; /* device idle (a one-thread spin) before each timed call, outside its time */
   int check = 1;
   int plan = 1; /* 1: the planner's layout (2 ranks, balanced top-2, rank 0); 0: even split */
 };
@@ -86,28 +88,32 @@ double median(std::vector<float> v) {
  * clock and power drift hit all of them alike, and with the starting function rotated every rep
  * (A B C, B C A, C A B, ...): the first call after the host's wait also pays the launch gap,
  * which must not always land on the same function. us[i] gets the median microseconds of
- * fns[i] over reps after warmup rounds. Returns false on a failure. */
+ * fns[i] over reps after warmup rounds. With delay_us > 0 every timed call follows that long a
+ * nearly idle device (tw__bench_delay, outside the call's events), as in `tilewave bench`;
+ * with 0 the calls run back to back, a sustained load. Returns false on a failure. */
 template <typename F>
-bool time_interleaved(const std::vector<F>& fns, int warmup, int reps, cudaStream_t s,
+bool time_interleaved(const std::vector<F>& fns, int warmup, int reps, int delay_us, cudaStream_t s,
                       std::vector<double>& us) {
   const size_t n = fns.size();
   for (int i = 0; i < warmup; i++)
     for (size_t f = 0; f < n; f++)
       if (fns[f]() != 0) return false;
-  std::vector<cudaEvent_t> ev(n + 1);
+  /* ev[2j], ev[2j + 1]: the start and end of the rep's j-th call. */
+  std::vector<cudaEvent_t> ev(2 * n);
   for (auto& e : ev) cudaEventCreate(&e);
   std::vector<std::vector<float>> ms(n);
   bool ok = true;
   for (int i = 0; i < reps && ok; i++) {
-    cudaEventRecord(ev[0], s);
     for (size_t j = 0; j < n && ok; j++) {
-      ok = fns[(j + i) % n]() == 0;
-      cudaEventRecord(ev[j + 1], s);
+      ok = tw__bench_delay(s, delay_us) == TW_SUCCESS; /* nothing when delay_us is 0 */
+      cudaEventRecord(ev[2 * j], s);
+      ok = ok && fns[(j + i) % n]() == 0;
+      cudaEventRecord(ev[2 * j + 1], s);
     }
-    cudaEventSynchronize(ev[n]);
+    cudaEventSynchronize(ev[2 * n - 1]);
     for (size_t j = 0; j < n; j++) {
       float t = 0;
-      cudaEventElapsedTime(&t, ev[j], ev[j + 1]);
+      cudaEventElapsedTime(&t, ev[2 * j], ev[2 * j + 1]);
       ms[(j + i) % n].push_back(t);
     }
   }
@@ -294,7 +300,7 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   /* All five interleaved rep by rep (ours, ours + signals, then the cuBLAS baselines). */
   std::vector<std::function<int()>> fns = {ours, ours_sig, loop, grouped, concat};
   std::vector<double> us;
-  if (!time_interleaved(fns, o.warmup, o.reps, s, us)) {
+  if (!time_interleaved(fns, o.warmup, o.reps, o.delay_us, s, us)) {
     fprintf(stderr, "bench gemm: a timed call failed: %s\n", tw_last_error());
     return -1;
   }
@@ -321,13 +327,16 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
 }
 
 void usage(FILE* f) {
-  fprintf(f,
-          "usage: tilewave bench gemm [--rows R --k K --n N --experts E] [--tm 128] [--tn 0]\n"
-          "                           [--grid P] [--variant V] [--reps 20] [--warmup 3] "
-          "[--no-check] [--even]\n"
-          "Without a shape, runs the default grid: rows 16384 and 32768, K 2048, N 4096 and\n"
-          "8192, E 4..64, and rows 8192, K 1408, N 2048, E 30. Layout: the planner's for rank 0\n"
-          "of 2 ranks, balanced top-2 routing (rows include its padding); --even: rows/E each.\n");
+  fprintf(
+      f,
+      "usage: tilewave bench gemm [--rows R --k K --n N --experts E] [--tm 128] [--tn 0]\n"
+      "                           [--grid P] [--variant V] [--reps 20] [--warmup 3] "
+      "[--delay-us 0] [--no-check] [--even]\n"
+      "Without a shape, runs the default grid: rows 16384 and 32768, K 2048, N 4096 and\n"
+      "8192, E 4..64, and rows 8192, K 1408, N 2048, E 30. Layout: the planner's for rank 0\n"
+      "of 2 ranks, balanced top-2 routing (rows include its padding); --even: rows/E each.\n"
+      "--delay-us U: U us of a nearly idle device before each timed call (as `tilewave\n"
+      "bench` does, default 300 there); 0 (default): the calls back to back, a sustained load.\n");
 }
 
 }  // namespace
@@ -367,6 +376,8 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
       dst = &o.reps;
     } else if (!strcmp(a, "--warmup")) {
       dst = &o.warmup;
+    } else if (!strcmp(a, "--delay-us")) {
+      dst = &o.delay_us;
     }
     if (dst == nullptr || !has) {
       fprintf(stderr, "bench gemm: unknown or incomplete option '%s'\n", a);
@@ -389,6 +400,10 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
     shapes.push_back({8192, 1408, 2048, 30});
   }
   if (o.reps < 1) o.reps = 1;
+  if (o.delay_us < 0 || o.delay_us > 1000000) {
+    fprintf(stderr, "bench gemm: --delay-us %d; give 0..1000000\n", o.delay_us);
+    return 2;
+  }
   int dev = 0;
   cudaDeviceProp prop;
   if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
@@ -402,9 +417,11 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
     return 1;
   }
   cublasSetStream(h, s);
-  printf("# bench gemm on %s (%d SMs), grid %d, variant %d, tm %d, %s layout, median of %d reps\n",
-         prop.name, prop.multiProcessorCount, o.grid, o.variant, o.tm, o.plan ? "planned" : "even",
-         o.reps);
+  printf(
+      "# bench gemm on %s (%d SMs), grid %d, variant %d, tm %d, %s layout, median of %d reps, "
+      "%d us idle before each call\n",
+      prop.name, prop.multiProcessorCount, o.grid, o.variant, o.tm, o.plan ? "planned" : "even",
+      o.reps, o.delay_us);
   printf(
       "| rows | K | N | E | tn | ours us TF/s | +signals us, cost | cuBLAS loop us TF/s | "
       "cuBLAS grouped us TF/s | cuBLAS concat us TF/s | ours/concat | speedup vs loop | "
