@@ -27,27 +27,6 @@
 #include "runtime.h"
 #include "sync.cuh"
 
-/* The consumer's tail split (src/plan/units.c; defaults read in context.cu): the last
- * TW_DEFAULT_TAIL_BANDS bands of every destination stream go as TW_DEFAULT_TAIL_PARTS row parts
- * each. Whole, a band is one CTA's copy at ~35 GB/s (2 MB at hidden 8192: ~57 us, about 2.5 of
- * the producer's waves of ~22 us; 1 MB at 4096: ~1.3 waves), so a band finished in the GEMM's last
- * few waves would still be in one CTA's hands after the GEMM has ended; 8 bands per stream cover
- * those waves at both widths (a wave finishes ~4-8 bands, about half of them remote). Measured on
- * the grid (run 21, 2 -> 8 bands): where the consumer ended over 10 us after the producer (8
- * points, 10.7-24.6 us) it ends 5.4-12.0 us after; the calls at 16-64 experts -1.2%..+0.1%,
- * geometric mean over the grid 0.9960. Splitting every band measured the same (0.9956) and would
- * multiply the per-unit costs where the consumer bounds small calls. */
-#define TW_DEFAULT_TAIL_BANDS 8
-/* Row parts per tail band: by default TW_TAIL_MAX_PARTS when each part holds at least
- * TW_TAIL_PART_MIN_BYTES, else the band stays whole (tw__tail_parts in context.cu; 128-row bands:
- * 4 parts from hidden 1024 up, whole at 512). A unit has a fixed cost of a few microseconds (poll,
- * claim, first load: link_latency_us ~3 us), which a short band's copy does not amortise over
- * parts. Measured at C 12 (bench at 1024 and 4096 tokens, runs 23-24): at hidden 512 (128 KB
- * bands) 2 parts 0.7% and 4 parts 3.6% slower than whole bands; at 1024 (256 KB) 4 parts 1.4%
- * faster than whole; at 4096 with 32-64 experts 4 parts 0.4-0.9% faster than 2. */
-#define TW_TAIL_PART_MIN_BYTES (64 << 10)
-#define TW_TAIL_MAX_PARTS 4
-
 /* Further kinds of device-side failure (tw_dev_error.where), after sync.cuh's TW_WAIT_*. */
 enum { TW_WAIT_CREDIT = 4, TW_CHECK_TAGS = 5, TW_WAIT_COPY = 6 };
 

@@ -43,3 +43,8 @@ int64_t tw__owner_units(int64_t bands, int32_t tail_bands, int32_t tail_parts,
   const int64_t tail = bands < tail_bands ? bands : tail_bands;
   return (bands + tail * (tail_parts - 1)) * unit_chunks;
 }
+
+int32_t tw__tail_parts_default(int32_t tm, int32_t hidden) {
+  const int64_t band_bytes = (int64_t)tm * hidden * 2; /* bf16 rows */
+  return band_bytes >= (int64_t)TW_TAIL_MAX_PARTS * TW_TAIL_PART_MIN_BYTES ? TW_TAIL_MAX_PARTS : 1;
+}

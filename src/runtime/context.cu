@@ -447,14 +447,6 @@ static tw_status tw__context_init(tw_context_t ctx) {
   return TW_SUCCESS;
 }
 
-/* The default row parts of a tail band: TW_TAIL_MAX_PARTS when each holds at least
- * TW_TAIL_PART_MIN_BYTES, else 1 (a whole band; combine.h says why). Depends only on the problem,
- * so every rank derives the same value. */
-static int tw__tail_parts(int32_t tm, int32_t hidden) {
-  const int64_t band_bytes = (int64_t)tm * hidden * 2; /* bf16 rows */
-  return band_bytes >= (int64_t)TW_TAIL_MAX_PARTS * TW_TAIL_PART_MIN_BYTES ? TW_TAIL_MAX_PARTS : 1;
-}
-
 extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t comm,
                                        const tw_context_config* config, tw_context_t* out) {
   tw__clear_error();
@@ -503,7 +495,8 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
   TW_TRY(tw__env_int_in("tw_context_create", "TW_CONSUMER_TAIL_BANDS", 0, 1 << 20,
                         TW_DEFAULT_TAIL_BANDS, &tail_bands));
   TW_TRY(tw__env_int_in("tw_context_create", "TW_CONSUMER_TAIL_PARTS", 0, 64, 0, &tail_parts));
-  if (tail_parts == 0) tail_parts = tw__tail_parts(tw__resolve_tile_m(problem), problem->hidden);
+  if (tail_parts == 0)
+    tail_parts = tw__tail_parts_default(tw__resolve_tile_m(problem), problem->hidden);
 
   /* The device communicator's layout is version-bound: headers and library must agree. */
   int nccl_version = 0;

@@ -506,6 +506,26 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
   free(cnt);
 }
 
+/* The default row parts of a tail band: 4 parts only where each holds at least 64 KB (measured
+ * at hidden 512 / 1024 / 4096, plan.h), else whole; the same answer on every rank by construction
+ * (a function of the problem alone). */
+static void test_tail_parts_default(void) {
+  static const struct {
+    int32_t tm, hidden, parts;
+  } cases[] = {{128, 512, 1},  {128, 768, 1}, {128, 1024, 4}, {128, 2048, 4}, {128, 4096, 4},
+               {128, 8192, 4}, {64, 1024, 1}, {64, 2048, 4},  {128, 1023, 1}, {64, 7168, 4}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    const int32_t got = tw__tail_parts_default(cases[i].tm, cases[i].hidden);
+    CHECKF(got == cases[i].parts, "tm %d hidden %d: %d parts, expected %d", cases[i].tm,
+           cases[i].hidden, got, cases[i].parts);
+  }
+  for (int32_t h = 8; h <= 16384; h += 8) {
+    const int32_t parts = tw__tail_parts_default(128, h);
+    CHECK(parts == 1 || parts == TW_TAIL_MAX_PARTS);
+    if (parts > 1) CHECK((int64_t)128 * h * 2 / parts >= TW_TAIL_PART_MIN_BYTES);
+  }
+}
+
 /* The consumer's units (units.c) at a random split: what each source's segments are cut into
  * adds up, per owner, to exactly what the owner expects from the bands it receives; the parts
  * are the last tail_bands bands of each stream (a suffix, in schedule order). */
@@ -874,6 +894,7 @@ int main(void) {
       TW_TEST(test_tokens_not_multiple_of_tm),
       TW_TEST(test_random_worlds),
       TW_TEST(test_plan_time),
+      TW_TEST(test_tail_parts_default),
   };
   return tw_test_run(cases, (int)(sizeof cases / sizeof cases[0]));
 }
