@@ -30,7 +30,7 @@ for arm in "${order[@]}"; do
   )
 done
 python3 - "$OUT" "${arms[@]%%=*}" <<'PY'
-import glob, json, os, statistics, sys
+import glob, json, math, os, statistics, sys
 out, names = sys.argv[1], sys.argv[2:]
 runs = {}
 for f in sorted(glob.glob(os.path.join(out, "ab-*.json"))):
@@ -54,9 +54,10 @@ for key, arms in runs.items():
                                 for q in arms[a]) for a in names}
     cells = ["%.1f" % med[a] for a in names] + ["%.4f" % (med[a] / med[base]) for a in names[1:]]
     for a in names[1:]:
-        logs[a] += __import__("math").log(med[a] / med[base])
+        logs[a] += math.log(med[a] / med[base])
     print("| %d | %d | %d | %d | " % (*key, arms[base][0]["comm_ctas"]) + " | ".join(cells) +
           " | " + " / ".join("%+.1f" % gap[a] for a in names) + " |")
 for a in names[1:]:
-    print("\ngeometric mean %s / %s %.4f over %d points" % (a, base, __import__("math").exp(logs[a] / len(runs)), len(runs)))
+    print("\ngeometric mean %s / %s %.4f over %d points" % (a, base, math.exp(logs[a] / len(runs)),
+                                                           len(runs)))
 PY

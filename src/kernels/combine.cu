@@ -19,13 +19,12 @@
  * with register copies.
  *
  * The last tail_bands bands of each destination stream are also cut into tail_parts row parts
- * (combine.h): at the end of the call they are all that is left, and whole they would be one
- * CTA's copy each while the others idle (runs 18 and 21, 8192 tokens, N 8192, 16-64 experts: the
- * consumer's lag behind the producer 31-37 us with whole bands, 16-18 with the last 2 split, 6-8
- * with the last 8).
- * Units are announced on the owner's arrival counter; the owner counts them from the bands it
- * receives (src/plan/units.c), so T and the split must be the same on every rank (the context
- * checks).
+ * (defaults and why: src/plan/plan.h): at the end of the call they are all that is left, and whole
+ * they would be one CTA's copy each while the others idle (runs 18 and 21, 8192 tokens, N 8192,
+ * 16-64 experts: the consumer's lag behind the producer 31-37 us with whole bands, 16-18 with the
+ * last 2 split, 6-8 with the last 8). Units are announced on the owner's arrival counter; the owner
+ * counts them from the bands it receives (src/plan/units.c), so T and the split must be the same on
+ * every rank (the context checks).
  *
  * A system-scope release waits until the CTA's NVLink stores are acknowledged (a round trip of
  * microseconds), so a CTA does not release after every unit: it counts finished units per

@@ -76,12 +76,6 @@ tw_status tw__baseline_exchange(tw_baseline_t b, cudaStream_t stream);
 tw_status tw__baseline_chunked(tw_baseline_t b, const void* a, const void* w, void* out,
                                int32_t chunk_rows, cudaStream_t stream);
 
-/* The weighted reduction of this rank's tokens from a receive buffer and a local GEMM output:
- * out[t] = sum_j weight[t][j] * row(slot_row[t][j]), rows < recv_rows from `recv`, the others from
- * `local` (plan.h, tw_plan.slot_row), fp32 accumulation in slot order, bf16 result.
- * [in]  local: (plan rows, H) bf16
- * [in]  recv:  (recv_rows, H) bf16
- * [out] out:   (tokens, H) bf16 */
 /* Phase events of the sequential and chunked baselines (bench --phases). With timing on, each
  * call records, on the streams it uses, when it starts, when its GEMMs end, when its exchange (or
  * its last copy) ends, when the reduction starts (after the cross-rank fence) and when it ends;
@@ -93,6 +87,12 @@ typedef struct tw__bl_timeline {
 tw_status tw__baseline_set_timing(tw_baseline_t b, int on);
 tw_status tw__baseline_timeline(tw_baseline_t b, tw__bl_timeline* t);
 
+/* The weighted reduction of this rank's tokens from a receive buffer and a local GEMM output:
+ * out[t] = sum_j weight[t][j] * row(slot_row[t][j]), rows < recv_rows from `recv`, the others from
+ * `local` (plan.h, tw_plan.slot_row), fp32 accumulation in slot order, bf16 result.
+ * [in]  local: (plan rows, H) bf16
+ * [in]  recv:  (recv_rows, H) bf16
+ * [out] out:   (tokens, H) bf16 */
 tw_status tw__baseline_reduce(tw_baseline_t b, const void* local, const void* recv, void* out,
                               cudaStream_t stream);
 
