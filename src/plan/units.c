@@ -2,12 +2,13 @@
  * units.c: how the consumer cuts a plan's segments into transfer units, and how many units an
  * owner therefore receives. The sender (the device plan upload) and the owner (its arrival
  * target) must agree exactly, without exchanging counts: both follow from the bands, so both use
- * these two functions, and the plan invariant tests check them over random worlds of 1-8 ranks.
+ * the first two functions below, and the plan invariant tests check them over random worlds of
+ * 1-8 ranks. The third is the default row-part count, which every rank derives from the problem.
  *
  * A band is unit_chunks units (column chunks of the consumer's unit width). The last tail_bands
  * bands of each destination stream are also cut into tail_parts row parts: at the end of a call
  * they are all that is left to send, and whole each would be one CTA's copy while the pool's
- * other CTAs idle (dev/NOTES.md section 15).
+ * other CTAs idle (dev/NOTES.md sections 15-16; the defaults and their measurements: plan.h).
  */
 #include "plan.h"
 
