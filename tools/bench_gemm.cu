@@ -336,13 +336,20 @@ void usage(FILE* f) {
       "8192, E 4..64, and rows 8192, K 1408, N 2048, E 30. Layout: the planner's for rank 0\n"
       "of 2 ranks, balanced top-2 routing (rows include its padding); --even: rows/E each.\n"
       "--delay-us U: U us of a nearly idle device before each timed call (as `tilewave\n"
-      "bench` does, default 300 there); 0 (default): the calls back to back, a sustained load.\n");
+      "bench` does, default 300 there); 0 (default): the calls back to back, a sustained load.\n"
+      "--variant V: producer version (src/kernels/sm90_gemm.cu; default env TW_GEMM_VARIANT,\n"
+      "else 0, the library's choice).\n");
 }
 
 }  // namespace
 
 extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
   BenchOpts o;
+  /* The producer version the context would launch (TW_GEMM_VARIANT) unless --variant says. */
+  if (tw__env_int_in("bench gemm", "TW_GEMM_VARIANT", 0, 5, 0, &o.variant) != TW_SUCCESS) {
+    fprintf(stderr, "%s\n", tw_last_error());
+    return 2;
+  }
   for (int i = 1; i < argc; i++) {
     const char* a = argv[i];
     const bool has = i + 1 < argc;
