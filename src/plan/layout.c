@@ -337,6 +337,13 @@ done:
   return st;
 }
 
+/* Whether two bands may share a tile group: one expert (one weight matrix) and one destination,
+ * so that a group never mixes remote and local bands (remote-first keeps every remote tile
+ * before every local one). */
+static int tw__same_group(const tw_band* a, const tw_band* b) {
+  return a->expert == b->expert && a->dest == b->dest;
+}
+
 tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
   TW_CHECK_NULL(plan);
   if (schedule != TW_SCHEDULE_REMOTE_FIRST && schedule != TW_SCHEDULE_EXPERT_MAJOR)
@@ -388,14 +395,28 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
     plan->stream_last[d] = i;
   }
   plan->num_remote_tiles = nremote * plan->col_tiles;
-  /* Tiles: every column tile of each band, bands in schedule order. */
-  for (int32_t i = 0, t = 0; i < nb; i++) {
-    const tw_band* bd = &plan->bands[i];
-    tw_tile tile = {.row0 = bd->row0, .rows = bd->rows, .expert = bd->expert, .band = i};
-    for (int32_t c = 0; c < plan->col_tiles; c++, t++) {
-      tile.col0 = c * plan->tn;
-      plan->tiles[t] = tile;
+  /* Tiles: bands in schedule order, in groups of up to tile_group consecutive bands of one
+   * expert; within a group column by column (every band's tile of column 0, then column 1, ...),
+   * so that the CTAs of one wave share fewer weight columns, and the direction of the columns
+   * alternates from one group of an expert to the next, so that a group starts on the columns
+   * its predecessor read last (still in L2). tile_group 1: band by band, columns ascending. */
+  const int32_t group = plan->tile_group > 1 ? plan->tile_group : 1, cols = plan->col_tiles;
+  for (int32_t i = 0, t = 0, flip = 0; i < nb;) {
+    int32_t g = 1;
+    while (g < group && i + g < nb && tw__same_group(&plan->bands[i + g], &plan->bands[i])) g++;
+    for (int32_t c = 0; c < cols; c++) {
+      const int32_t col = flip ? cols - 1 - c : c;
+      for (int32_t j = i; j < i + g; j++, t++) {
+        const tw_band* bd = &plan->bands[j];
+        plan->tiles[t] = (tw_tile){.row0 = bd->row0,
+                                   .rows = bd->rows,
+                                   .expert = bd->expert,
+                                   .col0 = col * plan->tn,
+                                   .band = j};
+      }
     }
+    i += g;
+    flip = group > 1 && i < nb && tw__same_group(&plan->bands[i], &plan->bands[i - 1]) ? !flip : 0;
   }
   plan->num_segments = 0; /* the bands' segment fields are -1 (copied from layout_bands) */
   plan->schedule = schedule;
@@ -438,6 +459,21 @@ tw_status tw__schedule_resolve(const tw_plan_config* config, int32_t* schedule) 
                       from_config);
   }
   *schedule = from_config != TW_SCHEDULE_AUTO ? from_config : from_env;
+  return TW_SUCCESS;
+}
+
+tw_status tw__tile_group_resolve(int32_t* tile_group) {
+  TW_CHECK_NULL(tile_group);
+  *tile_group = TW_TILE_GROUP_DEFAULT;
+  /* Read on every plan, like TW_SCHEDULE. */
+  const char* env = getenv("TW_TILE_GROUP");
+  if (env == NULL || env[0] == '\0') return TW_SUCCESS;
+  char* end = NULL;
+  const long v = strtol(env, &end, 10);
+  if (*end != '\0' || v < 1 || v > 64)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "TW_TILE_GROUP=\"%s\" is not a band count; set 1 to 64, or unset it", env);
+  *tile_group = (int32_t)v;
   return TW_SUCCESS;
 }
 
@@ -509,6 +545,8 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
   }
   int32_t schedule = TW_SCHEDULE_AUTO;
   TW_TRY(tw__schedule_resolve(config, &schedule));
+  int32_t tile_group = TW_TILE_GROUP_DEFAULT;
+  TW_TRY(tw__tile_group_resolve(&tile_group));
   const tw_problem* rp = &routing->problem;
   if (rp->world_size != p->world_size || rp->experts != p->experts || rp->top_k != p->top_k)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
@@ -534,6 +572,7 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
   pl->tn = tw__resolve_tile_n(p);
   pl->col_tiles = (int32_t)tw__ceil_div(p->hidden, pl->tn);
   pl->schedule_request = schedule;
+  pl->tile_group = tile_group;
   tw_status st = tw__plan_build(pl, routing);
   if (st == TW_SUCCESS) st = tw__model_choose(pl, config);
   if (st != TW_SUCCESS) {

@@ -98,6 +98,7 @@ struct tw_plan {
   int32_t schedule;         /* TW_SCHEDULE_REMOTE_FIRST or TW_SCHEDULE_EXPERT_MAJOR: the order of
                                bands and tiles now */
   int32_t schedule_request; /* the caller's: TW_SCHEDULE_AUTO (the model picks) or one of them */
+  int32_t tile_group; /* bands whose tiles go column by column together (tw__plan_set_schedule) */
   int32_t num_tiles;
   int32_t num_remote_tiles;    /* tiles whose band is remote; they are tiles[0..num_remote_tiles)
                                   only under remote-first */
@@ -158,6 +159,18 @@ tw_status tw__plan_build_segments(struct tw_plan* plan, int32_t coalesce);
  * rebuilds. O(tiles), never allocates. A plan without layout_bands can only keep its schedule
  * (TW_ERR_STATE otherwise). Planner (layout.c). */
 tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule);
+/* Bands whose tiles the producer walks column by column together (tw__plan_set_schedule).
+ * Measured on 2 x H200, one binary, arms A B C C B A: the producer alone (`bench gemm`, 300 us
+ * idle before each call, run 27): groups of 2 / 4 / 8 / 16 bands against band by band, geometric
+ * mean over the grid 0.966 / 0.950 / 0.950 / 0.950; the overlapped call (`bench`, run 28): 4 / 8
+ * bands 0.951 / 0.940, at hidden 8192 0.91-0.92 with 8. Why is not measured: a wave (~130
+ * tiles) reads about the same rows and weight columns either way (hidden 8192: ~4 bands against
+ * all 32 column tiles); what changes is that G CTAs with adjacent indices read one weight column
+ * tile at the same time, where band by band they are 32 indices apart. */
+#define TW_TILE_GROUP_DEFAULT 8
+/* The tile group (plan->tile_group): env TW_TILE_GROUP (1 to 64), else TW_TILE_GROUP_DEFAULT.
+ * Planner (layout.c). */
+tw_status tw__tile_group_resolve(int32_t* tile_group);
 /* Resolves the schedule a plan is built for: config->schedule when the config has the field and
  * sets it, else env TW_SCHEDULE (remote-first | expert-major | auto) when set, else
  * TW_SCHEDULE_AUTO. A bad value in either is TW_ERR_INVALID_ARGUMENT naming the fix; the

@@ -63,11 +63,12 @@ struct Problem {
 };
 
 /* Lays experts out with `gap` extra rows after each one (gap 0: back to back, so a partial last
- * band is followed directly by the next expert's rows) and builds the tile list: bands in a
- * shuffled order (as the remote-first schedule reorders them), all column tiles of a band
- * together. */
+ * band is followed directly by the next expert's rows) and builds the tile list. group 0: bands
+ * in a shuffled order (as the remote-first schedule reorders them), all column tiles of a band
+ * together; group g > 0: bands in layout order, in groups of up to g bands of one expert taken
+ * column by column (the planner's tile groups, TW_TILE_GROUP_DEFAULT). */
 void build(Problem& p, const std::vector<int>& m, int k, int n, int tm, int tn, int gap,
-           bool swiglu) {
+           bool swiglu, int group = 0) {
   p.experts = (int)m.size();
   p.k = k;
   p.n = n;
@@ -90,7 +91,7 @@ void build(Problem& p, const std::vector<int>& m, int k, int n, int tm, int tn, 
   for (int e = 0; e < p.experts; e++)
     for (int i = 0; i < m[e]; i += tm)
       bands.push_back({e, p.row0[e] + i, m[e] - i < tm ? m[e] - i : tm});
-  for (size_t i = bands.size(); i > 1; i--) {
+  for (size_t i = bands.size(); i > 1 && group == 0; i--) {
     size_t j = next_u64() % i;
     Band t = bands[i - 1];
     bands[i - 1] = bands[j];
@@ -98,17 +99,21 @@ void build(Problem& p, const std::vector<int>& m, int k, int n, int tm, int tn, 
   }
   p.num_bands = (int)bands.size();
   p.tiles.clear();
-  for (int bi = 0; bi < p.num_bands; bi++)
-    for (int c = 0; c < p.col_tiles; c++) {
-      tw_tile t;
-      memset(&t, 0, sizeof t);
-      t.row0 = bands[bi].row0;
-      t.rows = bands[bi].rows;
-      t.expert = bands[bi].e;
-      t.col0 = c * tn;
-      t.band = bi;
-      p.tiles.push_back(t);
-    }
+  for (int b0 = 0, g = 1; b0 < p.num_bands; b0 += g) {
+    g = 1;
+    while (g < group && b0 + g < p.num_bands && bands[b0 + g].e == bands[b0].e) g++;
+    for (int c = 0; c < p.col_tiles; c++)
+      for (int bi = b0; bi < b0 + g; bi++) {
+        tw_tile t;
+        memset(&t, 0, sizeof t);
+        t.row0 = bands[bi].row0;
+        t.rows = bands[bi].rows;
+        t.expert = bands[bi].e;
+        t.col0 = c * tn;
+        t.band = bi;
+        p.tiles.push_back(t);
+      }
+  }
   const int64_t n_b = swiglu ? 2 * (int64_t)n : n;
   p.a.resize((size_t)p.rows * k);
   p.b.resize((size_t)p.experts * n_b * k);
@@ -304,9 +309,9 @@ std::vector<int> random_m(int experts, int lo, int hi) {
 /* ---- small shapes against the double CPU reference ---------------------------------------- */
 
 void small_shape(const std::vector<int>& m, int k, int n, int tm, int tn, int gap, bool swiglu,
-                 const std::vector<int>& grids) {
+                 const std::vector<int>& grids, int group = 0) {
   Problem p;
-  build(p, m, k, n, tm, tn, gap, swiglu);
+  build(p, m, k, n, tm, tn, gap, swiglu, group);
   Device d;
   if (!upload(p, d)) return;
   std::vector<double> ref;
@@ -318,8 +323,9 @@ void small_shape(const std::vector<int>& m, int k, int n, int tm, int tn, int ga
 void test_small_tm128(void) {
   g_rng = 0x1234567ull;
   /* Zero-row experts, partial last bands, 1-row experts, back to back (gap 0). */
-  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) { /* one shape: enough for the sanitizers */
+  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) { /* two shapes: enough for the sanitizers */
     small_shape({300, 0, 129, 1, 77}, 256, 768, 128, 256, 0, false, {6});
+    small_shape({300, 0, 129, 1, 77}, 256, 768, 128, 256, 0, false, {6}, 2);
     return;
   }
   small_shape({300, 0, 129, 1, 128, 77}, 512, 1024, 128, 128, 0, false, {1, 7, 0, 6});
@@ -327,6 +333,10 @@ void test_small_tm128(void) {
    * share a band and sometimes not, and the last round has a lone tile. */
   small_shape({250, 3, 131}, 512, 640, 128, 128, 0, false, {6, 2, 0});
   small_shape({300, 0, 129, 1, 128, 77}, 512, 1024, 128, 256, 3, false, {7, 132});
+  /* Tile groups (the planner's order): groups of 2, 3 (with an odd column-tile count) and 8. */
+  small_shape({300, 0, 129, 1, 128, 77}, 512, 1024, 128, 256, 0, false, {6, 2, 0, 7}, 2);
+  small_shape({700, 3, 260}, 512, 640, 128, 128, 0, false, {6, 4, 0}, 3);
+  small_shape({520, 129, 400}, 512, 1024, 128, 128, 2, false, {8, 1}, 8);
   /* N not a multiple of tn: the last column tile reads the next expert's B rows. */
   small_shape({200, 150, 64}, 576, 1000, 128, 256, 0, false, {1, 124});
   small_shape({200, 150, 64}, 576, 1000, 128, 128, 5, false, {3});
@@ -337,6 +347,7 @@ void test_small_tm64(void) {
   g_rng = 0x7654321ull;
   small_shape({65, 0, 200, 64, 3}, 512, 1024, 64, 128, 0, false, {1, 0});
   small_shape({65, 0, 200, 64, 3}, 512, 1000, 64, 256, 2, false, {7});
+  small_shape({300, 0, 200, 64, 3}, 512, 1024, 64, 256, 0, false, {6, 0}, 4);
 }
 
 void test_small_swiglu(void) {
@@ -344,13 +355,15 @@ void test_small_swiglu(void) {
   g_rng = 0xABCDEFull;
   small_shape({130, 0, 77}, 512, 512, 128, 128, 0, true, {1, 0, 4});
   small_shape({130, 0, 77}, 512, 520, 128, 128, 4, true, {5});
+  small_shape({400, 0, 77}, 512, 512, 128, 128, 0, true, {4, 0}, 2);
 }
 
 /* ---- large shapes against cuBLAS per expert ------------------------------------------------ */
 
-void large_shape(const std::vector<int>& m, int k, int n, int tn, const std::vector<int>& grids) {
+void large_shape(const std::vector<int>& m, int k, int n, int tn, const std::vector<int>& grids,
+                 int group = 0) {
   Problem p;
-  build(p, m, k, n, 128, tn, 0, false);
+  build(p, m, k, n, 128, tn, 0, false, group);
   Device d;
   if (!upload(p, d)) return;
   std::vector<float> ref;
@@ -372,6 +385,8 @@ void test_large(void) {
   large_shape(random_m(64, 0, 150), 512, 7168, 256, {0});
   large_shape(random_m(16, 100, 400), 2048, 1024, 128, {124});
   large_shape(random_m(1, 3000, 3000), 2048, 4096, 256, {0});
+  large_shape(random_m(8, 0, 2000), 2048, 8192, 256, {0, 124}, 8);
+  large_shape(random_m(30, 0, 300), 1408, 2048, 128, {0}, 8);
 }
 
 void test_no_signal(void) {

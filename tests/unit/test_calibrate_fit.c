@@ -312,10 +312,12 @@ static void test_pool_on_real_plans(void) {
       CHECKF(rem[pi].bands == (double)remote_bands, "segments send %.0f bands; %lld are remote",
              rem[pi].bands, (long long)remote_bands);
       CHECK(rem[pi].waves == (pl->num_tiles + 123) / 124);
-      /* Remote-first: the first segment's bands are the first bands of the schedule, each with
-       * col_tiles tiles in a row, so its last tile is nbands x col_tiles - 1. */
-      const int64_t t0 = (int64_t)pl->segments[0].nbands * pl->col_tiles - 1;
-      CHECK(pl->segments[0].band0 == 0);
+      /* Remote-first: the first segment's bands are the first bands of the schedule; its last
+       * tile is the last one of those bands in the tile order (tile groups interleave bands). */
+      int64_t t0 = -1;
+      for (int32_t t = 0; t < pl->num_tiles; t++)
+        if (pl->tiles[t].band < pl->segments[0].nbands) t0 = t;
+      CHECK(pl->segments[0].band0 == 0 && t0 >= (int64_t)pl->col_tiles - 1);
       CHECK(rem[pi].ready_waves == t0 / 124 + 1);
       tw__calib_remote one, wide;
       CHECK_OK(tw__calib_plan_remote(pl, 1, &one));

@@ -772,7 +772,8 @@ static void test_weights_in_l2(void) {
 /* 64-row tiles: the model prices their compute at tile_m64_share of the 128-row rate. Measured on
  * 2 x H200 (bench/results/2026-11-30-run11-tile-m.md): at 8192 tokens/rank, K 2048, N 4096, 32 and
  * 64 experts the call took 1.24x and 1.19x as long with 64-row tiles; the default share must
- * predict them slower, and a share of 1 (the former model) predicted them faster. */
+ * predict them slower, and a share of 1 (the former model) predicts them at most a few percent
+ * slower. */
 static tw_status plan_grid_point(int32_t experts, int32_t tile_m, double share, double* us) {
   tw_problem prob = TW_PROBLEM_INIT;
   prob.world_size = 2, prob.hidden = 4096, prob.ffn = 2048, prob.experts = experts;
@@ -807,8 +808,11 @@ static void test_tile_height_rate(void) {
     CHECKF(t64 > t128, "E %d: 64-row tiles predicted %.1f us, 128-row %.1f (measured 1.19-1.24x)",
            e, t64, t128);
     CHECK_NEAR(t128, t128_full, 1e-9 * t128); /* the share prices 64-row tiles only */
-    CHECKF(t64_full < t128_full, "E %d: at the full rate 64-row tiles %.1f us, 128-row %.1f", e,
-           t64_full, t128_full);
+    /* At the full rate the model misses the measured slowdown (within 5% of 128-row tiles,
+     * faster before the tile groups): the share is what predicts it. */
+    CHECKF(t64_full < 1.05 * t128_full && t64 > t64_full,
+           "E %d: at the full rate 64-row tiles %.1f us, 128-row %.1f; at the share %.1f", e,
+           t64_full, t128_full, t64);
   }
   /* Outside (0, 1] is an error naming the key. */
   tw_hardware hw = def;

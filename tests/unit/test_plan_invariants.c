@@ -231,6 +231,34 @@ static void check_segments(const struct tw_plan* pl, int32_t mgb) {
 }
 
 /* All checks of one world: plans[r] for every rank r of routing rt. */
+/* The tile order, rebuilt from the bands as the planner documents it (layout.c), and every
+ * (band, column) tile exactly once. */
+static void check_tile_order(const struct tw_plan* pl) {
+  const int32_t G = pl->tile_group, cols = pl->col_tiles, nb = pl->num_bands;
+  CHECK(G >= 1 && G <= 64);
+  CHECK(pl->num_tiles == nb * cols);
+  int32_t t = 0, flip = 0;
+  for (int32_t i = 0; i < nb && t < pl->num_tiles;) {
+    int32_t g = 1;
+    while (g < G && i + g < nb && pl->bands[i + g].expert == pl->bands[i].expert &&
+           pl->bands[i + g].dest == pl->bands[i].dest)
+      g++;
+    for (int32_t c = 0; c < cols; c++)
+      for (int32_t j = i; j < i + g; j++, t++) {
+        const int32_t col = flip ? cols - 1 - c : c;
+        CHECKF(pl->tiles[t].band == j && pl->tiles[t].col0 == col * pl->tn,
+               "tile %d is (band %d, col0 %d); the order says (band %d, col0 %d), group of %d", t,
+               pl->tiles[t].band, pl->tiles[t].col0, j, col * pl->tn, g);
+      }
+    i += g;
+    flip = i < nb && G > 1 && pl->bands[i].expert == pl->bands[i - 1].expert &&
+                   pl->bands[i].dest == pl->bands[i - 1].dest
+               ? !flip
+               : 0;
+  }
+  CHECK(t == pl->num_tiles);
+}
+
 static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** plans) {
   const int32_t W = p->world_size, K = p->top_k, E = p->experts / W;
   const int32_t TM = plans[0]->tm;
@@ -416,16 +444,19 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
       CHECKF(pl->stream_first[d] == stream_first[d] && pl->stream_last[d] == stream_last[d],
              "rank %d stream %d: first/last %d/%d, bands say %d/%d", r, d, pl->stream_first[d],
              pl->stream_last[d], stream_first[d], stream_last[d]);
-    /* Tiles: each band's column tiles together, in band order; remote-first: remote tiles
-     * first; expert-major: each expert's tiles contiguous, its remote tiles before its local
-     * ones. */
+    /* Tiles: bands in groups of up to tile_group consecutive bands of one expert and
+     * destination, each group column by column, the columns' direction alternating between
+     * consecutive groups of one expert and destination (check_tile_order); remote-first: remote
+     * tiles first; expert-major: each expert's tiles contiguous, its remote tiles before its
+     * local ones. */
+    check_tile_order(pl);
     int32_t* tile_seen = calloc((size_t)E, sizeof *tile_seen);
     int tile_local = 0;
     for (int32_t t = 0; t < pl->num_tiles; t++) {
       const tw_tile* tl = &pl->tiles[t];
-      const tw_band* b = &pl->bands[t / pl->col_tiles];
-      CHECK(tl->band == t / pl->col_tiles);
-      CHECK(tl->col0 == (t % pl->col_tiles) * pl->tn && tl->col0 < p->hidden);
+      if (tl->band < 0 || tl->band >= pl->num_bands) continue; /* check_tile_order reported it */
+      const tw_band* b = &pl->bands[tl->band];
+      CHECK(tl->col0 < p->hidden);
       CHECK(tl->row0 == b->row0 && tl->rows == b->rows && tl->expert == b->expert);
       if (!em) {
         CHECK((t < pl->num_remote_tiles) == (b->dest != r));
@@ -669,6 +700,9 @@ static void test_random_worlds(void) {
     for (int32_t r = 0; r < p.world_size; r++)
       tokens[r] = mode == MODE_GENERATED ? same : (rnd_unit() < 0.15 ? 0 : rnd_in(1, 200));
     tw_routing_t rt = make_routing(&p, tokens, mode);
+    /* Every tile group the planner may see, the default (unset) among them. */
+    static const char* groups[] = {"", "1", "2", "3", "4", "8"};
+    setenv("TW_TILE_GROUP", groups[rnd_in(0, 5)], 1);
     if (rt) {
       const int32_t mgb = (int32_t[]){1, 2, 4}[rnd_in(0, 2)];
       plan_and_check(&p, rt, mgb, TW_SCHEDULE_REMOTE_FIRST);
@@ -679,12 +713,52 @@ static void test_random_worlds(void) {
     tw_routing_destroy(rt);
     free(tokens);
     if (tw_test_failures_ != before) {
-      fprintf(stderr, "  world %d failed: W %d experts %d k %d tm %d tn %d mode %d (rng 0x%llx)\n",
+      fprintf(stderr,
+              "  world %d failed: W %d experts %d k %d tm %d tn %d mode %d TW_TILE_GROUP \"%s\" "
+              "(rng 0x%llx)\n",
               it, p.world_size, p.experts, p.top_k, p.tile_m, p.tile_n, (int)mode,
-              (unsigned long long)state);
+              getenv("TW_TILE_GROUP"), (unsigned long long)state);
       break; /* one failing world is enough detail */
     }
   }
+  unsetenv("TW_TILE_GROUP");
+}
+
+/* TW_TILE_GROUP: unset gives the default, a value outside 1..64 or not a number is an error
+ * that names the variable, and the plan takes the value. */
+static void test_tile_group_env(void) {
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = 2;
+  p.experts = 4;
+  p.top_k = 2;
+  p.hidden = 1024;
+  p.ffn = 512;
+  p.max_tokens = 512;
+  tw_routing_t rt = make_routing(&p, (int32_t[]){512, 512}, MODE_UNIFORM);
+  CHECK(rt != NULL);
+  static const char* bad[] = {"0", "65", "-1", "4x", "four"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0] && rt; i++) {
+    setenv("TW_TILE_GROUP", bad[i], 1);
+    tw_plan_t pl = NULL;
+    CHECK(tw_plan_create(&p, rt, 0, NULL, &pl) == TW_ERR_INVALID_ARGUMENT && pl == NULL);
+    CHECKF(strstr(tw_last_error(), "TW_TILE_GROUP") != NULL, "message: %s", tw_last_error());
+  }
+  static const struct {
+    const char* env;
+    int32_t group;
+  } good[] = {{"", TW_TILE_GROUP_DEFAULT}, {"1", 1}, {"5", 5}, {"64", 64}};
+  for (size_t i = 0; i < sizeof good / sizeof good[0] && rt; i++) {
+    setenv("TW_TILE_GROUP", good[i].env, 1);
+    tw_plan_t pl = NULL;
+    CHECK_OK(tw_plan_create(&p, rt, 0, NULL, &pl));
+    if (pl) {
+      CHECK(pl->tile_group == good[i].group);
+      check_tile_order(pl);
+    }
+    tw_plan_destroy(pl);
+  }
+  unsetenv("TW_TILE_GROUP");
+  tw_routing_destroy(rt);
 }
 
 /* Fixed edge cases, each with explicit token counts and routing mode. */
@@ -895,6 +969,7 @@ int main(void) {
       TW_TEST(test_random_worlds),
       TW_TEST(test_plan_time),
       TW_TEST(test_tail_parts_default),
+      TW_TEST(test_tile_group_env),
   };
   return tw_test_run(cases, (int)(sizeof cases / sizeof cases[0]));
 }
