@@ -26,6 +26,7 @@
 #include "plan.h"
 #include "tilewave.h"
 #include "tw_test.h"
+#include "tw_test_random.h"
 
 /* ------------------------------------------------------------------------------------------ */
 /* Test randomness (independent of the library's generator)                                   */
@@ -727,13 +728,7 @@ static void test_random_worlds(void) {
 /* TW_TILE_GROUP: unset gives the default, a value outside 1..64 or not a number is an error
  * that names the variable, and the plan takes the value. */
 static void test_tile_group_env(void) {
-  tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = 2;
-  p.experts = 4;
-  p.top_k = 2;
-  p.hidden = 1024;
-  p.ffn = 512;
-  p.max_tokens = 512;
+  tw_problem p = tw_test_problem(2, 1024, 512, 4, 2, 512, 0, 0);
   tw_routing_t rt = make_routing(&p, (int32_t[]){512, 512}, MODE_UNIFORM);
   CHECK(rt != NULL);
   static const char* bad[] = {"0", "65", "-1", "4x", "four"};
