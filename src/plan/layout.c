@@ -396,10 +396,12 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
   }
   plan->num_remote_tiles = nremote * plan->col_tiles;
   /* Tiles: bands in schedule order, in groups of up to tile_group consecutive bands of one
-   * expert; within a group column by column (every band's tile of column 0, then column 1, ...),
-   * so that the CTAs of one wave share fewer weight columns, and the direction of the columns
-   * alternates from one group of an expert to the next, so that a group starts on the columns
-   * its predecessor read last (still in L2). tile_group 1: band by band, columns ascending. */
+   * expert and destination; within a group column by column (every band's tile of column 0, then
+   * column 1, ...), so that neighbouring CTAs read one weight column tile at the same time (the
+   * producer measured 5% faster, TW_TILE_GROUP_DEFAULT in plan.h), and the direction of the
+   * columns alternates from one group to the next of the same expert and destination, so that a
+   * group starts on the columns its predecessor read last. tile_group 1: band by band, columns
+   * ascending. */
   const int32_t group = plan->tile_group > 1 ? plan->tile_group : 1, cols = plan->col_tiles;
   for (int32_t i = 0, t = 0, flip = 0; i < nb;) {
     int32_t g = 1;
