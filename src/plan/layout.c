@@ -23,7 +23,8 @@
  *    reads those of an expert with remote and local rows twice, once per pass. Both are
  *    permutations of the bands in layout order (kept in layout_bands), so the model can try both
  *    on one layout (tw__plan_set_schedule). Either way a group's bands are consecutive in the
- *    schedule, which is what a segment needs.
+ *    schedule, which is what a segment needs. The tiles follow the bands in groups of up to
+ *    tile_group bands of one expert and destination, column by column (TW_TILE_GROUP_DEFAULT).
  *  - receive side at owner o: rows by source rank s (ascending, s != o), then s's local experts
  *    in index order, then (token, slot) order, dense. Sender and receiver derive the same offsets
  *    from the same routing, so no metadata exchange is needed.

@@ -92,7 +92,7 @@ struct tw_plan {
   int32_t* expert_real_rows; /* (E) M_e: rows that carry tokens */
   tw_row_src* row_src;       /* (rows) source of each row */
 
-  /* Schedule: every band's column tiles together, bands in the order of `schedule`:
+  /* Schedule: bands in the order of `schedule`, their tiles in groups of tile_group bands:
    * remote-first (all experts' remote bands, then all local bands) or expert-major (expert by
    * expert, each its remote bands then its local bands); experts in expert_order either way. */
   int32_t schedule;         /* TW_SCHEDULE_REMOTE_FIRST or TW_SCHEDULE_EXPERT_MAJOR: the order of
