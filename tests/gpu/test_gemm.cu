@@ -66,7 +66,7 @@ struct Problem {
  * band is followed directly by the next expert's rows) and builds the tile list. group 0: bands
  * in a shuffled order (as the remote-first schedule reorders them), all column tiles of a band
  * together; group g > 0: bands in layout order, in groups of up to g bands of one expert taken
- * column by column (the planner's tile groups, TW_TILE_GROUP_DEFAULT). */
+ * column by column (the planner's tile groups, without their alternating direction). */
 void build(Problem& p, const std::vector<int>& m, int k, int n, int tm, int tn, int gap,
            bool swiglu, int group = 0) {
   p.experts = (int)m.size();

@@ -231,19 +231,20 @@ static void check_segments(const struct tw_plan* pl, int32_t mgb) {
   free(last_seg);
 }
 
-/* All checks of one world: plans[r] for every rank r of routing rt. */
-/* The tile order, rebuilt from the bands as the planner documents it (layout.c), and every
- * (band, column) tile exactly once. */
+/* The tile order, rebuilt from the bands as the planner documents it (layout.c): groups of up
+ * to tile_group consecutive bands of one expert and destination, each column by column, the
+ * direction alternating between consecutive groups of one expert and destination; so every
+ * (band, column) tile comes exactly once. */
 static void check_tile_order(const struct tw_plan* pl) {
   const int32_t G = pl->tile_group, cols = pl->col_tiles, nb = pl->num_bands;
   CHECK(G >= 1 && G <= 64);
   CHECK(pl->num_tiles == nb * cols);
+  const tw_band* b = pl->bands;
+#define SAME_GROUP(x, y) (b[x].expert == b[y].expert && b[x].dest == b[y].dest)
   int32_t t = 0, flip = 0;
   for (int32_t i = 0; i < nb && t < pl->num_tiles;) {
     int32_t g = 1;
-    while (g < G && i + g < nb && pl->bands[i + g].expert == pl->bands[i].expert &&
-           pl->bands[i + g].dest == pl->bands[i].dest)
-      g++;
+    while (g < G && i + g < nb && SAME_GROUP(i + g, i)) g++;
     for (int32_t c = 0; c < cols; c++)
       for (int32_t j = i; j < i + g; j++, t++) {
         const int32_t col = flip ? cols - 1 - c : c;
@@ -252,14 +253,13 @@ static void check_tile_order(const struct tw_plan* pl) {
                pl->tiles[t].band, pl->tiles[t].col0, j, col * pl->tn, g);
       }
     i += g;
-    flip = i < nb && G > 1 && pl->bands[i].expert == pl->bands[i - 1].expert &&
-                   pl->bands[i].dest == pl->bands[i - 1].dest
-               ? !flip
-               : 0;
+    flip = G > 1 && i < nb && SAME_GROUP(i, i - 1) ? !flip : 0;
   }
+#undef SAME_GROUP
   CHECK(t == pl->num_tiles);
 }
 
+/* All checks of one world: plans[r] for every rank r of routing rt. */
 static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** plans) {
   const int32_t W = p->world_size, K = p->top_k, E = p->experts / W;
   const int32_t TM = plans[0]->tm;
@@ -445,11 +445,8 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
       CHECKF(pl->stream_first[d] == stream_first[d] && pl->stream_last[d] == stream_last[d],
              "rank %d stream %d: first/last %d/%d, bands say %d/%d", r, d, pl->stream_first[d],
              pl->stream_last[d], stream_first[d], stream_last[d]);
-    /* Tiles: bands in groups of up to tile_group consecutive bands of one expert and
-     * destination, each group column by column, the columns' direction alternating between
-     * consecutive groups of one expert and destination (check_tile_order); remote-first: remote
-     * tiles first; expert-major: each expert's tiles contiguous, its remote tiles before its
-     * local ones. */
+    /* Tiles: in the documented order (check_tile_order); remote-first: remote tiles first;
+     * expert-major: each expert's tiles contiguous, its remote tiles before its local ones. */
     check_tile_order(pl);
     int32_t* tile_seen = calloc((size_t)E, sizeof *tile_seen);
     int tile_local = 0;
