@@ -15,12 +15,16 @@
  *   waves(C)        = ceil(num_tiles / P)
  *   mem_us          = (weight bytes x runs + A bytes + C bytes) / mem_gbps (the schedule's traffic)
  *   exposed_us      = refetch_exposure x weight bytes of second runs / mem_gbps
- *   tau_tile(C)     = max(tau_comp, mem_us / waves(C)) + exposed_us / waves(C)   (one wave)
- *   A_s(C)          = floor(t_s / P) + 1 waves, t_s = schedule index of segment s's last tile
+ *   m_tile          = mem_us / num_tiles                  (a tile's share of the traffic)
+ *   tau_tile(C)     = max(tau_comp, min(P, num_tiles) m_tile) + exposed_us / waves  (full wave)
+ *   E(C)            = (waves - 1) tau_tile + max(tau_comp, r m_tile) + exposed_us / waves
+ *                     (the compute end: the last wave, of r tiles, ends there)
+ *   A_s(C)          = w_s tau_tile, or E where w_s = waves; w_s = floor(t_s / P) + 1 the wave of
+ *                     t_s, the schedule index of segment s's last tile
  *   Q_s(C)          = max(bytes_{>=s} / (C link_cta_gbps) + nbands_{>=s} link_latency_us / C,
  *                         bytes_{>=s} / link_peak_gbps)       (the consumer's pool from s on)
- *   F               = max_s (A_s tau_tile + Q_s(C))
- *   T(C, mgb)       = max(F, max(waves tau_comp, mem_us) + exposed_us) + reduce_us
+ *   F               = max_s (A_s + Q_s(C))
+ *   T(C, mgb)       = max(F, E) + reduce_us
  *
  * where bytes_{>=s} and nbands_{>=s} are what segments s, s+1, ... send, link_latency_us is the
  * consumer's fixed cost per band it sends (poll, first load, store issue: paid by the CTA that
@@ -40,9 +44,12 @@
  * The memory term: the producer cannot finish before it has moved its bytes through device
  * memory, each expert's hidden x ffn weights once per run of consecutive bands of that expert in
  * the schedule (2 runs under remote-first for an expert with remote and local rows, 1 under
- * expert-major), the input rows and the output rows once; the traffic is taken as spread evenly
- * over the waves, so a wave lasts the longer of its compute and its share of the traffic
- * (tw__model_traffic, docs/model.md). A second read of an expert's weights costs more than the
+ * expert-major), the input rows and the output rows once; the traffic is spread over the tiles,
+ * so a wave lasts the longer of its tiles' compute and their share of the traffic, and a last
+ * wave with few tiles is short (tw__model_traffic, tw__compute_end, docs/model.md). Spread evenly
+ * over the waves instead, a partial last wave took a full wave's share, and the model saw three
+ * waves of 124 + 124 + 8 tiles as fast as two of 128 (m-bert at 1024 tokens: measured 109
+ * against 92 us). A second read of an expert's weights costs more than the
  * roofline says: measured, remote-first takes refetch_exposure (0.30) x those bytes / mem_gbps
  * longer than expert-major beyond the roofline's own difference, also where both are
  * compute-bound, so that part is added to the waves. Where all local experts' weights fit in
@@ -60,10 +67,10 @@
  * the running last-tile index t'_s, the first segment at or after each tile index, and the
  * suffix sums of bytes and bands. The decision then runs without allocating: an exact lower
  * bound per candidate (first wave's term, compute end) over only the C range that can win (the
- * compute end only grows with C, the first term only falls), the best-ranked bound of one table
- * evaluated first (often it is the answer), the other candidates taken best-ranked bound first,
- * each bound raised by two exact probe terms (the last wave's and the one where the first
- * evaluation's maximum fell; lazily while the probes leave the best-ranked bound as it was),
+ * compute end's suffix minimum only grows with C, the first term only falls), the best-ranked bound
+ * of one table evaluated first (often it is the answer), the other candidates taken best-ranked
+ * bound first, each bound raised by two exact probe terms (the last wave's and the one where the
+ * first evaluation's maximum fell; lazily while the probes leave the best-ranked bound as it was),
  * only while their bound lets them win; an evaluation starts from its probes, skips the waves
  * whose terms cannot raise its maximum (tw__eval, tw__solve say why each step is exact).
  */
@@ -123,16 +130,20 @@ typedef struct tw__model_tables {
   double gemm_us[TW__MAX_SCHED]; /* GEMM alone on every SM: max(waves tau_comp, mem_us) +
                                     exposed_us */
   /* Per candidate C (index C, 0 unused): constants of the hardware and the tile count. */
-  int32_t* prod;   /* (c_max + 1) P(C) */
-  double* tau_us;  /* (slots, c_max + 1) tau_tile(C) = max(tau_comp, mem_us / waves(C)) +
-                      exposed_us / waves(C) */
-  double* inv_tau; /* (slots, c_max + 1) 1 / tau_us (wave skipping in tw__eval) */
-  double* comp_us; /* (slots, c_max + 1) compute end max(waves(C) tau_comp, mem_us) + exposed_us */
-  double* inv_cta; /* (c_max + 1) 1 / (C link_cta) in us per byte: the CTAs' own rate */
-  double* lat_c;   /* (c_max + 1) link_latency_us / C: a band's fixed cost shared by C CTAs */
-  double* first;   /* (TW__MAX_SCHED + TW__MAX_TABLES, c_max + 1) the decision's scratch: rows of
-                      first terms (tw__seg_table.first_row) */
-  double inv_peak; /* 1 / link_peak in us per byte: the link's plateau */
+  int32_t* prod;    /* (c_max + 1) P(C) */
+  int32_t* waves;   /* (c_max + 1) W(C) = ceil(num_tiles / P(C)) */
+  double* tau_us;   /* (slots, c_max + 1) a full wave, tau_tile(C) = max(tau_comp, min(P, tiles)
+                       m_tile) + exposed_us / W */
+  double* inv_tau;  /* (slots, c_max + 1) 1 / tau_us (wave skipping in tw__eval) */
+  double* comp_us;  /* (slots, c_max + 1) compute end: the end of the last wave, (W - 1) tau_tile +
+                       max(tau_comp, r m_tile) + exposed_us / W, r its tiles */
+  double* comp_min; /* (slots, c_max + 1) min of comp_us over [C, c_max], non-decreasing in C: the
+                       search's bound for every larger C (comp_us itself is not monotone) */
+  double* inv_cta;  /* (c_max + 1) 1 / (C link_cta) in us per byte: the CTAs' own rate */
+  double* lat_c;    /* (c_max + 1) link_latency_us / C: a band's fixed cost shared by C CTAs */
+  double* first;    /* (TW__MAX_SCHED + TW__MAX_TABLES, c_max + 1) the decision's scratch: rows of
+                       first terms (tw__seg_table.first_row) */
+  double inv_peak;  /* 1 / link_peak in us per byte: the link's plateau */
   int32_t ntables;
   tw__seg_table t[TW__MAX_TABLES];
 } tw__model_tables;
@@ -151,6 +162,8 @@ void tw__model_free(struct tw_plan* plan) {
   free(m->tau_us);
   free(m->inv_tau);
   free(m->comp_us);
+  free(m->comp_min);
+  free(m->waves);
   free(m->inv_cta);
   free(m->lat_c);
   free(m->first);
@@ -160,6 +173,27 @@ void tw__model_free(struct tw_plan* plan) {
 
 static int32_t tw__producers(const tw_hardware* hw, int32_t c) {
   return hw->occ_comp * (hw->sm_count - (int32_t)tw__ceil_div(c, hw->occ_comm));
+}
+
+/* The producer's waves at P CTAs: the end of the last wave (the compute end), and in *wave_us how
+ * long a full wave takes. Each wave lasts the longer of its tiles' compute and its share of the
+ * traffic, spread over the tiles (m_tile = mem_us / tiles per tile): a full wave of P tiles moves
+ * P m_tile, the last wave only its own r tiles' share, so it can be short while still costing
+ * one tile's compute. The part of a second weight read that the GEMM does not hide
+ * (exposed_us) is spread over the waves. With one wave the two times are the same value, bit
+ * for bit (r = tiles = min(P, tiles)); without tiles a wave is one tile's compute and the end 0. */
+static double tw__compute_end(int64_t tiles, int32_t p, double tau, double mem_us,
+                              double exposed_us, double* wave_us) {
+  if (tiles <= 0) {
+    *wave_us = tau;
+    return exposed_us;
+  }
+  const int64_t waves = tw__ceil_div(tiles, p);
+  const double m_tile = mem_us / (double)tiles;
+  const int64_t full = p < tiles ? p : tiles, last = tiles - (waves - 1) * (int64_t)p;
+  const double spread = exposed_us / (double)waves;
+  *wave_us = fmax(tau, (double)full * m_tile) + spread;
+  return (double)(waves - 1) * *wave_us + (fmax(tau, (double)last * m_tile) + spread);
 }
 
 /* Captures plan->segments (built for plan->coalesce) as a table. band_last: (num_bands) largest
@@ -257,13 +291,20 @@ static TW__NOINLINE void tw__first_terms(const tw__model_tables* m, const tw__se
     out[c - c_lo] = tau[c] + tw__service(tb, 0, m->lat_c[c], m->inv_cta[c], m->inv_peak);
 }
 
-/* The term of wave `wave` taken from segment s on: wave tau(C) + Q(s). Out of line, so that a
- * probe of tw__solve and the same probe in tw__eval have the same bits whatever the compiler
- * fuses: tw__eval folds the probe into its maximum, so the probe is a lower bound of T exactly. */
-static TW__NOINLINE double tw__wave_term(const tw__seg_table* tb, int32_t s, int64_t wave,
-                                         double tau, double lat_c, double inv_cta_c,
-                                         double inv_peak) {
-  return (double)wave * tau + tw__service(tb, s, lat_c, inv_cta_c, inv_peak);
+/* When wave `wave` of `waves` ends: the full waves take tau each, and the last one ends at the
+ * compute end, which is earlier where it has fewer tiles (its share of the traffic is smaller).
+ * With one wave both forms are the same value. */
+static inline double tw__wave_end(int64_t wave, int64_t waves, double tau, double comp_end) {
+  return wave < waves ? (double)wave * tau : comp_end;
+}
+
+/* The term of a wave that ends at `end`, taken from segment s on: end + Q(s). Out of line, so
+ * that a probe of tw__solve and the same probe in tw__eval have the same bits whatever the
+ * compiler fuses: tw__eval folds the probe into its maximum, so the probe is a lower bound of T
+ * exactly. */
+static TW__NOINLINE double tw__wave_term(const tw__seg_table* tb, int32_t s, double end,
+                                         double lat_c, double inv_cta_c, double inv_peak) {
+  return end + tw__service(tb, s, lat_c, inv_cta_c, inv_peak);
 }
 
 /* T(C, mgb) of one table, in microseconds (the fast form; identical in value to the plain
@@ -298,6 +339,7 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
   const int32_t* first_seg = tb->first_seg;
   const tw__seg_entry* seg = tb->seg;
   const int64_t last_wave = (int64_t)tb->last_tile / p + 1; /* wave of the last segment */
+  const int64_t waves = m->waves[c];
   double f = comp_end;
   int32_t arg = -1;
   if (f + reduce > cutoff || (strict && f + reduce == cutoff)) return f + reduce;
@@ -311,7 +353,8 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
     const int64_t pw = pass == 0 ? last_wave : probe_wave;
     if (pw <= 1 || pw > last_wave || (pass == 1 && pw == last_wave)) continue;
     const int32_t s = first_seg[(pw - 1) * p];
-    const double term = tw__wave_term(tb, s, pw, tau, lat_c, inv_cta_c, inv_peak);
+    const double term =
+        tw__wave_term(tb, s, tw__wave_end(pw, waves, tau, comp_end), lat_c, inv_cta_c, inv_peak);
     if (term > f) {
       f = term, arg = seg[s].run_last;
       if (f + reduce > cutoff || (strict && f + reduce == cutoff)) goto done;
@@ -345,7 +388,7 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
       start += p;
       s = first_seg[start];
     } while (seg[s].run_last >= start + p);
-    term = (double)w * tau + tw__service(tb, s, lat_c, inv_cta_c, inv_peak);
+    term = tw__wave_end(w, waves, tau, comp_end) + tw__service(tb, s, lat_c, inv_cta_c, inv_peak);
   }
 done:
   if (argmax_tile) *argmax_tile = arg;
@@ -368,9 +411,9 @@ tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_
   TW_TRY(tw__model_traffic(plan, &bytes, &refetch));
   const double mem_us = bytes / (hw->mem_gbps * 1e3);
   const double exposed_us = hw->refetch_exposure * refetch / (hw->mem_gbps * 1e3);
-  const double tau = waves > 0
-                         ? fmax(m->tau_comp_us, mem_us / (double)waves) + exposed_us / (double)waves
-                         : m->tau_comp_us;
+  double tau = 0.0;
+  const double comp_end =
+      tw__compute_end(plan->num_tiles, p, m->tau_comp_us, mem_us, exposed_us, &tau);
   const double row_bytes = 2.0 * (double)plan->problem.hidden;
   /* F = max_s (A_s tau + Q_s), segments walked from the last, summing what s.. send. */
   double f = 0.0, sum_bytes = 0.0, sum_bands = 0.0;
@@ -386,9 +429,10 @@ tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_
     const double ctas = sum_bytes / ((double)c * hw->link_cta_gbps * 1e3) +
                         sum_bands * hw->link_latency_us / (double)c;
     const double link = sum_bytes / (hw->link_peak_gbps * 1e3);
-    f = fmax(f, (double)(last / p + 1) * tau + fmax(ctas, link));
+    const int64_t w = last / p + 1;
+    f = fmax(f, (w < waves ? (double)w * tau : comp_end) + fmax(ctas, link));
   }
-  *t_us = fmax(f, fmax((double)waves * m->tau_comp_us, mem_us) + exposed_us) + m->reduce_us;
+  *t_us = fmax(f, comp_end) + m->reduce_us;
   return TW_SUCCESS;
 }
 
@@ -434,7 +478,9 @@ static int32_t tw__table_key(int32_t mgb, int32_t schedule, int weights_in_l2) {
 static inline double tw__probe_term(const tw__model_tables* m, const tw__seg_table* tb, int32_t c,
                                     double tau, int32_t wave) {
   const int32_t s = tb->first_seg[(int64_t)(wave - 1) * m->prod[c]];
-  return tw__wave_term(tb, s, wave, tau, m->lat_c[c], m->inv_cta[c], m->inv_peak);
+  const double comp_end = m->comp_us[(size_t)tb->slot * ((size_t)m->hw.c_max + 1) + (size_t)c];
+  return tw__wave_term(tb, s, tw__wave_end(wave, m->waves[c], tau, comp_end), m->lat_c[c],
+                       m->inv_cta[c], m->inv_peak);
 }
 
 /* A candidate left for step 4: its bound (raised by the probes once probed), its first term,
@@ -474,16 +520,17 @@ static inline void tw__probe(const tw__model_tables* m, tw__cand* x, int32_t hin
 /* Longest candidate list step 4 starts lazily (tw__solve). */
 #define TW__LAZY_MAX 16
 
-/* The last C in [c_lo, c_hi] whose compute end + reduce stays within bt (below it if `below`),
- * c_lo - 1 if none, by bisection: the compute end is non-decreasing in C (tw__model_slot). */
-static int32_t tw__c_end(const double* comp_us, double reduce, double bt, int below, int32_t c_lo,
+/* The last C in [c_lo, c_hi] up to which some compute end + reduce stays within bt (below it if
+ * `below`), c_lo - 1 if none, by bisection on the suffix minimum comp_min, which is
+ * non-decreasing in C (tw__model_slot); beyond it every compute end exceeds bt. */
+static int32_t tw__c_end(const double* comp_min, double reduce, double bt, int below, int32_t c_lo,
                          int32_t c_hi) {
   int32_t lo = c_lo - 1, hi = c_hi; /* the answer lies in [lo, hi] */
   while (hi > lo) {
-    const double x = comp_us[hi] + reduce;
+    const double x = comp_min[hi] + reduce;
     if (!(x > bt || (below && x == bt))) break; /* hi itself qualifies */
     const int32_t mid = lo + (hi - lo + 1) / 2;
-    const double y = comp_us[mid] + reduce;
+    const double y = comp_min[mid] + reduce;
     if (y > bt || (below && y == bt))
       hi = mid - 1;
     else
@@ -492,14 +539,14 @@ static int32_t tw__c_end(const double* comp_us, double reduce, double bt, int be
   return hi;
 }
 
-/* The last C a table's scan needs: beyond it the compute end + reduce exceeds bt, or equals it
+/* The last C a table's scan needs: beyond it every compute end + reduce exceeds bt, or equals it
  * at a C above bc (a tie it loses). The two ends are cached per slot for the bt given. */
-static inline int32_t tw__scan_end(const double* comp_us, double reduce, double bt, int32_t bc,
+static inline int32_t tw__scan_end(const double* comp_min, double reduce, double bt, int32_t bc,
                                    int32_t c_lo, int32_t c_hi, double* cached_bt, int32_t* le,
                                    int32_t* lt) {
   if (*cached_bt != bt) {
-    *le = tw__c_end(comp_us, reduce, bt, 0, c_lo, c_hi);
-    *lt = bt == DBL_MAX ? *le : tw__c_end(comp_us, reduce, bt, 1, c_lo, *le);
+    *le = tw__c_end(comp_min, reduce, bt, 0, c_lo, c_hi);
+    *lt = bt == DBL_MAX ? *le : tw__c_end(comp_min, reduce, bt, 1, c_lo, *le);
     *cached_bt = bt;
   }
   const int32_t tie_end = bc > 0 && bc < *le ? bc : *le;
@@ -512,13 +559,13 @@ static inline int32_t tw__scan_end(const double* comp_us, double reduce, double 
  * best-first branch and bound on lb = max(first term, compute end) + reduce:
  *
  *   1. one table (the last: mgb 1 of the last schedule tabulated, usually the winner)
- *      is scanned from the smallest C up to its best-ranked bound (the compute end only grows
- *      with C: the scan stops where it reaches the best bound so far) and that candidate's exact
- *      T is evaluated: an upper bound bt of the optimum;
+ *      is scanned from the smallest C up to its best-ranked bound (the suffix minimum of the
+ *      compute end only grows with C: the scan stops where it reaches the best bound so far)
+ *      and that candidate's exact T is evaluated: an upper bound bt of the optimum;
  *   2. every table is scanned from the last C whose compute end + reduce stays within bt (by
- *      bisection) down to the first C whose first term + reduce exceeds bt (the first term
- *      only grows as C falls): what lies outside cannot win. Where the first term + reduce
- *      equals bt at a C above bc, the scan goes on at bc (those C tie at best and lose). The
+ *      bisection on the suffix minimum) down to the first C whose first term + reduce exceeds bt
+ * (the first term only grows as C falls): what lies outside cannot win. Where the first term +
+ * reduce equals bt at a C above bc, the scan goes on at bc (those C tie at best and lose). The
  *      candidates inside are kept, and the best-ranked bound over all tables is tracked;
  *   3. if the candidate evaluated in 1 holds the best-ranked bound by (lb, C, -key) and its T
  *      equals its bound (T is the first wave's term on link-bound shapes, the compute end on
@@ -569,8 +616,9 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
       if (!(use & (1u << i)) || (pass == 1 && !(lazy & (1u << i)))) continue;
       const tw__seg_table* tb = &m->t[i];
       const double* comp_us = m->comp_us + (size_t)tb->slot * stride;
+      const double* comp_min = m->comp_min + (size_t)tb->slot * stride;
       if (pass == 0) {
-        c_end[i] = tw__scan_end(comp_us, reduce, bt, bc, c_lo, c_hi, &slot_bt[tb->slot],
+        c_end[i] = tw__scan_end(comp_min, reduce, bt, bc, c_lo, c_hi, &slot_bt[tb->slot],
                                 &slot_le[tb->slot], &slot_lt[tb->slot]);
         if (c_end[i] < c_lo) continue;
         /* Dominated by a twin whose bounds are known at every C left here (its compute end is
@@ -595,8 +643,8 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
         double tl = DBL_MAX, tf = 0.0;
         int32_t tc = 0;
         for (int32_t c = c_lo; c <= c_end[i]; c++) {
+          if (tc > 0 && comp_min[c] + reduce >= tl) break; /* here and beyond: lb >= tl */
           const double comp = comp_us[c] + reduce;
-          if (tc > 0 && comp >= tl) break; /* here and beyond: lb >= tl at a larger C */
           if (c > *filled) {
             const int32_t e = c_end[i] - c > 7 ? c + 7 : c_end[i];
             tw__first_terms(m, tb, *filled + 1, e, firsts + *filled + 1);
@@ -609,7 +657,7 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
         bl = tl, lc = tc, li = i, lkey = tb->key;
         bt = tw__eval(m, tb, tc, tf, DBL_MAX, 0, 0, &hint);
         bc = tc, bi = i, bkey = tb->key;
-        c_end[i] = tw__scan_end(comp_us, reduce, bt, bc, c_lo, c_hi, &slot_bt[tb->slot],
+        c_end[i] = tw__scan_end(comp_min, reduce, bt, bc, c_lo, c_hi, &slot_bt[tb->slot],
                                 &slot_le[tb->slot], &slot_lt[tb->slot]);
       }
       /* Step 2: from the last C within bt down to the first whose first term exceeds it. */
@@ -763,20 +811,24 @@ static tw_status tw__model_slot(tw__model_tables* m, const struct tw_plan* plan,
    * (a measured fraction, refetch_exposure), spread over the waves like the traffic. */
   const double exposed_us = hw->refetch_exposure * refetch / (hw->mem_gbps * 1e3);
   m->sched[slot] = plan->schedule;
-  m->gemm_us[slot] =
-      fmax((double)tw__ceil_div(plan->num_tiles, hw->occ_comp * hw->sm_count) * tau, mem_us) +
-      exposed_us;
+  double full_us = 0.0;
+  m->gemm_us[slot] = tw__compute_end(plan->num_tiles, hw->occ_comp * hw->sm_count, tau, mem_us,
+                                     exposed_us, &full_us);
   double* tau_us = m->tau_us + (size_t)slot * stride;
   double* inv_tau = m->inv_tau + (size_t)slot * stride;
   double* comp_us = m->comp_us + (size_t)slot * stride;
+  double* comp_min = m->comp_min + (size_t)slot * stride;
   for (int32_t c = 1; c <= hw->c_max; c++) {
-    /* A wave lasts the longer of its compute and its share of the traffic; the compute end,
-     * max(waves tau, mem_us) + exposed_us, is non-decreasing in C, which tw__solve relies on. */
-    const int64_t waves = tw__ceil_div(plan->num_tiles, m->prod[c]);
-    tau_us[c] = waves > 0 ? fmax(tau, mem_us / (double)waves) + exposed_us / (double)waves : tau;
+    comp_us[c] = tw__compute_end(plan->num_tiles, m->prod[c], tau, mem_us, exposed_us, &tau_us[c]);
     inv_tau[c] = 1.0 / tau_us[c];
-    comp_us[c] = fmax((double)waves * tau, mem_us) + exposed_us;
   }
+  /* The compute end is not monotone in C: a last wave that gains tiles as P shrinks carries
+   * more of the traffic while the full waves carry less (m-bert at 1024 tokens: 256 tiles, the
+   * GEMM alone measured 109 us at P 124 and 100 us at P 100, three waves each). The search
+   * bounds every larger C by the suffix minimum. */
+  comp_min[hw->c_max] = comp_us[hw->c_max];
+  for (int32_t c = hw->c_max - 1; c >= 1; c--)
+    comp_min[c] = comp_us[c] < comp_min[c + 1] ? comp_us[c] : comp_min[c + 1];
   return TW_SUCCESS;
 }
 
@@ -862,13 +914,17 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   m->tau_us = malloc((size_t)nsched * stride * sizeof *m->tau_us);
   m->inv_tau = malloc((size_t)nsched * stride * sizeof *m->inv_tau);
   m->comp_us = malloc((size_t)nsched * stride * sizeof *m->comp_us);
+  m->comp_min = malloc((size_t)nsched * stride * sizeof *m->comp_min);
+  m->waves = malloc(stride * sizeof *m->waves);
   m->inv_cta = malloc(stride * sizeof *m->inv_cta);
   m->lat_c = malloc(stride * sizeof *m->lat_c);
   m->first = malloc((size_t)(TW__MAX_SCHED + TW__MAX_TABLES) * stride * sizeof *m->first);
-  if (!m->prod || !m->tau_us || !m->inv_tau || !m->comp_us || !m->inv_cta || !m->lat_c || !m->first)
+  if (!m->prod || !m->tau_us || !m->inv_tau || !m->comp_us || !m->comp_min || !m->waves ||
+      !m->inv_cta || !m->lat_c || !m->first)
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
   for (int32_t c = 1; c <= hw->c_max; c++) {
     m->prod[c] = tw__producers(hw, c);
+    m->waves[c] = (int32_t)tw__ceil_div(plan->num_tiles, m->prod[c]);
     m->inv_cta[c] = 1.0 / ((double)c * hw->link_cta_gbps * 1e3);
     m->lat_c[c] = hw->link_latency_us / (double)c;
   }

@@ -40,8 +40,8 @@
  *   reduce: owner rows = recv 128 + local 64 = 192, tokens 96, (192 + 96) x 256 B / 737280 B/us
  *   = 0.1 us.
  *   memory: one run of the expert's bands: weights 128 x 1000 + rows 448 x (1000 + 128), 2 B
- *   each = 1266688 B, / 737280 B/us = 1.718 us: under one wave's compute at every C (a wave
- *   lasts max(1, 1.718 / waves) = 1 us with 4, 5, 7 waves), so the table is compute-bound.
+ *   each = 1266688 B, / 737280 B/us = 1.718 us: under one wave's compute at every C (a wave of
+ *   P tiles lasts max(1, P x 1.718 / 14) = 1 us at P 4, 3, 2), so the table is compute-bound.
  * A_s = floor(t_s / P) + 1; F = max_s (A_s + Q_s), with additive Q the recurrence
  * F_s = max(A_s, F_{s-1}) + q_s; T = max(F, ceil(14/P)) + 0.1.
  *   C=1 (P 4, compute 4):
@@ -251,15 +251,16 @@ static void test_hand_plan_no_remote(void) {
 }
 
 /* The same plan with ten times less memory bandwidth (73728 B/us): its traffic, 1266688 B, takes
- * 1237/72 = 17.18 us, more than the compute end at any C (4, 5, 7 waves of 1 us), so a wave lasts
- * 17.18 / waves and the compute end is 17.18 us everywhere; reduce = 1 us.
- *   C=1 (P 4, 4 waves, tau 1237/288 = 4.295), mgb 4: A 1 3 3, q 2 8 2:
- *     F tau + 2, 3 tau + 8, 3 tau + 10 = 22.885 -> T = 3 tau + 11 = 23.885
- *   C=2 (P 3, 5 waves, tau 1237/360 = 3.436), mgb 2: A 1 2 4 4, q 1 2 2 1:
- *     F 4.436, 2 tau + 2, 4 tau + 2, 4 tau + 3 = 16.744, below the memory end
- *     -> T = 1237/72 + 1 = 18.181
- *   C=3 (P 2, 7 waves, tau 1237/504 = 2.454), mgb 1: A 1..6, q 2/3: F_5 = 6 tau + 2/3 = 15.39,
- *     below the memory end -> T = 1237/72 + 1 = 18.181
+ * 1237/72 = 17.18 us, more than the compute end at any C (4, 5, 7 waves of 1 us). Each tile moves
+ * 1/14 of it, m = 1237/1008 us, a full wave of P tiles lasts P m (more than a tile's 1 us of
+ * compute) and the last wave r m, so the compute end is 14 m = 17.18 us everywhere; reduce = 1 us.
+ *   C=1 (P 4, waves of 4 4 4 2 tiles, tau 4 m = 1237/252 = 4.909), mgb 4: A 1 3 3, q 2 8 2:
+ *     F tau + 2, 3 tau + 8, 3 tau + 10 = 24.726 -> T = 3 tau + 11 = 25.726
+ *   C=2 (P 3, waves of 3 3 3 3 2, tau 1237/336 = 3.682), mgb 2: A 1 2 4 4, q 1 2 2 1:
+ *     F 4.682, 2 tau + 2, 4 tau + 2, 4 tau + 3 = 17.726, above the memory end
+ *     -> T = 4 tau + 4 = 18.726
+ *   C=3 (P 2, 7 waves of 2, tau 1237/504 = 2.454), mgb 1: A 1..6, q 2/3: F_5 = 6 tau + 2/3 =
+ *     15.39, below the memory end -> T = 1237/72 + 1 = 18.181
  * GEMM alone (5 SMs, 3 waves): max(3, 17.18) = 17.18; sequential 17.18 + 3 + 1. */
 static void test_hand_plan_memory_bound(void) {
   static hand_plan h;
@@ -271,7 +272,7 @@ static void test_hand_plan_memory_bound(void) {
   const struct {
     int32_t c, mgb;
     double t;
-  } cells[3] = {{1, 4, 3 * 1237.0 / 288 + 11}, {2, 2, mem + 1}, {3, 1, mem + 1}};
+  } cells[3] = {{1, 4, 3 * 1237.0 / 252 + 11}, {2, 2, 4 * 1237.0 / 336 + 4}, {3, 1, mem + 1}};
   for (int i = 0; i < 3; i++) {
     double t = 0;
     CHECK_OK(tw_plan_predict(&h.plan, cells[i].c, cells[i].mgb, &t));
@@ -517,7 +518,9 @@ static void test_monotonic_in_link(void) {
   }
 }
 
-/* One rank: nothing is remote, so T = ceil(tiles / (G - 1)) tau + reduce at C = 1. */
+/* One rank: nothing is remote, so T is the compute end + reduce, and the choice the C whose
+ * producer ends first (the smallest on ties): the full waves of P tiles last max(tau, P m), the
+ * last wave of r tiles max(tau, r m), m the traffic per tile. */
 static void test_real_plan_no_remote(void) {
   tw_plan_t plan = NULL;
   const int32_t tokens = 3000;
@@ -525,11 +528,9 @@ static void test_real_plan_no_remote(void) {
   if (plan == NULL) return;
   const tw_hardware* hw = &plan->hardware;
   CHECK(plan->num_segments == 0 && plan->send_bytes == 0);
-  CHECK(plan->comm_ctas == 1);
   const double c = 2.0 * plan->tm * plan->tn * plan->problem.ffn / (hw->tile_tflops * 1e6);
   const double f = hw->tile_floor_us * plan->tn / 128.0;
   const double tau = pow(pow(c, 4) + pow(f, 4), 0.25) + hw->tile_overhead_us;
-  const int32_t p = hw->occ_comp * (hw->sm_count - 1);
   const double reduce =
       (double)tokens * (plan->problem.top_k + 1) * plan->problem.hidden * 2 / (hw->mem_gbps * 1e3);
   /* Memory: every expert with rows is one run (all bands are local, either schedule). */
@@ -537,9 +538,17 @@ static void test_real_plan_no_remote(void) {
   for (int32_t e = 0; e < plan->local_experts; e++) used += plan->expert_real_rows[e] > 0;
   const double bytes = 2.0 * ((double)used * plan->problem.hidden * plan->problem.ffn +
                               (double)plan->rows * (plan->problem.hidden + plan->problem.ffn));
-  const double mem = bytes / (hw->mem_gbps * 1e3);
-  const double comp = (double)((plan->num_tiles + p - 1) / p) * tau;
-  const double want = (comp > mem ? comp : mem) + reduce;
+  const double m = bytes / (hw->mem_gbps * 1e3) / (double)plan->num_tiles;
+  double want = 0;
+  int32_t want_c = 0;
+  for (int32_t c = 1; c <= hw->c_max; c++) {
+    const int64_t p = hw->occ_comp * (hw->sm_count - c), tiles = plan->num_tiles;
+    const int64_t waves = (tiles + p - 1) / p, last = tiles - (waves - 1) * p;
+    const double end = (double)(waves - 1) * fmax(tau, (double)p * m) + fmax(tau, (double)last * m);
+    if (want_c == 0 || end + reduce < want - 1e-9 * want) want = end + reduce, want_c = c;
+  }
+  CHECKF(plan->comm_ctas == want_c, "chose C %d, the earliest producer end is at C %d",
+         plan->comm_ctas, want_c);
   CHECK_NEAR(plan->predicted_us, want, 1e-9 * want);
   tw_plan_destroy(plan);
 }
