@@ -17,8 +17,9 @@ ranks that chose differently are approximated by rank 0; regret is against the r
 (every rank at that C), also where it is the run's own choice, whose measured cell ran each rank
 at its own C (per-rank choices can be far better on skewed routings: m-gpt 1024 stress_skew
 measured 102 us with its ranks at C 24 and 28, 118 us with both at 28). The run's own choice
-replayed this way is the baseline a change is compared with; the points slower than the fixed
-(12, 1) cell are counted the same way.
+replayed this way is the baseline a change is compared with; the points slower than the best
+fixed cell of the run (its summary's `fixed`, (12, 1) in files without one) are counted the
+same way.
 """
 import argparse
 import gzip
@@ -58,6 +59,8 @@ def main():
     with opener(a.oracle_json, "rt") as f:
         d = json.load(f)
     seed = d.get("seed", 1)
+    fx = d.get("summary", {}).get("fixed", {})
+    fixed_cell = (fx.get("comm_ctas", 12), fx.get("coalesce", 1))
     regrets, by, rows, unknown, slower, slower1 = [], {}, [], 0, 0, 0
     for p in d["points"]:
         r = plan(a.tilewave, p, seed, a.calibration)
@@ -79,7 +82,7 @@ def main():
             continue
         reg = t / oracle - 1
         regrets.append(reg)
-        fixed = cells.get((12, 1))
+        fixed = cells.get(fixed_cell)
         if fixed is not None:
             slower += t > fixed
             slower1 += t > 1.01 * fixed
@@ -91,8 +94,8 @@ def main():
         sys.exit("no point could be looked up")
     print("replayed %d of %d points (%d whose new choice was not measured)" %
           (len(regrets), len(d["points"]), unknown))
-    print("mean regret %.2f%%, max %.2f%%; slower than the (12, 1) cell at %d points, %d by > 1%%" %
-          (100 * statistics.mean(regrets), 100 * max(regrets), slower, slower1))
+    print("mean regret %.2f%%, max %.2f%%; slower than the %s cell at %d points, %d by > 1%%" %
+          (100 * statistics.mean(regrets), 100 * max(regrets), fixed_cell, slower, slower1))
     for wl, v in by.items():
         print("  %-22s mean %.2f%% max %.2f%%" % (wl, 100 * statistics.mean(v), 100 * max(v)))
     for x in sorted(rows, reverse=True)[:a.worst]:
