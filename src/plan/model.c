@@ -127,8 +127,7 @@ typedef struct tw__model_tables {
   double tau_comp_us;            /* one producer tile's compute */
   double reduce_us;              /* owner's weighted reduction */
   int32_t sched[TW__MAX_SCHED];  /* TW_SCHEDULE_* of each slot (1, or 2 when the model chooses) */
-  double gemm_us[TW__MAX_SCHED]; /* GEMM alone on every SM: max(waves tau_comp, mem_us) +
-                                    exposed_us */
+  double gemm_us[TW__MAX_SCHED]; /* GEMM alone on every SM: the compute end at P = occ_comp G */
   /* Per candidate C (index C, 0 unused): constants of the hardware and the tile count. */
   int32_t* prod;    /* (c_max + 1) P(C) */
   int32_t* waves;   /* (c_max + 1) W(C) = ceil(num_tiles / P(C)) */
@@ -181,19 +180,21 @@ static int32_t tw__producers(const tw_hardware* hw, int32_t c) {
  * P m_tile, the last wave only its own r tiles' share, so it can be short while still costing
  * one tile's compute. The part of a second weight read that the GEMM does not hide
  * (exposed_us) is spread over the waves. With one wave the two times are the same value, bit
- * for bit (r = tiles = min(P, tiles)); without tiles a wave is one tile's compute and the end 0. */
+ * for bit (r = tiles = min(P, tiles)); without tiles a wave is one tile's compute and the end 0.
+ * wave_us may be NULL. */
 static double tw__compute_end(int64_t tiles, int32_t p, double tau, double mem_us,
                               double exposed_us, double* wave_us) {
   if (tiles <= 0) {
-    *wave_us = tau;
+    if (wave_us) *wave_us = tau;
     return exposed_us;
   }
   const int64_t waves = tw__ceil_div(tiles, p);
   const double m_tile = mem_us / (double)tiles;
   const int64_t full = p < tiles ? p : tiles, last = tiles - (waves - 1) * (int64_t)p;
   const double spread = exposed_us / (double)waves;
-  *wave_us = fmax(tau, (double)full * m_tile) + spread;
-  return (double)(waves - 1) * *wave_us + (fmax(tau, (double)last * m_tile) + spread);
+  const double wave = fmax(tau, (double)full * m_tile) + spread;
+  if (wave_us) *wave_us = wave;
+  return (double)(waves - 1) * wave + (fmax(tau, (double)last * m_tile) + spread);
 }
 
 /* Captures plan->segments (built for plan->coalesce) as a table. band_last: (num_bands) largest
@@ -317,7 +318,8 @@ static TW__NOINLINE double tw__wave_term(const tw__seg_table* tb, int32_t s, dou
  * The maximum starts at the compute end (T = max(F, compute end) + reduce, and max is exact in
  * floating point, so folding it in first changes no bit of T), then takes the last wave's term
  * and probe_wave's (see below). Waves are skipped when they cannot raise it: the term of wave w
- * is w tau(C) + Q(s_w), and Q is non-increasing in s (suffix sums of non-negative bytes and
+ * is w tau(C) + Q(s_w) (the last wave's end is at most that: its tiles are no more than a full
+ * wave's), and Q is non-increasing in s (suffix sums of non-negative bytes and
  * bands) while s_w is non-decreasing in w. So every wave w' in (w, w + k] has a term at most
  * term(w) + k tau, and once the running maximum f is at least that (with TW__SKIP_SLACK against
  * rounding), those k waves need not be evaluated. When the link is the bottleneck the service
@@ -563,10 +565,11 @@ static inline int32_t tw__scan_end(const double* comp_min, double reduce, double
  *      compute end only grows with C: the scan stops where it reaches the best bound so far)
  *      and that candidate's exact T is evaluated: an upper bound bt of the optimum;
  *   2. every table is scanned from the last C whose compute end + reduce stays within bt (by
- *      bisection on the suffix minimum) down to the first C whose first term + reduce exceeds bt
- * (the first term only grows as C falls): what lies outside cannot win. Where the first term +
- * reduce equals bt at a C above bc, the scan goes on at bc (those C tie at best and lose). The
- *      candidates inside are kept, and the best-ranked bound over all tables is tracked;
+ *      bisection on the suffix minimum) down to the first C whose first term + reduce exceeds
+ *      bt (the first term only grows as C falls): what lies outside cannot win. Where the first
+ *      term + reduce equals bt at a C above bc, the scan goes on at bc (those C tie at best and
+ *      lose). The candidates inside are kept, and the best-ranked bound over all tables is
+ *      tracked;
  *   3. if the candidate evaluated in 1 holds the best-ranked bound by (lb, C, -key) and its T
  *      equals its bound (T is the first wave's term on link-bound shapes, the compute end on
  *      compute-bound ones), it is the answer, since no bound is below it and equal bounds rank
@@ -811,9 +814,8 @@ static tw_status tw__model_slot(tw__model_tables* m, const struct tw_plan* plan,
    * (a measured fraction, refetch_exposure), spread over the waves like the traffic. */
   const double exposed_us = hw->refetch_exposure * refetch / (hw->mem_gbps * 1e3);
   m->sched[slot] = plan->schedule;
-  double full_us = 0.0;
-  m->gemm_us[slot] = tw__compute_end(plan->num_tiles, hw->occ_comp * hw->sm_count, tau, mem_us,
-                                     exposed_us, &full_us);
+  m->gemm_us[slot] =
+      tw__compute_end(plan->num_tiles, hw->occ_comp * hw->sm_count, tau, mem_us, exposed_us, NULL);
   double* tau_us = m->tau_us + (size_t)slot * stride;
   double* inv_tau = m->inv_tau + (size_t)slot * stride;
   double* comp_us = m->comp_us + (size_t)slot * stride;
