@@ -397,7 +397,7 @@ done:
   return f + reduce;
 }
 
-/* Reference: F = max_s (A_s tau + Q_s) segment by segment on the plan's current segments and
+/* Reference: F = max_s (A_s + Q_s) segment by segment on the plan's current segments and
  * order, each A_s from a scan of the tiles (tests compare the fast form against it). The memory
  * term is recomputed from the plan's current band order, not read from the tables. */
 tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_us) {
@@ -417,7 +417,7 @@ tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t c, double* t_
   const double comp_end =
       tw__compute_end(plan->num_tiles, p, m->tau_comp_us, mem_us, exposed_us, &tau);
   const double row_bytes = 2.0 * (double)plan->problem.hidden;
-  /* F = max_s (A_s tau + Q_s), segments walked from the last, summing what s.. send. */
+  /* F = max_s (A_s + Q_s), segments walked from the last, summing what s.. send. */
   double f = 0.0, sum_bytes = 0.0, sum_bands = 0.0;
   for (int32_t s = plan->num_segments - 1; s >= 0; s--) {
     const tw_segment* sg = &plan->segments[s];

@@ -228,7 +228,7 @@ tw_status tw__hardware_validate(const tw_hardware* hw);
 tw_status tw__hardware_resolve(const tw_hardware* given, tw_hardware* out);
 /* Frees plan->model_tables (model.c); safe on a plan without them. tw_plan_destroy calls it. */
 void tw__model_free(struct tw_plan* plan);
-/* The EP model's T evaluated segment by segment (F = max_s (A_s tau + Q_s)) on the plan's current
+/* The EP model's T evaluated segment by segment (F = max_s (A_s + Q_s)) on the plan's current
  * segments, for tests against the fast form (model.c). tw_plan_predict is also defined in model.c.
  */
 tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t comm_ctas, double* t_us);
