@@ -17,8 +17,7 @@ import json
 import statistics
 import subprocess
 
-PRESETS = {"granite-3.1-1b-a400m", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "m-gpt", "m-bert",
-           "m-trans-xl"}
+from points import family, shape_args
 
 
 def describe(v):
@@ -40,17 +39,13 @@ def main():
     for p in d["points"]:
         args = [a.tilewave, "plan", "--tokens", str(p["tokens_per_rank"]), "--router", p["router"],
                 "--seed", str(d.get("seed", 1)), "--json", "--all-ranks"]
-        if p["workload"] in PRESETS:
-            args += ["--model", p["workload"]]
-        else:
-            args += ["--hidden", str(p["hidden"]), "--ffn", str(p["ffn"]), "--experts",
-                     str(p["experts"]), "--topk", str(p["top_k"])]
+        args += shape_args(p["workload"], p["hidden"], p["ffn"], p["experts"], p["top_k"])
         ranks = json.loads(subprocess.run(args, capture_output=True, text=True,
                                           check=True).stdout)["ranks"]
         measured = p["model"]["us"]
         first = ranks[0]["predicted_us"]
         slowest = max(r["predicted_us"] for r in ranks)
-        wl = p["workload"] if p["workload"] in PRESETS else "grid"
+        wl = family(p["workload"])
         rows.append((slowest / measured - 1, first / measured - 1, p["index"], wl,
                      p["tokens_per_rank"], p["router"], measured, first, slowest))
     print("predicted / measured - 1 over %d points (the model's choice as the run measured it):"

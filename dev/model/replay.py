@@ -28,18 +28,13 @@ import statistics
 import subprocess
 import sys
 
-PRESETS = {"granite-3.1-1b-a400m", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "m-gpt", "m-bert",
-           "m-trans-xl"}
+from points import family, shape_args
 
 
 def plan(tw, p, seed, calibration):
     args = [tw, "plan", "--tokens", str(p["tokens_per_rank"]), "--router", p["router"], "--seed",
             str(seed), "--json"]
-    if p["workload"] in PRESETS:
-        args += ["--model", p["workload"]]
-    else:
-        args += ["--hidden", str(p["hidden"]), "--ffn", str(p["ffn"]), "--experts",
-                 str(p["experts"]), "--topk", str(p["top_k"])]
+    args += shape_args(p["workload"], p["hidden"], p["ffn"], p["experts"], p["top_k"])
     if calibration:
         args += ["--calibration", calibration]
     out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
@@ -86,7 +81,7 @@ def main():
         if fixed is not None:
             slower += t > fixed
             slower1 += t > 1.01 * fixed
-        wl = p["workload"] if p["workload"] in PRESETS else "grid"
+        wl = family(p["workload"])
         by.setdefault(wl, []).append(reg)
         rows.append((reg, p["index"], wl, p["tokens_per_rank"], p["router"], r["schedule"],
                      key, t, oracle))

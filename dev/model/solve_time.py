@@ -14,8 +14,7 @@ import re
 import statistics
 import subprocess
 
-PRESETS = {"granite-3.1-1b-a400m", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "m-gpt", "m-bert",
-           "m-trans-xl"}
+from points import shape_args
 
 
 def main():
@@ -36,8 +35,7 @@ def main():
         idx, wl, tokens, k, n, e, topk, router = f[:8]
         args = [a.tilewave, "plan", "--tokens", tokens, "--router", router, "--bench-solve",
                 str(a.reps)]
-        args += (["--model", wl] if wl in PRESETS else
-                 ["--hidden", n, "--ffn", k, "--experts", e, "--topk", topk])
+        args += shape_args(wl, n, k, e, topk)
         out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
         m = re.search(r"EP model.*median ([0-9.]+) us, p99 ([0-9.]+) us", out)
         if m is None:

@@ -1,0 +1,17 @@
+"""What the model scripts share: how a matrix point's shape is given to `tilewave plan`."""
+
+PRESETS = {"granite-3.1-1b-a400m", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "m-gpt", "m-bert",
+           "m-trans-xl"}
+
+
+def shape_args(workload, hidden, ffn, experts, top_k):
+    """`tilewave plan` flags for a point: the preset's name, or the grid's shape flags."""
+    if workload in PRESETS:
+        return ["--model", workload]
+    return ["--hidden", str(hidden), "--ffn", str(ffn), "--experts", str(experts), "--topk",
+            str(top_k)]
+
+
+def family(workload):
+    """The point's workload for per-family summaries: a preset's name, else "grid"."""
+    return workload if workload in PRESETS else "grid"
