@@ -163,10 +163,10 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule);
  * Measured on 2 x H200, one binary, arms A B C C B A: the producer alone (`bench gemm`, 300 us
  * idle before each call, run 27): groups of 2 / 4 / 8 / 16 bands against band by band, geometric
  * mean over the grid 0.966 / 0.950 / 0.950 / 0.950; the overlapped call (`bench`, run 28): 4 / 8
- * bands 0.951 / 0.940, at hidden 8192 0.91-0.92 with 8. Why is not measured: a wave (~130
- * tiles) reads about the same rows and weight columns either way (hidden 8192: ~4 bands against
- * all 32 column tiles); what changes is that G CTAs with adjacent indices read one weight column
- * tile at the same time, where band by band they are 32 indices apart. */
+ * bands 0.951 / 0.940, at hidden 8192 0.91-0.92 with 8. Why (run 33, Nsight Compute on the
+ * producer alone at 16384 rows, hidden 8192, 16 experts): band by band the L2 moved 9.46 GB at 87%
+ * of its peak and device memory served 1.64 GB of reads; in groups of 8, G CTAs with adjacent
+ * indices read one weight column tile while it is in L2: 5.34 GB at 52%, 1.02 GB of reads. */
 #define TW_TILE_GROUP_DEFAULT 8
 /* The tile group (plan->tile_group): env TW_TILE_GROUP (1 to 64), else TW_TILE_GROUP_DEFAULT.
  * Planner (layout.c). */
