@@ -104,15 +104,25 @@ __global__ void zero_kernel(int4* p, size_t n) {
 
 /* Zeroing an output while every SM is busy: the add needs the owner's output zeroed before the
  * first row arrives, and every SM belongs to the producer or the consumer during a call. Times
- * cudaMemsetAsync, a device-to-device cudaMemcpyAsync from a zeroed buffer and, as the control,
- * a kernel that stores zeros, each alone and launched on a second stream right after a kernel
- * that holds every SM for 2 ms: what ends well before 2 ms ran beside it (no SMs needed). */
+ * cudaMemsetAsync, a device-to-device cudaMemcpyAsync from a zeroed buffer, a peer-to-peer copy
+ * from the other GPU's zeroed buffer over NVLink and, as the control, a kernel that stores zeros,
+ * each alone and launched on a second stream right after a kernel that holds every SM for 2 ms
+ * (both GPUs' for the peer copy): what ends well before 2 ms ran beside it (no SMs needed). */
 static void zeroing(int sms, int reps) {
   const size_t bytes = (size_t)128 << 20;
   void *buf, *zeros;
   CK(cudaMalloc(&buf, bytes));
   CK(cudaMalloc(&zeros, bytes));
   CK(cudaMemset(zeros, 0, bytes));
+  /* The peer's zeroed buffer and a stream there, to hold the peer's SMs too. */
+  void* peer_zeros;
+  cudaStream_t peer_s;
+  CK(cudaSetDevice(1));
+  CK(cudaMalloc(&peer_zeros, bytes));
+  CK(cudaMemset(peer_zeros, 0, bytes));
+  CK(cudaStreamCreateWithFlags(&peer_s, cudaStreamNonBlocking));
+  CK(cudaDeviceSynchronize());
+  CK(cudaSetDevice(0));
   cudaStream_t side, main_s;
   CK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
   CK(cudaStreamCreateWithFlags(&main_s, cudaStreamNonBlocking));
@@ -124,7 +134,7 @@ static void zeroing(int sms, int reps) {
       "\n| zeroing 128 MiB | alone us | beside a kernel on every SM for 2000 us: end after its "
       "start, us | that kernel's end, us |\n");
   printf("| --- | ---: | ---: | ---: |\n");
-  for (int how = 0; how < 3; how++) {
+  for (int how = 0; how < 4; how++) {
     float med[2], hold = 0;
     for (int beside = 0; beside < 2; beside++) {
       std::vector<float> t, th;
@@ -134,6 +144,12 @@ static void zeroing(int sms, int reps) {
         if (beside) {
           hold_sms<<<2 * sms, 1024, 0, main_s>>>(2000000);
           CK(cudaGetLastError());
+          if (how == 3) { /* the peer's SMs are busy too in a call */
+            CK(cudaSetDevice(1));
+            hold_sms<<<2 * sms, 1024, 0, peer_s>>>(2000000);
+            CK(cudaGetLastError());
+            CK(cudaSetDevice(0));
+          }
         }
         CK(cudaEventRecord(held, main_s));
         CK(cudaStreamWaitEvent(side, start));
@@ -141,6 +157,8 @@ static void zeroing(int sms, int reps) {
           CK(cudaMemsetAsync(buf, 0, bytes, side));
         else if (how == 1)
           CK(cudaMemcpyAsync(buf, zeros, bytes, cudaMemcpyDeviceToDevice, side));
+        else if (how == 3)
+          CK(cudaMemcpyPeerAsync(buf, 0, peer_zeros, 1, bytes, side));
         else
           zero_kernel<<<4 * sms, 256, 0, side>>>((int4*)buf, bytes / 16);
         CK(cudaEventRecord(end, side));
@@ -159,12 +177,17 @@ static void zeroing(int sms, int reps) {
     printf("| %s | %.1f | %.1f | %.1f |\n",
            how == 0   ? "cudaMemsetAsync"
            : how == 1 ? "cudaMemcpyAsync device to device from a zeroed buffer"
-                      : "a kernel storing zeros (the control: it needs an SM)",
+           : how == 2 ? "a kernel storing zeros (the control: it needs an SM)"
+                      : "cudaMemcpyPeerAsync from the peer's zeroed buffer (both GPUs held)",
            med[0], med[1], hold);
   }
   CK(cudaDeviceSynchronize());
   CK(cudaFree(buf));
   CK(cudaFree(zeros));
+  CK(cudaSetDevice(1));
+  CK(cudaDeviceSynchronize());
+  CK(cudaFree(peer_zeros));
+  CK(cudaSetDevice(0));
 }
 
 static uint16_t bf16_bits(float f) { /* round to nearest even (inputs are finite) */
