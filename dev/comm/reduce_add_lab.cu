@@ -84,6 +84,12 @@ __global__ void __launch_bounds__(kThreads)
   tw__bulk_wait_all();
 }
 
+/* The median of a run's samples (the first launch of each is left out by the callers). */
+static float median(std::vector<float> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
 /* Holds every SM for `ns` nanoseconds, as the producer and the consumer do during a call:
  * launched as 2 CTAs of 1024 threads per SM, it takes every thread slot, so no other kernel's
  * CTA can be resident beside it (shared memory alone would leave room for one that needs
@@ -169,10 +175,8 @@ static void zeroing(int sms, int reps) {
         CK(cudaEventElapsedTime(&hold_ms, start, held));
         if (r > 0) t.push_back(ms * 1e3f), th.push_back(hold_ms * 1e3f);
       }
-      std::sort(t.begin(), t.end());
-      std::sort(th.begin(), th.end());
-      med[beside] = t[t.size() / 2];
-      hold = th[th.size() / 2];
+      med[beside] = median(t);
+      hold = median(th);
     }
     printf("| %s | %.1f | %.1f | %.1f |\n",
            how == 0   ? "cudaMemsetAsync"
@@ -190,6 +194,28 @@ static void zeroing(int sms, int reps) {
   CK(cudaSetDevice(0));
 }
 
+/* One GPU's side of the row runs: its source rows and the two row maps (scattered, consecutive),
+ * uploaded to device `dev`, whose copies of both kernels get the shared memory of `smem`. */
+struct Side {
+  __nv_bfloat16* src;
+  int32_t *perm, *ident;
+};
+static Side upload_side(int dev, const std::vector<uint16_t>& src, const std::vector<int32_t>& perm,
+                        const std::vector<int32_t>& ident, int smem) {
+  Side sd;
+  CK(cudaSetDevice(dev));
+  CK(cudaMalloc(&sd.src, src.size() * 2));
+  CK(cudaMalloc(&sd.perm, perm.size() * 4));
+  CK(cudaMalloc(&sd.ident, ident.size() * 4));
+  CK(cudaMemcpy(sd.src, src.data(), src.size() * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(sd.perm, perm.data(), perm.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(sd.ident, ident.data(), ident.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaFuncSetAttribute(move_rows<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CK(cudaFuncSetAttribute(move_rows<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CK(cudaSetDevice(0));
+  return sd;
+}
+
 static uint16_t bf16_bits(float f) { /* round to nearest even (inputs are finite) */
   uint32_t u;
   memcpy(&u, &f, 4);
@@ -204,6 +230,10 @@ static float bf16_float(uint16_t b) {
 
 int main(int argc, char** argv) {
   const int reps = argc > 1 ? atoi(argv[1]) : 7;
+  if (reps < 1) {
+    fprintf(stderr, "usage: reduce_add_lab [reps >= 1]\n");
+    return 2;
+  }
   int ndev = 0, access = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 2) {
     fprintf(stderr, "reduce_add_lab: needs 2 GPUs, found %d; skipped\n", ndev);
@@ -234,31 +264,22 @@ int main(int argc, char** argv) {
   for (int32_t i = 0; i < rows; i++) perm[i] = ident[i] = i;
   for (int32_t i = rows - 1; i > 0; i--) std::swap(perm[i], perm[rnd() % (uint32_t)(i + 1)]);
 
-  __nv_bfloat16 *src, *dst_local, *dst_peer;
-  int32_t *d_perm, *d_ident;
-  CK(cudaMalloc(&src, elems * 2));
+  /* GPU 0 sends to itself or to GPU 1; GPU 1 sends to GPU 0 in the runs in both directions. */
+  const int max_smem = kStages * max_elems * 2;
+  const Side side[2] = {upload_side(0, h_src, perm, ident, max_smem),
+                        upload_side(1, h_src, perm, ident, max_smem)};
+  __nv_bfloat16 *dst_local, *dst_peer;
   CK(cudaMalloc(&dst_local, elems * 2));
-  CK(cudaMalloc(&d_perm, rows * 4));
-  CK(cudaMalloc(&d_ident, rows * 4));
-  CK(cudaMemcpy(src, h_src.data(), elems * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d_perm, perm.data(), rows * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(d_ident, ident.data(), rows * 4, cudaMemcpyHostToDevice));
   CK(cudaSetDevice(1));
   CK(cudaMalloc(&dst_peer, elems * 2));
   CK(cudaSetDevice(0));
-  for (int add = 0; add < 2; add++) {
-    const size_t smem = (size_t)kStages * max_elems * 2;
-    auto k = add ? move_rows<true> : move_rows<false>;
-    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-  }
 
   /* The add's arithmetic, to each destination: every element against the host's rounding. */
   long bad[2] = {0, 0};
   for (int peer = 0; peer < 2; peer++) {
     __nv_bfloat16* dst = peer ? dst_peer : dst_local;
     CK(cudaMemcpy(dst, h_dst0.data(), elems * 2, cudaMemcpyHostToDevice));
-    move_rows<true>
-        <<<16, kThreads, (size_t)kStages * max_elems * 2>>>(src, dst, d_perm, rows, max_elems);
+    move_rows<true><<<16, kThreads, max_smem>>>(side[0].src, dst, side[0].perm, rows, max_elems);
     CK(cudaGetLastError());
     CK(cudaDeviceSynchronize());
     CK(cudaMemcpy(h_out.data(), dst, elems * 2, cudaMemcpyDeviceToHost));
@@ -276,23 +297,6 @@ int main(int argc, char** argv) {
       "Bit check (dst = bf16(dst + src), every element of %d rows of %d): local %ld wrong, "
       "peer %ld wrong\n\n",
       rows, max_elems, bad[0], bad[1]);
-  /* GPU 1's side for the runs in both directions at once: its rows go to GPU 0's buffer. */
-  __nv_bfloat16* src1;
-  int32_t *perm1, *ident1;
-  CK(cudaSetDevice(1));
-  CK(cudaMalloc(&src1, elems * 2));
-  CK(cudaMalloc(&perm1, rows * 4));
-  CK(cudaMalloc(&ident1, rows * 4));
-  CK(cudaMemcpy(src1, h_src.data(), elems * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(perm1, perm.data(), rows * 4, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(ident1, ident.data(), rows * 4, cudaMemcpyHostToDevice));
-  for (int add = 0; add < 2; add++) {
-    auto k = add ? move_rows<true> : move_rows<false>;
-    CK(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                            kStages * max_elems * 2));
-  }
-  CK(cudaSetDevice(0));
-
   struct Case {
     int peer, both, add, scatter;
     const char* what;
@@ -328,14 +332,13 @@ int main(int argc, char** argv) {
           const int sides = cs_.both ? 2 : 1;
           for (int d = 0; d < sides; d++) { /* GPU d sends to the other (or to itself) */
             CK(cudaSetDevice(d));
-            const __nv_bfloat16* s_ = d ? src1 : src;
             __nv_bfloat16* dst = d ? dst_local : cs_.peer ? dst_peer : dst_local;
-            const int32_t* map = cs_.scatter ? (d ? perm1 : d_perm) : (d ? ident1 : d_ident);
+            const int32_t* map = cs_.scatter ? side[d].perm : side[d].ident;
             CK(cudaEventRecord(ev[d][0]));
             if (cs_.add)
-              move_rows<true><<<c, kThreads, smem>>>(s_, dst, map, n, row_elems);
+              move_rows<true><<<c, kThreads, smem>>>(side[d].src, dst, map, n, row_elems);
             else
-              move_rows<false><<<c, kThreads, smem>>>(s_, dst, map, n, row_elems);
+              move_rows<false><<<c, kThreads, smem>>>(side[d].src, dst, map, n, row_elems);
             CK(cudaGetLastError());
             CK(cudaEventRecord(ev[d][1]));
           }
@@ -350,13 +353,11 @@ int main(int argc, char** argv) {
           CK(cudaSetDevice(0));
           if (r > 0) t.push_back(ms); /* the first launch warms up */
         }
-        std::sort(t.begin(), t.end());
-        printf(" %.0f |", (double)n * row_elems * 2 / (t[t.size() / 2] * 1e6));
+        printf(" %.0f |", (double)n * row_elems * 2 / (median(t) * 1e6));
       }
       printf("\n");
     }
   }
-  CK(cudaSetDevice(0));
   zeroing(prop.multiProcessorCount, reps);
   return bad[0] || bad[1] ? 1 : 0;
 }
