@@ -235,6 +235,20 @@ typedef enum tw_schedule {
                                    every expert's weights are read once */
 } tw_schedule;
 
+/* How the combine brings a token's top_k rows together in its owner's output. */
+typedef enum tw_combine_dataflow {
+  TW_DATAFLOW_DEFAULT = 0, /* env TW_COMBINE_DATAFLOW (`reduce` or `add`), else REDUCE */
+  /* Rows land in the owner's receive window; after every arrival the owner's weighted reduction
+   * (fp32, slot order) writes the caller's `out`. Any top_k. */
+  TW_DATAFLOW_REDUCE = 1,
+  /* The producer scales each row by its gate weight; local rows are added (bf16, one rounding
+   * per add) into the owner's output by the producer, remote ones by the consumer over NVLink;
+   * no reduction pass. The output lives in the context's window (tw_context_output), in one of
+   * two buffers used in turn: the other is zeroed by a copy engine during the call. top_k 1 or
+   * 2 (the sum 0 + a + b does not depend on the order the rows land in). */
+  TW_DATAFLOW_ADD = 2
+} tw_combine_dataflow;
+
 typedef struct tw_plan_config {
   size_t size;
   uint32_t magic;
@@ -247,10 +261,17 @@ typedef struct tw_plan_config {
    * use_model = 0). Appended later: a config whose size ends at `hardware` (built against an
    * earlier tilewave.h) is accepted and plans as TW_SCHEDULE_AUTO. */
   int32_t schedule;
+  /* tw_combine_dataflow the plan is predicted for (the model's reduction and link terms); it must
+   * match the context's (tw_device_plan_upload checks). Appended after `schedule`: a config that
+   * ends before it plans as TW_DATAFLOW_DEFAULT. */
+  int32_t dataflow;
 } tw_plan_config;
 
-#define TW_PLAN_CONFIG_INIT \
-  { sizeof(tw_plan_config), TW_PLAN_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 1, NULL, TW_SCHEDULE_AUTO }
+#define TW_PLAN_CONFIG_INIT                                                                        \
+  {                                                                                                \
+    sizeof(tw_plan_config), TW_PLAN_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 1, NULL, TW_SCHEDULE_AUTO, \
+        TW_DATAFLOW_DEFAULT                                                                        \
+  }
 
 #define TW_DEFAULT_COMM_CTAS 8
 #define TW_DEFAULT_COALESCE 2
@@ -350,6 +371,9 @@ typedef struct tw_context_config {
                             column tiles of a band; must be the same on every rank */
   int32_t consumer_copy; /* tw_consumer_copy; 0 = env TW_CONSUMER_COPY (`bulk` or `registers`),
                             else bulk */
+  /* tw_combine_dataflow; the same on every rank. Appended after `consumer_copy`: a config that
+   * ends before it runs TW_DATAFLOW_DEFAULT. */
+  int32_t dataflow;
 } tw_context_config;
 
 /* How the consumer moves rows to a peer. */
@@ -363,7 +387,7 @@ typedef enum tw_consumer_copy {
 } tw_consumer_copy;
 
 #define TW_CONTEXT_CONFIG_INIT \
-  { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0, 0 }
+  { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0, 0, 0 }
 
 /* Creates a context for one rank. COLLECTIVE over `comm`: every rank calls it with the same
  * problem (problem->world_size must equal the communicator's size) and the same config.
@@ -381,6 +405,11 @@ typedef enum tw_consumer_copy {
  * version tilewave was built against (TW_ERR_NCCL otherwise). Synchronises the device. */
 tw_status tw_context_create(const tw_problem* problem, ncclComm_t comm,
                             const tw_context_config* config, tw_context_t* ctx);
+/* The add dataflow's output of the last call on this context: (tokens of this rank, hidden)
+ * device bf16 inside the context's window, ready in the order of that call's stream. It stays
+ * valid until the next call on the context starts (the call after that zeroes it); copy it out
+ * or consume it before then. TW_ERR_STATE under the reduce dataflow or before the first call. */
+tw_status tw_context_output(tw_context_t ctx, void** out);
 /* Frees everything the context allocated. COLLECTIVE (deregisters the window); waits for the
  * context's work to finish first. NULL is a no-op. */
 tw_status tw_context_destroy(tw_context_t ctx);
@@ -425,7 +454,9 @@ typedef struct tw_combine_options {
  *                  rows must be zero or finite; they are computed, never sent)
  * [in]  w2:        (local experts, hidden, ffn) device bf16: down-projection weights
  * [out] out:       (tokens of this rank, hidden) device bf16: out[t] = sum_j w[t][j] *
- *                  (expert_j(t) output row), accumulated in fp32
+ *                  (expert_j(t) output row), accumulated in fp32. Under TW_DATAFLOW_ADD it
+ *                  must be NULL: the output is at tw_context_output() instead, where
+ *                  out[t] = bf16(bf16(w0 row0) + bf16(w1 row1)) (each add rounded once)
  * [in]  stream:    the caller's stream; all inputs must be ready in its order, and `out` is
  *                  ready in its order when the call's work completes
  * Launches the producer (P = SMs - C CTAs) on `stream`, then the consumer (C CTAs) on an internal

@@ -142,6 +142,10 @@ typedef struct twb_rank {
   size_t out_elems;
   int32_t tokens;
   FILE* json_out; /* rank 0: the --json-file stream, else NULL */
+  /* The add dataflow: ours' output lives in the context (tw_context_output). A correctness run
+   * (materialize = 1) copies it into the policy's buffer after the call; a timed one does not. */
+  int add;
+  int materialize;
 } twb_rank;
 
 /* ---- one rank's setup and teardown ----------------------------------------------------------- */
@@ -227,6 +231,9 @@ static tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt,
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.timing = o->phases;
   TW_TRY(tw_context_create(&p, s->comm, &cc, &s->ctx));
+  int32_t dataflow = TW_DATAFLOW_REDUCE;
+  TW_TRY(tw__dataflow_resolve("bench", TW_DATAFLOW_DEFAULT, &dataflow));
+  s->add = dataflow == TW_DATAFLOW_ADD;
   s->ndplans = n_sweep > 0 ? n_sweep : 1;
   for (int i = 0; i < s->ndplans; i++) {
     TW_TRY(tw_device_plan_create(s->ctx, &s->dplans[i]));
@@ -294,7 +301,15 @@ static tw_status twb_run(twb_rank* s, const twb_policy* pol, int set, cudaStream
     default:
       return tw__fail(TW_ERR_INTERNAL, "bench: unknown policy kind %d", pol->kind);
   }
-  return tw_moe_combine_ex(s->ctx, s->dplans[pol->dplan], s->a[set], s->w[set], out, &opt, st);
+  if (!s->add)
+    return tw_moe_combine_ex(s->ctx, s->dplans[pol->dplan], s->a[set], s->w[set], out, &opt, st);
+  TW_TRY(tw_moe_combine_ex(s->ctx, s->dplans[pol->dplan], s->a[set], s->w[set], NULL, &opt, st));
+  if (!s->materialize || pol->out < 0 || pol->kind == TWB_GEMM_ONLY || s->tokens == 0)
+    return TW_SUCCESS;
+  void* added = NULL;
+  TW_TRY(tw_context_output(s->ctx, &added));
+  TW_CUDA_TRY(cudaMemcpyAsync(out, added, 2 * s->out_elems, cudaMemcpyDeviceToDevice, st));
+  return TW_SUCCESS;
 }
 
 static tw_status twb_barrier(twb_rank* s) {
@@ -327,14 +342,21 @@ static tw_status twb_max_over_ranks(twb_rank* s, float* v, size_t n) {
  * (err[i] = -1 for policies without an output, 0 for ours). */
 static tw_status twb_check(twb_rank* s, const twb_policy* pols, int np, int set, int rerun,
                            float* err) {
-  if (rerun) {
+  /* The add dataflow keeps only the last call's output: run every policy again, copying it. */
+  if (rerun || s->add) {
+    s->materialize = 1;
     for (int i = 0; i < TWB_NOUT; i++)
       TW_TRY(tw__fill_bf16(s->out[i], s->out_elems, TWB_POISON, s->stream));
     for (int i = 0; i < np; i++) {
       if (pols[i].out < 0) continue;
       TW_TRY(twb_barrier(s));
-      TW_TRY(twb_run(s, &pols[i], set, s->stream));
+      tw_status st = twb_run(s, &pols[i], set, s->stream);
+      if (st != TW_SUCCESS) {
+        s->materialize = 0;
+        return st;
+      }
     }
+    s->materialize = 0;
     TW_CUDA_TRY(cudaStreamSynchronize(s->stream));
   }
   TW_TRY(tw_context_check(s->ctx));
@@ -421,6 +443,7 @@ typedef struct twb_bench_result {
    * (with the wait for the peers' consumers), each sample the max over ranks; phase_n = 0 when
    * not measured */
   double phase_total, phase_gemm, phase_comm, phase_join, phase_reduce;
+  double phase_zero; /* add dataflow: the next buffer's zeroing copies end (0: reduce) */
   int phase_n;
   /* --phases, the sequential loop (0) and the fastest chunked size (1): medians of the GEMMs'
    * end, the exchange's (last copy's) end, the reduction's start and the total, from the call's
@@ -491,7 +514,7 @@ static tw_status twb_time_baseline_phases(twb_rank* s, const twb_opts* o, twb_be
  * per call, then the median over calls. */
 static tw_status twb_time_phases(twb_rank* s, const twb_opts* o, twb_bench_result* r) {
   const int n = o->iters;
-  float* v = (float*)calloc(5 * (size_t)n, sizeof(float));
+  float* v = (float*)calloc(6 * (size_t)n, sizeof(float));
   if (v == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "bench: out of host memory");
   const twb_policy* ours = &r->pols[twb_policy_index(r, TWB_OURS, 0)];
   tw_status st = TW_SUCCESS;
@@ -500,18 +523,21 @@ static tw_status twb_time_phases(twb_rank* s, const twb_opts* o, twb_bench_resul
     if ((st = twb_barrier(s)) != TW_SUCCESS) break;
     if ((st = tw__bench_delay(s->stream, o->delay_us)) != TW_SUCCESS) break;
     if ((st = twb_run(s, ours, i % s->nsets, s->stream)) != TW_SUCCESS) break;
-    float comm_end = 0, red_start = 0;
-    if ((st = tw__context_timeline(s->ctx, &t, &comm_end, &red_start)) != TW_SUCCESS) break;
+    float comm_end = 0, red_start = 0, zero_end = 0;
+    if ((st = tw__context_timeline(s->ctx, &t, &comm_end, &red_start, &zero_end)) != TW_SUCCESS)
+      break;
     v[i] = 1e3f * t.total_ms;
     v[n + i] = 1e3f * t.gemm_ms;
     v[2 * n + i] = 1e3f * comm_end;
     v[3 * n + i] = 1e3f * t.reduce_ms;
     v[4 * n + i] = 1e3f * (red_start - (t.gemm_ms > comm_end ? t.gemm_ms : comm_end));
+    v[5 * n + i] = 1e3f * zero_end;
   }
-  if (st == TW_SUCCESS) st = twb_max_over_ranks(s, v, 5 * (size_t)n);
+  if (st == TW_SUCCESS) st = twb_max_over_ranks(s, v, 6 * (size_t)n);
   if (st == TW_SUCCESS) {
-    tw__bench_stats q[5];
-    for (int k = 0; k < 5; k++) tw__bench_stats_of(v + (size_t)k * n, n, &q[k]);
+    tw__bench_stats q[6];
+    for (int k = 0; k < 6; k++) tw__bench_stats_of(v + (size_t)k * n, n, &q[k]);
+    r->phase_zero = q[5].median;
     r->phase_total = q[0].median, r->phase_gemm = q[1].median;
     r->phase_comm = q[2].median, r->phase_reduce = q[3].median;
     r->phase_join = q[4].median;
@@ -599,7 +625,25 @@ static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point
   return st;
 }
 
+/* The dataflow every rank runs (the environment the ranks inherit). */
+static const char* twb_dataflow_name(void) {
+  int32_t df = TW_DATAFLOW_REDUCE;
+  if (tw__dataflow_resolve("bench", TW_DATAFLOW_DEFAULT, &df) != TW_SUCCESS) return "?";
+  return df == TW_DATAFLOW_ADD ? "add" : "reduce";
+}
+
+/* The add dataflow's zeroing in the phases line (its copies run beside the call). */
+static const char* twb_zero_note(const twb_bench_result* r) {
+  static char note[96];
+  note[0] = '\0';
+  if (r->phase_zero > 0)
+    snprintf(note, sizeof note, "; the next buffer's zeroing (copy engine) ends at %.1f us",
+             r->phase_zero);
+  return note;
+}
+
 static void twb_print_header(void) {
+  printf("Combine dataflow: %s.\n\n", twb_dataflow_name());
   printf(
       "| tokens/rank | K | N | E | router | seq us (form) | ours us (p10-p90) | speedup | gemm us "
       "| comm us | ideal us | eff | overlap | C | mgb | unfused us | chunked us (rows) | max rel "
@@ -672,8 +716,9 @@ static void twb_print_row(const twb_opts* o, const twb_bench_result* r) {
     printf(
         "|  | phases of ours (median of %d, max over ranks): producer ends at %.1f us, "
         "consumer at %.1f us; the reduction starts %.1f us after both and takes %.1f us "
-        "(incl. waiting for the peers); total %.1f us |\n",
-        r->phase_n, r->phase_gemm, r->phase_comm, r->phase_join, r->phase_reduce, r->phase_total);
+        "(incl. waiting for the peers); total %.1f us%s |\n",
+        r->phase_n, r->phase_gemm, r->phase_comm, r->phase_join, r->phase_reduce, r->phase_total,
+        twb_zero_note(r));
   if (r->phase_n > 0)
     printf(
         "|  | phases of the baselines (from each call's start): sequential GEMMs end at %.1f us, "
@@ -688,11 +733,13 @@ static void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_res
   twb_derived d;
   twb_derive(o, r, &d);
   fprintf(f,
-          "%s  {\"tokens_per_rank\": %d, \"ffn\": %d, \"hidden\": %d, \"experts\": %d, \"top_k\": "
+          "%s  {\"dataflow\": \"%s\", \"tokens_per_rank\": %d, \"ffn\": %d, \"hidden\": %d, "
+          "\"experts\": %d, \"top_k\": "
           "%d, \"router\": \"%s\", \"comm_ctas\": %d, \"coalesce\": %d, \"model_predicted_us\": "
           "%.2f, \"model_sequential_us\": %.2f,\n",
-          first ? "" : ",\n", r->pt.tokens, r->pt.ffn, r->pt.hidden, r->pt.experts, r->pt.topk,
-          tw__cli_router_name(r->pt.router), r->c, r->mgb, r->predicted_us, r->model_seq_us);
+          first ? "" : ",\n", twb_dataflow_name(), r->pt.tokens, r->pt.ffn, r->pt.hidden,
+          r->pt.experts, r->pt.topk, tw__cli_router_name(r->pt.router), r->c, r->mgb,
+          r->predicted_us, r->model_seq_us);
   fprintf(f,
           "   \"seq_us\": %.2f, \"seq_variant\": \"%s\", \"ours_us\": %.2f, \"speedup\": %.4f, "
           "\"gemm_us\": %.2f, \"comm_us\": %.2f, \"ideal_us\": %.2f, \"efficiency\": %.4f, "
@@ -712,8 +759,9 @@ static void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_res
     fprintf(
         f,
         ",\n   \"phases_us\": {\"samples\": %d, \"producer_end\": %.2f, \"consumer_end\": %.2f, "
-        "\"join\": %.2f, \"reduce\": %.2f, \"total\": %.2f}",
-        r->phase_n, r->phase_gemm, r->phase_comm, r->phase_join, r->phase_reduce, r->phase_total);
+        "\"join\": %.2f, \"reduce\": %.2f, \"total\": %.2f, \"zeroing_end\": %.2f}",
+        r->phase_n, r->phase_gemm, r->phase_comm, r->phase_join, r->phase_reduce, r->phase_total,
+        r->phase_zero);
   if (r->phase_n > 0)
     for (int b = 0; b < 2; b++)
       fprintf(f,
@@ -962,7 +1010,9 @@ static tw_status twb_sweep_measure(twb_rank* s, const twb_opts* o, const twb_poi
   for (int i = 1; i < np && st == TW_SUCCESS; i++) {
     st = tw__fill_bf16(s->out[TWB_OUT_OURS], s->out_elems, TWB_POISON, s->stream);
     if (st == TW_SUCCESS) st = twb_barrier(s);
+    s->materialize = 1;
     if (st == TW_SUCCESS) st = twb_run(s, &pols[i], 0, s->stream);
+    s->materialize = 0;
     double rel = 0;
     if (st == TW_SUCCESS) st = tw_context_check(s->ctx);
     if (st == TW_SUCCESS)
@@ -1156,7 +1206,10 @@ static tw_status twb_versus_point(twb_rank* s, const twb_opts* o, const twb_poin
   for (int i = 0; i < 2; i++) {
     TW_TRY(tw__fill_bf16(s->out[pols[i].out], s->out_elems, TWB_POISON, s->stream));
     TW_TRY(twb_barrier(s));
-    TW_TRY(twb_run(s, &pols[i], 0, s->stream));
+    s->materialize = 1;
+    const tw_status run = twb_run(s, &pols[i], 0, s->stream);
+    s->materialize = 0;
+    TW_TRY(run);
   }
   TW_TRY(tw_context_check(s->ctx));
   double rel = 0;
@@ -1761,6 +1814,9 @@ static void twb_usage(FILE* f, int sweep) {
           "  --write-routing F   write the routing used (rank 0), e.g. for bench/torch_peer.py\n"
           "  --seed S            routing and input seed (default 1)\n"
           "policy:\n"
+          "  --dataflow D        reduce (rows land, then a weighted reduction; the default)\n"
+          "                      or add (rows scaled and added into the owner's output; top-2\n"
+          "                      at most); sets TW_COMBINE_DATAFLOW\n"
           "  --comm-ctas C       force C (default: the model's choice)\n"
           "  --coalesce M        force mgb (default: the model's choice)\n"
           "measurement:\n"
@@ -1924,6 +1980,14 @@ static int twb_main(int argc, char** argv, int sweep) {
       o.oracle = 1, i++;
     } else if (strcmp(a, "--json-file") == 0) {
       o.json_file = v, i++;
+    } else if (strcmp(a, "--dataflow") == 0) {
+      /* The library reads it at every plan and context (plan.h, tw__dataflow_resolve); the ranks
+       * spawned below inherit it. */
+      if (strcmp(v, "reduce") != 0 && strcmp(v, "add") != 0) {
+        fprintf(stderr, "tilewave: --dataflow must be reduce or add (got '%s')\n", v);
+        return 2;
+      }
+      setenv("TW_COMBINE_DATAFLOW", v, 1), i++;
     } else if (strcmp(a, "--write-routing") == 0) {
       o.write_routing = v, i++;
     } else if (strcmp(a, "--seed") == 0) {

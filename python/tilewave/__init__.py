@@ -144,7 +144,8 @@ class _CPlanConfig(ctypes.Structure):
     _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint32),
                 ("version", ctypes.c_uint32), ("comm_ctas", ctypes.c_int32),
                 ("coalesce", ctypes.c_int32), ("use_model", ctypes.c_int32),
-                ("hardware", ctypes.POINTER(_CHardware)), ("schedule", ctypes.c_int32)]
+                ("hardware", ctypes.POINTER(_CHardware)), ("schedule", ctypes.c_int32),
+                ("dataflow", ctypes.c_int32)]
 
 
 class _CPlanSummary(ctypes.Structure):
@@ -499,27 +500,32 @@ class Hardware:
 # ------------------------------------------------------------------------------------------------
 
 SCHEDULES = {"auto": 0, "remote-first": 1, "expert-major": 2}  # tw_schedule
+DATAFLOWS = {"default": 0, "reduce": 1, "add": 2}  # tw_combine_dataflow
 
 
 class Plan(_Owned):
     """One rank's GEMM2 + combine plan (owns a tw_plan_t). comm_ctas / coalesce: explicit C and
     mgb (None = the model's choice); use_model=False gives the fixed defaults; hardware: a
     Hardware (None = TW_CALIBRATION file if set, else built-in defaults); schedule: "auto" (None:
-    env TW_SCHEDULE, else the model's choice), "remote-first" or "expert-major"."""
+    env TW_SCHEDULE, else the model's choice), "remote-first" or "expert-major"; dataflow: the
+    combine dataflow the model predicts for, "reduce" or "add" (None: env TW_COMBINE_DATAFLOW, else
+    reduce)."""
     _destroy = "tw_plan_destroy"
 
     def __init__(self, problem, routing, rank, comm_ctas=None, coalesce=None, use_model=True,
-                 hardware=None, schedule=None):
+                 hardware=None, schedule=None, dataflow=None):
         self.problem = problem
         self.routing = routing  # keeps the routing alive at least as long as the plan
         self.rank = rank
         hw = hardware._c() if hardware is not None else None
         if schedule is not None and schedule not in SCHEDULES:
             raise ValueError("schedule %r: give one of %s" % (schedule, ", ".join(SCHEDULES)))
+        if dataflow is not None and dataflow not in DATAFLOWS:
+            raise ValueError("dataflow %r: give one of %s" % (dataflow, ", ".join(DATAFLOWS)))
         cfg = _CPlanConfig(ctypes.sizeof(_CPlanConfig), _PLAN_CONFIG_MAGIC, _API_VERSION,
                            int(comm_ctas or 0), int(coalesce or 0), 1 if use_model else 0,
                            ctypes.pointer(hw) if hw is not None else None,
-                           SCHEDULES[schedule or "auto"])
+                           SCHEDULES[schedule or "auto"], DATAFLOWS[dataflow or "default"])
         h = ctypes.c_void_p()
         _check(_load().tw_plan_create(ctypes.byref(problem._c()), routing._handle(), int(rank),
                                       ctypes.byref(cfg), ctypes.byref(h)))

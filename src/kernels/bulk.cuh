@@ -70,6 +70,18 @@ __device__ __forceinline__ void tw__bulk_store(void* gdst, const void* ssrc, uin
                : "memory");
 }
 
+/* 1D bulk reduction shared -> global: gdst[i] = bf16(gdst[i] + ssrc[i]) for `bytes` / 2 bf16
+ * values, performed where gdst lives (its L2; a peer's over NVLink), rounded once to nearest
+ * even (.noftz: bf16 has no denormal flush here). Tracked by the same bulk groups as
+ * tw__bulk_store. Bit for bit in the lab (dev/comm/reduce_add_lab.cu, run 39). */
+__device__ __forceinline__ void tw__bulk_add_bf16(void* gdst, const void* ssrc, uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;" ::"l"(
+          gdst),
+      "r"(tw__smem_u32(ssrc)), "r"(bytes)
+      : "memory");
+}
+
 __device__ __forceinline__ void tw__bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;" ::: "memory");
 }

@@ -114,6 +114,9 @@ struct tw__unit_shape {
   char* dst;
   size_t ld;
   size_t width;
+  /* The add dataflow: row r goes to dst + row_token[r] * ld (a token of the owner), added; NULL:
+   * to dst + r * ld, stored. */
+  const int32_t* row_token;
   int rows;
   int rows_per_piece; /* >= 1 when width <= stage, else 0 */
   int pieces_per_row; /* >= 1 when width > stage, else 0 */
@@ -121,12 +124,13 @@ struct tw__unit_shape {
 };
 
 __device__ __forceinline__ tw__unit_shape tw__unit_shape_make(const char* src, char* dst, size_t ld,
-                                                              size_t width, int rows) {
-  if (width == ld) { /* contiguous */
+                                                              size_t width, int rows,
+                                                              const int32_t* row_token) {
+  if (width == ld && row_token == nullptr) { /* contiguous at both ends */
     width *= (size_t)rows;
     rows = 1;
   }
-  tw__unit_shape u = {src, dst, ld, width, rows, 0, 0, 0};
+  tw__unit_shape u = {src, dst, ld, width, row_token, rows, 0, 0, 0};
   if (width <= kBulkStageBytes) {
     /* Rows per piece: a power of two (no integer division on the device), at least half full. */
     const int width_log2 = 32 - __clz((int)width - 1); /* ceil(log2(width)) */
@@ -139,10 +143,11 @@ __device__ __forceinline__ tw__unit_shape tw__unit_shape_make(const char* src, c
   return u;
 }
 
-/* Piece p of a unit: `nsub` copies of `bytes` each, from src + off + i * ld to dst + off + i * ld,
- * packed back to back in the stage. */
+/* Piece p of a unit: `nsub` rows from `row` on, `bytes` each from byte `col` of the row: from
+ * src + (row + i) * ld + col, packed back to back in the stage. */
 struct tw__piece {
-  size_t off;
+  int row;
+  size_t col;
   int nsub;
   uint32_t bytes;
 };
@@ -150,11 +155,11 @@ struct tw__piece {
 __device__ __forceinline__ tw__piece tw__unit_piece(const tw__unit_shape& u, int p) {
   if (u.rows_per_piece > 0) {
     const int r0 = p * u.rows_per_piece;
-    return {(size_t)r0 * u.ld, min(u.rows_per_piece, u.rows - r0), (uint32_t)u.width};
+    return {r0, 0, min(u.rows_per_piece, u.rows - r0), (uint32_t)u.width};
   }
   const int r = p / u.pieces_per_row;
   const size_t c = (size_t)(p - r * u.pieces_per_row) * kBulkStageBytes;
-  return {(size_t)r * u.ld + c, 1, (uint32_t)min((size_t)kBulkStageBytes, u.width - c)};
+  return {r, c, 1, (uint32_t)min((size_t)kBulkStageBytes, u.width - c)};
 }
 
 /* Thread 0's copy engine: a ring of kBulkStages stages, each with a full barrier. Piece g (a
@@ -171,16 +176,25 @@ __device__ __forceinline__ void tw__bulk_load_piece(tw__bulk_pipe& pp, const tw_
   char* stage = pp.stage + (size_t)(g % kBulkStages) * kBulkStageBytes;
   uint64_t* full = &pp.full[g % kBulkStages];
   tw__mbar_expect_tx(full, (uint32_t)pc.nsub * pc.bytes);
+  const char* src = u.src + (size_t)pc.row * u.ld + pc.col;
   for (int i = 0; i < pc.nsub; i++)
-    tw__bulk_load(stage + (size_t)i * pc.bytes, u.src + pc.off + (size_t)i * u.ld, pc.bytes, full);
+    tw__bulk_load(stage + (size_t)i * pc.bytes, src + (size_t)i * u.ld, pc.bytes, full);
 }
 
 __device__ __forceinline__ void tw__bulk_store_piece(tw__bulk_pipe& pp, const tw__unit_shape& u,
                                                      int p, uint32_t g) {
   const tw__piece pc = tw__unit_piece(u, p);
   const char* stage = pp.stage + (size_t)(g % kBulkStages) * kBulkStageBytes;
-  for (int i = 0; i < pc.nsub; i++)
-    tw__bulk_store(u.dst + pc.off + (size_t)i * u.ld, stage + (size_t)i * pc.bytes, pc.bytes);
+  for (int i = 0; i < pc.nsub; i++) {
+    const char* from = stage + (size_t)i * pc.bytes;
+    if (u.row_token == nullptr) {
+      tw__bulk_store(u.dst + (size_t)(pc.row + i) * u.ld + pc.col, from, pc.bytes);
+    } else {
+      /* Not written while the kernel runs: read-only path. */
+      const int32_t token = __ldg(&u.row_token[pc.row + i]);
+      tw__bulk_add_bf16(u.dst + (size_t)token * u.ld + pc.col, from, pc.bytes);
+    }
+  }
   tw__bulk_commit();
 }
 
@@ -247,6 +261,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   __shared__ uint32_t* s_arrive[64]; /* (world) our arrival counter in each owner's window */
   const size_t row_bytes = (size_t)a.hidden * 2;
   const uint32_t* credits = reinterpret_cast<const uint32_t*>(a.local_win + a.lay.credit);
+  const bool add = a.row_token != nullptr;
   int seg = 0;
   int ready_seg = -1;    /* segment whose bands thread 0 has already seen complete */
   uint64_t credited = 0; /* owners whose credit this CTA has already waited for (W <= 64) */
@@ -312,8 +327,14 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
       if (ok && !((credited >> dest) & 1u)) {
         /* The credit wait may block: announce first (this happens at most W times). */
         tw__announce<kBulk>(s_arrive, a.world, s_pending);
-        ok = tw_wait_geq(&credits[dest], a.credit_target, true, a.timeout_ns, a.err, TW_WAIT_CREDIT,
-                         dest, a.rank);
+        /* The add dataflow waits for the owner's own word instead: its output buffer of this
+         * call is zero (combine.h). */
+        const uint32_t* credit =
+            add ? reinterpret_cast<const uint32_t*>(
+                      static_cast<char*>(ncclGetPeerPointer(a.win, 0, dest)) + a.lay.ready)
+                : &credits[dest];
+        ok = tw_wait_geq(credit, a.credit_target, true, a.timeout_ns, a.err, TW_WAIT_CREDIT, dest,
+                         a.rank);
         credited |= 1ull << dest;
       }
       /* The acquires above are generic-proxy loads; the bulk copies that depend on them run in
@@ -337,12 +358,15 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     if (!skip && nrows > 0) {
       const size_t at = (size_t)r0 * row_bytes + (size_t)c0 * 2;
       const char* src = reinterpret_cast<const char*>(a.c) + (size_t)band.row0 * row_bytes + at;
-      char* dst = peer + a.lay.data + (size_t)band.dest_offset + at;
+      /* Reduce: the band's rows, consecutive, into the receive rows; add: each into its token's
+       * row of the owner's output buffer of this call. */
+      char* dst = add ? peer + a.out_offset + (size_t)c0 * 2
+                      : peer + a.lay.data + (size_t)band.dest_offset + at;
       if (!kBulk) {
         tw__copy_rows(dst, row_bytes, src, row_bytes, nrows, ncols / 8);
       } else if (threadIdx.x == 0) {
-        const tw__unit_shape us =
-            tw__unit_shape_make(src, dst, row_bytes, (size_t)ncols * 2, nrows);
+        const tw__unit_shape us = tw__unit_shape_make(src, dst, row_bytes, (size_t)ncols * 2, nrows,
+                                                      add ? a.row_token + band.row0 + r0 : nullptr);
         s_copied = tw__bulk_copy_unit(pipe, us, a);
       }
       if (a.debug_tags) {
@@ -384,6 +408,28 @@ cudaError_t tw__consumer_enable_smem() {
 
 }  // namespace
 
+namespace {
+__global__ void tw_peer_pointer_kernel(ncclWindow_t win, uint64_t offset, int peer, void** out) {
+  *out = ncclGetPeerPointer(win, offset, peer);
+}
+}  // namespace
+
+tw_status tw__window_peer_pointer(ncclWindow_t win, uint64_t offset, int peer, void* scratch,
+                                  void** out, cudaStream_t stream) {
+  TW_CHECK_NULL(scratch);
+  TW_CHECK_NULL(out);
+  *out = NULL;
+  tw_peer_pointer_kernel<<<1, 1, 0, stream>>>(win, offset, peer, static_cast<void**>(scratch));
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess)
+    e = cudaMemcpyAsync(out, scratch, sizeof(void*), cudaMemcpyDeviceToHost, stream);
+  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
+  if (e != cudaSuccess)
+    return tw__fail(TW_ERR_CUDA, "window: the address of rank %d's window: %s", peer,
+                    cudaGetErrorString(e));
+  return TW_SUCCESS;
+}
+
 tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream) {
   TW_CHECK_NULL(args);
   if (grid < 1 || grid > TW_MAX_COMM_CTAS)
@@ -397,6 +443,8 @@ tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream
                     args->tiles_per_unit, args->unit_chunks, args->col_tiles);
   if (args->copy != TW_CONSUMER_COPY_REGISTERS && args->copy != TW_CONSUMER_COPY_BULK)
     return tw__fail(TW_ERR_INTERNAL, "consumer: copy mode %d", args->copy);
+  if (args->row_token != NULL && (args->copy != TW_CONSUMER_COPY_BULK || args->debug_tags))
+    return tw__fail(TW_ERR_INTERNAL, "consumer: the add dataflow needs bulk copies, no debug tags");
   if (args->hidden % 8 != 0 || args->tn % 8 != 0)
     return tw__fail(TW_ERR_ALIGNMENT, "consumer: hidden %d and tile_n %d must be multiples of 8",
                     args->hidden, args->tn);

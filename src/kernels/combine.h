@@ -14,6 +14,13 @@
  *   credits[d]     in the source's window, one per owner rank d; d's reduction adds 1 per call
  *                  once it has finished reading its receive buffer (release .sys); a source
  *                  writes to d in call e (1-based) only after credits[d] >= e - 1 (acquire .sys).
+ *   ready          the add dataflow's credit, in the owner's own window: call e adds into output
+ *                  buffer e % 2, which held call e - 2's output. During call e - 1 (after it
+ *                  started: call e - 2's output is valid until then) the owner's copy engine
+ *                  zeroes that buffer's written rows and then, in stream order, a stream memory
+ *                  write (with its system-scope fence) sets ready = e - 1. A source adds into
+ *                  d's buffer in call e only after d's ready >= e - 1 (acquire .sys, over
+ *                  NVLink); the owner's own producer waits for the copy in stream order.
  * Debug tags (TW_DEBUG_TAGS_CHECK): per receive row, tags[row] = source rank + 1 and hits[row]
  * += 1 per unit that carried the row (expected: col_tiles); the reduction checks and clears them.
  */
@@ -32,9 +39,14 @@ enum { TW_WAIT_CREDIT = 4, TW_CHECK_TAGS = 5, TW_WAIT_COPY = 6 };
 
 /* Byte offsets of the regions inside every rank's symmetric window (identical on all ranks). */
 typedef struct tw_window_layout {
-  uint64_t data;   /* (recv_rows_max, hidden) bf16 receive rows; offset 0 */
+  uint64_t data;      /* (recv_rows_max, hidden) bf16 receive rows; offset 0 (reduce dataflow) */
+  uint64_t out;       /* (2, max_tokens, hidden) bf16 output buffers, used in turn (add dataflow) */
+  uint64_t out_bytes; /* bytes of one output buffer (0 under the reduce dataflow) */
+  uint64_t zeros;     /* (zeros_bytes) zeros, never written: what peers copy from (add) */
+  uint64_t zeros_bytes;
   uint64_t arrive; /* (W) uint32 arrivals, by source rank */
   uint64_t credit; /* (W) uint32 credits, by owner rank */
+  uint64_t ready;  /* uint32: calls whose output buffer is zero, cumulative (add dataflow) */
   uint64_t tags;   /* (recv_rows_max) uint32 debug tags */
   uint64_t hits;   /* (recv_rows_max) uint32 debug arrival counts */
   uint64_t bytes;  /* total */
@@ -61,6 +73,11 @@ typedef struct tw_consumer_args {
   int32_t rank, world;
   uint32_t credit_target; /* epoch - 1 */
   int32_t debug_tags;
+  /* The add dataflow (NULL: reduce): each row goes to out_offset + row_token[row] * row bytes of
+   * the owner's window, added (bulk copies only; no debug tags), after the owner's ready word
+   * has reached credit_target. */
+  const int32_t* row_token;
+  uint64_t out_offset;
   int32_t fault, fault_index;
   tw_dev_error* err;
   uint64_t timeout_ns;
@@ -82,6 +99,11 @@ typedef struct tw_reduce_args {
   tw_dev_error* err;
   uint64_t timeout_ns;
 } tw_reduce_args;
+
+/* Byte `offset` of `peer`'s window as this process addresses it (ncclGetPeerPointer is device
+ * code): one thread writes it to `scratch` (8 bytes of device memory); synchronises `stream`. */
+tw_status tw__window_peer_pointer(ncclWindow_t win, uint64_t offset, int peer, void* scratch,
+                                  void** out, cudaStream_t stream);
 
 /* Consumer: grid CTAs (1..TW_MAX_COMM_CTAS). */
 tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream);

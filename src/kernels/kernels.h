@@ -45,6 +45,16 @@ typedef struct tw_gemm_args {
   tw_signal_scope scope;
   uint32_t* band_counters; /* (num_bands) device; +1 per finished tile of the band; NULL if none */
   tw_epilogue epilogue;
+  /* The add dataflow (TW_DATAFLOW_ADD; variant 4 only, NULL / 0 otherwise): row_weight scales
+   * each row before its bf16 rounding (row_weight[row], 0 for padding); then each row of this
+   * rank's tokens (a band of dest == rank, or a row past a remote band's valid_rows) is added
+   * into add_out[row_token[row]] (bulk add, bf16) instead of stored, padding rows (row_token -1)
+   * are dropped, and the remote rows are stored to c for the consumer as before. */
+  const float* row_weight;  /* (rows) */
+  void* add_out;            /* (tokens of this rank, n) bf16, zero before the call */
+  const int32_t* row_token; /* (rows) token index at the row's owner; -1 for padding */
+  const tw_band* bands;     /* (bands) the plan's bands (dest, valid_rows) */
+  int32_t rank;
   int32_t variant; /* kernel version (sm90_gemm.cu header): 0 = default (5 at tn 128 and 4
                       at tn 256 where they cover the shape, else 1), 1 = simple (WMMA, any supported
                       shape), 2..5 = TMA + wgmma with different epilogues; 1..5 for tests/benches */

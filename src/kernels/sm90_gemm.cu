@@ -474,9 +474,26 @@ __global__ void __launch_bounds__(384, 1)
           const int rows = min(tile.rows, BM);
           const uint32_t bytes = (uint32_t)min(BN, args.n - tile.col0) * 2u;
           __nv_bfloat16* C = static_cast<__nv_bfloat16*>(args.c);
-          for (int r = lane; r < rows; r += 32)
-            tw__bulk_store(C + ((int64_t)tile.row0 + r) * args.n + tile.col0,
-                           staging + r * Cfg::kStagePitch, bytes);
+          /* The add dataflow: rows of this rank's tokens are added into its output (a band of
+           * its own, or the rows past a remote band's valid ones: the local group that shares
+           * the band, or padding), the remote ones stored for the consumer. */
+          __nv_bfloat16* add_out = static_cast<__nv_bfloat16*>(args.add_out);
+          int first_local = BM; /* rows at or past it are this rank's */
+          if (add_out != nullptr) {
+            const tw_band bd = args.bands[tile.band];
+            first_local = bd.dest == args.rank ? 0 : bd.valid_rows;
+          }
+          for (int r = lane; r < rows; r += 32) {
+            const uint8_t* src = staging + r * Cfg::kStagePitch;
+            const int64_t row = (int64_t)tile.row0 + r;
+            if (r < first_local) {
+              tw__bulk_store(C + row * args.n + tile.col0, src, bytes);
+            } else {
+              const int32_t token = __ldg(&args.row_token[row]);
+              if (token >= 0)
+                tw__bulk_add_bf16(add_out + (int64_t)token * args.n + tile.col0, src, bytes);
+            }
+          }
           tw__bulk_commit();
           /* NOTES: wait_group 0, NOT .read: .read only covers the reads of the staging buffer;
            * the release below needs this lane's global writes complete. Completion of a bulk
@@ -613,6 +630,10 @@ __global__ void __launch_bounds__(384, 1)
 #pragma unroll
     for (int h = 0; h < 2; h++) {
       const int r = r0 + h * 8;
+      /* 1 (exact) unless the add dataflow scales rows; rows past the band's weigh nothing. */
+      const float w = args.row_weight == nullptr ? 1.f
+                      : r < rows                 ? __ldg(&args.row_weight[(int64_t)tile.row0 + r])
+                                                 : 0.f;
       if (staged || r < rows) {
         __nv_bfloat16* crow = C + ((int64_t)tile.row0 + r) * args.n + tile.col0;
 #pragma unroll
@@ -623,6 +644,8 @@ __global__ void __launch_bounds__(384, 1)
             v0 = tw__silu(v0) * acc[(j + kOutChunks) * 4 + h * 2];
             v1 = tw__silu(v1) * acc[(j + kOutChunks) * 4 + h * 2 + 1];
           }
+          v0 *= w; /* the add dataflow's gate weight, before the one rounding to bf16 */
+          v1 *= w;
           const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
           if (EPI == kEpiStaged) /* every row and column; the bulk writes mask them */
             *reinterpret_cast<__nv_bfloat162*>(staging + r * Cfg::kStagePitch + col * 2) = v;
@@ -888,6 +911,23 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
   /* v2 covers every shape except SwiGLU with tm != 128 or tn != 128. */
   const bool v2_ok = !swiglu || (args->tm == 128 && args->tn == 128);
   int variant = args->variant;
+  const bool adds = args->add_out != NULL || args->row_weight != NULL;
+  if (adds) {
+    /* The add dataflow's epilogue is v4's (one bulk operation per row, each row to its own
+     * token); v5's tensor stores write whole boxes of consecutive rows. */
+    if (variant == 0) variant = 4;
+    if (variant != 4 || swiglu)
+      return tw__fail(TW_ERR_UNSUPPORTED,
+                      "tw__gemm_launch: the add dataflow's epilogue (row weights, added rows) runs "
+                      "in variant 4 without SwiGLU only (got variant %d%s); unset TW_GEMM_VARIANT "
+                      "or set it to 4",
+                      args->variant, swiglu ? ", SwiGLU" : "");
+    if (args->add_out != NULL && (args->row_token == NULL || args->bands == NULL))
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw__gemm_launch: add_out needs row_token and bands");
+    if ((uintptr_t)args->add_out % 16 != 0)
+      return tw__fail(TW_ERR_ALIGNMENT, "tw__gemm_launch: add_out must be 16-byte aligned");
+  }
   if (variant == 0) variant = v2_ok ? tw__default_variant(args->tn) : 1;
   if (variant >= 2 && variant <= 5) {
     if (!v2_ok)

@@ -539,15 +539,24 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
   /* The config's values are checked by the model (tw__model_choose), against the hardware, and
    * the schedule by tw__schedule_resolve. A config of the size before `schedule` was appended
    * (same magic and version) is a caller built against the earlier tilewave.h: it is read up to
-   * `hardware` and plans as TW_SCHEDULE_AUTO, like a NULL config. */
+   * `hardware` and plans as TW_SCHEDULE_AUTO, like a NULL config; one that ends before
+   * `dataflow` plans for TW_DATAFLOW_DEFAULT. */
   if (config != NULL) {
     const size_t v1_size = offsetof(tw_plan_config, schedule);
-    TW_TRY(tw__check_header("tw_plan_config", config->size,
-                            config->size == v1_size ? v1_size : sizeof(tw_plan_config),
-                            config->magic, TW_PLAN_CONFIG_MAGIC, config->version));
+    const size_t v2_size = offsetof(tw_plan_config, dataflow);
+    const size_t known =
+        config->size == v1_size || config->size == v2_size ? config->size : sizeof(tw_plan_config);
+    TW_TRY(tw__check_header("tw_plan_config", config->size, known, config->magic,
+                            TW_PLAN_CONFIG_MAGIC, config->version));
   }
   int32_t schedule = TW_SCHEDULE_AUTO;
   TW_TRY(tw__schedule_resolve(config, &schedule));
+  int32_t dataflow = TW_DATAFLOW_REDUCE;
+  TW_TRY(tw__dataflow_resolve("tw_plan_create",
+                              config != NULL && config->size == sizeof(tw_plan_config)
+                                  ? config->dataflow
+                                  : TW_DATAFLOW_DEFAULT,
+                              &dataflow));
   int32_t tile_group = TW_TILE_GROUP_DEFAULT;
   TW_TRY(tw__tile_group_resolve(&tile_group));
   const tw_problem* rp = &routing->problem;
@@ -575,6 +584,7 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
   pl->tn = tw__resolve_tile_n(p);
   pl->col_tiles = (int32_t)tw__ceil_div(p->hidden, pl->tn);
   pl->schedule_request = schedule;
+  pl->dataflow = dataflow;
   pl->tile_group = tile_group;
   tw_status st = tw__plan_build(pl, routing);
   if (st == TW_SUCCESS) st = tw__model_choose(pl, config);

@@ -26,6 +26,8 @@
  *   F               = max_s (A_s + Q_s(C))
  *   T(C, mgb)       = max(F, E) + reduce_us
  *
+ * (the add dataflow: reduce_us = 0, and the consumer's rates are those of its bulk adds, 0.89 and
+ * 0.90 of the stores' per CTA and at the plateau)
  * where bytes_{>=s} and nbands_{>=s} are what segments s, s+1, ... send, link_latency_us is the
  * consumer's fixed cost per band it sends (poll, first load, store issue: paid by the CTA that
  * moves the band, so C CTAs share them), and reduce_us is the owner's weighted reduction (reads
@@ -82,6 +84,10 @@
 
 #include "core.h"
 #include "plan.h"
+
+/* The add dataflow's consumer rates as shares of the store's (tw__model_prepare). */
+#define TW__ADD_CTA_SHARE 0.89
+#define TW__ADD_PEAK_SHARE 0.90
 
 /* Candidate coalescing factors the model searches when the caller leaves coalesce = 0; mgb 1
  * last, so that its tables are the last of each schedule (the search starts from the last table,
@@ -877,26 +883,11 @@ static void tw__find_twins(tw__model_tables* m) {
   }
 }
 
-/* Builds the per-plan constants and, for each schedule of `scheds` (the plan's bands and tiles
- * reordered for each), one table per candidate mgb (rebuilding the plan's segments for each).
- * Leaves the plan in the last schedule's order with the segments of its last table. */
-static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
-                                   const int32_t* scheds, int32_t nsched) {
-  tw__model_free(plan);
-  tw__model_tables* m = calloc(1, sizeof *m);
-  if (m == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
-  plan->model_tables = m;
-  m->hw = plan->hardware;
-  const int in_l2 = tw__weights_stay_in_l2(plan);
-  const double k = (double)plan->problem.ffn;
-  const double tflops = m->hw.tile_tflops * (plan->tm < 128 ? m->hw.tile_m64_share : 1.0);
-  const double c = 2.0 * (double)plan->tm * (double)plan->tn * k / (tflops * 1e6);
-  const double f = m->hw.tile_floor_us * (double)plan->tn / 128.0; /* the floor grows with tn */
-  m->tau_comp_us = sqrt(sqrt(c * c * c * c + f * f * f * f)) + m->hw.tile_overhead_us;
-  /* The owner reads each of its (token, k) rows (received or local) and writes each token. Its
-   * local rows: every row of its local bands, and in a band that sends its first rows to another
-   * rank, the rows of its own after them (the band a remote group shares with the local group;
-   * elsewhere those rows are padding). */
+/* The reduce dataflow's weighted reduction at mem_gbps. The owner reads each of its (token, k)
+ * rows (received or local) and writes each token. Its local rows: every row of its local bands,
+ * and in a band that sends its first rows to another rank, the rows of its own after them (the
+ * band a remote group shares with the local group; elsewhere those rows are padding). */
+static double tw__reduce_us(const struct tw_plan* plan) {
   const int64_t top_k = plan->problem.top_k;
   int64_t own_rows = plan->recv_rows;
   for (int32_t b = 0; b < plan->num_bands; b++) {
@@ -909,7 +900,36 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
       own_rows += plan->row_src[r].owner == plan->rank;
   }
   const double row_bytes = 2.0 * (double)plan->problem.hidden;
-  m->reduce_us = (double)(own_rows + own_rows / top_k) * row_bytes / (m->hw.mem_gbps * 1e3);
+  return (double)(own_rows + own_rows / top_k) * row_bytes / (plan->hardware.mem_gbps * 1e3);
+}
+
+/* Builds the per-plan constants and, for each schedule of `scheds` (the plan's bands and tiles
+ * reordered for each), one table per candidate mgb (rebuilding the plan's segments for each).
+ * Leaves the plan in the last schedule's order with the segments of its last table. */
+static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
+                                   const int32_t* scheds, int32_t nsched) {
+  tw__model_free(plan);
+  tw__model_tables* m = calloc(1, sizeof *m);
+  if (m == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "model: out of host memory");
+  plan->model_tables = m;
+  m->hw = plan->hardware;
+  if (plan->dataflow == TW_DATAFLOW_ADD) {
+    /* The consumer adds rows instead of storing them: measured at these shares of the store's
+     * rates (run 39, 2 x H200, rows of 8 and 16 KB: 40-42 against 44-50 GB/s per CTA, 302-312
+     * against 336-351 at the NVLink plateau). */
+    m->hw.link_cta_gbps *= TW__ADD_CTA_SHARE;
+    m->hw.link_peak_gbps *= TW__ADD_PEAK_SHARE;
+  }
+  const int in_l2 = tw__weights_stay_in_l2(plan);
+  const double k = (double)plan->problem.ffn;
+  const double tflops = m->hw.tile_tflops * (plan->tm < 128 ? m->hw.tile_m64_share : 1.0);
+  const double c = 2.0 * (double)plan->tm * (double)plan->tn * k / (tflops * 1e6);
+  const double f = m->hw.tile_floor_us * (double)plan->tn / 128.0; /* the floor grows with tn */
+  m->tau_comp_us = sqrt(sqrt(c * c * c * c + f * f * f * f)) + m->hw.tile_overhead_us;
+  m->reduce_us = tw__reduce_us(plan);
+  /* The add dataflow has no reduction: its rows were added where they were computed or sent (the
+   * producer's local adds cost it 0.5-3% alone, run 40; not modelled). */
+  if (plan->dataflow == TW_DATAFLOW_ADD) m->reduce_us = 0.0;
   const tw_hardware* hw = &m->hw;
   const size_t stride = (size_t)hw->c_max + 1;
   m->prod = malloc(stride * sizeof *m->prod);
@@ -1048,8 +1068,11 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
   plan->comm_ctas = c;
   plan->predicted_us = t;
   plan->gemm_us = m->gemm_us[slot];
+  /* The sequential baseline (cuBLAS, NCCL, the reduction) is the same whatever dataflow ours runs:
+   * the store's plateau and the reduction of the reduce dataflow. */
+  const double base_reduce = plan->dataflow == TW_DATAFLOW_ADD ? tw__reduce_us(plan) : m->reduce_us;
   plan->sequential_us =
-      m->gemm_us[slot] + (double)plan->send_bytes / (hw->link_peak_gbps * 1e3) + m->reduce_us;
+      m->gemm_us[slot] + (double)plan->send_bytes / (hw->link_peak_gbps * 1e3) + base_reduce;
   plan->solve_us = 1e6 * (t1 - t0);
   return TW_SUCCESS;
 }

@@ -98,6 +98,7 @@ struct tw_plan {
   int32_t schedule;         /* TW_SCHEDULE_REMOTE_FIRST or TW_SCHEDULE_EXPERT_MAJOR: the order of
                                bands and tiles now */
   int32_t schedule_request; /* the caller's: TW_SCHEDULE_AUTO (the model picks) or one of them */
+  int32_t dataflow;         /* TW_DATAFLOW_REDUCE or TW_DATAFLOW_ADD: what the model predicts */
   int32_t tile_group; /* bands whose tiles go column by column together (tw__plan_set_schedule) */
   int32_t num_tiles;
   int32_t num_remote_tiles;    /* tiles whose band is remote; they are tiles[0..num_remote_tiles)
@@ -146,6 +147,11 @@ struct tw_plan {
    * model runs (the plan must start zeroed). */
   void* model_tables;
 };
+
+/* The combine dataflow a plan or context runs: `requested` (a tw_combine_dataflow) when it names
+ * one, else env TW_COMBINE_DATAFLOW (`reduce` or `add`) when set, else TW_DATAFLOW_REDUCE. A bad
+ * value in either is TW_ERR_INVALID_ARGUMENT naming the fix (`what` leads the message). */
+tw_status tw__dataflow_resolve(const char* what, int32_t requested, int32_t* dataflow);
 
 /* Internal helpers shared by plan sources. */
 int32_t tw__resolve_tile_n(const tw_problem* p);

@@ -11,6 +11,8 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 #include <strings.h>
 
 #include "core.h"
@@ -141,4 +143,30 @@ int tw_preset_count(void) {
 const char* tw_preset_name(int index) {
   if (index < 0 || index >= TW__NUM_PRESETS) return NULL;
   return tw__presets[index].name;
+}
+
+tw_status tw__dataflow_resolve(const char* what, int32_t requested, int32_t* dataflow) {
+  TW_CHECK_NULL(dataflow);
+  *dataflow = TW_DATAFLOW_REDUCE;
+  if (requested != TW_DATAFLOW_DEFAULT && requested != TW_DATAFLOW_REDUCE &&
+      requested != TW_DATAFLOW_ADD)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: dataflow %d; give 0 (TW_DATAFLOW_DEFAULT: env TW_COMBINE_DATAFLOW, else "
+                    "reduce), 1 (TW_DATAFLOW_REDUCE) or 2 (TW_DATAFLOW_ADD)",
+                    what, requested);
+  /* Read every time (not cached), and checked even when the caller decides, like TW_SCHEDULE. */
+  const char* env = getenv("TW_COMBINE_DATAFLOW");
+  int32_t from_env = TW_DATAFLOW_REDUCE;
+  if (env != NULL && env[0] != '\0') {
+    if (strcasecmp(env, "reduce") == 0)
+      from_env = TW_DATAFLOW_REDUCE;
+    else if (strcasecmp(env, "add") == 0)
+      from_env = TW_DATAFLOW_ADD;
+    else
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "%s: TW_COMBINE_DATAFLOW=\"%s\"; set `reduce` or `add`, or unset it", what,
+                      env);
+  }
+  *dataflow = requested != TW_DATAFLOW_DEFAULT ? requested : from_env;
+  return TW_SUCCESS;
 }

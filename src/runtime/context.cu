@@ -23,9 +23,11 @@
  * This file is C++ only because NCCL's device-communicator API (nccl_device.h) is; the public
  * entry points are extern "C".
  */
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <nccl_device.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -54,6 +56,7 @@ struct tw_context {
    * (TW_CONSUMER_TAIL_BANDS / TW_CONSUMER_TAIL_PARTS; the owners count the units). */
   int32_t tail_bands, tail_parts;
   int32_t copy;          /* tw_consumer_copy: REGISTERS or BULK */
+  int32_t dataflow;      /* TW_DATAFLOW_REDUCE or TW_DATAFLOW_ADD */
   int32_t gemm_variant;  /* producer kernel version (TW_GEMM_VARIANT; 0 = the library's) */
   int64_t rows_max;      /* GEMM output rows any plan of this problem can need */
   int64_t bands_max;     /* bands (and segments) any plan can have */
@@ -81,10 +84,20 @@ struct tw_context {
   tw_dev_error* h_err;     /* pinned copy of *err after each call */
   tw_dev_error* h_err_all; /* pinned (world) */
 
+  /* The add dataflow: the output buffer the last call added into (0 or 1; -1: none since the
+   * last reset), the rows each buffer has had written since it was last zeroed, and a peer's
+   * zeros this rank's copy engine pulls to zero its next buffer (combine.h, `ready`). */
+  int32_t out_buf;
+  int64_t dirty_tokens[2];
+  const void* peer_zeros; /* NULL with one rank: a memset zeroes instead */
+  int have_zeroing;       /* ev_zeroed refers to a zeroing since the last reset */
+
   cudaStream_t s_comm; /* consumer */
   cudaStream_t s_aux;  /* error copies, barriers, warm-up */
-  cudaEvent_t ev_start, ev_gemm_done, ev_comm_done, ev_call_done, ev_err_copied;
-  cudaEvent_t t_start, t_gemm_end, t_comm_start, t_comm_end, t_red_start, t_red_end, t_end;
+  cudaStream_t s_zero; /* the add dataflow's zeroing: copies and a stream write only, no kernel */
+  cudaEvent_t ev_start, ev_gemm_done, ev_comm_done, ev_call_done, ev_err_copied, ev_zeroed;
+  cudaEvent_t t_start, t_gemm_end, t_comm_start, t_comm_end, t_red_start, t_red_end, t_end,
+      t_zero_end;
 
   uint64_t epoch;                       /* calls with communication since the last reset */
   uint32_t arrive_target[TW_MAX_RANKS]; /* cumulative arrivals expected from each source */
@@ -97,14 +110,18 @@ struct tw_context {
 
 struct tw_device_plan {
   tw_context_t ctx;
-  void* mem;             /* one device allocation holding the arrays below */
-  tw_tile* tiles;        /* (tiles_max) */
-  tw_band* bands;        /* (bands_max) */
-  tw_segment* segments;  /* (bands_max) */
-  int32_t* seg_unit0;    /* (bands_max + 1) */
-  int32_t* seg_split0;   /* (bands_max) */
-  int32_t* slot_row;     /* (slots_max) */
-  float* weights;        /* (slots_max) */
+  void* mem;            /* one device allocation holding the arrays below */
+  tw_tile* tiles;       /* (tiles_max) */
+  tw_band* bands;       /* (bands_max) */
+  tw_segment* segments; /* (bands_max) */
+  int32_t* seg_unit0;   /* (bands_max + 1) */
+  int32_t* seg_split0;  /* (bands_max) */
+  int32_t* slot_row;    /* (slots_max) */
+  float* weights;       /* (slots_max) */
+  int32_t* row_token;   /* (rows_max) the add dataflow: each row's token at its owner, -1 pad */
+  float* row_weight;    /* (rows_max) the add dataflow: each row's gate weight, 0 for padding */
+  int32_t* h_row_token; /* host staging of both (one allocation; add dataflow only) */
+  float* h_row_weight;
   int32_t* h_seg_unit0;  /* host staging of seg_unit0 */
   int32_t* h_seg_split0; /* host staging of seg_split0 (in h_seg_unit0's allocation) */
   int uploaded;
@@ -185,13 +202,22 @@ static tw_status tw__sync_all(tw_context_t ctx) {
   if (ctx->have_call) TW_CUDA_TRY(cudaEventSynchronize(ctx->ev_call_done));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_comm));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
+  TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_zero));
   return TW_SUCCESS;
 }
 
-/* Zeroes every counter, the debug tags and the error record (not the receive rows). */
+/* Zeroes every counter, the debug tags and the error record (not the receive rows), and the add
+ * dataflow's output buffers (a failed call may have added into either). */
 static tw_status tw__zero_state(tw_context_t ctx) {
+  TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_zero));
   TW_CUDA_TRY(cudaMemsetAsync((char*)ctx->win_buf + ctx->lay.arrive, 0,
                               ctx->lay.bytes - ctx->lay.arrive, ctx->s_aux));
+  if (ctx->lay.out_bytes > 0)
+    TW_CUDA_TRY(
+        cudaMemsetAsync((char*)ctx->win_buf + ctx->lay.out, 0, 2 * ctx->lay.out_bytes, ctx->s_aux));
+  ctx->out_buf = -1;
+  ctx->dirty_tokens[0] = ctx->dirty_tokens[1] = 0;
+  ctx->have_zeroing = 0;
   TW_CUDA_TRY(
       cudaMemsetAsync(ctx->unit_next, 0, (kClaimWords + (size_t)ctx->bands_max) * 4, ctx->s_aux));
   TW_CUDA_TRY(cudaMemsetAsync(ctx->reduce_done, 0, 4, ctx->s_aux));
@@ -285,7 +311,8 @@ static tw_status tw__warm_up(tw_context_t ctx) {
     g.scope = TW_SIGNAL_GPU;
     g.band_counters = counter;
     g.epilogue = TW_EPILOGUE_STORE;
-    g.variant = ctx->gemm_variant; /* the kernel the calls will launch */
+    /* The kernel the calls will launch (the add dataflow's epilogue is variant 4's). */
+    g.variant = ctx->dataflow == TW_DATAFLOW_ADD ? 4 : ctx->gemm_variant;
     st = tw__gemm_launch(&g, ctx->s_aux);
     if (st != TW_SUCCESS) goto done;
 
@@ -330,13 +357,15 @@ static void tw__context_free(tw_context_t ctx) {
   cudaFreeHost(ctx->h_err);
   cudaFreeHost(ctx->h_err_all);
   cudaEvent_t* evs[] = {&ctx->ev_start,     &ctx->ev_gemm_done,  &ctx->ev_comm_done,
-                        &ctx->ev_call_done, &ctx->ev_err_copied, &ctx->t_start,
-                        &ctx->t_gemm_end,   &ctx->t_comm_start,  &ctx->t_comm_end,
-                        &ctx->t_red_start,  &ctx->t_red_end,     &ctx->t_end};
+                        &ctx->ev_call_done, &ctx->ev_err_copied, &ctx->ev_zeroed,
+                        &ctx->t_start,      &ctx->t_gemm_end,    &ctx->t_comm_start,
+                        &ctx->t_comm_end,   &ctx->t_red_start,   &ctx->t_red_end,
+                        &ctx->t_end,        &ctx->t_zero_end};
   for (size_t i = 0; i < sizeof evs / sizeof evs[0]; i++)
     if (*evs[i]) cudaEventDestroy(*evs[i]);
   if (ctx->s_comm) cudaStreamDestroy(ctx->s_comm);
   if (ctx->s_aux) cudaStreamDestroy(ctx->s_aux);
+  if (ctx->s_zero) cudaStreamDestroy(ctx->s_zero);
   free(ctx);
 }
 
@@ -357,24 +386,37 @@ static tw_status tw__context_init(tw_context_t ctx) {
                     "int32 indices of the plan; lower max_tokens",
                     p->max_tokens, (long long)ctx->rows_max);
 
+  /* Reduce: the receive rows. Add: two output buffers, then the zeros peers copy from (up to 32
+   * MiB: a copy-engine copy that long runs near its peak rate, HARDWARE.md). */
+  const int add = ctx->dataflow == TW_DATAFLOW_ADD;
+  const uint64_t out_bytes =
+      tw__align((uint64_t)(p->max_tokens > 0 ? p->max_tokens : 1) * H * 2, 4096);
   tw_window_layout* L = &ctx->lay;
   L->data = 0;
-  L->arrive = tw__align((uint64_t)(ctx->recv_rows_max > 0 ? ctx->recv_rows_max : 1) * H * 2, 4096);
+  L->out =
+      add ? 0
+          : tw__align((uint64_t)(ctx->recv_rows_max > 0 ? ctx->recv_rows_max : 1) * H * 2, 4096);
+  L->out_bytes = add ? out_bytes : 0;
+  L->zeros = L->out + 2 * L->out_bytes;
+  L->zeros_bytes = add && W > 1 ? (out_bytes < (32u << 20) ? out_bytes : (32u << 20)) : 0;
+  L->arrive = L->zeros + L->zeros_bytes;
   L->credit = L->arrive + tw__align((uint64_t)W * 4, 128);
-  L->tags = L->credit + tw__align((uint64_t)W * 4, 128);
+  L->ready = L->credit + tw__align((uint64_t)W * 4, 128);
+  L->tags = L->ready + 128;
   L->hits = L->tags + tw__align((uint64_t)ctx->recv_rows_max * 4 + 4, 128);
   L->bytes = tw__align(L->hits + tw__align((uint64_t)ctx->recv_rows_max * 4 + 4, 128), 4096);
 
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_comm, cudaStreamNonBlocking));
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_aux, cudaStreamNonBlocking));
-  cudaEvent_t* sync_evs[] = {&ctx->ev_start, &ctx->ev_gemm_done, &ctx->ev_comm_done,
-                             &ctx->ev_call_done, &ctx->ev_err_copied};
+  TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_zero, cudaStreamNonBlocking));
+  cudaEvent_t* sync_evs[] = {&ctx->ev_start,     &ctx->ev_gemm_done,  &ctx->ev_comm_done,
+                             &ctx->ev_call_done, &ctx->ev_err_copied, &ctx->ev_zeroed};
   for (size_t i = 0; i < sizeof sync_evs / sizeof sync_evs[0]; i++)
     TW_CUDA_TRY(cudaEventCreateWithFlags(sync_evs[i], cudaEventDisableTiming));
   if (ctx->timing) {
     cudaEvent_t* t_evs[] = {&ctx->t_start,    &ctx->t_gemm_end,  &ctx->t_comm_start,
                             &ctx->t_comm_end, &ctx->t_red_start, &ctx->t_red_end,
-                            &ctx->t_end};
+                            &ctx->t_end,      &ctx->t_zero_end};
     for (size_t i = 0; i < sizeof t_evs / sizeof t_evs[0]; i++)
       TW_CUDA_TRY(cudaEventCreate(t_evs[i]));
   }
@@ -419,12 +461,12 @@ static tw_status tw__context_init(tw_context_t ctx) {
 
   /* Every rank must cut bands into the same units (the owners count them): compare. */
   {
-    int32_t mine[6] = {ctx->tiles_per_unit, -ctx->tiles_per_unit, ctx->tail_bands,
-                       -ctx->tail_bands,    ctx->tail_parts,      -ctx->tail_parts};
-    int32_t all[6] = {0, 0, 0, 0, 0, 0};
+    int32_t mine[8] = {ctx->tiles_per_unit, -ctx->tiles_per_unit, ctx->tail_bands, -ctx->tail_bands,
+                       ctx->tail_parts,     -ctx->tail_parts,     ctx->dataflow,   -ctx->dataflow};
+    int32_t all[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     TW_CUDA_TRY(cudaMemcpy(ctx->scratch, mine, sizeof mine, cudaMemcpyHostToDevice));
     TW_NCCL_TRY(
-        ncclAllReduce(ctx->scratch, ctx->scratch, 6, ncclInt32, ncclMax, ctx->comm, ctx->s_aux));
+        ncclAllReduce(ctx->scratch, ctx->scratch, 8, ncclInt32, ncclMax, ctx->comm, ctx->s_aux));
     TW_CUDA_TRY(cudaMemcpyAsync(all, ctx->scratch, sizeof all, cudaMemcpyDeviceToHost, ctx->s_aux));
     TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
     if (all[0] != mine[0] || all[1] != mine[1])
@@ -439,6 +481,19 @@ static tw_status tw__context_init(tw_context_t ctx) {
                       "parts here; %d..%d bands, %d..%d parts over all ranks); give every rank the "
                       "same TW_CONSUMER_TAIL_BANDS and TW_CONSUMER_TAIL_PARTS",
                       mine[2], mine[4], -all[3], all[2], -all[5], all[4]);
+    if (all[6] != mine[6] || all[7] != mine[7])
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_context_create: ranks run different combine dataflows (%s here); give "
+                      "every rank the same tw_context_config.dataflow / TW_COMBINE_DATAFLOW",
+                      ctx->dataflow == TW_DATAFLOW_ADD ? "add" : "reduce");
+  }
+  /* The add dataflow zeroes its next output buffer with this rank's copy engine, from the next
+   * rank's zeros (a copy within one GPU is a kernel and would wait for the SMs: run 42). */
+  if (ctx->dataflow == TW_DATAFLOW_ADD && W > 1) {
+    void* peer = NULL;
+    TW_TRY(tw__window_peer_pointer(ctx->win, L->zeros, (int)((ctx->rank + 1) % W), ctx->scratch,
+                                   &peer, ctx->s_aux));
+    ctx->peer_zeros = peer;
   }
   TW_TRY(tw__warm_up(ctx));
   TW_TRY(tw__zero_state(ctx));
@@ -457,9 +512,30 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
   TW_TRY(tw_problem_validate(problem));
   tw_context_config cfg = TW_CONTEXT_CONFIG_INIT;
   if (config != NULL) {
-    TW_TRY(tw__check_header("tw_context_config", config->size, sizeof(tw_context_config),
+    /* A config that ends before `dataflow` (built against the earlier tilewave.h) is read up to
+     * there and runs TW_DATAFLOW_DEFAULT. */
+    const size_t v1_size = offsetof(tw_context_config, dataflow);
+    TW_TRY(tw__check_header("tw_context_config", config->size,
+                            config->size == v1_size ? v1_size : sizeof(tw_context_config),
                             config->magic, TW_CONTEXT_CONFIG_MAGIC, config->version));
-    cfg = *config;
+    memcpy(&cfg, config, config->size);
+    cfg.size = sizeof cfg;
+  }
+  int32_t dataflow = TW_DATAFLOW_REDUCE;
+  TW_TRY(tw__dataflow_resolve("tw_context_create", cfg.dataflow, &dataflow));
+  if (dataflow == TW_DATAFLOW_ADD) {
+    /* What the add dataflow cannot do, each with the way out. */
+    const char* why = problem->top_k > 2
+                          ? "it sums a token's rows in the order they land, which is exact for "
+                            "top_k 1 or 2 only"
+                      : cfg.debug_tags != 0 || tw__env_int("TW_DEBUG_TAGS", 0) != 0
+                          ? "debug tags count rows in receive buffers, which it has none of"
+                          : NULL;
+    if (why != NULL)
+      return tw__fail(TW_ERR_UNSUPPORTED,
+                      "tw_context_create: the add dataflow does not run here (top_k %d, debug tags "
+                      "%d): %s; use TW_DATAFLOW_REDUCE",
+                      problem->top_k, cfg.debug_tags, why);
   }
   if (cfg.timeout_ms < 0 || cfg.debug_tags < 0 || cfg.debug_tags > 1 || cfg.max_comm_ctas < 0 ||
       cfg.max_comm_ctas > TW_MAX_COMM_CTAS || (cfg.timing != 0 && cfg.timing != 1) ||
@@ -489,6 +565,14 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
    * the library's default). */
   int gemm_variant = 0;
   TW_TRY(tw__env_int_in("tw_context_create", "TW_GEMM_VARIANT", 0, 5, 0, &gemm_variant));
+  if (dataflow == TW_DATAFLOW_ADD &&
+      (copy != TW_CONSUMER_COPY_BULK || (gemm_variant != 0 && gemm_variant != 4)))
+    return tw__fail(TW_ERR_UNSUPPORTED,
+                    "tw_context_create: the add dataflow adds rows with bulk operations, in the "
+                    "consumer's bulk copies and the producer's variant 4 (got consumer copy %s, "
+                    "TW_GEMM_VARIANT %d); use TW_CONSUMER_COPY=bulk and TW_GEMM_VARIANT 0 or 4, or "
+                    "TW_DATAFLOW_REDUCE",
+                    copy == TW_CONSUMER_COPY_BULK ? "bulk" : "registers", gemm_variant);
   /* The consumer's tail split (0 bands or 1 part: every band is one unit per column chunk; 0
    * parts, the default: by the band's size). */
   int tail_bands = 0, tail_parts = 0;
@@ -569,6 +653,7 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
   else if (ctx->sm_count < 2)
     st = tw__fail(TW_ERR_UNSUPPORTED, "tw_context_create: %d SMs; need at least 2", ctx->sm_count);
   if (ctx->max_comm_ctas >= ctx->sm_count) ctx->max_comm_ctas = ctx->sm_count - 1;
+  ctx->dataflow = dataflow;
   if (st == TW_SUCCESS) st = tw__context_init(ctx);
   if (st != TW_SUCCESS) {
     tw__context_free(ctx);
@@ -638,6 +723,23 @@ extern "C" tw_status tw_context_check(tw_context_t ctx) {
   return tw__report(ctx, &ctx->h_err_all[first], how);
 }
 
+extern "C" tw_status tw_context_output(tw_context_t ctx, void** out) {
+  tw__clear_error();
+  TW_CHECK_NULL(ctx);
+  TW_CHECK_NULL(out);
+  *out = NULL;
+  if (ctx->dataflow != TW_DATAFLOW_ADD)
+    return tw__fail(TW_ERR_STATE,
+                    "tw_context_output: the context runs the reduce dataflow, whose output is the "
+                    "`out` passed to tw_moe_combine");
+  if (ctx->out_buf < 0)
+    return tw__fail(TW_ERR_STATE,
+                    "tw_context_output: no call has added an output since the context was created "
+                    "or reset");
+  *out = (char*)ctx->win_buf + ctx->lay.out + (uint64_t)ctx->out_buf * ctx->lay.out_bytes;
+  return TW_SUCCESS;
+}
+
 extern "C" tw_status tw_context_reset(tw_context_t ctx) {
   tw__clear_error();
   TW_CHECK_NULL(ctx);
@@ -676,15 +778,21 @@ extern "C" tw_status tw_context_timings(tw_context_t ctx, tw_combine_timings* t)
 }
 
 extern "C" tw_status tw__context_timeline(tw_context_t ctx, tw_combine_timings* t,
-                                          float* comm_end_ms, float* reduce_start_ms) {
+                                          float* comm_end_ms, float* reduce_start_ms,
+                                          float* zero_end_ms) {
   TW_CHECK_NULL(comm_end_ms);
   TW_CHECK_NULL(reduce_start_ms);
-  *comm_end_ms = *reduce_start_ms = 0.f;
+  TW_CHECK_NULL(zero_end_ms);
+  *comm_end_ms = *reduce_start_ms = *zero_end_ms = 0.f;
   TW_TRY(tw_context_timings(ctx, t)); /* checks, and waits for the call */
   if (ctx->last_mode == TW_COMBINE_GEMM_ONLY) return TW_SUCCESS;
   TW_DEVICE_SCOPE(ctx);
   TW_CUDA_TRY(cudaEventElapsedTime(comm_end_ms, ctx->t_start, ctx->t_comm_end));
   TW_CUDA_TRY(cudaEventElapsedTime(reduce_start_ms, ctx->t_start, ctx->t_red_start));
+  if (ctx->dataflow == TW_DATAFLOW_ADD) {
+    TW_CUDA_TRY(cudaEventSynchronize(ctx->t_zero_end));
+    TW_CUDA_TRY(cudaEventElapsedTime(zero_end_ms, ctx->t_start, ctx->t_zero_end));
+  }
   return TW_SUCCESS;
 }
 
@@ -707,11 +815,17 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   size_t off_unit0 = tw__align(off_segs + nb * sizeof(tw_segment), 256);
   size_t off_slot = tw__align(off_unit0 + (2 * nb + 1) * 4, 256);
   size_t off_w = tw__align(off_slot + ns * 4 + 4, 256);
-  size_t bytes = off_w + ns * 4 + 4;
+  /* The add dataflow's per-row token and weight. */
+  const size_t nr = ctx->dataflow == TW_DATAFLOW_ADD ? (size_t)ctx->rows_max : 0;
+  size_t off_tok = tw__align(off_w + ns * 4 + 4, 256);
+  size_t off_rw = tw__align(off_tok + nr * 4, 256);
+  size_t bytes = off_rw + nr * 4 + 4;
   d->h_seg_unit0 = (int32_t*)malloc((2 * nb + 1) * 4);
+  if (nr > 0) d->h_row_token = (int32_t*)malloc(nr * 8);
   cudaError_t e = cudaMalloc(&d->mem, bytes);
-  if (e != cudaSuccess || d->h_seg_unit0 == NULL) {
+  if (e != cudaSuccess || d->h_seg_unit0 == NULL || (nr > 0 && d->h_row_token == NULL)) {
     free(d->h_seg_unit0);
+    free(d->h_row_token);
     if (e == cudaSuccess) cudaFree(d->mem);
     free(d);
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_device_plan_create: %zu bytes: %s", bytes,
@@ -726,6 +840,11 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   d->h_seg_split0 = d->h_seg_unit0 + nb + 1;
   d->slot_row = (int32_t*)(m + off_slot);
   d->weights = (float*)(m + off_w);
+  if (nr > 0) {
+    d->row_token = (int32_t*)(m + off_tok);
+    d->row_weight = (float*)(m + off_rw);
+    d->h_row_weight = (float*)(d->h_row_token + nr);
+  }
   *out = d;
   return TW_SUCCESS;
 }
@@ -740,6 +859,7 @@ extern "C" tw_status tw_device_plan_destroy(tw_device_plan_t d) {
     cudaFree(d->mem);
   }
   free(d->h_seg_unit0);
+  free(d->h_row_token);
   free(d);
   return TW_SUCCESS;
 }
@@ -767,6 +887,12 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
         "differs from the context's (W %d, H %d, F %d, E %d, k %d, tile %dx%d)",
         q->world_size, q->hidden, q->ffn, q->experts, q->top_k, plan->tm, plan->tn, p->world_size,
         p->hidden, p->ffn, p->experts, p->top_k, ctx->tm, ctx->tn);
+  if (plan->dataflow != ctx->dataflow)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_device_plan_upload: the plan was predicted for the %s dataflow, the "
+                    "context runs %s; set tw_plan_config.dataflow to the context's",
+                    plan->dataflow == TW_DATAFLOW_ADD ? "add" : "reduce",
+                    ctx->dataflow == TW_DATAFLOW_ADD ? "add" : "reduce");
   int32_t tokens = 0;
   const int32_t* ids = NULL;
   const float* weights = NULL;
@@ -792,8 +918,9 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
     const tw_band* b = &plan->bands[i];
     if (b->row0 < 0 || b->valid_rows < 0 || b->valid_rows > b->rows ||
         b->row0 + b->rows > plan->rows || b->dest < 0 || b->dest >= ctx->world ||
-        (b->dest != ctx->rank && (b->dest_offset < 0 || b->dest_offset % row_bytes != 0 ||
-                                  b->dest_offset + (int64_t)b->valid_rows * row_bytes > recv_cap)))
+        (b->dest != ctx->rank && ctx->dataflow == TW_DATAFLOW_REDUCE &&
+         (b->dest_offset < 0 || b->dest_offset % row_bytes != 0 ||
+          b->dest_offset + (int64_t)b->valid_rows * row_bytes > recv_cap)))
       return tw__fail(TW_ERR_INTERNAL,
                       "tw_device_plan_upload: band %d (rows %d+%d, valid %d, dest %d, offset %lld) "
                       "is out of bounds",
@@ -822,6 +949,36 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
                       "tw_device_plan_upload: slot %lld points at row %d outside %d receive + %d "
                       "local rows; the plan and the routing do not belong together",
                       (long long)i, plan->slot_row[i], plan->recv_rows, plan->rows);
+  }
+  /* The add dataflow: each row's token at its owner and its gate weight (rows of padding: -1
+   * and 0); a remote band's valid rows must all belong to its destination. */
+  if (ctx->dataflow == TW_DATAFLOW_ADD) {
+    for (int32_t i = 0; i < plan->rows; i++) {
+      const tw_row_src src = plan->row_src[i];
+      d->h_row_token[i] = -1;
+      d->h_row_weight[i] = 0.f;
+      if (src.owner < 0) continue;
+      int32_t owner_tokens = 0;
+      const int32_t* owner_ids = NULL;
+      const float* owner_w = NULL;
+      TW_TRY(tw_routing_rank(routing, src.owner, &owner_tokens, &owner_ids, &owner_w));
+      if (src.token < 0 || src.token >= owner_tokens || src.slot < 0 || src.slot >= p->top_k)
+        return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                        "tw_device_plan_upload: row %d names token %d slot %d of rank %d, which "
+                        "holds %d tokens; the plan and the routing do not belong together",
+                        i, src.token, src.slot, src.owner, owner_tokens);
+      d->h_row_token[i] = src.token;
+      d->h_row_weight[i] = owner_w[(int64_t)src.token * p->top_k + src.slot];
+    }
+    for (int32_t i = 0; i < plan->num_bands; i++) {
+      const tw_band* b = &plan->bands[i];
+      for (int32_t r = b->row0; r < b->row0 + b->valid_rows; r++)
+        if (plan->row_src[r].owner != b->dest)
+          return tw__fail(TW_ERR_INTERNAL,
+                          "tw_device_plan_upload: band %d sends row %d to rank %d, whose token it "
+                          "is not (owner %d)",
+                          i, r, b->dest, plan->row_src[r].owner);
+    }
   }
   int32_t recv_from[TW_MAX_RANKS];
   for (int s = 0; s < ctx->world; s++) {
@@ -853,6 +1010,12 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
     TW_CUDA_TRY(
         cudaMemcpyAsync(d->weights, weights, (size_t)nslots * 4, cudaMemcpyHostToDevice, stream));
   }
+  if (ctx->dataflow == TW_DATAFLOW_ADD && plan->rows > 0) {
+    TW_CUDA_TRY(cudaMemcpyAsync(d->row_token, d->h_row_token, (size_t)plan->rows * 4,
+                                cudaMemcpyHostToDevice, stream));
+    TW_CUDA_TRY(cudaMemcpyAsync(d->row_weight, d->h_row_weight, (size_t)plan->rows * 4,
+                                cudaMemcpyHostToDevice, stream));
+  }
   d->rows = plan->rows;
   d->recv_rows = plan->recv_rows;
   d->num_tiles = plan->num_tiles;
@@ -866,6 +1029,62 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
 }
 
 /* ---- the call ----------------------------------------------------------------------------- */
+
+/* cuStreamWriteValue32 through the runtime's driver entry point (nothing links libcuda directly);
+ * resolved once per process. */
+typedef CUresult (*tw__write_value_fn)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+static tw_status tw__stream_write_value(cudaStream_t stream, void* addr, uint32_t value) {
+  static tw__write_value_fn fn = NULL;
+  if (fn == NULL) {
+    void* p = NULL;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    cudaError_t e =
+        cudaGetDriverEntryPointByVersion("cuStreamWriteValue32", &p, 12000, cudaEnableDefault, &q);
+    if (e != cudaSuccess || q != cudaDriverEntryPointSuccess || p == NULL)
+      return tw__fail(TW_ERR_CUDA,
+                      "tw_moe_combine: cuStreamWriteValue32 not found in the driver (%s); the add "
+                      "dataflow needs a driver for CUDA 12.0 or newer",
+                      cudaGetErrorString(e));
+    fn = (tw__write_value_fn)p;
+  }
+  /* Default flags: a system-scope memory fence before the write, after the stream's earlier
+   * work (the zeroing copies) has completed. */
+  const CUresult r = fn((CUstream)stream, (CUdeviceptr)addr, value, CU_STREAM_WRITE_VALUE_DEFAULT);
+  if (r != CUDA_SUCCESS)
+    return tw__fail(TW_ERR_CUDA,
+                    "tw_moe_combine: cuStreamWriteValue32 failed (%d); the add dataflow needs "
+                    "stream memory operations (CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS)",
+                    (int)r);
+  return TW_SUCCESS;
+}
+
+/* The add dataflow, at the end of call e (ctx->epoch): zeroes output buffer `buf` (call e - 1's
+ * output, valid until call e started) on the context's zeroing stream, after call e's start, with
+ * this rank's copy engine pulling the next rank's zeros over NVLink (no SM: a kernel here would
+ * wait for the producer's and consumer's SMs, run 42); then ready = e (peers may add into it in
+ * call e + 1) and ev_zeroed (this rank's producer of call e + 1 waits for it). */
+static tw_status tw__zero_next_output(tw_context_t ctx, int buf) {
+  char* dst = (char*)ctx->win_buf + ctx->lay.out + (uint64_t)buf * ctx->lay.out_bytes;
+  const size_t bytes = (size_t)ctx->dirty_tokens[buf] * (size_t)ctx->problem.hidden * 2;
+  TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_zero, ctx->ev_start, 0));
+  if (ctx->peer_zeros != NULL) {
+    for (size_t at = 0; at < bytes; at += ctx->lay.zeros_bytes) {
+      const size_t n = bytes - at < ctx->lay.zeros_bytes ? bytes - at : ctx->lay.zeros_bytes;
+      TW_CUDA_TRY(
+          cudaMemcpyAsync(dst + at, ctx->peer_zeros, n, cudaMemcpyDeviceToDevice, ctx->s_zero));
+    }
+  } else if (bytes > 0) { /* one rank: no peer to copy from, and no consumer beside the GEMM */
+    TW_CUDA_TRY(cudaMemsetAsync(dst, 0, bytes, ctx->s_zero));
+  }
+  if (ctx->timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_zero_end, ctx->s_zero));
+  TW_TRY(tw__stream_write_value(ctx->s_zero, (char*)ctx->win_buf + ctx->lay.ready,
+                                (uint32_t)ctx->epoch));
+  TW_CUDA_TRY(cudaEventRecord(ctx->ev_zeroed, ctx->s_zero));
+  ctx->dirty_tokens[buf] = 0;
+  ctx->have_zeroing = 1;
+  return TW_SUCCESS;
+}
 
 extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, const void* expert_in,
                                        const void* w2, void* out, const tw_combine_options* options,
@@ -887,7 +1106,12 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     TW_CHECK_NULL(expert_in);
     TW_CHECK_NULL(w2);
   }
-  if (mode != TW_COMBINE_GEMM_ONLY && d->tokens > 0) TW_CHECK_NULL(out);
+  const int add = ctx->dataflow == TW_DATAFLOW_ADD;
+  if (add && out != NULL)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_moe_combine: the add dataflow writes the output into the context's window; "
+                    "pass out = NULL and read it with tw_context_output()");
+  if (mode != TW_COMBINE_GEMM_ONLY && d->tokens > 0 && !add) TW_CHECK_NULL(out);
   if (d->ctx != ctx)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_moe_combine: the device plan belongs to another context");
@@ -970,6 +1194,17 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ca.wait_bands = mode != TW_COMBINE_COMM_ONLY;
   ca.credit_target = (uint32_t)(ctx->epoch - 1);
   ca.debug_tags = ctx->debug_tags;
+  /* The add dataflow: this call's output buffer (combine.h, `ready`). */
+  const int buf = (int)(ctx->epoch & 1);
+  if (add) {
+    ca.row_token = d->row_token;
+    ca.out_offset = ctx->lay.out + (uint64_t)buf * ctx->lay.out_bytes;
+    g.row_weight = d->row_weight;
+    g.add_out = (char*)ctx->win_buf + ca.out_offset;
+    g.row_token = d->row_token;
+    g.bands = d->bands;
+    g.rank = ctx->rank;
+  }
   ca.fault = ctx->fault;
   ca.fault_index = ctx->fault_index;
   ca.timeout_ns = timeout_ns;
@@ -980,7 +1215,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ra.slot_row = d->slot_row;
   ra.weights = d->weights;
   ra.out = (uint16_t*)out;
-  ra.tokens = d->tokens;
+  ra.tokens = add ? 0 : d->tokens; /* add: only the wait for the arrivals (and the credits) */
   ra.recv_rows = d->recv_rows;
   ra.rank = ctx->rank;
   ra.world = ctx->world;
@@ -993,6 +1228,8 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
    * the consumer waits for this call's publishes only. The previous call's producer is done here
    * (stream order), and so is its consumer (the join before that call's reduction). */
   TW_CUDA_TRY(cudaMemsetAsync(ctx->unit_next, 0, (kClaimWords + (size_t)d->num_bands) * 4, stream));
+  /* The add dataflow: the producer adds into this call's buffer, which the previous call zeroed. */
+  if (add && ctx->have_zeroing) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_zeroed, 0));
   /* S: producer first (co-residency), K: consumer after `start` (or after the producer). */
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_start, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_start, stream));
@@ -1025,6 +1262,13 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   TW_CUDA_TRY(cudaMemcpyAsync(ctx->h_err, ctx->err, sizeof(tw_dev_error), cudaMemcpyDeviceToHost,
                               ctx->s_aux));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_err_copied, ctx->s_aux));
+  if (add) {
+    /* This call writes rows [0, tokens) of its buffer; the other one, the previous call's output,
+     * is zeroed from this call's start on, for the next call. */
+    ctx->dirty_tokens[buf] = d->tokens;
+    TW_TRY(tw__zero_next_output(ctx, buf ^ 1));
+    ctx->out_buf = buf;
+  }
   ctx->have_call = 1;
   ctx->last_mode = mode;
   ctx->last_tokens = d->tokens;

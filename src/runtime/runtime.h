@@ -30,11 +30,12 @@ tw_status tw__context_inject_fault(tw_context_t ctx, int kind, int index);
 tw_status tw__context_debug_slots(tw_context_t ctx, uint32_t* host, int64_t count);
 
 /* The last call's timeline (needs config.timing = 1; waits for the call): its phase times (as
- * tw_context_timings) and, in ms from its start, when the consumer ended and when the reduction
- * started (its stream had waited for both the producer and the consumer); 0 after a GEMM-only
- * call. */
+ * tw_context_timings) and, in ms from its start, when the consumer ended, when the reduction
+ * started (its stream had waited for both the producer and the consumer) and, under the add
+ * dataflow, when the copies that zero the next call's output buffer ended (they run beside the
+ * call, on a copy engine); each 0 where the call had no such phase. */
 tw_status tw__context_timeline(tw_context_t ctx, tw_combine_timings* t, float* comm_end_ms,
-                               float* reduce_start_ms);
+                               float* reduce_start_ms, float* zero_end_ms);
 
 #ifdef __cplusplus
 }

@@ -175,6 +175,20 @@ static inline float tw_w2_value(uint64_t salt, int g, int n, int f) {
   return tw_uniform_bf16(salt ^ 0x5555, (uint64_t)g, (uint64_t)n, (uint64_t)f);
 }
 
+/* Token counts of iteration `it`: shrinking and growing, with empty ranks now and then. */
+static inline void tw_token_counts(int it, int nranks, int max_tokens, uint64_t seed,
+                                   int32_t* tokens) {
+  for (int r = 0; r < nranks; r++) {
+    uint64_t h = tw_mix64(seed * 131 + (uint64_t)it * 17 + (uint64_t)r);
+    tokens[r] = (int32_t)(h % (uint64_t)(max_tokens + 1));
+  }
+  if (it == 0)
+    for (int r = 0; r < nranks; r++) tokens[r] = max_tokens;
+  if (it == 1) tokens[nranks - 1] = 0;
+  if (it == 2) tokens[0] = 0;
+  if (it == 3) tokens[0] = 1;
+}
+
 /* A routing whose rank r keeps the first tokens[r] tokens of a seeded generated routing. */
 static inline tw_status tw_make_routing(const tw_problem* p, tw_router router,
                                         const int32_t* tokens, uint64_t seed, tw_routing_t* out) {

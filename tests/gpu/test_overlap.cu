@@ -22,19 +22,6 @@ typedef struct tw_overlap_cfg {
 
 static const int kCs[] = {2, 3, 5, 8, 12, 16, 24, 32};
 
-/* Token counts of iteration `it`: shrinking and growing, with empty ranks now and then. */
-static void tw_token_counts(int it, int nranks, int max_tokens, uint64_t seed, int32_t* tokens) {
-  for (int r = 0; r < nranks; r++) {
-    uint64_t h = tw_mix64(seed * 131 + (uint64_t)it * 17 + (uint64_t)r);
-    tokens[r] = (int32_t)(h % (uint64_t)(max_tokens + 1));
-  }
-  if (it == 0)
-    for (int r = 0; r < nranks; r++) tokens[r] = max_tokens;
-  if (it == 1) tokens[nranks - 1] = 0;
-  if (it == 2) tokens[0] = 0;
-  if (it == 3) tokens[0] = 1;
-}
-
 typedef struct tw_buffers {
   void *expert_in, *w2, *out;
   uint16_t *h_in, *h_out, *h_out2;
