@@ -99,4 +99,19 @@ for key, arms in runs.items():
 for a in names[1:]:
     print("\ngeometric mean %s / %s %.4f over %d points" % (a, base, math.exp(logs[a] / len(runs)),
                                                            len(runs)))
+# Per arm: the bench's own speedup and efficiency (its ideal from its own GEMM-alone and comm-alone
+# runs), and the efficiency against the first arm's ideal (the same yardstick for every arm).
+print("\n| tokens/rank | N | E | " + " | ".join("%s C, speedup, eff, eff vs %s ideal" % (n, base)
+                                             for n in names) + " |")
+print("|" + " ---: |" * 3 + " --- |" * len(names))
+for key, arms in runs.items():
+    ideal = statistics.median(q["ideal_us"] for q in arms[base])
+    cells = []
+    for a in names:
+        q = arms[a]
+        cells.append("%d, %.3fx, %.3f, %.3f" % (
+            q[0]["comm_ctas"], statistics.median(x["speedup"] for x in q),
+            statistics.median(x["efficiency"] for x in q),
+            ideal / statistics.median(x["ours_us"] for x in q)))
+    print("| %d | %d | %d | " % key + " | ".join(cells) + " |")
 PY

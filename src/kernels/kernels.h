@@ -55,9 +55,13 @@ typedef struct tw_gemm_args {
   const int32_t* row_token; /* (rows) token index at the row's owner; -1 for padding */
   const tw_band* bands;     /* (bands) the plan's bands (dest, valid_rows) */
   int32_t rank;
-  int32_t variant; /* kernel version (sm90_gemm.cu header): 0 = default (5 at tn 128 and 4
-                      at tn 256 where they cover the shape, else 1), 1 = simple (WMMA, any supported
-                      shape), 2..5 = TMA + wgmma with different epilogues; 1..5 for tests/benches */
+  /* Zeroed by the producer warpgroup's two idle warps, each CTA its share (NULL: nothing); 16-byte
+   * aligned. The add dataflow's next output buffer (TW_ADD_ZEROING=producer). */
+  void* zero;
+  int64_t zero_vectors; /* 16-byte vectors */
+  int32_t variant;      /* kernel version (sm90_gemm.cu header): 0 = default (5 at tn 128 and 4
+                           at tn 256 where they cover the shape, else 1), 1 = simple (WMMA, any supported
+                           shape), 2..5 = TMA + wgmma with different epilogues; 1..5 for tests/benches */
 } tw_gemm_args;
 
 /* Launches the producer. It only ever increments counters: after e launches (and no reset) band

@@ -463,6 +463,17 @@ __global__ void __launch_bounds__(384, 1)
     /* ---- producer warpgroup: one thread issues every TMA load; warp 1 is the epilogue warp
      * of kEpiSignalWarp / kEpiStaged ---- */
     tw__setmaxnreg_dec<40>();
+    if (threadIdx.x >= 64) {
+      /* Warps 2-3, idle otherwise: zero the CTA's share of `zero` (the add dataflow's next
+       * output buffer), 16 bytes a store, and leave (no later block-wide barrier). */
+      if (args.zero != nullptr) {
+        const int64_t n = args.zero_vectors, per = (n + gridDim.x - 1) / gridDim.x;
+        const int64_t lo = (int64_t)blockIdx.x * per, hi = min(n, lo + per);
+        uint4* v = static_cast<uint4*>(args.zero);
+        for (int64_t i = lo + threadIdx.x - 64; i < hi; i += 64) v[i] = make_uint4(0, 0, 0, 0);
+      }
+      return;
+    }
     if (EPI != kEpiDirect && threadIdx.x / 32 == 1 && epi_warp) {
       const int lane = threadIdx.x % 32;
       uint32_t it = 0;
@@ -929,6 +940,12 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
       return tw__fail(TW_ERR_ALIGNMENT, "tw__gemm_launch: add_out must be 16-byte aligned");
   }
   if (variant == 0) variant = v2_ok ? tw__default_variant(args->tn) : 1;
+  if (args->zero != NULL &&
+      (variant < 2 || (uintptr_t)args->zero % 16 != 0 || args->zero_vectors < 0))
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw__gemm_launch: zeroing by the producer needs the wgmma kernels (variant "
+                    "2..5, got %d), a 16-byte aligned buffer and a non-negative count",
+                    variant);
   if (variant >= 2 && variant <= 5) {
     if (!v2_ok)
       return tw__fail(TW_ERR_UNSUPPORTED,

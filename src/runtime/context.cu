@@ -91,6 +91,8 @@ struct tw_context {
   int64_t dirty_tokens[2];
   const void* peer_zeros; /* NULL with one rank: a memset zeroes instead */
   int have_zeroing;       /* ev_zeroed refers to a zeroing since the last reset */
+  int zero_in_producer;   /* TW_ADD_ZEROING=producer: the producer's idle warps zero instead */
+  int last_zero_copied;   /* the last call zeroed with the copy engine (t_zero_end is valid) */
 
   cudaStream_t s_comm; /* consumer */
   cudaStream_t s_aux;  /* error copies, barriers, warm-up */
@@ -654,6 +656,17 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
     st = tw__fail(TW_ERR_UNSUPPORTED, "tw_context_create: %d SMs; need at least 2", ctx->sm_count);
   if (ctx->max_comm_ctas >= ctx->sm_count) ctx->max_comm_ctas = ctx->sm_count - 1;
   ctx->dataflow = dataflow;
+  if (st == TW_SUCCESS && dataflow == TW_DATAFLOW_ADD) {
+    /* How the next output buffer is zeroed: the copy engine (default; no SM, but NVLink bytes) or
+     * the producer's two idle warps (SM stores inside the GEMM, no link traffic). */
+    const char* z = getenv("TW_ADD_ZEROING");
+    if (z != NULL && z[0] != '\0' && strcmp(z, "copy") != 0 && strcmp(z, "producer") != 0)
+      st = tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_context_create: TW_ADD_ZEROING='%s'; use `copy` or `producer` (or unset "
+                    "it)",
+                    z);
+    ctx->zero_in_producer = z != NULL && strcmp(z, "producer") == 0;
+  }
   if (st == TW_SUCCESS) st = tw__context_init(ctx);
   if (st != TW_SUCCESS) {
     tw__context_free(ctx);
@@ -789,7 +802,7 @@ extern "C" tw_status tw__context_timeline(tw_context_t ctx, tw_combine_timings* 
   TW_DEVICE_SCOPE(ctx);
   TW_CUDA_TRY(cudaEventElapsedTime(comm_end_ms, ctx->t_start, ctx->t_comm_end));
   TW_CUDA_TRY(cudaEventElapsedTime(reduce_start_ms, ctx->t_start, ctx->t_red_start));
-  if (ctx->dataflow == TW_DATAFLOW_ADD) {
+  if (ctx->dataflow == TW_DATAFLOW_ADD && ctx->last_zero_copied) {
     TW_CUDA_TRY(cudaEventSynchronize(ctx->t_zero_end));
     TW_CUDA_TRY(cudaEventElapsedTime(zero_end_ms, ctx->t_start, ctx->t_zero_end));
   }
@@ -1083,6 +1096,7 @@ static tw_status tw__zero_next_output(tw_context_t ctx, int buf) {
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_zeroed, ctx->s_zero));
   ctx->dirty_tokens[buf] = 0;
   ctx->have_zeroing = 1;
+  ctx->last_zero_copied = 1;
   return TW_SUCCESS;
 }
 
@@ -1230,10 +1244,22 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   TW_CUDA_TRY(cudaMemsetAsync(ctx->unit_next, 0, (kClaimWords + (size_t)d->num_bands) * 4, stream));
   /* The add dataflow: the producer adds into this call's buffer, which the previous call zeroed. */
   if (add && ctx->have_zeroing) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_zeroed, 0));
+  /* TW_ADD_ZEROING=producer: the producer zeroes the other buffer (the previous call's output,
+   * valid until this call started) for the next call; a stream write after it sets ready. */
+  const int zero_in_producer = add && ctx->zero_in_producer && mode != TW_COMBINE_COMM_ONLY;
+  if (zero_in_producer) {
+    g.zero = (char*)ctx->win_buf + ctx->lay.out + (uint64_t)(buf ^ 1) * ctx->lay.out_bytes;
+    g.zero_vectors = ctx->dirty_tokens[buf ^ 1] * ctx->problem.hidden * 2 / 16;
+  }
   /* S: producer first (co-residency), K: consumer after `start` (or after the producer). */
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_start, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_start, stream));
   if (mode != TW_COMBINE_COMM_ONLY) TW_TRY(tw__gemm_launch(&g, stream));
+  if (zero_in_producer) {
+    TW_TRY(
+        tw__stream_write_value(stream, (char*)ctx->win_buf + ctx->lay.ready, (uint32_t)ctx->epoch));
+    ctx->dirty_tokens[buf ^ 1] = 0;
+  }
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_gemm_end, stream));
   if (mode == TW_COMBINE_UNFUSED) {
     TW_CUDA_TRY(cudaEventRecord(ctx->ev_gemm_done, stream));
@@ -1266,7 +1292,8 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     /* This call writes rows [0, tokens) of its buffer; the other one, the previous call's output,
      * is zeroed from this call's start on, for the next call. */
     ctx->dirty_tokens[buf] = d->tokens;
-    TW_TRY(tw__zero_next_output(ctx, buf ^ 1));
+    ctx->last_zero_copied = 0;
+    if (!zero_in_producer) TW_TRY(tw__zero_next_output(ctx, buf ^ 1));
     ctx->out_buf = buf;
   }
   ctx->have_call = 1;
