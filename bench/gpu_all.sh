@@ -55,6 +55,9 @@ TW_TEST_QUICK=1 TW_TIMEOUT_MS=60000 timeout 200 compute-sanitizer --tool memchec
   --error-exitcode 9 \
   "$BUILD/test_overlap" >"$OUT/sanitizer-overlap-memcheck.txt" 2>&1
 echo "test_overlap memcheck: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-overlap-memcheck.txt" | tr '\n' ' ')"
+TW_TEST_QUICK=1 TW_TIMEOUT_MS=60000 timeout 200 compute-sanitizer --tool memcheck --report-api-errors no \
+  --error-exitcode 9 "$BUILD/test_combine_add" >"$OUT/sanitizer-combine-add-memcheck.txt" 2>&1
+echo "test_combine_add memcheck: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-combine-add-memcheck.txt" | tr '\n' ' ')"
 grep -m 3 -A 12 "^========= Invalid\|^========= Program hit\|^========= Error" "$OUT/sanitizer-overlap-memcheck.txt" | head -45
 # The default runs v5 at tn 128 and v4 at tn 256: each of the two at every tile width as well.
 for v in 4 5; do

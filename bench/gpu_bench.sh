@@ -7,15 +7,19 @@
 #   bench.md / bench.json        tilewave bench: the main grid (overlap vs sequential, unfused,
 #                                chunked copy-engine, ours' phases), correctness checked on every
 #                                point
+#   bench-add.md / .json         the same grid with the add dataflow (TW_DATAFLOW_ADD)
 #   bench-gemm.md                tilewave bench gemm: producer GEMM vs cuBLAS (calls back to back)
 #   bench-gemm-idle.md           the same with 300 us of idle device before each call, as in
 #                                tilewave bench (cuBLAS measured 17% faster that way at one point)
 #   sweep.md / sweep.json        tilewave sweep: every C x mgb of one point, oracle, model, regret
 #   oracle.md / oracle.json      tilewave sweep --oracle: the model's regret over a workload matrix
-#                                (ORACLE_MATRIX, default quick) and the best fixed (C, mgb)
+#                                (ORACLE_MATRIX, default quick) and the best fixed (C, mgb);
+#                                oracle-add.md / .json: the quick matrix's top-2 points, add
+#                                dataflow
 #   calibrate.md, calibration.txt  tilewave calibrate: this machine's description for the model
 #   launcher-rank*.md            tilewave bench started as two processes by a torchrun-style env
-#   bench-gemm-<schedule>.md, bench-<schedule>.md   the two schedules side by side
+#   bench-gemm-<schedule>.md, bench-<schedule>.md   the two schedules side by side (only with
+#                                BENCH_SCHEDULES=1)
 #   bench-gemm-tiles.md          bench gemm at the many-small-experts point: one row each for tm
 #                                128 x tn 256, 128 x 128, 64 x 256, 64 x 128, in that order
 #   torch_peer.md                PyTorch per-expert matmul + all_to_all_single on the same routing
@@ -69,6 +73,11 @@ step "tilewave bench (default grid)"
 timeout 330 "$TW" bench "${bench_args[@]}" --phases --json-file "$OUT/bench.json" | tee "$OUT/bench.md"
 note "tilewave bench" $?
 
+step "tilewave bench --dataflow add (default grid; the same baselines)"
+timeout 330 "$TW" bench "${bench_args[@]}" --dataflow add --phases --json-file "$OUT/bench-add.json" |
+  tee "$OUT/bench-add.md"
+note "tilewave bench --dataflow add" $?
+
 step "tilewave bench gemm"
 if [ "$mode" = quick ]; then
   echo "skipped in quick mode"
@@ -97,7 +106,9 @@ step "tilewave sweep (tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced)"
 timeout 120 "$TW" sweep "${sweep_args[@]}" --json-file "$OUT/sweep.json" | tee "$OUT/sweep.md"
 note "tilewave sweep" $?
 
-if [ "$mode" != quick ]; then
+# The schedules side by side take ~3 minutes; with the add dataflow's tables the whole script would
+# pass a 10-minute call, so they run only when asked for (BENCH_SCHEDULES=1; last in run 36).
+if [ "$mode" != quick ] && [ "${BENCH_SCHEDULES:-0}" = 1 ]; then
   step "schedules: remote-first vs expert-major (bench gemm grid; bench at 16-128 experts)"
   for sch in remote-first expert-major; do
     TW_SCHEDULE=$sch timeout 150 "$TW" bench gemm >"$OUT/bench-gemm-$sch.md"
@@ -145,6 +156,10 @@ if [ "$mode" != quick ]; then
   timeout 500 "$TW" sweep --oracle --matrix "${ORACLE_MATRIX:-quick}" \
     --json-file "$OUT/oracle.json" | tee "$OUT/oracle.md"
   note "tilewave sweep --oracle" $?
+  step "tilewave sweep --oracle --matrix quick --dataflow add (its top-2 points)"
+  timeout 200 "$TW" sweep --oracle --matrix quick --dataflow add --json-file "$OUT/oracle-add.json" |
+    tee "$OUT/oracle-add.md"
+  note "tilewave sweep --oracle --dataflow add" $?
 fi
 
 step "external launcher: one process per GPU from RANK / WORLD_SIZE / LOCAL_RANK (torchrun style)"

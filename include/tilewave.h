@@ -244,8 +244,9 @@ typedef enum tw_combine_dataflow {
   /* The producer scales each row by its gate weight; local rows are added (bf16, one rounding
    * per add) into the owner's output by the producer, remote ones by the consumer over NVLink;
    * no reduction pass. The output lives in the context's window (tw_context_output), in one of
-   * two buffers used in turn: the other is zeroed by a copy engine during the call. top_k 1 or
-   * 2 (the sum 0 + a + b does not depend on the order the rows land in). */
+   * two buffers used in turn: the other is zeroed during the call, for the next one (by the
+   * producer's idle warps; env TW_ADD_ZEROING=copy: by a copy engine, from a peer over NVLink).
+   * top_k 1 or 2 (the sum 0 + a + b does not depend on the order the rows land in). */
   TW_DATAFLOW_ADD = 2
 } tw_combine_dataflow;
 

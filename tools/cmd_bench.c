@@ -2127,6 +2127,33 @@ static int twb_main(int argc, char** argv, int sweep) {
             job.points[job.npoints++] = pt;
           }
   }
+  /* The add dataflow sums at most two rows per token (top-1 or top-2): other points are left
+   * out, said so, rather than failing the whole run at their context. */
+  int32_t dataflow = TW_DATAFLOW_REDUCE;
+  if (tw__dataflow_resolve("tilewave", TW_DATAFLOW_DEFAULT, &dataflow) != TW_SUCCESS) {
+    fprintf(stderr, "tilewave: %s\n", tw_last_error());
+    free(job.points);
+    return 2;
+  }
+  if (dataflow == TW_DATAFLOW_ADD) {
+    int kept = 0;
+    for (int i = 0; i < job.npoints; i++) {
+      if (job.points[i].topk <= 2) {
+        job.points[kept++] = job.points[i];
+        continue;
+      }
+      fprintf(
+          stderr,
+          "tilewave %s: point %d (top-%d) left out: the add dataflow runs top-1 and top-2 only\n",
+          argv[0], job.points[i].index > 0 ? job.points[i].index : i + 1, job.points[i].topk);
+    }
+    if (kept == 0) {
+      fprintf(stderr, "tilewave %s: no point is top-1 or top-2; use --dataflow reduce\n", argv[0]);
+      free(job.points);
+      return 2;
+    }
+    job.npoints = kept;
+  }
   if (sweep && !o.oracle && job.npoints > 1) job.npoints = 1;
   job.o = o;
 

@@ -16,11 +16,12 @@
  *                  writes to d in call e (1-based) only after credits[d] >= e - 1 (acquire .sys).
  *   ready          the add dataflow's credit, in the owner's own window: call e adds into output
  *                  buffer e % 2, which held call e - 2's output. During call e - 1 (after it
- *                  started: call e - 2's output is valid until then) the owner's copy engine
- *                  zeroes that buffer's written rows and then, in stream order, a stream memory
- *                  write (with its system-scope fence) sets ready = e - 1. A source adds into
- *                  d's buffer in call e only after d's ready >= e - 1 (acquire .sys, over
- *                  NVLink); the owner's own producer waits for the copy in stream order.
+ *                  started: call e - 2's output is valid until then) the owner's producer (or
+ *                  its copy engine) zeroes that buffer's written rows and then, in stream order,
+ *                  a stream memory write (with its system-scope fence) sets ready = e - 1. A
+ *                  source adds into d's buffer in call e only after d's ready >= e - 1 (acquire
+ *                  .sys, over NVLink); the owner's own producer is ordered after the zeroing by
+ *                  its stream (or an event).
  * Debug tags (TW_DEBUG_TAGS_CHECK): per receive row, tags[row] = source rank + 1 and hits[row]
  * += 1 per unit that carried the row (expected: col_tiles); the reduction checks and clears them.
  */

@@ -56,7 +56,7 @@ typedef struct tw_gemm_args {
   const tw_band* bands;     /* (bands) the plan's bands (dest, valid_rows) */
   int32_t rank;
   /* Zeroed by the producer warpgroup's two idle warps, each CTA its share (NULL: nothing); 16-byte
-   * aligned. The add dataflow's next output buffer (TW_ADD_ZEROING=producer). */
+   * aligned. The add dataflow's next output buffer (unless TW_ADD_ZEROING=copy). */
   void* zero;
   int64_t zero_vectors; /* 16-byte vectors */
   int32_t variant;      /* kernel version (sm90_gemm.cu header): 0 = default (5 at tn 128 and 4

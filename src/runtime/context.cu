@@ -86,12 +86,12 @@ struct tw_context {
 
   /* The add dataflow: the output buffer the last call added into (0 or 1; -1: none since the
    * last reset), the rows each buffer has had written since it was last zeroed, and a peer's
-   * zeros this rank's copy engine pulls to zero its next buffer (combine.h, `ready`). */
+   * zeros this rank's copy engine pulls to zero its next buffer under TW_ADD_ZEROING=copy. */
   int32_t out_buf;
   int64_t dirty_tokens[2];
   const void* peer_zeros; /* NULL with one rank: a memset zeroes instead */
   int have_zeroing;       /* ev_zeroed refers to a zeroing since the last reset */
-  int zero_in_producer;   /* TW_ADD_ZEROING=producer: the producer's idle warps zero instead */
+  int zero_in_producer;   /* the producer's idle warps zero (default), else the copy engine */
   int last_zero_copied;   /* the last call zeroed with the copy engine (t_zero_end is valid) */
 
   cudaStream_t s_comm; /* consumer */
@@ -489,8 +489,8 @@ static tw_status tw__context_init(tw_context_t ctx) {
                       "every rank the same tw_context_config.dataflow / TW_COMBINE_DATAFLOW",
                       ctx->dataflow == TW_DATAFLOW_ADD ? "add" : "reduce");
   }
-  /* The add dataflow zeroes its next output buffer with this rank's copy engine, from the next
-   * rank's zeros (a copy within one GPU is a kernel and would wait for the SMs: run 42). */
+  /* TW_ADD_ZEROING=copy zeroes the next output buffer with this rank's copy engine, from the next
+   * rank's zeros (a copy within one GPU is a kernel and would wait for the SMs: runs 42, 44). */
   if (ctx->dataflow == TW_DATAFLOW_ADD && W > 1) {
     void* peer = NULL;
     TW_TRY(tw__window_peer_pointer(ctx->win, L->zeros, (int)((ctx->rank + 1) % W), ctx->scratch,
@@ -657,15 +657,16 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
   if (ctx->max_comm_ctas >= ctx->sm_count) ctx->max_comm_ctas = ctx->sm_count - 1;
   ctx->dataflow = dataflow;
   if (st == TW_SUCCESS && dataflow == TW_DATAFLOW_ADD) {
-    /* How the next output buffer is zeroed: the copy engine (default; no SM, but NVLink bytes) or
-     * the producer's two idle warps (SM stores inside the GEMM, no link traffic). */
+    /* How the next output buffer is zeroed: by the producer's two idle warps (default: SM stores
+     * inside the GEMM, no link traffic) or the copy engine (no SM, but NVLink bytes beside the
+     * consumer's; run 45: 0.9632 against 0.9774 of the reduce dataflow's time over the grid). */
     const char* z = getenv("TW_ADD_ZEROING");
     if (z != NULL && z[0] != '\0' && strcmp(z, "copy") != 0 && strcmp(z, "producer") != 0)
       st = tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_context_create: TW_ADD_ZEROING='%s'; use `copy` or `producer` (or unset "
                     "it)",
                     z);
-    ctx->zero_in_producer = z != NULL && strcmp(z, "producer") == 0;
+    ctx->zero_in_producer = z == NULL || strcmp(z, "copy") != 0;
   }
   if (st == TW_SUCCESS) st = tw__context_init(ctx);
   if (st != TW_SUCCESS) {
@@ -1072,16 +1073,20 @@ static tw_status tw__stream_write_value(cudaStream_t stream, void* addr, uint32_
   return TW_SUCCESS;
 }
 
-/* The add dataflow, at the end of call e (ctx->epoch): zeroes output buffer `buf` (call e - 1's
- * output, valid until call e started) on the context's zeroing stream, after call e's start, with
- * this rank's copy engine pulling the next rank's zeros over NVLink (no SM: a kernel here would
- * wait for the producer's and consumer's SMs, run 42); then ready = e (peers may add into it in
- * call e + 1) and ev_zeroed (this rank's producer of call e + 1 waits for it). */
-static tw_status tw__zero_next_output(tw_context_t ctx, int buf) {
+/* The add dataflow, at the end of call e (ctx->epoch), when its producer does not zero: zeroes
+ * output buffer `buf` (call e - 1's output, valid until call e started) on the context's zeroing
+ * stream, then ready = e (peers may add into it in call e + 1) and ev_zeroed (this rank's producer
+ * of call e + 1 waits for it). TW_ADD_ZEROING=copy: from call e's start, with this rank's copy
+ * engine pulling the next rank's zeros over NVLink (no SM: a kernel here would wait for the
+ * producer's and consumer's SMs, run 42). A comm-only call (a timing mode: it has no producer)
+ * zeroes with a memset after it has ended, so that its time is the consumer's alone. */
+static tw_status tw__zero_next_output(tw_context_t ctx, int buf, int after_call) {
   char* dst = (char*)ctx->win_buf + ctx->lay.out + (uint64_t)buf * ctx->lay.out_bytes;
   const size_t bytes = (size_t)ctx->dirty_tokens[buf] * (size_t)ctx->problem.hidden * 2;
-  TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_zero, ctx->ev_start, 0));
-  if (ctx->peer_zeros != NULL) {
+  TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_zero, after_call ? ctx->ev_call_done : ctx->ev_start, 0));
+  if (after_call) {
+    if (bytes > 0) TW_CUDA_TRY(cudaMemsetAsync(dst, 0, bytes, ctx->s_zero));
+  } else if (ctx->peer_zeros != NULL) {
     for (size_t at = 0; at < bytes; at += ctx->lay.zeros_bytes) {
       const size_t n = bytes - at < ctx->lay.zeros_bytes ? bytes - at : ctx->lay.zeros_bytes;
       TW_CUDA_TRY(
@@ -1244,8 +1249,8 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   TW_CUDA_TRY(cudaMemsetAsync(ctx->unit_next, 0, (kClaimWords + (size_t)d->num_bands) * 4, stream));
   /* The add dataflow: the producer adds into this call's buffer, which the previous call zeroed. */
   if (add && ctx->have_zeroing) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_zeroed, 0));
-  /* TW_ADD_ZEROING=producer: the producer zeroes the other buffer (the previous call's output,
-   * valid until this call started) for the next call; a stream write after it sets ready. */
+  /* The producer zeroes the other buffer (the previous call's output, valid until this call
+   * started) for the next call (unless TW_ADD_ZEROING=copy); a stream write after it sets ready. */
   const int zero_in_producer = add && ctx->zero_in_producer && mode != TW_COMBINE_COMM_ONLY;
   if (zero_in_producer) {
     g.zero = (char*)ctx->win_buf + ctx->lay.out + (uint64_t)(buf ^ 1) * ctx->lay.out_bytes;
@@ -1290,10 +1295,10 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_err_copied, ctx->s_aux));
   if (add) {
     /* This call writes rows [0, tokens) of its buffer; the other one, the previous call's output,
-     * is zeroed from this call's start on, for the next call. */
+     * is zeroed during this call (by its producer, above, or here), for the next call. */
     ctx->dirty_tokens[buf] = d->tokens;
     ctx->last_zero_copied = 0;
-    if (!zero_in_producer) TW_TRY(tw__zero_next_output(ctx, buf ^ 1));
+    if (!zero_in_producer) TW_TRY(tw__zero_next_output(ctx, buf ^ 1, mode == TW_COMBINE_COMM_ONLY));
     ctx->out_buf = buf;
   }
   ctx->have_call = 1;

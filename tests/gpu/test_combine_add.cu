@@ -2,7 +2,8 @@
  * test_combine_add.cu: the add dataflow (TW_DATAFLOW_ADD) on 2 GPUs, one process each (forked
  * here). The producer scales rows by their gate weights and adds its rank's rows into the output;
  * the consumer adds the others into their owners' outputs over NVLink; the output buffers
- * alternate per call and are zeroed a call ahead by the copy engine. Checks:
+ * alternate per call and each is zeroed a call ahead (by the producer's idle warps; ctest runs the
+ * binary again with TW_ADD_ZEROING=copy: by the copy engine from a peer). Checks:
  *  - exactly once, bit for bit: inputs built so that every (owner, token, slot) row of the GEMM
  *    output is a distinct small integer times a per-(expert, column) factor, exact in fp32 and
  *    bf16; the host then knows each output element bit for bit, bf16(bf16(w0 r0) + bf16(w1 r1)),
