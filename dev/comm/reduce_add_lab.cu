@@ -34,16 +34,6 @@
 
 enum { kStages = 8, kThreads = 32 };
 
-/* The store of one row from shared memory: a plain bulk store, or a bulk add (bf16, no flush of
- * denormals to zero, rounded once). Both are tracked by the issuing thread's bulk groups. */
-__device__ __forceinline__ void bulk_add_bf16(void* gdst, const void* ssrc, uint32_t bytes) {
-  asm volatile(
-      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.noftz.bf16 [%0], [%1], %2;" ::"l"(
-          gdst),
-      "r"(tw__smem_u32(ssrc)), "r"(bytes)
-      : "memory");
-}
-
 /* Rows [blockIdx.x * per, ...) of src to dst: row i goes to dst row dst_row[i] (a permutation for
  * the add, the identity for the store, as the consumer sends whole bands). One thread issues, as
  * in the consumer; loads run kStages - 2 rows ahead, so that two stores may still be reading
@@ -71,7 +61,7 @@ __global__ void __launch_bounds__(kThreads)
     tw__mbar_wait(&full[s], (uint32_t)(it / kStages) & 1u);
     __nv_bfloat16* d = dst + (size_t)dst_row[lo + it] * row_elems;
     if (ADD)
-      bulk_add_bf16(d, smem + (size_t)s * bytes, bytes);
+      tw__bulk_add_bf16(d, smem + (size_t)s * bytes, bytes);
     else
       tw__bulk_store(d, smem + (size_t)s * bytes, bytes);
     tw__bulk_commit();
