@@ -27,7 +27,7 @@
  *   T(C, mgb)       = max(F, E) + reduce_us
  *
  * (the add dataflow: reduce_us = 0, and the consumer's rates are those of its bulk adds, 0.89 and
- * 0.90 of the stores' per CTA and at the plateau)
+ * 0.90 of the stores' per CTA and at the plateau, per CTA at most a row per 0.2 us)
  * where bytes_{>=s} and nbands_{>=s} are what segments s, s+1, ... send, link_latency_us is the
  * consumer's fixed cost per band it sends (poll, first load, store issue: paid by the CTA that
  * moves the band, so C CTAs share them), and reduce_us is the owner's weighted reduction (reads
@@ -88,6 +88,10 @@
 /* The add dataflow's consumer rates as shares of the store's (tw__model_prepare). */
 #define TW__ADD_CTA_SHARE 0.89
 #define TW__ADD_PEAK_SHARE 0.90
+/* The add dataflow's consumer: at least this long per row and CTA (tw__model_prepare). Replayed on
+ * run 46's add-dataflow oracle (quick matrix, 9 top-2 points): floors 0 / 0.1 / 0.15 / 0.2 / 0.25
+ * us gave mean regret 15.1 / 9.2 / 7.1 / 1.3 / 1.2%, max 82 / 45 / 45 / 4.0 / 4.0%. */
+#define TW__ADD_ROW_FLOOR_US 0.2
 
 /* Candidate coalescing factors the model searches when the caller leaves coalesce = 0; mgb 1
  * last, so that its tables are the last of each schedule (the search starts from the last table,
@@ -919,6 +923,11 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
      * against 336-351 at the NVLink plateau). */
     m->hw.link_cta_gbps *= TW__ADD_CTA_SHARE;
     m->hw.link_peak_gbps *= TW__ADD_PEAK_SHARE;
+    /* One bulk add per row, issued by one thread per CTA: short rows are bound by the adds' rate,
+     * not the bytes (run 46, m-gpt's 1.5 KB rows: ~0.2 us a row at C 1). */
+    const double row_bytes = 2.0 * (double)plan->problem.hidden;
+    if (row_bytes / (TW__ADD_ROW_FLOOR_US * 1e3) < m->hw.link_cta_gbps)
+      m->hw.link_cta_gbps = row_bytes / (TW__ADD_ROW_FLOOR_US * 1e3);
   }
   const int in_l2 = tw__weights_stay_in_l2(plan);
   const double k = (double)plan->problem.ffn;

@@ -259,9 +259,10 @@ static void test_both_schedules_execute(void) {
 
 /* The combine dataflow the model predicts for: config (the size before `dataflow` was appended
  * plans for the default), TW_COMBINE_DATAFLOW, bad values; and the model's terms: with a link too
- * fast to matter, the add dataflow's prediction is the reduce one's less the reduction; with a
- * slow one, it is slower (the consumer's adds run at 0.89-0.90 of its stores); the sequential
- * baseline does not depend on it. */
+ * fast to matter, the add dataflow's prediction is the GEMM alone, the reduce one's that plus the
+ * reduction; with a slow link, the add form is slower (its adds run at 0.89-0.90 of the stores'
+ * rate); at short rows its consumer takes at least 0.2 us a row per CTA; the sequential baseline
+ * does not depend on the dataflow. */
 static void test_dataflow(void) {
   uint64_t s = tw_test_seed ^ 0xdf1;
   tw_problem p;
@@ -299,7 +300,14 @@ static void test_dataflow(void) {
   expect_message("TW_COMBINE_DATAFLOW");
   unsetenv("TW_COMBINE_DATAFLOW");
 
-  for (int slow = 0; slow < 2; slow++) {
+  /* The model's terms, on three machines: a link too fast to matter, a slow one, and the fast one
+   * at 2 KB rows where the add dataflow's one add per row is what bounds its consumer. */
+  tw_problem wide = tw_test_problem(2, 2048, 2048, 16, 2, 4096, 0, 0);
+  tw_routing_t wide_rt = NULL;
+  CHECK_OK(
+      tw_routing_generate(&wide, TW_ROUTER_BALANCED, 0.0, 4096, tw_test_rng_next(&s), &wide_rt));
+  for (int machine = 0; machine < 3 && wide_rt != NULL; machine++) {
+    const int slow = machine == 1, short_rows = machine == 2;
     tw_hardware hw;
     CHECK_OK(tw_hardware_default(&hw));
     hw.link_cta_gbps = slow ? 0.5 : 1e6;
@@ -309,28 +317,37 @@ static void test_dataflow(void) {
     for (int add = 0; add < 2; add++) {
       cfg = (tw_plan_config)TW_PLAN_CONFIG_INIT;
       cfg.hardware = &hw;
-      cfg.comm_ctas = 8;
+      cfg.comm_ctas = short_rows ? 2 : 16;
       cfg.coalesce = 2;
       cfg.schedule = TW_SCHEDULE_REMOTE_FIRST;
       cfg.dataflow = add ? TW_DATAFLOW_ADD : TW_DATAFLOW_REDUCE;
-      CHECK_OK(tw_plan_create(&p, rt, 0, &cfg, &plans[add]));
+      CHECK_OK(
+          tw_plan_create(short_rows ? &p : &wide, short_rows ? rt : wide_rt, 0, &cfg, &plans[add]));
     }
     if (plans[0] && plans[1]) {
       const double t_reduce = plans[0]->predicted_us, t_add = plans[1]->predicted_us;
       CHECK(plans[0]->sequential_us == plans[1]->sequential_us);
-      if (!slow) {
-        /* Nothing but the GEMM and the reduction (the link moves the bytes in nanoseconds): the
-         * add form is the GEMM alone. */
+      if (machine == 0) {
+        /* 4 KB rows at 16 CTAs: the adds' floor (0.2 us a row) keeps up with the GEMM, and the
+         * link moves the bytes in nanoseconds: the add form is the GEMM alone, the reduce form
+         * that plus its reduction. */
         CHECKF(fabs(t_add - plans[1]->gemm_us) < 1e-3 && t_reduce > t_add,
                "fast link: add %.3f us, reduce %.3f us, GEMM %.3f us", t_add, t_reduce,
                plans[1]->gemm_us);
-      } else {
+      } else if (slow) {
         CHECKF(t_add > t_reduce, "slow link: add %.3f us, reduce %.3f us", t_add, t_reduce);
+      } else {
+        /* 512-byte rows at 2 CTAs: a row per 0.2 us per CTA, whatever the link. */
+        const double remote_rows = (double)plans[1]->send_bytes / (2.0 * p.hidden);
+        CHECKF(t_add >= 0.2 * remote_rows / 2 - 1e-6 && t_add > t_reduce,
+               "short rows: add %.3f us for %.0f remote rows, reduce %.3f us", t_add, remote_rows,
+               t_reduce);
       }
     }
     tw_plan_destroy(plans[0]);
     tw_plan_destroy(plans[1]);
   }
+  tw_routing_destroy(wide_rt);
   tw_routing_destroy(rt);
 }
 
