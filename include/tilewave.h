@@ -400,7 +400,8 @@ typedef enum tw_consumer_copy {
  * Uses the CUDA device current on the calling thread; every later call on this context sets
  * that device for its duration and restores the caller's. Allocates the symmetric receive window
  * (ncclMemAlloc + ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC): max_tokens * top_k rows of
- * hidden bf16, plus arrival counters and credits), the GEMM output, the device communicator
+ * hidden bf16, plus arrival counters and credits; under TW_DATAFLOW_ADD instead two outputs of
+ * max_tokens rows and up to 32 MiB of zeros), the GEMM output, the device communicator
  * (ncclDevCommCreate), two internal streams, and launches every kernel once (so that no kernel
  * is lazily loaded while another spins). Checks that the NCCL library loaded at run time is the
  * version tilewave was built against (TW_ERR_NCCL otherwise). Synchronises the device. */

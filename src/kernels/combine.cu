@@ -406,12 +406,10 @@ cudaError_t tw__consumer_enable_smem() {
   return e;
 }
 
-}  // namespace
-
-namespace {
 __global__ void tw_peer_pointer_kernel(ncclWindow_t win, uint64_t offset, int peer, void** out) {
   *out = ncclGetPeerPointer(win, offset, peer);
 }
+
 }  // namespace
 
 tw_status tw__window_peer_pointer(ncclWindow_t win, uint64_t offset, int peer, void* scratch,
