@@ -18,6 +18,7 @@
 #include <time.h>
 
 #include "cli.h"
+#include "plan.h" /* tw__dataflow_resolve: the dataflow the plans were predicted for */
 #include "tilewave.h"
 
 #define PLAN_MAX_MGB 4
@@ -32,6 +33,7 @@ typedef struct plan_opts {
   uint64_t seed;
   int32_t tile_m, tile_n, comm_ctas, coalesce;
   int32_t schedule; /* tw_schedule; 0 = TW_SCHEDULE env, else the model's choice */
+  int32_t dataflow; /* tw_combine_dataflow; 0 = TW_COMBINE_DATAFLOW env, else reduce */
   const char* calibration;
   const char* routing_file;
   int json;
@@ -54,6 +56,8 @@ static void plan_usage(FILE* f) {
           "  --comm-ctas C --coalesce MGB   fix the partition instead of the model's choice\n"
           "  --schedule S          auto | remote-first | expert-major (default: TW_SCHEDULE, else "
           "auto)\n"
+          "  --dataflow D          reduce | add: the combine dataflow predicted (default:\n"
+          "                        TW_COMBINE_DATAFLOW, else reduce; add: top-1/2 only)\n"
           "  --calibration FILE    hardware description (default: TW_CALIBRATION, else H200)\n"
           "  --json                machine-readable output\n"
           "  --bench-solve [N]     time the decision N times (default 200): median, p99\n"
@@ -183,6 +187,16 @@ static int parse_args(int argc, char** argv, plan_opts* o) {
       else
         return plan_bad(
             "--schedule: '%s' is not a schedule; use auto, remote-first or expert-major", v);
+      continue;
+    }
+    if (strcmp(a, "--dataflow") == 0) {
+      NEED_VALUE;
+      if (strcasecmp(v, "reduce") == 0)
+        o->dataflow = TW_DATAFLOW_REDUCE;
+      else if (strcasecmp(v, "add") == 0)
+        o->dataflow = TW_DATAFLOW_ADD;
+      else
+        return plan_bad("--dataflow: '%s' is not a dataflow; use reduce or add", v);
       continue;
     }
     if (strcmp(a, "--router") == 0) {
@@ -386,6 +400,7 @@ int tw_cli_plan(int argc, char** argv) {
   cfg.comm_ctas = o.comm_ctas;
   cfg.coalesce = o.coalesce;
   cfg.schedule = o.schedule;
+  cfg.dataflow = o.dataflow;
 
   tw_routing_t rt = NULL;
   if (o.routing_file)
@@ -428,12 +443,15 @@ int tw_cli_plan(int argc, char** argv) {
     goto done;
   }
 
+  int32_t dataflow = TW_DATAFLOW_REDUCE; /* resolved as tw_plan_create did (it succeeded) */
+  tw__dataflow_resolve("tilewave plan", o.dataflow, &dataflow);
+  const char* dataflow_name = dataflow == TW_DATAFLOW_ADD ? "add" : "reduce";
   if (o.json) {
     printf(
         "{\"problem\": {\"model\": \"%s\", \"hidden\": %d, \"ffn\": %d, \"experts\": %d, "
-        "\"top_k\": %d, \"world_size\": %d, ",
+        "\"top_k\": %d, \"world_size\": %d, \"dataflow\": \"%s\", ",
         o.model ? o.model : "custom", prob.hidden, prob.ffn, prob.experts, prob.top_k,
-        prob.world_size);
+        prob.world_size, dataflow_name);
     /* A replayed routing has its own token counts; router and seed do not apply. */
     if (o.routing_file)
       printf("\"tokens_per_rank\": null, \"router\": null, \"seed\": null, ");
@@ -500,7 +518,8 @@ int tw_cli_plan(int argc, char** argv) {
          (double)rs.total_tokens * prob.top_k / prob.experts);
   for (int32_t r = 0; r < prob.world_size && r < 16; r++) printf(" %lld", (long long)rank_rows[r]);
   printf("%s\n", prob.world_size > 16 ? " ..." : "");
-  printf("hardware: %s (G %d, c_max %d)\n", calib ? calib : "built-in H200", hw.sm_count, hw.c_max);
+  printf("hardware: %s (G %d, c_max %d); combine dataflow: %s\n", calib ? calib : "built-in H200",
+         hw.sm_count, hw.c_max, dataflow_name);
   for (int32_t i = 0; i < nr; i++) {
     const rank_result* x = &res[i];
     const tw_plan_summary* s = &x->s;
