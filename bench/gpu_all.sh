@@ -5,7 +5,7 @@
 # Usage: bench/gpu_all.sh [quick|tests]   quick: tests + a reduced benchmark grid; tests: build and
 #        ctest only (for lab runs that add their own measurements after it)
 # Takes about 7 minutes on 2 x H200 with the quick oracles (424.5 s for the whole call in run 46,
-# build included, the add dataflow's grid and oracle too; BENCH_SCHEDULES=1 adds ~3 minutes). Run `tilewave sweep --oracle --matrix full`
+# build included, the add dataflow's grid and oracle too; BENCH_SCHEDULES=1 adds the schedules' side by side). Run `tilewave sweep --oracle --matrix full`
 # (281 s with 15 rounds, run 13) in a call of its own: with it the script would pass a 10-minute
 # call limit.
 # Everything it writes is also archived as $OUT/00-gpu-results.tgz.
