@@ -75,6 +75,7 @@ typedef struct twb_opts {
   int nonly;
   int phases;         /* bench --phases: time ours' phases with the context's events */
   int tile_m, tile_n; /* GEMM2 tile (0: the library's choice) */
+  int add;            /* the add dataflow (--dataflow / TW_COMBINE_DATAFLOW, resolved once) */
 } twb_opts;
 
 typedef struct twb_point {
@@ -84,18 +85,18 @@ typedef struct twb_point {
   int index;     /* sweep --oracle: 1-based index in the matrix (as --list numbers it) */
 } twb_point;
 
-enum twb_kind {
-  TWB_OURS,
-  TWB_UNFUSED,
-  TWB_GEMM_ONLY,
-  TWB_COMM_ONLY,
-  TWB_SEQ,
-  TWB_SEQ_GROUPED,
-  TWB_SEQ_PACKED,
-  TWB_CHUNKED,
-  TWB_CUBLAS,
-  TWB_NCCL,
-  TWB_NCCL_PACKED
+enum twb_kind { /* ours' modes first (twb_run_checked relies on it), then the baselines */
+                TWB_OURS,
+                TWB_UNFUSED,
+                TWB_GEMM_ONLY,
+                TWB_COMM_ONLY,
+                TWB_SEQ,
+                TWB_SEQ_GROUPED,
+                TWB_SEQ_PACKED,
+                TWB_CHUNKED,
+                TWB_CUBLAS,
+                TWB_NCCL,
+                TWB_NCCL_PACKED
 };
 
 typedef struct twb_policy {
@@ -142,10 +143,7 @@ typedef struct twb_rank {
   size_t out_elems;
   int32_t tokens;
   FILE* json_out; /* rank 0: the --json-file stream, else NULL */
-  /* The add dataflow: ours' output lives in the context (tw_context_output). A correctness run
-   * (materialize = 1) copies it into the policy's buffer after the call; a timed one does not. */
-  int add;
-  int materialize;
+  int add;        /* the add dataflow: ours' output lives in the context (tw_context_output) */
 } twb_rank;
 
 /* ---- one rank's setup and teardown ----------------------------------------------------------- */
@@ -231,9 +229,7 @@ static tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt,
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.timing = o->phases;
   TW_TRY(tw_context_create(&p, s->comm, &cc, &s->ctx));
-  int32_t dataflow = TW_DATAFLOW_REDUCE;
-  TW_TRY(tw__dataflow_resolve("bench", TW_DATAFLOW_DEFAULT, &dataflow));
-  s->add = dataflow == TW_DATAFLOW_ADD;
+  s->add = o->add;
   s->ndplans = n_sweep > 0 ? n_sweep : 1;
   for (int i = 0; i < s->ndplans; i++) {
     TW_TRY(tw_device_plan_create(s->ctx, &s->dplans[i]));
@@ -301,14 +297,19 @@ static tw_status twb_run(twb_rank* s, const twb_policy* pol, int set, cudaStream
     default:
       return tw__fail(TW_ERR_INTERNAL, "bench: unknown policy kind %d", pol->kind);
   }
-  if (!s->add)
-    return tw_moe_combine_ex(s->ctx, s->dplans[pol->dplan], s->a[set], s->w[set], out, &opt, st);
-  TW_TRY(tw_moe_combine_ex(s->ctx, s->dplans[pol->dplan], s->a[set], s->w[set], NULL, &opt, st));
-  if (!s->materialize || pol->out < 0 || pol->kind == TWB_GEMM_ONLY || s->tokens == 0)
-    return TW_SUCCESS;
+  return tw_moe_combine_ex(s->ctx, s->dplans[pol->dplan], s->a[set], s->w[set], s->add ? NULL : out,
+                           &opt, st);
+}
+
+/* twb_run for a correctness check: under the add dataflow ours' output is in the context's window
+ * until the next call; copy it into the policy's buffer (a timed run does not). */
+static tw_status twb_run_checked(twb_rank* s, const twb_policy* pol, int set, cudaStream_t st) {
+  TW_TRY(twb_run(s, pol, set, st));
+  if (!s->add || pol->kind > TWB_COMM_ONLY || pol->out < 0 || s->tokens == 0) return TW_SUCCESS;
   void* added = NULL;
   TW_TRY(tw_context_output(s->ctx, &added));
-  TW_CUDA_TRY(cudaMemcpyAsync(out, added, 2 * s->out_elems, cudaMemcpyDeviceToDevice, st));
+  TW_CUDA_TRY(
+      cudaMemcpyAsync(s->out[pol->out], added, 2 * s->out_elems, cudaMemcpyDeviceToDevice, st));
   return TW_SUCCESS;
 }
 
@@ -344,19 +345,13 @@ static tw_status twb_check(twb_rank* s, const twb_policy* pols, int np, int set,
                            float* err) {
   /* The add dataflow keeps only the last call's output: run every policy again, copying it. */
   if (rerun || s->add) {
-    s->materialize = 1;
     for (int i = 0; i < TWB_NOUT; i++)
       TW_TRY(tw__fill_bf16(s->out[i], s->out_elems, TWB_POISON, s->stream));
     for (int i = 0; i < np; i++) {
       if (pols[i].out < 0) continue;
       TW_TRY(twb_barrier(s));
-      tw_status st = twb_run(s, &pols[i], set, s->stream);
-      if (st != TW_SUCCESS) {
-        s->materialize = 0;
-        return st;
-      }
+      TW_TRY(twb_run_checked(s, &pols[i], set, s->stream));
     }
-    s->materialize = 0;
     TW_CUDA_TRY(cudaStreamSynchronize(s->stream));
   }
   TW_TRY(tw_context_check(s->ctx));
@@ -625,13 +620,6 @@ static tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point
   return st;
 }
 
-/* The dataflow every rank runs (the environment the ranks inherit). */
-static const char* twb_dataflow_name(void) {
-  int32_t df = TW_DATAFLOW_REDUCE;
-  if (tw__dataflow_resolve("bench", TW_DATAFLOW_DEFAULT, &df) != TW_SUCCESS) return "?";
-  return df == TW_DATAFLOW_ADD ? "add" : "reduce";
-}
-
 /* The add dataflow's zeroing in the phases line (its copies run beside the call). */
 static const char* twb_zero_note(const twb_bench_result* r) {
   static char note[96];
@@ -642,8 +630,8 @@ static const char* twb_zero_note(const twb_bench_result* r) {
   return note;
 }
 
-static void twb_print_header(void) {
-  printf("Combine dataflow: %s.\n\n", twb_dataflow_name());
+static void twb_print_header(const twb_opts* o) {
+  printf("Combine dataflow: %s.\n\n", o->add ? "add" : "reduce");
   printf(
       "| tokens/rank | K | N | E | router | seq us (form) | ours us (p10-p90) | speedup | gemm us "
       "| comm us | ideal us | eff | overlap | C | mgb | unfused us | chunked us (rows) | max rel "
@@ -737,7 +725,7 @@ static void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_res
           "\"experts\": %d, \"top_k\": "
           "%d, \"router\": \"%s\", \"comm_ctas\": %d, \"coalesce\": %d, \"model_predicted_us\": "
           "%.2f, \"model_sequential_us\": %.2f,\n",
-          first ? "" : ",\n", twb_dataflow_name(), r->pt.tokens, r->pt.ffn, r->pt.hidden,
+          first ? "" : ",\n", o->add ? "add" : "reduce", r->pt.tokens, r->pt.ffn, r->pt.hidden,
           r->pt.experts, r->pt.topk, tw__cli_router_name(r->pt.router), r->c, r->mgb,
           r->predicted_us, r->model_seq_us);
   fprintf(f,
@@ -1010,9 +998,7 @@ static tw_status twb_sweep_measure(twb_rank* s, const twb_opts* o, const twb_poi
   for (int i = 1; i < np && st == TW_SUCCESS; i++) {
     st = tw__fill_bf16(s->out[TWB_OUT_OURS], s->out_elems, TWB_POISON, s->stream);
     if (st == TW_SUCCESS) st = twb_barrier(s);
-    s->materialize = 1;
-    if (st == TW_SUCCESS) st = twb_run(s, &pols[i], 0, s->stream);
-    s->materialize = 0;
+    if (st == TW_SUCCESS) st = twb_run_checked(s, &pols[i], 0, s->stream);
     double rel = 0;
     if (st == TW_SUCCESS) st = tw_context_check(s->ctx);
     if (st == TW_SUCCESS)
@@ -1206,10 +1192,7 @@ static tw_status twb_versus_point(twb_rank* s, const twb_opts* o, const twb_poin
   for (int i = 0; i < 2; i++) {
     TW_TRY(tw__fill_bf16(s->out[pols[i].out], s->out_elems, TWB_POISON, s->stream));
     TW_TRY(twb_barrier(s));
-    s->materialize = 1;
-    const tw_status run = twb_run(s, &pols[i], 0, s->stream);
-    s->materialize = 0;
-    TW_TRY(run);
+    TW_TRY(twb_run_checked(s, &pols[i], 0, s->stream));
   }
   TW_TRY(tw_context_check(s->ctx));
   double rel = 0;
@@ -1672,7 +1655,7 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
   FILE* js = rank == 0 ? (o->json ? stdout : s.json_out) : NULL;
   if (js && !o->sweep)
     fprintf(js, "{\"command\": \"bench\", \"world_size\": %d, \"points\": [\n", nranks);
-  if (!o->json && rank == 0 && !o->sweep) twb_print_header();
+  if (!o->json && rank == 0 && !o->sweep) twb_print_header(o);
   twb_bench_result* res = (twb_bench_result*)calloc(1, sizeof(twb_bench_result));
   int failures = 0;
   /* sweep --oracle: rank 0 keeps every point's candidates for the summary. */
@@ -2135,7 +2118,8 @@ static int twb_main(int argc, char** argv, int sweep) {
     free(job.points);
     return 2;
   }
-  if (dataflow == TW_DATAFLOW_ADD) {
+  o.add = dataflow == TW_DATAFLOW_ADD;
+  if (o.add) {
     int kept = 0;
     for (int i = 0; i < job.npoints; i++) {
       if (job.points[i].topk <= 2) {

@@ -26,12 +26,12 @@
  *   F               = max_s (A_s + Q_s(C))
  *   T(C, mgb)       = max(F, E) + reduce_us
  *
- * (the add dataflow: reduce_us = 0, and the consumer's rates are those of its bulk adds, 0.89 and
- * 0.90 of the stores' per CTA and at the plateau, per CTA at most a row per 0.2 us)
  * where bytes_{>=s} and nbands_{>=s} are what segments s, s+1, ... send, link_latency_us is the
  * consumer's fixed cost per band it sends (poll, first load, store issue: paid by the CTA that
  * moves the band, so C CTAs share them), and reduce_us is the owner's weighted reduction (reads
- * every (token, k) row, writes every token) at mem_gbps.
+ * every (token, k) row, writes every token) at mem_gbps. Under the add dataflow reduce_us = 0, and
+ * the consumer's rates are those of its bulk adds: 0.89 and 0.90 of the stores' per CTA and at the
+ * plateau, and per CTA at most one row per 0.2 us.
  *
  * The consumer is one pool: its CTAs claim units of every ready segment from one counter, so from
  * the moment segment s is ready, what is left (s and every later segment) takes the longer of what
@@ -135,7 +135,8 @@ typedef struct tw__seg_table {
 typedef struct tw__model_tables {
   tw_hardware hw;
   double tau_comp_us;            /* one producer tile's compute */
-  double reduce_us;              /* owner's weighted reduction */
+  double reduce_us;              /* owner's weighted reduction (0 under the add dataflow) */
+  double seq_reduce_us;          /* the reduction of the sequential baseline (any dataflow) */
   int32_t sched[TW__MAX_SCHED];  /* TW_SCHEDULE_* of each slot (1, or 2 when the model chooses) */
   double gemm_us[TW__MAX_SCHED]; /* GEMM alone on every SM: the compute end at P = occ_comp G */
   /* Per candidate C (index C, 0 unused): constants of the hardware and the tile count. */
@@ -935,10 +936,10 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   const double c = 2.0 * (double)plan->tm * (double)plan->tn * k / (tflops * 1e6);
   const double f = m->hw.tile_floor_us * (double)plan->tn / 128.0; /* the floor grows with tn */
   m->tau_comp_us = sqrt(sqrt(c * c * c * c + f * f * f * f)) + m->hw.tile_overhead_us;
-  m->reduce_us = tw__reduce_us(plan);
+  m->seq_reduce_us = tw__reduce_us(plan);
   /* The add dataflow has no reduction: its rows were added where they were computed or sent (the
    * producer's local adds cost it 0.5-3% alone, run 40; not modelled). */
-  if (plan->dataflow == TW_DATAFLOW_ADD) m->reduce_us = 0.0;
+  m->reduce_us = plan->dataflow == TW_DATAFLOW_ADD ? 0.0 : m->seq_reduce_us;
   const tw_hardware* hw = &m->hw;
   const size_t stride = (size_t)hw->c_max + 1;
   m->prod = malloc(stride * sizeof *m->prod);
@@ -1079,9 +1080,8 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
   plan->gemm_us = m->gemm_us[slot];
   /* The sequential baseline (cuBLAS, NCCL, the reduction) is the same whatever dataflow ours runs:
    * the store's plateau and the reduction of the reduce dataflow. */
-  const double base_reduce = plan->dataflow == TW_DATAFLOW_ADD ? tw__reduce_us(plan) : m->reduce_us;
   plan->sequential_us =
-      m->gemm_us[slot] + (double)plan->send_bytes / (hw->link_peak_gbps * 1e3) + base_reduce;
+      m->gemm_us[slot] + (double)plan->send_bytes / (hw->link_peak_gbps * 1e3) + m->seq_reduce_us;
   plan->solve_us = 1e6 * (t1 - t0);
   return TW_SUCCESS;
 }

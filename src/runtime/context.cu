@@ -90,7 +90,6 @@ struct tw_context {
   int32_t out_buf;
   int64_t dirty_tokens[2];
   const void* peer_zeros; /* NULL with one rank: a memset zeroes instead */
-  int have_zeroing;       /* ev_zeroed refers to a zeroing since the last reset */
   int zero_in_producer;   /* the producer's idle warps zero (default), else the copy engine */
   int last_zero_copied;   /* the last call zeroed with the copy engine (t_zero_end is valid) */
 
@@ -219,7 +218,6 @@ static tw_status tw__zero_state(tw_context_t ctx) {
         cudaMemsetAsync((char*)ctx->win_buf + ctx->lay.out, 0, 2 * ctx->lay.out_bytes, ctx->s_aux));
   ctx->out_buf = -1;
   ctx->dirty_tokens[0] = ctx->dirty_tokens[1] = 0;
-  ctx->have_zeroing = 0;
   TW_CUDA_TRY(
       cudaMemsetAsync(ctx->unit_next, 0, (kClaimWords + (size_t)ctx->bands_max) * 4, ctx->s_aux));
   TW_CUDA_TRY(cudaMemsetAsync(ctx->reduce_done, 0, 4, ctx->s_aux));
@@ -490,8 +488,9 @@ static tw_status tw__context_init(tw_context_t ctx) {
                       ctx->dataflow == TW_DATAFLOW_ADD ? "add" : "reduce");
   }
   /* TW_ADD_ZEROING=copy zeroes the next output buffer with this rank's copy engine, from the next
-   * rank's zeros (a copy within one GPU is a kernel and would wait for the SMs: runs 42, 44). */
-  if (ctx->dataflow == TW_DATAFLOW_ADD && W > 1) {
+   * rank's zeros (a copy within one GPU is a kernel and would wait for the SMs: runs 42, 44). The
+   * zeros stay in every add window whatever the zeroing, so that all ranks' layouts agree. */
+  if (ctx->dataflow == TW_DATAFLOW_ADD && W > 1 && !ctx->zero_in_producer) {
     void* peer = NULL;
     TW_TRY(tw__window_peer_pointer(ctx->win, L->zeros, (int)((ctx->rank + 1) % W), ctx->scratch,
                                    &peer, ctx->s_aux));
@@ -525,20 +524,6 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
   }
   int32_t dataflow = TW_DATAFLOW_REDUCE;
   TW_TRY(tw__dataflow_resolve("tw_context_create", cfg.dataflow, &dataflow));
-  if (dataflow == TW_DATAFLOW_ADD) {
-    /* What the add dataflow cannot do, each with the way out. */
-    const char* why = problem->top_k > 2
-                          ? "it sums a token's rows in the order they land, which is exact for "
-                            "top_k 1 or 2 only"
-                      : cfg.debug_tags != 0 || tw__env_int("TW_DEBUG_TAGS", 0) != 0
-                          ? "debug tags count rows in receive buffers, which it has none of"
-                          : NULL;
-    if (why != NULL)
-      return tw__fail(TW_ERR_UNSUPPORTED,
-                      "tw_context_create: the add dataflow does not run here (top_k %d, debug tags "
-                      "%d): %s; use TW_DATAFLOW_REDUCE",
-                      problem->top_k, cfg.debug_tags, why);
-  }
   if (cfg.timeout_ms < 0 || cfg.debug_tags < 0 || cfg.debug_tags > 1 || cfg.max_comm_ctas < 0 ||
       cfg.max_comm_ctas > TW_MAX_COMM_CTAS || (cfg.timing != 0 && cfg.timing != 1) ||
       cfg.unit_tiles < 0 || cfg.consumer_copy < TW_CONSUMER_COPY_DEFAULT ||
@@ -567,14 +552,35 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
    * the library's default). */
   int gemm_variant = 0;
   TW_TRY(tw__env_int_in("tw_context_create", "TW_GEMM_VARIANT", 0, 5, 0, &gemm_variant));
-  if (dataflow == TW_DATAFLOW_ADD &&
-      (copy != TW_CONSUMER_COPY_BULK || (gemm_variant != 0 && gemm_variant != 4)))
-    return tw__fail(TW_ERR_UNSUPPORTED,
-                    "tw_context_create: the add dataflow adds rows with bulk operations, in the "
-                    "consumer's bulk copies and the producer's variant 4 (got consumer copy %s, "
-                    "TW_GEMM_VARIANT %d); use TW_CONSUMER_COPY=bulk and TW_GEMM_VARIANT 0 or 4, or "
-                    "TW_DATAFLOW_REDUCE",
-                    copy == TW_CONSUMER_COPY_BULK ? "bulk" : "registers", gemm_variant);
+  const int debug_tags = cfg.debug_tags ? cfg.debug_tags : (tw__env_int("TW_DEBUG_TAGS", 0) != 0);
+  int zero_in_producer = 0;
+  if (dataflow == TW_DATAFLOW_ADD) {
+    /* What the add dataflow cannot do, each with the way out. */
+    const char* why =
+        problem->top_k > 2
+            ? "it sums a token's rows in the order they land, which is exact for top_k 1 or 2 "
+              "only; use TW_DATAFLOW_REDUCE"
+        : debug_tags ? "debug tags count rows in receive buffers, which it has none of; turn them "
+                       "off or use TW_DATAFLOW_REDUCE"
+        : copy != TW_CONSUMER_COPY_BULK
+            ? "it adds rows with the consumer's bulk copies; use TW_CONSUMER_COPY=bulk"
+        : gemm_variant != 0 && gemm_variant != 4
+            ? "it adds rows in the producer's variant 4 epilogue; use TW_GEMM_VARIANT 0 or 4"
+            : NULL;
+    if (why != NULL)
+      return tw__fail(TW_ERR_UNSUPPORTED,
+                      "tw_context_create: the add dataflow does not run here: %s", why);
+    /* How the next output buffer is zeroed: by the producer's two idle warps (default: SM stores
+     * inside the GEMM, no link traffic) or the copy engine (no SM, but NVLink bytes beside the
+     * consumer's; run 45: 0.9632 against 0.9774 of the reduce dataflow's time over the grid). */
+    const char* z = getenv("TW_ADD_ZEROING");
+    if (z != NULL && z[0] != '\0' && strcmp(z, "copy") != 0 && strcmp(z, "producer") != 0)
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_context_create: TW_ADD_ZEROING='%s'; use `copy` or `producer` (or unset "
+                      "it)",
+                      z);
+    zero_in_producer = z == NULL || strcmp(z, "copy") != 0;
+  }
   /* The consumer's tail split (0 bands or 1 part: every band is one unit per column chunk; 0
    * parts, the default: by the band's size). */
   int tail_bands = 0, tail_parts = 0;
@@ -645,7 +651,7 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
   ctx->tail_parts = tail_parts;
   int64_t tmo = cfg.timeout_ms > 0 ? cfg.timeout_ms : tw__env_int("TW_TIMEOUT_MS", 0);
   ctx->timeout_ms = (int32_t)(tmo > 0 && tmo < INT32_MAX ? tmo : TW_DEFAULT_TIMEOUT_MS);
-  ctx->debug_tags = cfg.debug_tags ? cfg.debug_tags : (tw__env_int("TW_DEBUG_TAGS", 0) != 0);
+  ctx->debug_tags = debug_tags;
   ctx->max_comm_ctas = cfg.max_comm_ctas > 0 ? cfg.max_comm_ctas : TW_MAX_COMM_CTAS;
   ctx->timing = cfg.timing;
   cudaError_t e = cudaDeviceGetAttribute(&ctx->sm_count, cudaDevAttrMultiProcessorCount, device);
@@ -656,18 +662,7 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
     st = tw__fail(TW_ERR_UNSUPPORTED, "tw_context_create: %d SMs; need at least 2", ctx->sm_count);
   if (ctx->max_comm_ctas >= ctx->sm_count) ctx->max_comm_ctas = ctx->sm_count - 1;
   ctx->dataflow = dataflow;
-  if (st == TW_SUCCESS && dataflow == TW_DATAFLOW_ADD) {
-    /* How the next output buffer is zeroed: by the producer's two idle warps (default: SM stores
-     * inside the GEMM, no link traffic) or the copy engine (no SM, but NVLink bytes beside the
-     * consumer's; run 45: 0.9632 against 0.9774 of the reduce dataflow's time over the grid). */
-    const char* z = getenv("TW_ADD_ZEROING");
-    if (z != NULL && z[0] != '\0' && strcmp(z, "copy") != 0 && strcmp(z, "producer") != 0)
-      st = tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw_context_create: TW_ADD_ZEROING='%s'; use `copy` or `producer` (or unset "
-                    "it)",
-                    z);
-    ctx->zero_in_producer = z == NULL || strcmp(z, "copy") != 0;
-  }
+  ctx->zero_in_producer = zero_in_producer;
   if (st == TW_SUCCESS) st = tw__context_init(ctx);
   if (st != TW_SUCCESS) {
     tw__context_free(ctx);
@@ -967,22 +962,26 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
   /* The add dataflow: each row's token at its owner and its gate weight (rows of padding: -1
    * and 0); a remote band's valid rows must all belong to its destination. */
   if (ctx->dataflow == TW_DATAFLOW_ADD) {
+    int32_t owner_tokens[TW_MAX_RANKS];
+    const float* owner_w[TW_MAX_RANKS];
+    for (int r = 0; r < ctx->world; r++) {
+      const int32_t* ids_r = NULL;
+      TW_TRY(tw_routing_rank(routing, r, &owner_tokens[r], &ids_r, &owner_w[r]));
+    }
     for (int32_t i = 0; i < plan->rows; i++) {
       const tw_row_src src = plan->row_src[i];
       d->h_row_token[i] = -1;
       d->h_row_weight[i] = 0.f;
       if (src.owner < 0) continue;
-      int32_t owner_tokens = 0;
-      const int32_t* owner_ids = NULL;
-      const float* owner_w = NULL;
-      TW_TRY(tw_routing_rank(routing, src.owner, &owner_tokens, &owner_ids, &owner_w));
-      if (src.token < 0 || src.token >= owner_tokens || src.slot < 0 || src.slot >= p->top_k)
+      if (src.owner >= ctx->world || src.token < 0 || src.token >= owner_tokens[src.owner] ||
+          src.slot < 0 || src.slot >= p->top_k)
         return tw__fail(TW_ERR_INVALID_ARGUMENT,
                         "tw_device_plan_upload: row %d names token %d slot %d of rank %d, which "
-                        "holds %d tokens; the plan and the routing do not belong together",
-                        i, src.token, src.slot, src.owner, owner_tokens);
+                        "the routing does not hold; the plan and the routing do not belong "
+                        "together",
+                        i, src.token, src.slot, src.owner);
       d->h_row_token[i] = src.token;
-      d->h_row_weight[i] = owner_w[(int64_t)src.token * p->top_k + src.slot];
+      d->h_row_weight[i] = owner_w[src.owner][(int64_t)src.token * p->top_k + src.slot];
     }
     for (int32_t i = 0; i < plan->num_bands; i++) {
       const tw_band* b = &plan->bands[i];
@@ -1073,6 +1072,15 @@ static tw_status tw__stream_write_value(cudaStream_t stream, void* addr, uint32_
   return TW_SUCCESS;
 }
 
+/* The add dataflow: once output buffer `buf` is zero (in `stream` order), ready = e (ctx->epoch):
+ * peers may add into it in call e + 1. The stream write fences at system scope first. */
+static tw_status tw__raise_ready(tw_context_t ctx, cudaStream_t stream, int buf) {
+  TW_TRY(
+      tw__stream_write_value(stream, (char*)ctx->win_buf + ctx->lay.ready, (uint32_t)ctx->epoch));
+  ctx->dirty_tokens[buf] = 0;
+  return TW_SUCCESS;
+}
+
 /* The add dataflow, at the end of call e (ctx->epoch), when its producer does not zero: zeroes
  * output buffer `buf` (call e - 1's output, valid until call e started) on the context's zeroing
  * stream, then ready = e (peers may add into it in call e + 1) and ev_zeroed (this rank's producer
@@ -1096,11 +1104,8 @@ static tw_status tw__zero_next_output(tw_context_t ctx, int buf, int after_call)
     TW_CUDA_TRY(cudaMemsetAsync(dst, 0, bytes, ctx->s_zero));
   }
   if (ctx->timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_zero_end, ctx->s_zero));
-  TW_TRY(tw__stream_write_value(ctx->s_zero, (char*)ctx->win_buf + ctx->lay.ready,
-                                (uint32_t)ctx->epoch));
+  TW_TRY(tw__raise_ready(ctx, ctx->s_zero, buf));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_zeroed, ctx->s_zero));
-  ctx->dirty_tokens[buf] = 0;
-  ctx->have_zeroing = 1;
   ctx->last_zero_copied = 1;
   return TW_SUCCESS;
 }
@@ -1247,8 +1252,10 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
    * the consumer waits for this call's publishes only. The previous call's producer is done here
    * (stream order), and so is its consumer (the join before that call's reduction). */
   TW_CUDA_TRY(cudaMemsetAsync(ctx->unit_next, 0, (kClaimWords + (size_t)d->num_bands) * 4, stream));
-  /* The add dataflow: the producer adds into this call's buffer, which the previous call zeroed. */
-  if (add && ctx->have_zeroing) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_zeroed, 0));
+  /* The add dataflow: the producer adds into this call's buffer, which the previous call zeroed
+   * (on the zeroing stream, or in its producer: then ev_zeroed is older, or was never recorded,
+   * and the wait is a no-op). */
+  if (add) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_zeroed, 0));
   /* The producer zeroes the other buffer (the previous call's output, valid until this call
    * started) for the next call (unless TW_ADD_ZEROING=copy); a stream write after it sets ready. */
   const int zero_in_producer = add && ctx->zero_in_producer && mode != TW_COMBINE_COMM_ONLY;
@@ -1260,11 +1267,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_start, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_start, stream));
   if (mode != TW_COMBINE_COMM_ONLY) TW_TRY(tw__gemm_launch(&g, stream));
-  if (zero_in_producer) {
-    TW_TRY(
-        tw__stream_write_value(stream, (char*)ctx->win_buf + ctx->lay.ready, (uint32_t)ctx->epoch));
-    ctx->dirty_tokens[buf ^ 1] = 0;
-  }
+  if (zero_in_producer) TW_TRY(tw__raise_ready(ctx, stream, buf ^ 1));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_gemm_end, stream));
   if (mode == TW_COMBINE_UNFUSED) {
     TW_CUDA_TRY(cudaEventRecord(ctx->ev_gemm_done, stream));
