@@ -389,7 +389,21 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     if (threadIdx.x == 0 && !skip) s_pending[dest]++;
   }
   __syncthreads();
-  if (threadIdx.x == 0) tw__announce<kBulk>(s_arrive, a.world, s_pending);
+  if (threadIdx.x == 0) {
+    tw__announce<kBulk>(s_arrive, a.world, s_pending);
+    /* The add dataflow's end of the call: the sources' adds into this rank's output. Our own
+     * units are announced above, so no peer's CTA 0 waits on anything this wait holds back. The
+     * acquire makes the peers' adds (complete before their release) visible, and the stream's
+     * order after this kernel passes that on to whatever reads the output. */
+    if (a.wait_arrivals && blockIdx.x == 0) {
+      const uint32_t* arrivals = reinterpret_cast<const uint32_t*>(a.local_win + a.lay.arrive);
+      bool ok = true;
+      for (int s = 0; s < a.world && ok; s++)
+        if (s != a.rank)
+          ok = tw_wait_geq(&arrivals[s], a.arrive_target[s], true, a.timeout_ns, a.err,
+                           TW_WAIT_ARRIVAL, s, a.rank);
+    }
+  }
 }
 
 /* The bulk kernel's opt-in shared memory size is a per-device function attribute: set once per

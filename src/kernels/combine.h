@@ -10,10 +10,12 @@
  *   arrivals[s]    in the owner's window, one per source rank s; the source's consumer adds
  *                  its sent units, batched (release .sys; per call unit_chunks per band and
  *                  tail_parts times that for the source's last tail_bands bands to this owner);
- *                  cumulative since the last reset, the host keeps the running target.
- *   credits[d]     in the source's window, one per owner rank d; d's reduction adds 1 per call
- *                  once it has finished reading its receive buffer (release .sys); a source
- *                  writes to d in call e (1-based) only after credits[d] >= e - 1 (acquire .sys).
+ *                  cumulative since the last reset, the host keeps the running target. The
+ *                  owner's reduction waits for it (the add dataflow: the owner's consumer).
+ *   credits[d]     (reduce dataflow) in the source's window, one per owner rank d; d's
+ *                  reduction adds 1 per call once it has finished reading its receive buffer
+ *                  (release .sys); a source writes to d in call e (1-based) only after
+ *                  credits[d] >= e - 1 (acquire .sys).
  *   ready          the add dataflow's credit, in the owner's own window: call e adds into output
  *                  buffer e % 2, which held call e - 2's output. During call e - 1 (after it
  *                  started: call e - 2's output is valid until then) the owner's producer (or
@@ -79,6 +81,11 @@ typedef struct tw_consumer_args {
    * has reached credit_target. */
   const int32_t* row_token;
   uint64_t out_offset;
+  /* The add dataflow has no reduction kernel: CTA 0, after its own units, waits until every
+   * source rank's arrivals have reached arrive_target (cumulative, as the reduction would), so
+   * the consumer's end is the call's end. 0: the reduction waits instead. */
+  int32_t wait_arrivals;
+  uint32_t arrive_target[TW_MAX_RANKS];
   int32_t fault, fault_index;
   tw_dev_error* err;
   uint64_t timeout_ns;
@@ -108,7 +115,8 @@ tw_status tw__window_peer_pointer(ncclWindow_t win, uint64_t offset, int peer, v
 
 /* Consumer: grid CTAs (1..TW_MAX_COMM_CTAS). */
 tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream);
-/* Weighted reduction; grid chosen from the work (at least one CTA: it always returns credits). */
+/* Weighted reduction; grid chosen from the work (at least one CTA: it always returns credits).
+ * Not launched under the add dataflow (the consumer waits for the arrivals there). */
 tw_status tw__reduce_launch(const tw_reduce_args* args, int sm_count, cudaStream_t stream);
 
 #endif /* TW_COMBINE_H */

@@ -1229,6 +1229,10 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     g.bands = d->bands;
     g.rank = ctx->rank;
   }
+  if (add) {
+    ca.wait_arrivals = 1;
+    memcpy(ca.arrive_target, ctx->arrive_target, sizeof ca.arrive_target);
+  }
   ca.fault = ctx->fault;
   ca.fault_index = ctx->fault_index;
   ca.timeout_ns = timeout_ns;
@@ -1239,7 +1243,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ra.slot_row = d->slot_row;
   ra.weights = d->weights;
   ra.out = (uint16_t*)out;
-  ra.tokens = add ? 0 : d->tokens; /* add: only the wait for the arrivals (and the credits) */
+  ra.tokens = d->tokens;
   ra.recv_rows = d->recv_rows;
   ra.rank = ctx->rank;
   ra.world = ctx->world;
@@ -1287,7 +1291,8 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
    * which overwrites the GEMM output, after the consumer's reads. */
   TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_comm_done, 0));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_red_start, stream));
-  TW_TRY(tw__reduce_launch(&ra, ctx->sm_count, stream));
+  /* The add dataflow ends with the consumer: it waited for the arrivals (no credits there). */
+  if (!add) TW_TRY(tw__reduce_launch(&ra, ctx->sm_count, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_red_end, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_end, stream));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));
