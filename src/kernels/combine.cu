@@ -72,28 +72,44 @@ namespace {
 constexpr int kConsumerThreads = 512;
 constexpr int kUnroll = 8; /* independent 16-byte loads in flight per thread: 64 KiB per CTA */
 
+/* dst[0..7] += v's 8 bf16, each rounded once to nearest even, where dst lives (its L2; a peer's
+ * over NVLink): the register path's counterpart of tw__bulk_add_bf16, the same sum bit for bit. */
+__device__ __forceinline__ void tw__red_add_bf16x8(void* dst, int4 v) {
+  asm volatile("red.global.add.noftz.v4.bf16x2 [%0], {%1, %2, %3, %4};" ::"l"(dst), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
 /* Copies rows x (8 * vpr) bf16 from src (row stride src_ld elements) to dst (row stride dst_ld
  * elements) with 16-byte loads and stores; src through L2 only (the producer wrote it in this
- * kernel's lifetime, and L1 is not coherent). */
+ * kernel's lifetime, and L1 is not coherent). row_token (the add dataflow): row r is added into
+ * dst + row_token[r] * dst_ld instead. */
 __device__ __forceinline__ void tw__copy_rows(char* dst, size_t dst_ld_bytes, const char* src,
-                                              size_t src_ld_bytes, int rows, int vpr) {
+                                              size_t src_ld_bytes, int rows, int vpr,
+                                              const int32_t* row_token) {
   const int total = rows * vpr;
   for (int i0 = threadIdx.x; i0 < total; i0 += kUnroll * blockDim.x) {
     int4 v[kUnroll];
+    int4* to[kUnroll];
 #pragma unroll
     for (int k = 0; k < kUnroll; k++) {
       const int i = i0 + k * blockDim.x;
       if (i < total) {
         const int r = i / vpr, q = i - r * vpr;
         v[k] = __ldcg(reinterpret_cast<const int4*>(src + r * src_ld_bytes) + q);
+        /* row_token is not written while the kernel runs: read-only path. */
+        const size_t row = row_token == nullptr ? (size_t)r : (size_t)__ldg(&row_token[r]);
+        to[k] = reinterpret_cast<int4*>(dst + row * dst_ld_bytes) + q;
       }
     }
 #pragma unroll
     for (int k = 0; k < kUnroll; k++) {
       const int i = i0 + k * blockDim.x;
       if (i < total) {
-        const int r = i / vpr, q = i - r * vpr;
-        reinterpret_cast<int4*>(dst + r * dst_ld_bytes)[q] = v[k];
+        if (row_token == nullptr)
+          *to[k] = v[k];
+        else
+          tw__red_add_bf16x8(to[k], v[k]);
       }
     }
   }
@@ -377,7 +393,8 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
       char* dst = add ? peer + a.out_offset + (size_t)c0 * 2
                       : peer + a.lay.data + (size_t)band.dest_offset + at;
       if (!kBulk) {
-        tw__copy_rows(dst, row_bytes, src, row_bytes, nrows, ncols / 8);
+        tw__copy_rows(dst, row_bytes, src, row_bytes, nrows, ncols / 8,
+                      add ? a.row_token + band.row0 + r0 : nullptr);
       } else if (threadIdx.x == 0) {
         const tw__unit_shape us = tw__unit_shape_make(src, dst, row_bytes, (size_t)ncols * 2, nrows,
                                                       add ? a.row_token + band.row0 + r0 : nullptr);
@@ -469,8 +486,8 @@ tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream
                     args->tiles_per_unit, args->unit_chunks, args->col_tiles);
   if (args->copy != TW_CONSUMER_COPY_REGISTERS && args->copy != TW_CONSUMER_COPY_BULK)
     return tw__fail(TW_ERR_INTERNAL, "consumer: copy mode %d", args->copy);
-  if (args->row_token != NULL && (args->copy != TW_CONSUMER_COPY_BULK || args->debug_tags))
-    return tw__fail(TW_ERR_INTERNAL, "consumer: the add dataflow needs bulk copies, no debug tags");
+  if (args->row_token != NULL && args->debug_tags)
+    return tw__fail(TW_ERR_INTERNAL, "consumer: the add dataflow has no debug tags");
   if (args->hidden % 8 != 0 || args->tn % 8 != 0)
     return tw__fail(TW_ERR_ALIGNMENT, "consumer: hidden %d and tile_n %d must be multiples of 8",
                     args->hidden, args->tn);

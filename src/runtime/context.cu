@@ -562,8 +562,6 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
               "only; use TW_DATAFLOW_REDUCE"
         : debug_tags ? "debug tags count rows in receive buffers, which it has none of; turn them "
                        "off or use TW_DATAFLOW_REDUCE"
-        : copy != TW_CONSUMER_COPY_BULK
-            ? "it adds rows with the consumer's bulk copies; use TW_CONSUMER_COPY=bulk"
         : gemm_variant != 0 && gemm_variant != 4
             ? "it adds rows in the producer's variant 4 epilogue; use TW_GEMM_VARIANT 0 or 4"
             : NULL;

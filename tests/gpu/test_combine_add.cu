@@ -3,7 +3,8 @@
  * here). The producer scales rows by their gate weights and adds its rank's rows into the output;
  * the consumer adds the others into their owners' outputs over NVLink; the output buffers
  * alternate per call and each is zeroed a call ahead (by the producer's idle warps; ctest runs the
- * binary again with TW_ADD_ZEROING=copy: by the copy engine from a peer). Checks:
+ * binary again with TW_ADD_ZEROING=copy: by the copy engine from a peer, and with
+ * TW_CONSUMER_COPY=registers: the consumer's vector reductions instead of its bulk adds). Checks:
  *  - exactly once, bit for bit: inputs built so that every (owner, token, slot) row of the GEMM
  *    output is a distinct small integer times a per-(expert, column) factor, exact in fp32 and
  *    bf16; the host then knows each output element bit for bit, bf16(bf16(w0 r0) + bf16(w1 r1)),
@@ -311,9 +312,6 @@ static void test_refusals(tw_rank_env* env) {
   cc.debug_tags = TW_DEBUG_TAGS_CHECK;
   CHECK(tw_context_create(&k2, env->comm, &cc, &ctx) == TW_ERR_UNSUPPORTED && ctx == NULL);
   cc.debug_tags = 0;
-  cc.consumer_copy = TW_CONSUMER_COPY_REGISTERS;
-  CHECK(tw_context_create(&k2, env->comm, &cc, &ctx) == TW_ERR_UNSUPPORTED && ctx == NULL);
-  cc.consumer_copy = 0;
   cc.dataflow = 7;
   CHECK(tw_context_create(&k2, env->comm, &cc, &ctx) == TW_ERR_INVALID_ARGUMENT && ctx == NULL);
   cc.dataflow = TW_DATAFLOW_ADD;
