@@ -52,11 +52,14 @@
  *  bulk: thread 0 streams the unit through a ring of shared-memory stages with bulk copies
  *    (cp.async.bulk: global -> shared with an mbarrier, shared -> peer global in bulk groups),
  *    loads of later pieces in flight while earlier pieces are stored; stores stay in flight
- *    across units and are only waited for before an announcement.
+ *    across units and are only waited for before an announcement. The add dataflow's bulk adds
+ *    (one per row) are issued by the 32 lanes of warp 0, thread 0 still loading.
  *  Bulk ordering, on top of 1-3 above: after thread 0's acquires (band counters, credit),
- *  `fence.proxy.async.global` orders them before its bulk loads and stores (async proxy); before
- *  each announcement, `cp.async.bulk.wait_group 0` (not .read) completes the peer writes, whose
- *  completion makes them visible to thread 0, which then releases.
+ *  `fence.proxy.async.global` orders them before its bulk loads and stores (async proxy); the
+ *  other lanes, after the barrier, fence likewise before their adds. Before each announcement,
+ *  `cp.async.bulk.wait_group 0` (not .read) completes the peer writes, whose completion makes
+ *  them visible to thread 0, which then releases (the other lanes complete theirs at the end of
+ *  each unit, before the barrier that precedes thread 0's next announcement).
  * Every wait is bounded (tw_wait_geq, tw__bulk_wait_piece); on a timeout the CTA records the
  * error and stops, and the others stop at their next wait.
  */
@@ -115,7 +118,7 @@ __device__ __forceinline__ void tw__copy_rows(char* dst, size_t dst_ld_bytes, co
   }
 }
 
-/* ---- bulk copies: thread 0 streams a unit through shared memory ---------------------------- */
+/* ---- bulk copies: thread 0 (adds: warp 0) streams a unit through shared memory ---------- */
 
 constexpr int kBulkStages = 6;
 constexpr uint32_t kBulkStageBytes = 32u << 10;
@@ -197,32 +200,25 @@ __device__ __forceinline__ void tw__bulk_load_piece(tw__bulk_pipe& pp, const tw_
     tw__bulk_load(stage + (size_t)i * pc.bytes, src + (size_t)i * u.ld, pc.bytes, full);
 }
 
-/* The add dataflow's row tokens are loaded this many at a time before their adds are issued:
- * every bulk instruction is a compiler barrier ("memory"), so a load placed between two of them
- * is waited for alone. 1-4% off short-row add calls (run 52); what bounds them is the bulk adds
- * themselves, about 0.2 us each per CTA whatever their size below ~8 KB. */
-constexpr int kTokenBatch = 16;
+/* The add dataflow's bulk adds come from the lanes of warp 0, a piece's rows spread over them,
+ * each lane with its own bulk groups: one thread issuing them all took ~0.2 us an add whatever
+ * its size below ~8 KB (runs 47, 52); 32 lanes took 0.81 of that time at 1.5 KB rows (run 54).
+ * Stores (the reduce dataflow) move a contiguous piece in one instruction: thread 0 alone. */
+constexpr int kAddLanes = 32;
 
+/* Called by the unit's lanes (1, or kAddLanes for adds); lane i takes rows i, i + lanes, ... */
 __device__ __forceinline__ void tw__bulk_store_piece(tw__bulk_pipe& pp, const tw__unit_shape& u,
-                                                     int p, uint32_t g) {
+                                                     int p, uint32_t g, int lanes) {
   const tw__piece pc = tw__unit_piece(u, p);
   const char* stage = pp.stage + (size_t)(g % kBulkStages) * kBulkStageBytes;
-  if (u.row_token == nullptr) {
-    for (int i = 0; i < pc.nsub; i++)
-      tw__bulk_store(u.dst + (size_t)(pc.row + i) * u.ld + pc.col, stage + (size_t)i * pc.bytes,
-                     pc.bytes);
-  } else {
-    for (int i0 = 0; i0 < pc.nsub; i0 += kTokenBatch) {
+  for (int i = (int)threadIdx.x; i < pc.nsub; i += lanes) {
+    const char* from = stage + (size_t)i * pc.bytes;
+    if (u.row_token == nullptr) {
+      tw__bulk_store(u.dst + (size_t)(pc.row + i) * u.ld + pc.col, from, pc.bytes);
+    } else {
       /* Not written while the kernel runs: read-only path. */
-      int32_t token[kTokenBatch];
-#pragma unroll
-      for (int j = 0; j < kTokenBatch; j++)
-        token[j] = i0 + j < pc.nsub ? __ldg(&u.row_token[pc.row + i0 + j]) : 0;
-#pragma unroll
-      for (int j = 0; j < kTokenBatch; j++)
-        if (i0 + j < pc.nsub)
-          tw__bulk_add_bf16(u.dst + (size_t)token[j] * u.ld + pc.col,
-                            stage + (size_t)(i0 + j) * pc.bytes, pc.bytes);
+      const int32_t token = __ldg(&u.row_token[pc.row + i]);
+      tw__bulk_add_bf16(u.dst + (size_t)token * u.ld + pc.col, from, pc.bytes);
     }
   }
   tw__bulk_commit();
@@ -245,24 +241,48 @@ __device__ __forceinline__ bool tw__bulk_wait_piece(tw__bulk_pipe& pp, uint32_t 
   return true;
 }
 
-/* Thread 0 only: copies one unit. S - 1 loads run ahead of the store being issued; a stage is
- * reloaded once the store that read it (issued one step earlier) has finished reading. */
+/* Copies one unit: thread 0, or for the add dataflow the kAddLanes lanes of warp 0 together.
+ * Lane 0 loads, S - 1 loads ahead of the piece whose writes are being issued; a stage is reloaded
+ * once every lane's writes that read it (issued one step earlier) have finished reading. The
+ * other lanes drain their writes at the end of the unit (wait_group 0), so that thread 0's later
+ * announcement, after a barrier, covers them; thread 0's own are drained before it announces. */
 __device__ __forceinline__ bool tw__bulk_copy_unit(tw__bulk_pipe& pp, const tw__unit_shape& u,
                                                    const tw_consumer_args& a) {
+  const int lanes = u.row_token != nullptr ? kAddLanes : 1;
   const uint32_t g0 = pp.next;
+  const int lane = (int)threadIdx.x;
   const int ahead = min(kBulkStages - 1, u.pieces);
+  /* Thread 0's acquires reach this lane through the barrier before the copy (generic proxy);
+   * its adds run in the async proxy (thread 0 fenced after its acquires). */
+  if (lane != 0) asm volatile("fence.proxy.async.global;" ::: "memory");
   tw__bulk_wait_read<0>(); /* earlier units' stores have read every stage */
-  for (int j = 0; j < ahead; j++) tw__bulk_load_piece(pp, u, j, g0 + j);
+  if (lanes > 1) __syncwarp();
+  if (lane == 0)
+    for (int j = 0; j < ahead; j++) tw__bulk_load_piece(pp, u, j, g0 + j);
   for (int j = 0; j < u.pieces; j++) {
-    if (!tw__bulk_wait_piece(pp, g0 + j, a)) return false;
-    tw__bulk_store_piece(pp, u, j, g0 + j);
+    /* Lane 0 waits (bounded) and tells the others, so that all return together. */
+    bool ok = lane != 0 || tw__bulk_wait_piece(pp, g0 + j, a);
+    if (lanes > 1) {
+      ok = __shfl_sync(0xffffffffu, ok, 0);
+      /* Each lane's own acquire of the completed phase, whose data its bulk reads will read (the
+       * phase cannot have moved on: lane 0 re-arms this barrier only after a later refill). */
+      if (ok && lane != 0)
+        (void)tw__mbar_try_wait(&pp.full[(g0 + j) % kBulkStages], ((g0 + j) / kBulkStages) & 1u);
+    }
+    if (!ok) return false;
+    tw__bulk_store_piece(pp, u, j, g0 + j, lanes);
     const int refill = j + kBulkStages - 1; /* goes to the stage piece j - 1 used */
     if (refill < u.pieces) {
       tw__bulk_wait_read<1>(); /* all but the newest store (piece j) have read their stage */
-      tw__bulk_load_piece(pp, u, refill, g0 + refill);
+      if (lanes > 1) __syncwarp();
+      if (lane == 0) tw__bulk_load_piece(pp, u, refill, g0 + refill);
     }
   }
   pp.next = g0 + (uint32_t)u.pieces;
+  if (lanes > 1) {
+    if (lane != 0) tw__bulk_wait_all();
+    __syncwarp();
+  }
   return true;
 }
 
@@ -395,10 +415,11 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
       if (!kBulk) {
         tw__copy_rows(dst, row_bytes, src, row_bytes, nrows, ncols / 8,
                       add ? a.row_token + band.row0 + r0 : nullptr);
-      } else if (threadIdx.x == 0) {
+      } else if ((int)threadIdx.x < (add ? kAddLanes : 1)) {
         const tw__unit_shape us = tw__unit_shape_make(src, dst, row_bytes, (size_t)ncols * 2, nrows,
                                                       add ? a.row_token + band.row0 + r0 : nullptr);
-        s_copied = tw__bulk_copy_unit(pipe, us, a);
+        const bool ok = tw__bulk_copy_unit(pipe, us, a);
+        if (threadIdx.x == 0) s_copied = ok;
       }
       if (a.debug_tags) {
         /* One tag per row and one count per (row, column tile): the owner expects exactly
