@@ -1236,20 +1236,6 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ca.timeout_ns = timeout_ns;
   ctx->fault = TW_FAULT_NONE;
 
-  tw_reduce_args ra;
-  tw__reduce_args_init(ctx, &ra);
-  ra.slot_row = d->slot_row;
-  ra.weights = d->weights;
-  ra.out = (uint16_t*)out;
-  ra.tokens = d->tokens;
-  ra.recv_rows = d->recv_rows;
-  ra.rank = ctx->rank;
-  ra.world = ctx->world;
-  ra.debug_tags = ctx->debug_tags;
-  ra.debug_slots = ctx->debug_slots;
-  memcpy(ra.arrive_target, ctx->arrive_target, sizeof ra.arrive_target);
-  ra.timeout_ns = timeout_ns;
-
   /* Every call starts from zeroed band counters and unit claims (one memset: they are adjacent):
    * the consumer waits for this call's publishes only. The previous call's producer is done here
    * (stream order), and so is its consumer (the join before that call's reduction). */
@@ -1290,7 +1276,22 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_comm_done, 0));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_red_start, stream));
   /* The add dataflow ends with the consumer: it waited for the arrivals (no credits there). */
-  if (!add) TW_TRY(tw__reduce_launch(&ra, ctx->sm_count, stream));
+  if (!add) {
+    tw_reduce_args ra;
+    tw__reduce_args_init(ctx, &ra);
+    ra.slot_row = d->slot_row;
+    ra.weights = d->weights;
+    ra.out = (uint16_t*)out;
+    ra.tokens = d->tokens;
+    ra.recv_rows = d->recv_rows;
+    ra.rank = ctx->rank;
+    ra.world = ctx->world;
+    ra.debug_tags = ctx->debug_tags;
+    ra.debug_slots = ctx->debug_slots;
+    memcpy(ra.arrive_target, ctx->arrive_target, sizeof ra.arrive_target);
+    ra.timeout_ns = timeout_ns;
+    TW_TRY(tw__reduce_launch(&ra, ctx->sm_count, stream));
+  }
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_red_end, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_end, stream));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));
