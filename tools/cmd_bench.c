@@ -700,7 +700,14 @@ static void twb_print_row(const twb_opts* o, const twb_bench_result* r) {
       d.seq, d.seq_variant, d.ours, so->p10, so->p90, d.speedup, d.gemm, d.comm, d.ideal, d.eff,
       d.overlap, r->c, r->mgb, d.unfused, d.chunk, d.chunk_rows, d.max_err,
       d.pass ? "pass" : "FAIL");
-  if (r->phase_n > 0)
+  if (r->phase_n > 0 && o->add) /* no reduction: the consumer waited for the peers' adds */
+    printf(
+        "|  | phases of ours (median of %d, max over ranks): producer ends at %.1f us, "
+        "consumer at %.1f us (incl. waiting for the peers' adds); the call ends %.1f us after "
+        "both (the join and the timing events); total %.1f us%s |\n",
+        r->phase_n, r->phase_gemm, r->phase_comm, r->phase_join + r->phase_reduce, r->phase_total,
+        twb_zero_note(r));
+  else if (r->phase_n > 0)
     printf(
         "|  | phases of ours (median of %d, max over ranks): producer ends at %.1f us, "
         "consumer at %.1f us; the reduction starts %.1f us after both and takes %.1f us "
