@@ -88,10 +88,6 @@
 /* The add dataflow's consumer rates as shares of the store's (tw__model_prepare). */
 #define TW__ADD_CTA_SHARE 0.89
 #define TW__ADD_PEAK_SHARE 0.90
-/* The add dataflow's consumer: at least this long per row and CTA (tw__model_prepare). Replayed on
- * run 46's add-dataflow oracle (quick matrix, 9 top-2 points): floors 0 / 0.1 / 0.15 / 0.2 / 0.25
- * us gave mean regret 15.1 / 9.2 / 7.1 / 1.3 / 1.2%, max 82 / 45 / 45 / 4.0 / 4.0%. */
-#define TW__ADD_ROW_FLOOR_US 0.2
 
 /* Candidate coalescing factors the model searches when the caller leaves coalesce = 0; mgb 1
  * last, so that its tables are the last of each schedule (the search starts from the last table,
@@ -927,8 +923,8 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
     /* One bulk add per row, issued by one thread per CTA: short rows are bound by the adds' rate,
      * not the bytes (run 46, m-gpt's 1.5 KB rows: ~0.2 us a row at C 1). */
     const double row_bytes = 2.0 * (double)plan->problem.hidden;
-    if (row_bytes / (TW__ADD_ROW_FLOOR_US * 1e3) < m->hw.link_cta_gbps)
-      m->hw.link_cta_gbps = row_bytes / (TW__ADD_ROW_FLOOR_US * 1e3);
+    if (row_bytes / (TW_ADD_ROW_FLOOR_US * 1e3) < m->hw.link_cta_gbps)
+      m->hw.link_cta_gbps = row_bytes / (TW_ADD_ROW_FLOOR_US * 1e3);
   }
   const int in_l2 = tw__weights_stay_in_l2(plan);
   const double k = (double)plan->problem.ffn;

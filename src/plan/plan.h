@@ -174,6 +174,12 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule);
  * of its peak and device memory served 1.64 GB of reads; in groups of 8, G CTAs with adjacent
  * indices read one weight column tile while it is in L2: 5.34 GB at 52%, 1.02 GB of reads. */
 #define TW_TILE_GROUP_DEFAULT 8
+/* The add dataflow's consumer takes at least this long per row and CTA (one bulk add per row, the
+ * SM's bulk-copy unit the bound below ~8 KB rows). Measured: 0.2 us with one thread issuing the
+ * adds (runs 39, 46), 0.18 with warp 0's lanes (run 54: 186 us for 4096 rows on 4 CTAs). Replayed
+ * on run 55's add oracle (9 top-2 points, the lanes' consumer): 0.15 / 0.18 / 0.2 / 0.25 us gave
+ * mean regret 1.46 / 1.29 / 1.61 / 1.32%, max 4.23% each (model.c, tw__model_prepare). */
+#define TW_ADD_ROW_FLOOR_US 0.18
 /* The tile group (plan->tile_group): env TW_TILE_GROUP (1 to 64), else TW_TILE_GROUP_DEFAULT.
  * Planner (layout.c). */
 tw_status tw__tile_group_resolve(int32_t* tile_group);

@@ -261,8 +261,8 @@ static void test_both_schedules_execute(void) {
  * plans for the default), TW_COMBINE_DATAFLOW, bad values; and the model's terms: with a link too
  * fast to matter and enough CTAs, the two dataflows' predictions differ by the reduction alone;
  * with a slow link, the add form is slower (its adds run at 0.89-0.90 of the stores' rate); at
- * short rows its consumer takes at least 0.2 us a row per CTA; the sequential baseline does not
- * depend on the dataflow. */
+ * short rows its consumer takes at least TW_ADD_ROW_FLOOR_US a row per CTA; the sequential baseline
+ * does not depend on the dataflow. */
 static void test_dataflow(void) {
   uint64_t s = tw_test_seed ^ 0xdf1;
   tw_problem p;
@@ -329,8 +329,8 @@ static void test_dataflow(void) {
       const double t_reduce = plans[0]->predicted_us, t_add = plans[1]->predicted_us;
       CHECK(plans[0]->sequential_us == plans[1]->sequential_us);
       if (machine == 0) {
-        /* 4 KB rows at 64 CTAs: the adds' floor (0.2 us a row) keeps up with the GEMM, and the
-         * link moves the bytes in nanoseconds: the two forms differ by the reduction alone,
+        /* 4 KB rows at 64 CTAs: the adds' floor (TW_ADD_ROW_FLOOR_US a row) keeps up with the GEMM,
+         * and the link moves the bytes in nanoseconds: the two forms differ by the reduction alone,
          * which the sequential prediction also holds (GEMM alone + transfer + reduction). */
         const double reduction = plans[0]->sequential_us - plans[0]->gemm_us -
                                  (double)plans[0]->send_bytes / (hw.link_peak_gbps * 1e3);
@@ -341,9 +341,9 @@ static void test_dataflow(void) {
       } else if (slow) {
         CHECKF(t_add > t_reduce, "slow link: add %.3f us, reduce %.3f us", t_add, t_reduce);
       } else {
-        /* 512-byte rows at 2 CTAs: a row per 0.2 us per CTA, whatever the link. */
+        /* 512-byte rows at 2 CTAs: a row per TW_ADD_ROW_FLOOR_US per CTA, whatever the link. */
         const double remote_rows = (double)plans[1]->send_bytes / (2.0 * p.hidden);
-        CHECKF(t_add >= 0.2 * remote_rows / 2 - 1e-6 && t_add > t_reduce,
+        CHECKF(t_add >= TW_ADD_ROW_FLOOR_US * remote_rows / 2 - 1e-6 && t_add > t_reduce,
                "short rows: add %.3f us for %.0f remote rows, reduce %.3f us", t_add, remote_rows,
                t_reduce);
       }
