@@ -447,7 +447,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
      * units are announced above, so no peer's CTA 0 waits on anything this wait holds back. The
      * acquire makes the peers' adds (complete before their release) visible, and the stream's
      * order after this kernel passes that on to whatever reads the output. */
-    if (a.wait_arrivals && blockIdx.x == 0) {
+    if (add && blockIdx.x == 0) {
       const uint32_t* arrivals = reinterpret_cast<const uint32_t*>(a.local_win + a.lay.arrive);
       bool ok = true;
       for (int s = 0; s < a.world && ok; s++)

@@ -83,8 +83,7 @@ typedef struct tw_consumer_args {
   uint64_t out_offset;
   /* The add dataflow has no reduction kernel: CTA 0, after its own units, waits until every
    * source rank's arrivals have reached arrive_target (cumulative, as the reduction would), so
-   * the consumer's end is the call's end. 0: the reduction waits instead. */
-  int32_t wait_arrivals;
+   * the consumer's end is the call's end (reduce: unused, the reduction waits instead). */
   uint32_t arrive_target[TW_MAX_RANKS];
   int32_t fault, fault_index;
   tw_dev_error* err;

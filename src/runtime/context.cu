@@ -1226,9 +1226,6 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     g.row_token = d->row_token;
     g.bands = d->bands;
     g.rank = ctx->rank;
-  }
-  if (add) {
-    ca.wait_arrivals = 1;
     memcpy(ca.arrive_target, ctx->arrive_target, sizeof ca.arrive_target);
   }
   ca.fault = ctx->fault;
