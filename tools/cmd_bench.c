@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "baseline.h"
 #include "bench_common.h"
@@ -1973,7 +1974,7 @@ static int twb_main(int argc, char** argv, int sweep) {
     } else if (strcmp(a, "--dataflow") == 0) {
       /* The library reads it at every plan and context (plan.h, tw__dataflow_resolve); the ranks
        * spawned below inherit it. */
-      if (strcmp(v, "reduce") != 0 && strcmp(v, "add") != 0) {
+      if (strcasecmp(v, "reduce") != 0 && strcasecmp(v, "add") != 0) { /* as the library reads */
         fprintf(stderr, "tilewave: --dataflow must be reduce or add (got '%s')\n", v);
         return 2;
       }
