@@ -364,11 +364,24 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
    * Remote-first: two passes over expert_order, [expert_band0, expert_local_band0) then
    * [expert_local_band0, expert_band0 + 1). */
   int32_t nb = 0;
+  const int lead = schedule == TW_SCHEDULE_EXPERT_MAJOR && E >= 2 && getenv("TW_LAB_REMOTE_LEAD");
   for (int32_t pass = 0; pass < 2; pass++) {
     if (pass == 1 && schedule == TW_SCHEDULE_EXPERT_MAJOR) break;
     for (int32_t i = 0; i < E; i++) {
       const int32_t e = plan->expert_order[i];
       int32_t b0 = plan->expert_band0[e], b1 = plan->expert_band0[e + 1];
+      if (lead && i >= E - 2) {
+        /* lab: the last two experts' remote bands, then their local ones */
+        for (int32_t part = 0; part < 2; part++)
+          for (int32_t j = E - 2; j < E; j++) {
+            const int32_t ej = plan->expert_order[j];
+            const int32_t c0 = part ? plan->expert_local_band0[ej] : plan->expert_band0[ej];
+            const int32_t c1 = part ? plan->expert_band0[ej + 1] : plan->expert_local_band0[ej];
+            if (c1 > c0) memcpy(&plan->bands[nb], &lb[c0], (size_t)(c1 - c0) * sizeof *lb);
+            if (c1 > c0) nb += c1 - c0;
+          }
+        break;
+      }
       if (schedule == TW_SCHEDULE_REMOTE_FIRST) {
         if (pass == 0)
           b1 = plan->expert_local_band0[e];
