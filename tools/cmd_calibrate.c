@@ -23,7 +23,9 @@
  *                     measured (the reduction's own rate is printed beside it)
  *   refetch_exposure  the same producer on one problem whose 64 local experts all have remote
  *                     and local rows, planned under each schedule: (T_remote-first -
- *                     T_expert-major) / (second-read bytes / mem_gbps), clamped to [0, 1]
+ *                     T_expert-major) / (the second reads remote-first has more, 62 experts'
+ *                     weights (expert-major reads its last two twice), / mem_gbps), clamped to
+ *                     [0, 1]
  *   link_cta_gbps,    the consumer BESIDE the producer (TW_COMBINE_OVERLAP: it shares memory
  *   link_latency_us   with the GEMM) at C in {1, 2, 4, 8, 16, 32} on two problems that send the
  *                     same bands with 4x different bytes (hidden 4096 and 1024), timed by the

@@ -59,7 +59,6 @@ typedef struct tw_gemm_args {
    * aligned. The add dataflow's next output buffer (unless TW_ADD_ZEROING=copy). */
   void* zero;
   int64_t zero_vectors; /* 16-byte vectors */
-  int32_t zero_burst;   /* lab: zero the share at once (the old form), not paced by the tiles */
   int32_t variant;      /* kernel version (sm90_gemm.cu header): 0 = default (5 at tn 128 and 4
                            at tn 256 where they cover the shape, else 1), 1 = simple (WMMA, any supported
                            shape), 2..5 = TMA + wgmma with different epilogues; 1..5 for tests/benches */

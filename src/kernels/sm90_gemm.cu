@@ -409,52 +409,13 @@ struct V2Config {
     return (c >> 6) * kBoxBytes + r * 128 + ((((c & 63) >> 3) ^ (r & 7)) << 4) + (c & 7) * 2;
   }
   static constexpr int kBarOffset = STAGES * kStageBytes + kStagingBytes;
-  /* Barriers: full and empty per stage, epi_ready, epi_done; then the tiles-issued word. */
-  static constexpr int kSmemBytes = kBarOffset + (2 * STAGES + 3) * 8 + 1024; /* + align */
+  static constexpr int kSmemBytes = kBarOffset + (2 * STAGES + 2) * 8 + 1024; /* + align */
   static constexpr int kThreads = 384;
   static_assert(BM == 64 || BM == 128, "BM");
   static_assert(!SWIGLU || BM == 128, "SwiGLU needs BM = 128");
   static_assert(kWgN == 64 || kWgN == 128 || kWgN == 256, "wgmma N");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
-
-/* The zeroing warps (64 threads): this CTA's share of args.zero, in slices of share / tiles, the
- * slice of tile j once thread 0 has issued tile j - 1's loads, so that the stores spread over the
- * GEMM (the share is done while the last tile computes). Pacing only: a stall of the loads for
- * kZeroStallNs (a timeout elsewhere) ends it, and the rest is zeroed at once. */
-__device__ __forceinline__ void tw__zero_paced(const tw_gemm_args& args,
-                                               const volatile uint32_t* tiles_issued) {
-  constexpr uint64_t kZeroStallNs = 20u * 1000u * 1000u;
-  const int64_t n = args.zero_vectors, per = (n + gridDim.x - 1) / gridDim.x;
-  const int64_t lo = (int64_t)blockIdx.x * per, hi = min(n, lo + per);
-  const int cta = (int)blockIdx.x, grid = (int)gridDim.x;
-  const int64_t tiles = args.num_tiles > cta ? (args.num_tiles - 1 - cta) / grid + 1 : 0;
-  uint4* v = static_cast<uint4*>(args.zero);
-  const int tid = (int)threadIdx.x - 64;
-  uint32_t seen = 0;
-  uint64_t since = tw_globaltimer_ns();
-  for (int64_t done = lo; done < hi;) {
-    const uint32_t issued = *tiles_issued;
-    int64_t target = tiles == 0 || args.zero_burst
-                         ? hi
-                         : lo + (hi - lo) * min((int64_t)issued + 1, tiles) / tiles;
-    if (target <= done) {
-      const uint64_t now = tw_globaltimer_ns();
-      if (issued != seen) {
-        seen = issued;
-        since = now;
-      } else if (now - since > kZeroStallNs) {
-        target = hi;
-      }
-      if (target <= done) {
-        __nanosleep(1000);
-        continue;
-      }
-    }
-    for (int64_t i = done + tid; i < target; i += 64) v[i] = make_uint4(0, 0, 0, 0);
-    done = target;
-  }
-}
 
 /* Named barrier 1 among the 256 consumer threads (barrier 0 is __syncthreads). */
 __device__ __forceinline__ void tw__consumer_bar() {
@@ -478,9 +439,6 @@ __global__ void __launch_bounds__(384, 1)
    * (epi_done: the epilogue warp has published the tile / freed the staging buffer). */
   uint64_t* epi_ready = empty + STAGES;
   uint64_t* epi_done = epi_ready + 1;
-  /* Tiles whose loads thread 0 has issued, for the pace of the zeroing warps (no data rides on
-   * it: a stale read only delays or hastens a zeroing slice). */
-  volatile uint32_t* tiles_issued = reinterpret_cast<volatile uint32_t*>(epi_done + 1);
   const bool signal = args.band_counters != NULL && args.scope != TW_SIGNAL_NONE;
   /* Whether the epilogue warp takes part (it always does for staged stores). */
   constexpr bool kStaging = EPI == kEpiStaged || EPI == kEpiTma;
@@ -495,7 +453,6 @@ __global__ void __launch_bounds__(384, 1)
     }
     tw__mbar_init(epi_ready, 8);
     tw__mbar_init(epi_done, 1);
-    *tiles_issued = 0;
     /* Make the initialised barriers visible to the async proxy (TMA completes on them). */
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -508,10 +465,13 @@ __global__ void __launch_bounds__(384, 1)
     tw__setmaxnreg_dec<40>();
     if (threadIdx.x >= 64) {
       /* Warps 2-3, idle otherwise: zero the CTA's share of `zero` (the add dataflow's next
-       * output buffer), 16 bytes a store, and leave (no later block-wide barrier). The share goes
-       * in slices paced by the CTA's tiles, one slice ahead of the loads: all at once, the
-       * 128-256 MiB left the first wave's loads waiting for device memory (2.6% of a call). */
-      if (args.zero != nullptr) tw__zero_paced(args, tiles_issued);
+       * output buffer), 16 bytes a store, and leave (no later block-wide barrier). */
+      if (args.zero != nullptr) {
+        const int64_t n = args.zero_vectors, per = (n + gridDim.x - 1) / gridDim.x;
+        const int64_t lo = (int64_t)blockIdx.x * per, hi = min(n, lo + per);
+        uint4* v = static_cast<uint4*>(args.zero);
+        for (int64_t i = lo + threadIdx.x - 64; i < hi; i += 64) v[i] = make_uint4(0, 0, 0, 0);
+      }
       return;
     }
     if (EPI != kEpiDirect && threadIdx.x / 32 == 1 && epi_warp) {
@@ -611,7 +571,6 @@ __global__ void __launch_bounds__(384, 1)
             phase ^= 1;
           }
         }
-        *tiles_issued = *tiles_issued + 1;
       }
     }
     return;

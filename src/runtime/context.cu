@@ -1247,7 +1247,6 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   if (zero_in_producer) {
     g.zero = (char*)ctx->win_buf + ctx->lay.out + (uint64_t)(buf ^ 1) * ctx->lay.out_bytes;
     g.zero_vectors = ctx->dirty_tokens[buf ^ 1] * ctx->problem.hidden * 2 / 16;
-    g.zero_burst = getenv("TW_LAB_ZERO_BURST") != NULL;
   }
   /* S: producer first (co-residency), K: consumer after `start` (or after the producer). */
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_start, stream));

@@ -663,9 +663,32 @@ static int64_t split_experts(tw_plan_t plan) {
   return n;
 }
 
+/* Experts expert-major reads twice: its last two experts go remote, remote, local, local
+ * (layout.c), so one whose two parts have a non-empty part of the other between them. */
+static int64_t expert_major_second_reads(tw_plan_t plan) {
+  const int32_t E = plan->local_experts;
+  if (E < 3) return 0;
+  int32_t seq[4], n = 0;
+  for (int part = 0; part < 2; part++)
+    for (int32_t j = E - 2; j < E; j++) {
+      const int32_t e = plan->expert_order[j];
+      const int32_t b0 = part ? plan->expert_local_band0[e] : plan->expert_band0[e];
+      const int32_t b1 = part ? plan->expert_band0[e + 1] : plan->expert_local_band0[e];
+      if (b1 > b0) seq[n++] = e;
+    }
+  int64_t runs = 0, experts = 0;
+  for (int32_t i = 0; i < n; i++) {
+    runs += i == 0 || seq[i] != seq[i - 1];
+    int first = 1;
+    for (int32_t j = 0; j < i; j++) first &= seq[j] != seq[i];
+    experts += first;
+  }
+  return runs - experts;
+}
+
 /* Weight-heavy: 64 local experts of H 4096 x F 2048 (16.8 MB of weights each) and about 256 rows
  * each (128 remote, 128 local: two or three bands), so the weights dominate the producer's traffic
- * and remote-first reads them twice. The
+ * and remote-first reads them twice (expert-major only its last two experts'). The
  * model must see it (GEMM and T both slower under remote-first) and choose expert-major. Then
  * compute-heavy: 2 local experts with 16384 rows each, where the weights are a rounding error
  * and the choice may go either way, but never to the slower prediction: the model's choice
@@ -683,9 +706,11 @@ static void test_schedule_choice(void) {
     double rf_bytes = 0, rf_refetch = 0, em_bytes = 0, em_refetch = -1;
     CHECK_OK(tw__model_traffic(rf, &rf_bytes, &rf_refetch));
     CHECK_OK(tw__model_traffic(em, &em_bytes, &em_refetch));
-    CHECK_NEAR(rf_bytes - em_bytes, (double)split * w, 1.0);
+    const int64_t em_split = expert_major_second_reads(em);
+    CHECKF(em_split <= 2, "expert-major reads %lld experts twice", (long long)em_split);
+    CHECK_NEAR(rf_bytes - em_bytes, (double)(split - em_split) * w, 1.0);
     CHECK_NEAR(rf_refetch, (double)split * w, 1.0); /* the second reads are the difference */
-    CHECK(em_refetch == 0.0);
+    CHECK_NEAR(em_refetch, (double)em_split * w, 1.0);
     printf("  weight-heavy: GEMM %.1f us remote-first, %.1f us expert-major; T %.1f / %.1f us\n",
            rf->gemm_us, em->gemm_us, rf->predicted_us, em->predicted_us);
     CHECK(em->gemm_us < 0.8 * rf->gemm_us);

@@ -9,7 +9,8 @@
  * own rows through slot_row; padding sits only at the tail of remote groups; offsets into one
  * receive buffer never overlap and cover it exactly; the schedule is the one asked for (remote-
  * first: remote tiles first, experts in the documented order in each half; expert-major: each
- * expert's tiles together, experts in the documented order, remote bands before local ones);
+ * expert's remote tiles together, then its local ones, experts in the documented order, the last
+ * two experts' remote parts before their local parts);
  * segments follow the first/last/mgb rules, list every remote band once, in schedule order, and
  * become ready in the order the consumer walks them; the consumer's transfer units (units.c, at
  * a random tail split) add up, per owner, to what the owner expects. Every random world is planned
@@ -27,6 +28,14 @@
 #include "tilewave.h"
 #include "tw_test.h"
 #include "tw_test_random.h"
+
+/* Expert-major's order as blocks: the expert at position k of expert_order has its remote part
+ * in block 2k and its local part in 2k + 1, except that with three experts or more the last two
+ * go remote, remote, local, local (layout.c). */
+static int32_t em_block(int32_t k, int local, int32_t E) {
+  if (E >= 3 && k >= E - 2) return 2 * (E - 2) + (local ? 2 : 0) + (k - (E - 2));
+  return 2 * k + (local ? 1 : 0);
+}
 
 /* ------------------------------------------------------------------------------------------ */
 /* Test randomness (independent of the library's generator)                                   */
@@ -351,10 +360,13 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
     CHECK(pl->num_bands == expected_bands);
     int32_t nremote = 0;
     int64_t send_rows = 0;
-    int32_t order_pos = 0, prev_expert = -1, prev_row0 = -1, in_local = 0, expert_local = 0;
+    int32_t order_pos = 0, prev_expert = -1, prev_row0 = -1, in_local = 0;
     const int em = pl->schedule == TW_SCHEDULE_EXPERT_MAJOR;
     CHECK(em || pl->schedule == TW_SCHEDULE_REMOTE_FIRST);
-    int32_t* run_seen = calloc((size_t)E, sizeof *run_seen); /* expert-major: runs per expert */
+    /* Expert-major: the parts (expert, remote or local) in the documented order, as blocks. */
+    int32_t* order_of = malloc((size_t)E * sizeof *order_of);
+    for (int32_t k = 0; k < E; k++) order_of[pl->expert_order[k]] = k;
+    int32_t prev_block = -1;
     int32_t* stream_first = malloc((size_t)W * sizeof *stream_first);
     int32_t* stream_last = malloc((size_t)W * sizeof *stream_last);
     for (int32_t d = 0; d < W; d++) stream_first[d] = stream_last[d] = -1;
@@ -379,26 +391,20 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
           prev_expert = -1;
         }
       }
-      if (b->expert != prev_expert) {
-        /* Expert-major: one run per expert, experts in expert_order, remote bands first. */
-        if (em) {
-          CHECKF(run_seen[b->expert] == 0, "band %d: expert %d's bands are split", i, b->expert);
-          run_seen[b->expert]++;
-          expert_local = 0;
-        }
+      if (em) {
+        /* Expert-major: the blocks in order, rows ascending within one. */
+        const int32_t blk = em_block(order_of[b->expert], local, E);
+        CHECKF(blk >= prev_block, "band %d: expert %d's %s part out of the expert-major order", i,
+               b->expert, local ? "local" : "remote");
+        if (blk == prev_block) CHECK(b->row0 > prev_row0);
+        prev_block = blk;
+      } else if (b->expert != prev_expert) {
         while (order_pos < E && pl->expert_order[order_pos] != b->expert) order_pos++;
         CHECKF(order_pos < E, "band %d: expert %d out of order", i, b->expert);
         order_pos++;
         prev_expert = b->expert;
       } else {
         CHECK(b->row0 > prev_row0);
-      }
-      if (em) {
-        if (local)
-          expert_local = 1;
-        else
-          CHECKF(!expert_local, "band %d: a remote band of expert %d after a local one", i,
-                 b->expert);
       }
       prev_row0 = b->row0;
       int32_t e0 = pl->expert_row0[b->expert], e_rows = pl->expert_rows[b->expert];
@@ -448,8 +454,7 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
     /* Tiles: in the documented order (check_tile_order); remote-first: remote tiles first;
      * expert-major: each expert's tiles contiguous, its remote tiles before its local ones. */
     check_tile_order(pl);
-    int32_t* tile_seen = calloc((size_t)E, sizeof *tile_seen);
-    int tile_local = 0;
+    int32_t prev_tile_block = -1;
     for (int32_t t = 0; t < pl->num_tiles; t++) {
       const tw_tile* tl = &pl->tiles[t];
       if (tl->band < 0 || tl->band >= pl->num_bands) continue; /* check_tile_order reported it */
@@ -459,19 +464,13 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
       if (!em) {
         CHECK((t < pl->num_remote_tiles) == (b->dest != r));
       } else if (tl->expert >= 0 && tl->expert < E) {
-        if (t == 0 || tl->expert != pl->tiles[t - 1].expert) {
-          CHECKF(tile_seen[tl->expert]++ == 0, "tile %d: expert %d's tiles are split", t,
-                 tl->expert);
-          tile_local = 0;
-        }
-        if (b->dest == r)
-          tile_local = 1;
-        else
-          CHECKF(!tile_local, "tile %d: remote tile after a local one of expert %d", t, tl->expert);
+        const int32_t blk = em_block(order_of[tl->expert], b->dest == r, E);
+        CHECKF(blk >= prev_tile_block, "tile %d: expert %d's %s part is split", t, tl->expert,
+               b->dest == r ? "local" : "remote");
+        prev_tile_block = blk;
       }
     }
-    free(tile_seen);
-    free(run_seen);
+    free(order_of);
     free(stream_first);
     free(stream_last);
     /* Segments at three coalescing factors (the last leaves the plan at mgb 2). */
