@@ -503,6 +503,7 @@ typedef struct tw_context_info {
   int32_t nccl_version;  /* ncclGetVersion() at run time */
   int32_t unit_tiles;    /* column tiles per consumer transfer unit */
   int32_t consumer_copy; /* tw_consumer_copy in use: REGISTERS or BULK */
+  int32_t dataflow;      /* tw_combine_dataflow in use: REDUCE or ADD (DEFAULT resolved) */
 } tw_context_info;
 
 tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info);

@@ -69,6 +69,11 @@ typedef struct tw_gemm_args {
  * each call (combine.h). */
 tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stream);
 
+/* The only variant with the add dataflow's epilogue (one bulk operation per row, each row to its
+ * own token; v5's tensor stores write whole boxes of consecutive rows): tw__gemm_launch takes it
+ * for variant 0 when a call adds, and the context's warm-up loads it. */
+#define TW_GEMM_VARIANT_ADD 4
+
 /* Resident CTAs per SM (cudaOccupancyMaxActiveBlocksPerMultiprocessor, with each kernel's shared
  * memory) of the producer tw__gemm_launch runs for a tile shape and variant (0: the default),
  * and of the consumer with a copy mode (tw_consumer_copy; 0: bulk): `tilewave calibrate`'s

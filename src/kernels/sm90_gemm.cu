@@ -924,10 +924,8 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
   int variant = args->variant;
   const bool adds = args->add_out != NULL || args->row_weight != NULL;
   if (adds) {
-    /* The add dataflow's epilogue is v4's (one bulk operation per row, each row to its own
-     * token); v5's tensor stores write whole boxes of consecutive rows. */
-    if (variant == 0) variant = 4;
-    if (variant != 4 || swiglu)
+    if (variant == 0) variant = TW_GEMM_VARIANT_ADD;
+    if (variant != TW_GEMM_VARIANT_ADD || swiglu)
       return tw__fail(TW_ERR_UNSUPPORTED,
                       "tw__gemm_launch: the add dataflow's epilogue (row weights, added rows) runs "
                       "in variant 4 without SwiGLU only (got variant %d%s); unset TW_GEMM_VARIANT "

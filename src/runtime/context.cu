@@ -311,8 +311,8 @@ static tw_status tw__warm_up(tw_context_t ctx) {
     g.scope = TW_SIGNAL_GPU;
     g.band_counters = counter;
     g.epilogue = TW_EPILOGUE_STORE;
-    /* The kernel the calls will launch (the add dataflow's epilogue is variant 4's). */
-    g.variant = ctx->dataflow == TW_DATAFLOW_ADD ? 4 : ctx->gemm_variant;
+    /* The kernel the calls will launch. */
+    g.variant = ctx->dataflow == TW_DATAFLOW_ADD ? TW_GEMM_VARIANT_ADD : ctx->gemm_variant;
     st = tw__gemm_launch(&g, ctx->s_aux);
     if (st != TW_SUCCESS) goto done;
 
@@ -562,7 +562,7 @@ extern "C" tw_status tw_context_create(const tw_problem* problem, ncclComm_t com
               "only; use TW_DATAFLOW_REDUCE"
         : debug_tags ? "debug tags count rows in receive buffers, which it has none of; turn them "
                        "off or use TW_DATAFLOW_REDUCE"
-        : gemm_variant != 0 && gemm_variant != 4
+        : gemm_variant != 0 && gemm_variant != TW_GEMM_VARIANT_ADD
             ? "it adds rows in the producer's variant 4 epilogue; use TW_GEMM_VARIANT 0 or 4"
             : NULL;
     if (why != NULL)
@@ -700,6 +700,7 @@ extern "C" tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info
   info->window_bytes = (int64_t)ctx->lay.bytes;
   info->unit_tiles = ctx->tiles_per_unit;
   info->consumer_copy = ctx->copy;
+  info->dataflow = ctx->dataflow;
   int v = 0;
   if (ncclGetVersion(&v) == ncclSuccess) info->nccl_version = v;
   return TW_SUCCESS;

@@ -54,6 +54,9 @@ static int tw_add_setup(tw_rank_env* env, const tw_add_cfg* c, int timeout_ms, t
   cc.timeout_ms = timeout_ms;
   CHECK_OK(tw_context_create(&fx->p, env->comm, &cc, &fx->ctx));
   if (fx->ctx == NULL) return 0;
+  tw_context_info info;
+  CHECK_OK(tw_context_info_get(fx->ctx, &info));
+  CHECK(info.dataflow == TW_DATAFLOW_ADD);
   CHECK_OK(tw_device_plan_create(fx->ctx, &fx->dp));
   const tw_problem* p = &fx->p;
   const int W = p->world_size, E = p->experts / W;
