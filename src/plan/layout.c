@@ -21,14 +21,14 @@
  *    remote bands, groups in layout order, then its local bands; with three experts or more the
  *    last two go remote, remote, local, local, so that the last remote bands are ready one
  *    expert's local bands before the end, which the consumer needs to send them: run 56, 1-1.4%
- *    off the calls where its tail was longest, for one second read of one expert's weights).
+ *    off the calls where its tail was longest, for a second read of those two experts' weights).
  *    Remote-first starts the transfers earliest; expert-major reads each expert's weights in one
- *    pass (but the one above) where remote-first reads those of every expert with remote and
- *    local rows twice, once per pass. Both are
- *    permutations of the bands in layout order (kept in layout_bands), so the model can try both
- *    on one layout (tw__plan_set_schedule). Either way a group's bands are consecutive in the
- *    schedule, which is what a segment needs. The tiles follow the bands in groups of up to
- *    tile_group bands of one expert and destination, column by column (TW_TILE_GROUP_DEFAULT).
+ *    pass (but the last two's) where remote-first reads those of every expert with remote and
+ *    local rows twice, once per pass. Both are permutations of the bands in layout order (kept
+ *    in layout_bands), so the model can try both on one layout (tw__plan_set_schedule). Either
+ *    way a group's bands are consecutive in the schedule, which is what a segment needs. The
+ *    tiles follow the bands in groups of up to tile_group bands of one expert and destination,
+ *    column by column (TW_TILE_GROUP_DEFAULT).
  *  - receive side at owner o: rows by source rank s (ascending, s != o), then s's local experts
  *    in index order, then (token, slot) order, dense. Sender and receiver derive the same offsets
  *    from the same routing, so no metadata exchange is needed.
