@@ -231,8 +231,10 @@ typedef enum tw_schedule {
   TW_SCHEDULE_REMOTE_FIRST = 1, /* every expert's remote bands, then every expert's local bands:
                                    transfers start earliest, but an expert with remote and local
                                    rows has its weights read twice */
-  TW_SCHEDULE_EXPERT_MAJOR = 2  /* expert after expert, each its remote bands then its local ones:
-                                   every expert's weights are read once */
+  TW_SCHEDULE_EXPERT_MAJOR = 2  /* expert after expert, each its remote bands then its local ones
+                                   (the last two experts: both remote parts, then both local ones,
+                                   so the last sends start earlier): weights are read once but
+                                   those two experts' */
 } tw_schedule;
 
 /* How the combine brings a token's top_k rows together in its owner's output. */

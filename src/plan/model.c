@@ -46,12 +46,12 @@
  * The memory term: the producer cannot finish before it has moved its bytes through device
  * memory, each expert's hidden x ffn weights once per run of consecutive bands of that expert in
  * the schedule (2 runs under remote-first for an expert with remote and local rows, 1 under
- * expert-major), the input rows and the output rows once; the traffic is spread over the tiles,
- * so a wave lasts the longer of its tiles' compute and their share of the traffic, and a last
- * wave with few tiles is short (tw__model_traffic, tw__compute_end, docs/model.md). Spread evenly
- * over the waves instead, a partial last wave took a full wave's share, and the model saw three
- * waves of 124 + 124 + 8 tiles as fast as two of 128 (m-bert at 1024 tokens: measured 109
- * against 92 us). A second read of an expert's weights costs more than the
+ * expert-major but for its last two experts), the input rows and the output rows once; the traffic
+ * is spread over the tiles, so a wave lasts the longer of its tiles' compute and their share of the
+ * traffic, and a last wave with few tiles is short (tw__model_traffic, tw__compute_end,
+ * docs/model.md). Spread evenly over the waves instead, a partial last wave took a full wave's
+ * share, and the model saw three waves of 124 + 124 + 8 tiles as fast as two of 128 (m-bert at 1024
+ * tokens: measured 109 against 92 us). A second read of an expert's weights costs more than the
  * roofline says: measured, remote-first takes refetch_exposure (0.30) x those bytes / mem_gbps
  * longer than expert-major beyond the roofline's own difference, also where both are
  * compute-bound, so that part is added to the waves. Where all local experts' weights fit in
@@ -470,13 +470,13 @@ static int tw__weights_stay_in_l2(const struct tw_plan* plan) {
  * of four 2 MB bands waits for its last band (dev/NOTES.md section 11). (It used to go the other
  * way, on the guess that fewer segments meant fewer latencies the model underestimates.)
  * On a tie between schedules the model cannot tell them apart.
- * Usually expert-major wins it: it reads each expert's weights once (what a second read costs
- * the model sees only in part: refetch_exposure). Where the weights stay in L2 there is no second
- * read to pay, and remote-first wins it: its remote bands are all computed first, so its consumer
- * ends before the producer, and the reduction reads the local rows computed last while they are
- * in L2. Measured with bench --phases (2 x H200, granite at 1024-16384 tokens, C 17): expert-
- * major's consumer ended 3-8 us after its producer and the call took 2.4-7.2% longer (dev/NOTES.md
- * section 10); the model has no term for either effect. */
+ * Usually expert-major wins it: it reads each expert's weights once but two (what a second read
+ * costs the model sees only in part: refetch_exposure). Where the weights stay in L2 there is no
+ * second read to pay, and remote-first wins it: its remote bands are all computed first, so its
+ * consumer ends before the producer, and the reduction reads the local rows computed last while
+ * they are in L2. Measured with bench --phases (2 x H200, granite at 1024-16384 tokens, C 17):
+ * expert-major's consumer ended 3-8 us after its producer and the call took 2.4-7.2% longer
+ * (dev/NOTES.md section 10); the model has no term for either effect. */
 static int32_t tw__table_key(int32_t mgb, int32_t schedule, int weights_in_l2) {
   const int32_t wins = weights_in_l2 ? TW_SCHEDULE_REMOTE_FIRST : TW_SCHEDULE_EXPERT_MAJOR;
   return -2 * mgb + (schedule == wins);

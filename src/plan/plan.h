@@ -94,7 +94,8 @@ struct tw_plan {
 
   /* Schedule: bands in the order of `schedule`, their tiles in groups of tile_group bands:
    * remote-first (all experts' remote bands, then all local bands) or expert-major (expert by
-   * expert, each its remote bands then its local bands); experts in expert_order either way. */
+   * expert, each its remote bands then its local bands, but the last two experts' remote parts
+   * before their local parts); experts in expert_order either way. */
   int32_t schedule;         /* TW_SCHEDULE_REMOTE_FIRST or TW_SCHEDULE_EXPERT_MAJOR: the order of
                                bands and tiles now */
   int32_t schedule_request; /* the caller's: TW_SCHEDULE_AUTO (the model picks) or one of them */
