@@ -4,8 +4,9 @@
 # then the benchmark tables (bench/gpu_bench.sh), all under $OUT (default ./gpu-out).
 # Usage: bench/gpu_all.sh [quick|tests]   quick: tests + a reduced benchmark grid; tests: build and
 #        ctest only (for lab runs that add their own measurements after it)
-# Takes about 7 minutes on 2 x H200 with the quick oracles (424.5 s for the whole call in run 46,
-# build included, the add dataflow's grid and oracle too; BENCH_SCHEDULES=1 adds the schedules' side by side). Run `tilewave sweep --oracle --matrix full`
+# Takes about 8 minutes on 2 x H200 with the quick oracles (460 s for the whole call in run 58,
+# build included, the add dataflow's grid and oracle too; BENCH_SCHEDULES=1 adds the schedules'
+# side by side). Run `tilewave sweep --oracle --matrix full`
 # (281 s with 15 rounds, run 13) in a call of its own: with it the script would pass a 10-minute
 # call limit.
 # Everything it writes is also archived as $OUT/00-gpu-results.tgz.

@@ -28,7 +28,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 #include "baseline.h"
 #include "bench_common.h"
@@ -632,7 +631,8 @@ static const char* twb_zero_note(const twb_bench_result* r) {
 }
 
 static void twb_print_header(const twb_opts* o) {
-  printf("Combine dataflow: %s.\n\n", o->add ? "add" : "reduce");
+  printf("Combine dataflow: %s.\n\n",
+         tw__dataflow_name(o->add ? TW_DATAFLOW_ADD : TW_DATAFLOW_REDUCE));
   printf(
       "| tokens/rank | K | N | E | router | seq us (form) | ours us (p10-p90) | speedup | gemm us "
       "| comm us | ideal us | eff | overlap | C | mgb | unfused us | chunked us (rows) | max rel "
@@ -733,9 +733,9 @@ static void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_res
           "\"experts\": %d, \"top_k\": "
           "%d, \"router\": \"%s\", \"comm_ctas\": %d, \"coalesce\": %d, \"model_predicted_us\": "
           "%.2f, \"model_sequential_us\": %.2f,\n",
-          first ? "" : ",\n", o->add ? "add" : "reduce", r->pt.tokens, r->pt.ffn, r->pt.hidden,
-          r->pt.experts, r->pt.topk, tw__cli_router_name(r->pt.router), r->c, r->mgb,
-          r->predicted_us, r->model_seq_us);
+          first ? "" : ",\n", tw__dataflow_name(o->add ? TW_DATAFLOW_ADD : TW_DATAFLOW_REDUCE),
+          r->pt.tokens, r->pt.ffn, r->pt.hidden, r->pt.experts, r->pt.topk,
+          tw__cli_router_name(r->pt.router), r->c, r->mgb, r->predicted_us, r->model_seq_us);
   fprintf(f,
           "   \"seq_us\": %.2f, \"seq_variant\": \"%s\", \"ours_us\": %.2f, \"speedup\": %.4f, "
           "\"gemm_us\": %.2f, \"comm_us\": %.2f, \"ideal_us\": %.2f, \"efficiency\": %.4f, "
@@ -1974,7 +1974,7 @@ static int twb_main(int argc, char** argv, int sweep) {
     } else if (strcmp(a, "--dataflow") == 0) {
       /* The library reads it at every plan and context (plan.h, tw__dataflow_resolve); the ranks
        * spawned below inherit it. */
-      if (strcasecmp(v, "reduce") != 0 && strcasecmp(v, "add") != 0) { /* as the library reads */
+      if (tw__dataflow_parse(v) < 0) {
         fprintf(stderr, "tilewave: --dataflow must be reduce or add (got '%s')\n", v);
         return 2;
       }

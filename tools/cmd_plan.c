@@ -14,11 +14,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <time.h>
 
 #include "cli.h"
-#include "plan.h" /* tw__dataflow_resolve: the dataflow the plans were predicted for */
+#include "plan.h" /* the dataflow and schedule names, the dataflow the plans were predicted for */
 #include "tilewave.h"
 
 #define PLAN_MAX_MGB 4
@@ -178,24 +177,16 @@ static int parse_args(int argc, char** argv, plan_opts* o) {
     }
     if (strcmp(a, "--schedule") == 0) {
       NEED_VALUE;
-      if (strcasecmp(v, "auto") == 0)
-        o->schedule = TW_SCHEDULE_AUTO;
-      else if (strcasecmp(v, "remote-first") == 0)
-        o->schedule = TW_SCHEDULE_REMOTE_FIRST;
-      else if (strcasecmp(v, "expert-major") == 0)
-        o->schedule = TW_SCHEDULE_EXPERT_MAJOR;
-      else
+      o->schedule = tw__schedule_parse(v);
+      if (o->schedule < 0)
         return plan_bad(
             "--schedule: '%s' is not a schedule; use auto, remote-first or expert-major", v);
       continue;
     }
     if (strcmp(a, "--dataflow") == 0) {
       NEED_VALUE;
-      if (strcasecmp(v, "reduce") == 0)
-        o->dataflow = TW_DATAFLOW_REDUCE;
-      else if (strcasecmp(v, "add") == 0)
-        o->dataflow = TW_DATAFLOW_ADD;
-      else
+      o->dataflow = tw__dataflow_parse(v);
+      if (o->dataflow < 0)
         return plan_bad("--dataflow: '%s' is not a dataflow; use reduce or add", v);
       continue;
     }
@@ -445,7 +436,7 @@ int tw_cli_plan(int argc, char** argv) {
 
   int32_t dataflow = TW_DATAFLOW_REDUCE; /* resolved as tw_plan_create did (it succeeded) */
   tw__dataflow_resolve("tilewave plan", o.dataflow, &dataflow);
-  const char* dataflow_name = dataflow == TW_DATAFLOW_ADD ? "add" : "reduce";
+  const char* dataflow_name = tw__dataflow_name(dataflow);
   if (o.json) {
     printf(
         "{\"problem\": {\"model\": \"%s\", \"hidden\": %d, \"ffn\": %d, \"experts\": %d, "

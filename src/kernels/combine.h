@@ -77,7 +77,7 @@ typedef struct tw_consumer_args {
   uint32_t credit_target; /* epoch - 1 */
   int32_t debug_tags;
   /* The add dataflow (NULL: reduce): each row goes to out_offset + row_token[row] * row bytes of
-   * the owner's window, added (bulk copies only; no debug tags), after the owner's ready word
+   * the owner's window, added (bulk or register adds; no debug tags), after the owner's ready word
    * has reached credit_target. */
   const int32_t* row_token;
   uint64_t out_offset;

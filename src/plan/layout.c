@@ -442,8 +442,7 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
   return TW_SUCCESS;
 }
 
-/* TW_SCHEDULE's value: TW_SCHEDULE_* or -1 when it is not a schedule name. */
-static int32_t tw__schedule_parse(const char* s) {
+int32_t tw__schedule_parse(const char* s) {
   if (strcasecmp(s, "remote-first") == 0) return TW_SCHEDULE_REMOTE_FIRST;
   if (strcasecmp(s, "expert-major") == 0) return TW_SCHEDULE_EXPERT_MAJOR;
   if (strcasecmp(s, "auto") == 0) return TW_SCHEDULE_AUTO;

@@ -31,7 +31,7 @@
  * moves the band, so C CTAs share them), and reduce_us is the owner's weighted reduction (reads
  * every (token, k) row, writes every token) at mem_gbps. Under the add dataflow reduce_us = 0, and
  * the consumer's rates are those of its bulk adds: 0.89 and 0.90 of the stores' per CTA and at the
- * plateau, and per CTA at most one row per 0.2 us.
+ * plateau, and per CTA at most one row per TW_ADD_ROW_FLOOR_US (plan.h).
  *
  * The consumer is one pool: its CTAs claim units of every ready segment from one counter, so from
  * the moment segment s is ready, what is left (s and every later segment) takes the longer of what
@@ -920,8 +920,8 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
      * against 336-351 at the NVLink plateau). */
     m->hw.link_cta_gbps *= TW__ADD_CTA_SHARE;
     m->hw.link_peak_gbps *= TW__ADD_PEAK_SHARE;
-    /* One bulk add per row, issued by one thread per CTA: short rows are bound by the adds' rate,
-     * not the bytes (run 46, m-gpt's 1.5 KB rows: ~0.2 us a row at C 1). */
+    /* One bulk add per row: short rows are bound by the adds' rate, not the bytes (the SM's
+     * bulk-copy unit; TW_ADD_ROW_FLOOR_US a row per CTA, plan.h). */
     const double row_bytes = 2.0 * (double)plan->problem.hidden;
     if (row_bytes / (TW_ADD_ROW_FLOOR_US * 1e3) < m->hw.link_cta_gbps)
       m->hw.link_cta_gbps = row_bytes / (TW_ADD_ROW_FLOOR_US * 1e3);

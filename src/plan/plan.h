@@ -153,6 +153,13 @@ struct tw_plan {
  * one, else env TW_COMBINE_DATAFLOW (`reduce` or `add`) when set, else TW_DATAFLOW_REDUCE. A bad
  * value in either is TW_ERR_INVALID_ARGUMENT naming the fix (`what` leads the message). */
 tw_status tw__dataflow_resolve(const char* what, int32_t requested, int32_t* dataflow);
+/* Names as the environment and the command line spell them (case-blind): TW_DATAFLOW_REDUCE /
+ * TW_DATAFLOW_ADD for `reduce` / `add`, TW_SCHEDULE_* for `auto` / `remote-first` /
+ * `expert-major`; -1 for anything else. */
+int32_t tw__dataflow_parse(const char* name);
+int32_t tw__schedule_parse(const char* name);
+/* `add` or `reduce`. */
+const char* tw__dataflow_name(int32_t dataflow);
 
 /* Internal helpers shared by plan sources. */
 int32_t tw__resolve_tile_n(const tw_problem* p);

@@ -145,6 +145,16 @@ const char* tw_preset_name(int index) {
   return tw__presets[index].name;
 }
 
+int32_t tw__dataflow_parse(const char* name) {
+  if (strcasecmp(name, "reduce") == 0) return TW_DATAFLOW_REDUCE;
+  if (strcasecmp(name, "add") == 0) return TW_DATAFLOW_ADD;
+  return -1;
+}
+
+const char* tw__dataflow_name(int32_t dataflow) {
+  return dataflow == TW_DATAFLOW_ADD ? "add" : "reduce";
+}
+
 tw_status tw__dataflow_resolve(const char* what, int32_t requested, int32_t* dataflow) {
   TW_CHECK_NULL(dataflow);
   *dataflow = TW_DATAFLOW_REDUCE;
@@ -158,11 +168,8 @@ tw_status tw__dataflow_resolve(const char* what, int32_t requested, int32_t* dat
   const char* env = getenv("TW_COMBINE_DATAFLOW");
   int32_t from_env = TW_DATAFLOW_REDUCE;
   if (env != NULL && env[0] != '\0') {
-    if (strcasecmp(env, "reduce") == 0)
-      from_env = TW_DATAFLOW_REDUCE;
-    else if (strcasecmp(env, "add") == 0)
-      from_env = TW_DATAFLOW_ADD;
-    else
+    from_env = tw__dataflow_parse(env);
+    if (from_env < 0)
       return tw__fail(TW_ERR_INVALID_ARGUMENT,
                       "%s: TW_COMBINE_DATAFLOW=\"%s\"; set `reduce` or `add`, or unset it", what,
                       env);

@@ -207,6 +207,11 @@ static tw_status tw__sync_all(tw_context_t ctx) {
   return TW_SUCCESS;
 }
 
+/* The add dataflow's output buffer `buf` (0 or 1): its byte offset in every rank's window. */
+static uint64_t tw__out_offset(const struct tw_context* ctx, int buf) {
+  return ctx->lay.out + (uint64_t)buf * ctx->lay.out_bytes;
+}
+
 /* Zeroes every counter, the debug tags and the error record (not the receive rows), and the add
  * dataflow's output buffers (a failed call may have added into either). */
 static tw_status tw__zero_state(tw_context_t ctx) {
@@ -485,7 +490,7 @@ static tw_status tw__context_init(tw_context_t ctx) {
       return tw__fail(TW_ERR_INVALID_ARGUMENT,
                       "tw_context_create: ranks run different combine dataflows (%s here); give "
                       "every rank the same tw_context_config.dataflow / TW_COMBINE_DATAFLOW",
-                      ctx->dataflow == TW_DATAFLOW_ADD ? "add" : "reduce");
+                      tw__dataflow_name(ctx->dataflow));
   }
   /* TW_ADD_ZEROING=copy zeroes the next output buffer with this rank's copy engine, from the next
    * rank's zeros (a copy within one GPU is a kernel and would wait for the SMs: runs 42, 44). The
@@ -744,7 +749,7 @@ extern "C" tw_status tw_context_output(tw_context_t ctx, void** out) {
     return tw__fail(TW_ERR_STATE,
                     "tw_context_output: no call has added an output since the context was created "
                     "or reset");
-  *out = (char*)ctx->win_buf + ctx->lay.out + (uint64_t)ctx->out_buf * ctx->lay.out_bytes;
+  *out = (char*)ctx->win_buf + tw__out_offset(ctx, ctx->out_buf);
   return TW_SUCCESS;
 }
 
@@ -899,8 +904,7 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_device_plan_upload: the plan was predicted for the %s dataflow, the "
                     "context runs %s; set tw_plan_config.dataflow to the context's",
-                    plan->dataflow == TW_DATAFLOW_ADD ? "add" : "reduce",
-                    ctx->dataflow == TW_DATAFLOW_ADD ? "add" : "reduce");
+                    tw__dataflow_name(plan->dataflow), tw__dataflow_name(ctx->dataflow));
   int32_t tokens = 0;
   const int32_t* ids = NULL;
   const float* weights = NULL;
@@ -1088,7 +1092,7 @@ static tw_status tw__raise_ready(tw_context_t ctx, cudaStream_t stream, int buf)
  * producer's and consumer's SMs, run 42). A comm-only call (a timing mode: it has no producer)
  * zeroes with a memset after it has ended, so that its time is the consumer's alone. */
 static tw_status tw__zero_next_output(tw_context_t ctx, int buf, int after_call) {
-  char* dst = (char*)ctx->win_buf + ctx->lay.out + (uint64_t)buf * ctx->lay.out_bytes;
+  char* dst = (char*)ctx->win_buf + tw__out_offset(ctx, buf);
   const size_t bytes = (size_t)ctx->dirty_tokens[buf] * (size_t)ctx->problem.hidden * 2;
   TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_zero, after_call ? ctx->ev_call_done : ctx->ev_start, 0));
   if (after_call) {
@@ -1221,7 +1225,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   const int buf = (int)(ctx->epoch & 1);
   if (add) {
     ca.row_token = d->row_token;
-    ca.out_offset = ctx->lay.out + (uint64_t)buf * ctx->lay.out_bytes;
+    ca.out_offset = tw__out_offset(ctx, buf);
     g.row_weight = d->row_weight;
     g.add_out = (char*)ctx->win_buf + ca.out_offset;
     g.row_token = d->row_token;
@@ -1246,7 +1250,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
    * started) for the next call (unless TW_ADD_ZEROING=copy); a stream write after it sets ready. */
   const int zero_in_producer = add && ctx->zero_in_producer && mode != TW_COMBINE_COMM_ONLY;
   if (zero_in_producer) {
-    g.zero = (char*)ctx->win_buf + ctx->lay.out + (uint64_t)(buf ^ 1) * ctx->lay.out_bytes;
+    g.zero = (char*)ctx->win_buf + tw__out_offset(ctx, buf ^ 1);
     g.zero_vectors = ctx->dirty_tokens[buf ^ 1] * ctx->problem.hidden * 2 / 16;
   }
   /* S: producer first (co-residency), K: consumer after `start` (or after the producer). */
