@@ -31,7 +31,9 @@
  * moves the band, so C CTAs share them), and reduce_us is the owner's weighted reduction (reads
  * every (token, k) row, writes every token) at mem_gbps. Under the add dataflow reduce_us = 0, and
  * the consumer's rates are those of its bulk adds: 0.89 and 0.90 of the stores' per CTA and at the
- * plateau, and per CTA at most one row per TW_ADD_ROW_FLOOR_US (plan.h).
+ * plateau, and per CTA at most one row per TW_ADD_ROW_FLOOR_US (plan.h). The decision takes the
+ * argmin of T, then walks up its plateau: to the largest C whose T stays within TW_MODEL_PLATEAU
+ * of it at the same wave count (plan.h and tw__plateau_end say why).
  *
  * The consumer is one pool: its CTAs claim units of every ready segment from one counter, so from
  * the moment segment s is ready, what is left (s and every later segment) takes the longer of what
@@ -320,7 +322,9 @@ static TW__NOINLINE double tw__wave_term(const tw__seg_table* tb, int32_t s, dou
  * Once T is known to exceed `cutoff` (or, with `strict`, to reach it) it returns early with a
  * value above (at) `cutoff` (not T); DBL_MAX gives T exactly. probe_wave (0: none) names a wave
  * whose term is taken first; argmax_tile (may be NULL) receives the running last-tile index of
- * the segment whose term is the maximum (-1: the compute end is).
+ * the segment whose term is the maximum (-1: the compute end is). floor: the maximum starts at the
+ * larger of it and the compute end (0 gives T; a band's floor answers only whether T is within
+ * the band: the value is T where T is above the floor, the floor where it is not).
  *
  * The maximum starts at the compute end (T = max(F, compute end) + reduce, and max is exact in
  * floating point, so folding it in first changes no bit of T), then takes the last wave's term
@@ -335,7 +339,7 @@ static TW__NOINLINE double tw__wave_term(const tw__seg_table* tb, int32_t s, dou
  * is bit for bit the one the full loop gives. */
 static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_table* tb, int32_t c,
                                     double first, double cutoff, int strict, int32_t probe_wave,
-                                    int32_t* argmax_tile) {
+                                    int32_t* argmax_tile, double floor) {
   const int32_t p = m->prod[c];
   const size_t at = (size_t)tb->slot * ((size_t)m->hw.c_max + 1) + (size_t)c;
   const double tau = m->tau_us[at];
@@ -349,7 +353,7 @@ static TW__NOINLINE double tw__eval(const tw__model_tables* m, const tw__seg_tab
   const tw__seg_entry* seg = tb->seg;
   const int64_t last_wave = (int64_t)tb->last_tile / p + 1; /* wave of the last segment */
   const int64_t waves = m->waves[c];
-  double f = comp_end;
+  double f = comp_end > floor ? comp_end : floor;
   int32_t arg = -1;
   if (f + reduce > cutoff || (strict && f + reduce == cutoff)) return f + reduce;
   /* Probes: the last wave's term (the consumer's tail, the maximum on most compute-bound
@@ -665,7 +669,7 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
           if (tc == 0 || lb < tl) tl = lb, tc = c, tf = first;
         }
         bl = tl, lc = tc, li = i, lkey = tb->key;
-        bt = tw__eval(m, tb, tc, tf, DBL_MAX, 0, 0, &hint);
+        bt = tw__eval(m, tb, tc, tf, DBL_MAX, 0, 0, &hint, 0.0);
         bc = tc, bi = i, bkey = tb->key;
         c_end[i] = tw__scan_end(comp_min, reduce, bt, bc, c_lo, c_hi, &slot_bt[tb->slot],
                                 &slot_le[tb->slot], &slot_lt[tb->slot]);
@@ -692,7 +696,7 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
         if (n < TW__MAX_CANDS) {
           cand[n++] = (tw__cand){lb, first, c, i, tb->key, 0};
         } else { /* no room to order it: evaluate it now */
-          const double t = tw__eval(m, tb, c, first, bt, 0, 0, NULL);
+          const double t = tw__eval(m, tb, c, first, bt, 0, 0, NULL, 0.0);
           if (tw__better(t, c, tb->key, bt, bc, bkey)) bt = t, bc = c, bi = i, bkey = tb->key;
         }
       }
@@ -734,7 +738,7 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
     cand[j] = cand[--n], j = -1;
     /* A candidate that loses ties stops at a term that reaches bt. */
     const int strict = !tw__better(bt, x.c, x.key, bt, bc, bkey);
-    const double t = tw__eval(m, &m->t[x.table], x.c, x.first, bt, strict, x.wave, NULL);
+    const double t = tw__eval(m, &m->t[x.table], x.c, x.first, bt, strict, x.wave, NULL, 0.0);
     if (tw__better(t, x.c, x.key, bt, bc, bkey)) {
       bt = t, bc = x.c, bi = x.table, bkey = x.key;
       done = t == lb; /* T at its bound, which ranked first: no other can win */
@@ -761,12 +765,43 @@ static void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, uns
     cand[j] = cand[--n];
     /* A candidate that loses ties stops at a term that reaches bt. */
     const int strict = !tw__better(bt, x.c, x.key, bt, bc, bkey);
-    const double t = tw__eval(m, &m->t[x.table], x.c, x.first, bt, strict, x.wave, NULL);
+    const double t = tw__eval(m, &m->t[x.table], x.c, x.first, bt, strict, x.wave, NULL, 0.0);
     if (tw__better(t, x.c, x.key, bt, bc, bkey)) bt = t, bc = x.c, bi = x.table, bkey = x.key;
   }
   *best_c = bc;
   *best_table = bi;
   *best_t = bt;
+}
+
+/* The plateau walk (plan.h, TW_MODEL_PLATEAU): from the best candidate (*c, *t) up through the
+ * C of its table whose T stays within the band and whose next C still has the best's wave count
+ * (a wave step's place is uncertain by a C: ranks differ by a few tiles), so the walk never takes
+ * the last C before a step. *c and *t become the last one reached. Each step stops at its first
+ * term above the band; the compute end's suffix minimum ends the walk where no larger C can be
+ * within it. */
+static void tw__plateau_end(const tw__model_tables* m, int32_t table, int32_t c_hi, int32_t* c,
+                            double* t) {
+  const tw__seg_table* tb = &m->t[table];
+  const double* comp_min = m->comp_min + (size_t)tb->slot * ((size_t)m->hw.c_max + 1);
+  const double reduce = m->reduce_us;
+  const double band = *t * (1.0 + TW_MODEL_PLATEAU);
+  const int32_t waves = m->waves[*c];
+  int32_t top = *c;
+  double top_first = 0.0;
+  for (int32_t x = *c + 1; x < c_hi && m->waves[x + 1] == waves; x++) {
+    if (comp_min[x] + reduce > band) break; /* here and beyond */
+    double first;
+    tw__first_terms(m, tb, x, x, &first);
+    if (first + reduce > band) break;
+    /* Whether T <= band, not T itself: the maximum starts at the band (less the reduction), so
+     * that the terms below it are skipped. */
+    if (tw__eval(m, tb, x, first, band, 0, 0, NULL, (band - reduce) * TW__SKIP_SLACK) > band) break;
+    top = x, top_first = first;
+  }
+  if (top != *c) {
+    *c = top;
+    *t = tw__eval(m, tb, top, top_first, DBL_MAX, 0, 0, NULL, 0.0);
+  }
 }
 
 /* The table of (schedule, mgb), or -1. */
@@ -1064,6 +1099,7 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
   int32_t c = 0, ti = -1;
   double t = 0.0;
   tw__solve(m, c_lo, c_hi, use, &c, &ti, &t);
+  if (c > 0 && ti >= 0 && !fixed_c) tw__plateau_end(m, ti, c_hi, &c, &t);
   const double t1 = tw__now_seconds();
 
   if (c == 0 || ti < 0)
@@ -1103,7 +1139,7 @@ tw_status tw__model_predict(const struct tw_plan* plan, int32_t schedule, int32_
                     coalesce, schedule, plan->coalesce, plan->schedule);
   double first[1];
   tw__first_terms(m, &m->t[i], comm_ctas, comm_ctas, first);
-  *t_us = tw__eval(m, &m->t[i], comm_ctas, first[0], DBL_MAX, 0, 0, NULL);
+  *t_us = tw__eval(m, &m->t[i], comm_ctas, first[0], DBL_MAX, 0, 0, NULL, 0.0);
   return TW_SUCCESS;
 }
 

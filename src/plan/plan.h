@@ -188,6 +188,19 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule);
  * on run 55's add oracle (9 top-2 points, the lanes' consumer): 0.15 / 0.18 / 0.2 / 0.25 us gave
  * mean regret 1.46 / 1.29 / 1.61 / 1.32%, max 4.23% each (model.c, tw__model_prepare). */
 #define TW_ADD_ROW_FLOOR_US 0.18
+/* The decision's plateau: from the best candidate, the model goes up in C while T stays within
+ * this share of the best's and the next C keeps the best's wave count, and takes the last C
+ * reached (model.c, tw__plateau_end). T is flat where more consumer CTAs leave the producer's
+ * wave count as it is; measured, the call still gets faster there (the consumer's tail after the
+ * last wave shortens, and on memory-heavy tiles fewer tiles at once share the L2: m-bert 4096
+ * stress skew, C 4 -> 20, producer end -7 us, consumer tail -5 us, run 61). The last C before a
+ * step is never taken: where the ranks' tile counts differ by a few, one rank's step is a C
+ * earlier than another's. Replayed on the full oracle matrices of runs 57 / 35 / 33 / 22 (each
+ * rank's choice, the cell at the slowest rank's, dev/model/plateau.py): mean regret 0.65 / 0.72 /
+ * 0.76 / 0.78% -> 0.48 / 0.58 / 0.55 / 0.58%, max 5.19 / 5.06 / 5.78 / 6.43% -> 3.15 / 3.74 / 3.63
+ * / 2.99%. 0.01 and 0.015 had a higher mean on all four (and maxima up to 5.11%), 0.03 reached
+ * 7.7-8.5% at one point. */
+#define TW_MODEL_PLATEAU 0.02
 /* The tile group (plan->tile_group): env TW_TILE_GROUP (1 to 64), else TW_TILE_GROUP_DEFAULT.
  * Planner (layout.c). */
 tw_status tw__tile_group_resolve(int32_t* tile_group);

@@ -315,13 +315,35 @@ static int tabulated(tw_plan_t plan, int32_t schedule) {
   return schedule == plan->schedule || plan->schedule_request == TW_SCHEDULE_AUTO;
 }
 
-/* The best candidate by the model's rules (T, then C, then the smaller mgb, then expert-major, or
- * remote-first where every local expert's weights fit in half the L2) over every tabulated
- * schedule, C in 1..c_max and mgb in mgb_list. */
+/* The model's choice by its rules: the best candidate (T, then C, then the smaller mgb, then
+ * expert-major, or remote-first where every local expert's weights fit in half the L2) over every
+ * tabulated schedule, C in 1..c_max and mgb in mgb_list, then the plateau walk from it. */
 typedef struct best_cand {
   double t;
   int32_t c, mgb, schedule;
 } best_cand;
+
+/* The producer's waves at C: ceil(tiles / P(C)). */
+static int64_t ref_waves(tw_plan_t plan, int32_t c) {
+  const tw_hardware* hw = &plan->hardware;
+  const int64_t p = (int64_t)hw->occ_comp * (hw->sm_count - (c + hw->occ_comm - 1) / hw->occ_comm);
+  return (plan->num_tiles + p - 1) / p;
+}
+
+/* The plateau walk on b's table (plan.h, TW_MODEL_PLATEAU): up from b.c while T stays within the
+ * band and the next C keeps b's wave count; the last C reached, with its T. */
+static best_cand plateau_walk(tw_plan_t plan, best_cand b) {
+  const double band = b.t * (1.0 + TW_MODEL_PLATEAU);
+  const int64_t waves = ref_waves(plan, b.c);
+  best_cand top = b;
+  for (int32_t x = b.c + 1; x < plan->hardware.c_max && ref_waves(plan, x + 1) == waves; x++) {
+    double t = 0;
+    CHECK_OK(tw__model_predict(plan, b.schedule, x, b.mgb, &t));
+    if (t > band) break;
+    top.c = x, top.t = t;
+  }
+  return top;
+}
 
 static best_cand argmin_all(tw_plan_t plan, const int32_t* mgb_list, int n_mgb) {
   best_cand b = {0, 0, 0, 0};
@@ -344,7 +366,7 @@ static best_cand argmin_all(tw_plan_t plan, const int32_t* mgb_list, int n_mgb) 
         }
       }
   }
-  return b;
+  return plateau_walk(plan, b);
 }
 
 static tw_status make_plan(const char* preset, int32_t world, int32_t tokens, tw_router router,
@@ -460,7 +482,8 @@ static void test_real_plans_explicit_and_off(void) {
 }
 
 /* An explicit coalescing factor outside {1, 2, 4} (3, 24, 64: few long segments): the prediction
- * equals the segment-by-segment reference at every C. */
+ * equals the segment-by-segment reference at every C, and the choice is the walk from the
+ * argmin. */
 static void test_large_explicit_coalesce(void) {
   const int32_t mgb_values[3] = {3, 24, 64};
   for (int i = 0; i < 3; i++) {
@@ -481,7 +504,9 @@ static void test_large_explicit_coalesce(void) {
              mgb_values[i], c, fast, plain);
       if (best_c == 0 || fast < best) best = fast, best_c = c;
     }
-    CHECK(plan->comm_ctas == best_c && plan->predicted_us == best);
+    const best_cand b =
+        plateau_walk(plan, (best_cand){best, best_c, mgb_values[i], plan->schedule});
+    CHECK(plan->comm_ctas == b.c && plan->predicted_us == b.t);
     tw_plan_destroy(plan);
   }
 }
