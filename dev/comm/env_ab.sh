@@ -83,18 +83,21 @@ if missing:
     sys.exit("no results for arm(s) %s: see the ab-*.md files" % ", ".join(missing))
 head = "| tokens/rank | N | E | C | " + " | ".join("%s us" % n for n in names)
 head += " | " + " | ".join("%s / %s" % (n, base) for n in names[1:])
+head += " | producer end, " + " / ".join(names) + " us"
 head += " | consumer - producer end, " + " / ".join(names) + " us |"
 print(head)
-print("|" + " ---: |" * (4 + 2 * len(names) - 1) + " --- |")
+print("|" + " ---: |" * (4 + 2 * len(names) - 1) + " --- | --- |")
 logs = {n: 0.0 for n in names[1:]}
 for key, arms in runs.items():
     med = {a: statistics.median(q["ours_us"] for q in arms[a]) for a in names}
     gap = {a: statistics.median(q["phases_us"]["consumer_end"] - q["phases_us"]["producer_end"]
                                 for q in arms[a]) for a in names}
+    pend = {a: statistics.median(q["phases_us"]["producer_end"] for q in arms[a]) for a in names}
     cells = ["%.1f" % med[a] for a in names] + ["%.4f" % (med[a] / med[base]) for a in names[1:]]
     for a in names[1:]:
         logs[a] += math.log(med[a] / med[base])
     print("| %d | %d | %d | %d | " % (*key, arms[base][0]["comm_ctas"]) + " | ".join(cells) +
+          " | " + " / ".join("%.1f" % pend[a] for a in names) +
           " | " + " / ".join("%+.1f" % gap[a] for a in names) + " |")
 for a in names[1:]:
     print("\ngeometric mean %s / %s %.4f over %d points" % (a, base, math.exp(logs[a] / len(runs)),
