@@ -193,7 +193,7 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule);
  * reached (model.c, tw__plateau_end). T is flat where more consumer CTAs leave the producer's
  * wave count as it is; measured, the call still gets faster there (the consumer's tail after the
  * last wave shortens, and on memory-heavy tiles fewer tiles at once share the L2: m-bert 4096
- * stress skew, C 4 -> 20, producer end -7 us, consumer tail -5 us, run 61). The last C before a
+ * stress skew, C 4 -> 20, producer end -6 us, consumer tail -5 us, run 61). The last C before a
  * step is never taken: where the ranks' tile counts differ by a few, one rank's step is a C
  * earlier than another's. Replayed on the full oracle matrices of runs 57 / 35 / 33 / 22 (each
  * rank's choice, the cell at the slowest rank's, dev/model/plateau.py): mean regret 0.65 / 0.72 /
