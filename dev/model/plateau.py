@@ -18,19 +18,15 @@ import gzip
 import json
 import math
 import statistics
-import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
-from points import shape_args
+from points import plan_ranks
 
 SMS = 132  # the built-in H200's SM count (P = SMS - C with one CTA per SM)
 
 
 def rank_curves(tw, p, seed, dataflow):
-    args = [tw, "plan", "--tokens", str(p["tokens_per_rank"]), "--router", p["router"], "--seed",
-            str(seed), "--json", "--all-ranks", "--dataflow", dataflow]
-    args += shape_args(p["workload"], p["hidden"], p["ffn"], p["experts"], p["top_k"])
-    ranks = json.loads(subprocess.run(args, capture_output=True, text=True, check=True).stdout)["ranks"]
+    ranks = plan_ranks(tw, p, seed, "--all-ranks", "--dataflow", dataflow)
     # predicted_us_by_c[c - 1][j]: column j is mgb 1 (the first of the listed mgbs)
     return [(r["tiles"], [row[r["mgb"].index(1)] for row in r["predicted_us_by_c"]]) for r in ranks]
 

@@ -1,4 +1,6 @@
 """What the model scripts share: how a matrix point's shape is given to `tilewave plan`."""
+import json
+import subprocess
 
 PRESETS = {"granite-3.1-1b-a400m", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "m-gpt", "m-bert",
            "m-trans-xl"}
@@ -15,3 +17,12 @@ def shape_args(workload, hidden, ffn, experts, top_k):
 def family(workload):
     """The point's workload for per-family summaries: a preset's name, else "grid"."""
     return workload if workload in PRESETS else "grid"
+
+
+def plan_ranks(tw, p, seed, *extra):
+    """`tilewave plan --json` for a matrix point (its routing seed, extra flags): the ranks' list."""
+    args = [tw, "plan", "--tokens", str(p["tokens_per_rank"]), "--router", p["router"], "--seed",
+            str(seed), "--json", *extra]
+    args += shape_args(p["workload"], p["hidden"], p["ffn"], p["experts"], p["top_k"])
+    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
+    return json.loads(out)["ranks"]

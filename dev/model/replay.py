@@ -12,6 +12,9 @@ Caveats (the output counts only the points it could not look up): the grid cells
 in the schedule the model of the run chose for each mgb, so a point whose schedule choice changes is looked up in the other
 schedule's cells only where the run measured it (the model's own (C, mgb)), else counted apart;
 ranks that chose differently are approximated by rank 0; regret is against the run's oracle.
+Since the plateau walk (docs/model.md) rank 0, the cold rank of a skewed routing, walks to far
+larger C than the slowest rank, and its cell (every rank at that C) overstates the call: for a
+model change read `plateau.py`'s lookup (the slowest rank's choice) beside this one.
 
 --symmetric compares old and new choices alike: rank 0's (C, mgb) is looked up in the grid cells
 (every rank at that C), also where it is the run's own choice, whose measured cell ran each rank
@@ -25,20 +28,13 @@ import argparse
 import gzip
 import json
 import statistics
-import subprocess
 import sys
 
-from points import family, shape_args
+from points import family, plan_ranks
 
 
 def plan(tw, p, seed, calibration):
-    args = [tw, "plan", "--tokens", str(p["tokens_per_rank"]), "--router", p["router"], "--seed",
-            str(seed), "--json"]
-    args += shape_args(p["workload"], p["hidden"], p["ffn"], p["experts"], p["top_k"])
-    if calibration:
-        args += ["--calibration", calibration]
-    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
-    return json.loads(out)["ranks"][0]
+    return plan_ranks(tw, p, seed, *(["--calibration", calibration] if calibration else []))[0]
 
 
 def main():
