@@ -185,6 +185,9 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
       }
     r += m[e];
   }
+  /* Rows the tiles compute per column over the layout's rows: at equal speed per tile, the bound
+   * on ours / concat that the experts' partial last bands set. */
+  const double tile_rows = (double)tiles.size() * tm / col_tiles / sh.rows;
   const size_t a_elems = (size_t)sh.rows * sh.k, b_elems = (size_t)sh.experts * sh.n * sh.k;
   const size_t c_elems = (size_t)sh.rows * sh.n;
   __nv_bfloat16 *A = nullptr, *B = nullptr, *C = nullptr, *Cref = nullptr;
@@ -286,9 +289,12 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   auto ours = [&]() -> int { return tw__gemm_launch(&g, s) == TW_SUCCESS ? 0 : -1; };
   auto ours_sig = [&]() -> int { return tw__gemm_launch(&g_sig, s) == TW_SUCCESS ? 0 : -1; };
 
-  /* Correctness of this very configuration: ours vs the per-expert loop. */
+  /* Correctness of this very configuration: ours vs the per-expert loop, over an output first
+   * filled with a large finite value (bf16 0x7f7f), so that a row left unwritten counts as
+   * wrong. */
   unsigned long long nwrong = 0;
   if (o.check) {
+    BENCH_CUDA(cudaMemsetAsync(C, 0x7f, c_elems * 2, s));
     if (loop() != 0 || ours() != 0) {
       fprintf(stderr, "bench gemm: reference or kernel failed: %s\n", tw_last_error());
       return -1;
@@ -310,10 +316,10 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   auto tf = [&](double us) { return us > 0 ? flop / us * 1e-6 : 0.0; };
   printf(
       "| %5d | %4d | %4d | %2d | %3d | %7.1f %5.0f | %7.1f %+5.1f%% | %7.1f %5.0f | %7.1f %5.0f "
-      "| %7.1f %5.0f | %5.2f | %5.2f | %llu |\n",
+      "| %7.1f %5.0f | %5.2f | %5.3f | %5.2f | %llu |\n",
       sh.rows, sh.k, sh.n, sh.experts, tn, t_ours, tf(t_ours), t_sig,
       100.0 * (t_sig - t_ours) / t_ours, t_loop, tf(t_loop), t_grp, tf(t_grp), t_cat, tf(t_cat),
-      t_cat / t_ours, t_loop / t_ours, nwrong);
+      t_cat / t_ours, tile_rows, t_loop / t_ours, nwrong);
   fflush(stdout);
   cudaFree(A);
   cudaFree(B);
@@ -337,6 +343,8 @@ void usage(FILE* f) {
       "of 2 ranks, balanced top-2 routing (rows include its padding); --even: rows/E each.\n"
       "--delay-us U: U us of a nearly idle device before each timed call (as `tilewave\n"
       "bench` does, default 300 there); 0 (default): the calls back to back, a sustained load.\n"
+      "tile rows / rows: rows the tiles compute per column over the layout's rows (at equal\n"
+      "speed per tile, the bound that the experts' partial last bands put on ours / concat).\n"
       "--variant V: producer version (src/kernels/sm90_gemm.cu; default env TW_GEMM_VARIANT,\n"
       "else 0, the library's choice).\n");
 }
@@ -431,9 +439,9 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
       o.reps, o.delay_us);
   printf(
       "| rows | K | N | E | tn | ours us TF/s | +signals us, cost | cuBLAS loop us TF/s | "
-      "cuBLAS grouped us TF/s | cuBLAS concat us TF/s | ours/concat | speedup vs loop | "
-      "#wrong |\n");
-  printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+      "cuBLAS grouped us TF/s | cuBLAS concat us TF/s | ours/concat | tile rows / rows | "
+      "speedup vs loop | #wrong |\n");
+  printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   int rc = 0;
   for (const Shape& sh : shapes) {
     int r = bench_shape(sh, o, h, s);
