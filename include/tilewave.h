@@ -304,10 +304,12 @@ typedef struct tw_plan_summary {
   int32_t schedule;     /* the plan's tw_schedule (REMOTE_FIRST or EXPERT_MAJOR, never AUTO) */
   double gemm_us;       /* model's GEMM alone on every SM: max(compute waves, memory traffic)
                            plus the exposed part of second weight reads (refetch_exposure) */
+  int32_t dataflow;     /* the tw_combine_dataflow the plan was predicted for (REDUCE or ADD,
+                           never DEFAULT) */
 } tw_plan_summary;
 
-/* Fills `summary`. This struct has no size field: schedule and gemm_us were appended, so a caller
- * built against an earlier tilewave.h must be rebuilt before it calls this. */
+/* Fills `summary`. This struct has no size field: schedule, gemm_us and dataflow were appended,
+ * so a caller built against an earlier tilewave.h must be rebuilt before it calls this. */
 tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary);
 
 /* Model prediction for one candidate (C, mgb) of this plan (its schedule), in microseconds. */

@@ -156,7 +156,7 @@ class _CPlanSummary(ctypes.Structure):
                 ("segments", ctypes.c_int64), ("send_bytes", ctypes.c_int64),
                 ("predicted_us", ctypes.c_double), ("sequential_us", ctypes.c_double),
                 ("solve_us", ctypes.c_double), ("schedule", ctypes.c_int32),
-                ("gemm_us", ctypes.c_double)]
+                ("gemm_us", ctypes.c_double), ("dataflow", ctypes.c_int32)]
 
 
 class _CTpWorkload(ctypes.Structure):
@@ -535,7 +535,7 @@ class Plan(_Owned):
     def summary(self):
         """dict: rank, comm_ctas, coalesce, rows, padding_rows, tiles, remote_tiles, bands,
         segments, send_bytes, predicted_us, sequential_us, solve_us, schedule (1 remote-first,
-        2 expert-major), gemm_us."""
+        2 expert-major), gemm_us, dataflow (1 reduce, 2 add)."""
         s = _CPlanSummary()
         _check(_load().tw_plan_summary_get(self._handle(), ctypes.byref(s)))
         return {name: getattr(s, name) for name, _ in _CPlanSummary._fields_}

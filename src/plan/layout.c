@@ -633,5 +633,6 @@ tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary) {
   summary->solve_us = plan->solve_us;
   summary->schedule = plan->schedule;
   summary->gemm_us = plan->gemm_us;
+  summary->dataflow = plan->dataflow;
   return TW_SUCCESS;
 }

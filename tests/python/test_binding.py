@@ -282,6 +282,7 @@ class TestPlanAndModel(unittest.TestCase):
         add_plan = tw.Plan(p, routing, 0, comm_ctas=4, coalesce=1, schedule="remote-first",
                            dataflow="add")
         r, a = reduce_plan.summary, add_plan.summary
+        self.assertEqual((r["dataflow"], a["dataflow"]), (1, 2))
         # The sequential baseline is the same; ours differs (no reduction, slower adds).
         self.assertEqual(r["sequential_us"], a["sequential_us"])
         self.assertNotEqual(r["predicted_us"], a["predicted_us"])

@@ -873,6 +873,7 @@ static void test_hand_example(void) {
     CHECK(s.rank == 1 && s.rows == 105 && s.padding_rows == 0 && s.bands == 3);
     CHECK(s.tiles == 3 && s.remote_tiles == 2 && s.segments == 2 && s.send_bytes == 100 * 128);
     CHECK(s.coalesce == 4);
+    CHECK(s.dataflow == p1->dataflow && s.dataflow != TW_DATAFLOW_DEFAULT);
   }
   tw_plan_destroy(p0);
   tw_plan_destroy(p1);
