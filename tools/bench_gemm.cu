@@ -29,6 +29,11 @@
 
 namespace {
 
+/* The five timed calls, in the order they run within a rep and print in a row. */
+enum Call { kOurs, kOursSignals, kLoop, kGrouped, kConcat, kNumCalls };
+static const char* const kCallNames[kNumCalls] = {"ours", "signals", "loop", "grouped", "concat"};
+static const unsigned kAllCalls = (1u << kNumCalls) - 1;
+
 struct BenchOpts {
   int rows = 0, k = 0, n = 0, experts = 0; /* one shape; 0 = the default grid */
   int tm = 128, tn = 0; /* tn 0: the planner's choice (256 for N >= 2048, else 128); with
@@ -39,6 +44,7 @@ struct BenchOpts {
   int delay_us = 0; /* device idle (a one-thread spin) before each timed call, outside its time */
   int check = 1;
   int plan = 1; /* 1: the planner's layout (2 ranks, balanced top-2, rank 0); 0: even split */
+  unsigned only = kAllCalls; /* which of the five calls to time (--only) */
 };
 
 struct Shape {
@@ -303,23 +309,45 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
     bench_compare<<<1024, 256, 0, s>>>(C, Cref, c_elems, 1e-2f, wrong);
     BENCH_CUDA(cudaMemcpy(&nwrong, wrong, 8, cudaMemcpyDeviceToHost));
   }
-  /* All five interleaved rep by rep (ours, ours + signals, then the cuBLAS baselines). */
-  std::vector<std::function<int()>> fns = {ours, ours_sig, loop, grouped, concat};
-  std::vector<double> us;
-  if (!time_interleaved(fns, o.warmup, o.reps, o.delay_us, s, us)) {
+  /* The chosen calls (all five by default) interleaved rep by rep, in Call order. */
+  const std::function<int()> all[kNumCalls] = {ours, ours_sig, loop, grouped, concat};
+  std::vector<std::function<int()>> fns;
+  for (int c = 0; c < kNumCalls; c++)
+    if (o.only >> c & 1) fns.push_back(all[c]);
+  std::vector<double> timed;
+  if (!time_interleaved(fns, o.warmup, o.reps, o.delay_us, s, timed)) {
     fprintf(stderr, "bench gemm: a timed call failed: %s\n", tw_last_error());
     return -1;
   }
-  const double t_ours = us[0], t_sig = us[1], t_loop = us[2], t_grp = us[3], t_cat = us[4];
+  double us[kNumCalls] = {0}; /* 0: not timed (--only), printed as "-" */
+  for (int c = 0, i = 0; c < kNumCalls; c++)
+    if (o.only >> c & 1) us[c] = timed[i++];
   BENCH_CUDA(cudaStreamSynchronize(s));
   const double flop = 2.0 * sh.rows * (double)sh.n * sh.k;
-  auto tf = [&](double us) { return us > 0 ? flop / us * 1e-6 : 0.0; };
-  printf(
-      "| %5d | %4d | %4d | %2d | %3d | %7.1f %5.0f | %7.1f %+5.1f%% | %7.1f %5.0f | %7.1f %5.0f "
-      "| %7.1f %5.0f | %5.2f | %5.3f | %5.2f | %llu |\n",
-      sh.rows, sh.k, sh.n, sh.experts, tn, t_ours, tf(t_ours), t_sig,
-      100.0 * (t_sig - t_ours) / t_ours, t_loop, tf(t_loop), t_grp, tf(t_grp), t_cat, tf(t_cat),
-      t_cat / t_ours, tile_rows, t_loop / t_ours, nwrong);
+  char cell[kNumCalls][32], vs_concat[16], vs_loop[16], wrong_s[24];
+  for (int c = 0; c < kNumCalls; c++) {
+    if (c == kOursSignals && us[c] > 0 && us[kOurs] > 0)
+      snprintf(cell[c], sizeof cell[c], "%7.1f %+5.1f%%", us[c],
+               100.0 * (us[c] - us[kOurs]) / us[kOurs]);
+    else if (c == kOursSignals)
+      snprintf(cell[c], sizeof cell[c], "%14s", "-");
+    else if (us[c] > 0)
+      snprintf(cell[c], sizeof cell[c], "%7.1f %5.0f", us[c], flop / us[c] * 1e-6);
+    else
+      snprintf(cell[c], sizeof cell[c], "%13s", "-");
+  }
+  auto speedup = [&](char* dst, size_t len, Call base) {
+    if (us[kOurs] > 0 && us[base] > 0)
+      snprintf(dst, len, "%5.2f", us[base] / us[kOurs]);
+    else
+      snprintf(dst, len, "%5s", "-");
+  };
+  speedup(vs_concat, sizeof vs_concat, kConcat);
+  speedup(vs_loop, sizeof vs_loop, kLoop);
+  snprintf(wrong_s, sizeof wrong_s, o.check ? "%llu" : "-", nwrong);
+  printf("| %5d | %4d | %4d | %2d | %3d | %s | %s | %s | %s | %s | %s | %5.3f | %s | %s |\n",
+         sh.rows, sh.k, sh.n, sh.experts, tn, cell[kOurs], cell[kOursSignals], cell[kLoop],
+         cell[kGrouped], cell[kConcat], vs_concat, tile_rows, vs_loop, wrong_s);
   fflush(stdout);
   cudaFree(A);
   cudaFree(B);
@@ -338,6 +366,7 @@ void usage(FILE* f) {
       "usage: tilewave bench gemm [--rows R --k K --n N --experts E] [--tm 128] [--tn 0]\n"
       "                           [--grid P] [--variant V] [--reps 20] [--warmup 3] "
       "[--delay-us 0] [--no-check] [--even]\n"
+      "                           [--only ours,signals,loop,grouped,concat]\n"
       "Without a shape, runs the default grid: rows 16384 and 32768, K 2048, N 4096 and\n"
       "8192, E 4..64, and rows 8192, K 1408, N 2048, E 30. Layout: the planner's for rank 0\n"
       "of 2 ranks, balanced top-2 routing (rows include its padding); --even: rows/E each.\n"
@@ -346,10 +375,27 @@ void usage(FILE* f) {
       "tile rows / rows: rows the tiles compute per column over the layout's rows (at equal\n"
       "speed per tile, the bound that the experts' partial last bands put on ours / concat).\n"
       "--variant V: producer version (src/kernels/sm90_gemm.cu; default env TW_GEMM_VARIANT,\n"
-      "else 0, the library's choice).\n");
+      "else 0, the library's choice).\n"
+      "--only LIST: time only these calls (the others print \"-\"), e.g. `--only ours,concat`\n"
+      "to profile one kernel of each under Nsight Compute; the check still runs the loop.\n");
 }
 
 }  // namespace
+
+/* "ours,concat" -> the mask of those calls; false on an unknown or empty name. */
+static bool parse_only(const char* list, unsigned* mask) {
+  *mask = 0;
+  for (const char* p = list; *p;) {
+    const char* end = strchr(p, ',');
+    size_t len = end ? (size_t)(end - p) : strlen(p);
+    int c = 0;
+    while (c < kNumCalls && !(strlen(kCallNames[c]) == len && !strncmp(p, kCallNames[c], len))) c++;
+    if (c == kNumCalls) return false;
+    *mask |= 1u << c;
+    p += len + (end != nullptr);
+  }
+  return *mask != 0;
+}
 
 extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
   BenchOpts o;
@@ -367,6 +413,15 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
       return 0;
     } else if (!strcmp(a, "--no-check")) {
       o.check = 0;
+      continue;
+    } else if (!strcmp(a, "--only") && has) {
+      if (!parse_only(argv[++i], &o.only)) {
+        fprintf(stderr,
+                "bench gemm: --only '%s': give a comma-separated subset of "
+                "ours,signals,loop,grouped,concat\n",
+                argv[i]);
+        return 2;
+      }
       continue;
     } else if (!strcmp(a, "--even")) {
       o.plan = 0;
