@@ -173,22 +173,34 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   }
   const int col_tiles = (sh.n + tn - 1) / tn;
   /* Even layout: expert e gets rows/E rows (the first rows % E experts one more), back to
-   * back; the schedule walks experts in order, band by band, all column tiles of a band
-   * together (one pass over each expert's weights). */
+   * back, one pass over each expert's weights. Its tiles follow the planner's order rules
+   * (layout.c): groups of up to tile_group bands of one expert, column by column, the direction
+   * of the columns alternating from group to group, so that --even differs from the planned
+   * layout only in its rows (and in having no remote bands). */
+  int group = 1;
+  if (!o.plan && tw__tile_group_resolve(&group) != TW_SUCCESS) {
+    fprintf(stderr, "bench gemm: %s\n", tw_last_error());
+    return -1;
+  }
   for (int e = 0; e < sh.experts && !o.plan; e++) {
     m[e] = sh.rows / sh.experts + (e < sh.rows % sh.experts);
     row0[e] = r;
-    for (int i = 0; i < m[e]; i += tm, bands++)
-      for (int c = 0; c < col_tiles; c++) {
-        tw_tile t;
-        memset(&t, 0, sizeof t);
-        t.row0 = r + i;
-        t.rows = std::min(tm, m[e] - i);
-        t.expert = e;
-        t.col0 = c * tn;
-        t.band = bands;
-        tiles.push_back(t);
-      }
+    const int nb = (m[e] + tm - 1) / tm;
+    for (int b = 0, flip = 0; b < nb; b += group, flip = !flip) {
+      const int g = std::min(group, nb - b);
+      for (int c = 0; c < col_tiles; c++)
+        for (int j = b; j < b + g; j++) {
+          tw_tile t;
+          memset(&t, 0, sizeof t);
+          t.row0 = r + j * tm;
+          t.rows = std::min(tm, m[e] - j * tm);
+          t.expert = e;
+          t.col0 = (flip && group > 1 ? col_tiles - 1 - c : c) * tn;
+          t.band = bands + j;
+          tiles.push_back(t);
+        }
+    }
+    bands += nb;
     r += m[e];
   }
   /* Rows the tiles compute per column over the layout's rows: at equal speed per tile, the bound

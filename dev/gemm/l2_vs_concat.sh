@@ -24,21 +24,26 @@ for shape in "${shapes[@]}"; do
   # Ours: the producer's second launch (the first is the warm-up). Concat: every launch of
   # `--only concat` (the two input fills, then cuBLAS's calls); the table keeps the longest one
   # that is not the bench's own. ncu flushes the caches before each profiled launch (its default
-  # --cache-control all).
-  timeout 300 ncu --kernel-name regex:tw_gemm --launch-skip 1 --launch-count 1 --metrics "$metrics" \
+  # --cache-control all). --clock-control none: the clocks the application gets (ncu's default locks
+  # them at base, where the device memory is relatively faster and the many-expert points look
+  # better than in bench gemm: run 64).
+  timeout 300 ncu --clock-control none --kernel-name regex:tw_gemm --launch-skip 1 --launch-count 1 --metrics "$metrics" \
     --section LaunchStats \
     --csv --log-file "$OUT/ncu-$i-ours.csv" "$TW" bench gemm "${opts[@]}" --only ours --reps 1 \
     --warmup 1 --no-check >"$OUT/ncu-$i-ours.log" 2>&1
   echo "shape $i ($shape) ours: exit $? $(date -u +%T)"
-  timeout 300 ncu --metrics "$metrics" --section LaunchStats --csv \
+  timeout 300 ncu --clock-control none --metrics "$metrics" --section LaunchStats --csv \
     --log-file "$OUT/ncu-$i-concat.csv" "$TW" bench gemm "${opts[@]}" --only concat --reps 1 \
     --warmup 1 --no-check >"$OUT/ncu-$i-concat.log" 2>&1
   echo "shape $i ($shape) concat: exit $? $(date -u +%T)"
   i=$((i + 1))
 done
 python3 - "$OUT" "$SHAPES" <<'PY'
-import csv, os, sys
+import csv, os, re, sys
 out, shapes = sys.argv[1], sys.argv[2].split(";")
+def label(shape):
+    """'--rows 16384 --k 2048 --n 4096 --experts 64 --even' -> '16384 2048 4096 64 even'."""
+    return re.sub(r"--(rows|k|n|experts) ", "", shape).replace("--", "").strip()
 def longest_launch(path):
     """The metrics of the longest profiled launch that is not the bench's own (bench_*) in one
     ncu --csv log: kernel name, {(metric, unit): value}, how many such launches there were."""
@@ -61,12 +66,12 @@ cols, table = [], {}
 for i, shape in enumerate(shapes):
     for who in ("ours", "concat"):
         kernel, vals, n = longest_launch(os.path.join(out, "ncu-%d-%s.csv" % (i, who)))
-        col = "%s: %s" % (" ".join(shape.split()[1::2]), who)
+        col = "%s: %s" % (label(shape), who)
         cols.append(col)
         print("%s = %s (of %d launches)" % (col, kernel[:90], n), file=sys.stderr)
         for k, v in vals.items():
             table.setdefault(k, {})[col] = v
-print("columns: rows K N E, then whose kernel\n")
+print("columns: rows K N E (and any other bench gemm option), then whose kernel\n")
 print("| metric | unit | " + " | ".join(cols) + " |")
 print("| --- | --- |" + " ---: |" * len(cols))
 for (m, u), by in sorted(table.items()):
@@ -89,6 +94,6 @@ for i, shape in enumerate(shapes):
     t = num(o, "gpu__time_duration.sum") / num(c, "gpu__time_duration.sum")
     busy = num(c, pipe) / num(o, pipe) if pipe else float("nan")
     tr = tile_rows(i)
-    print("| %s | %.3f | %.3f | %.3f | %.3f | %.3f |" % (" ".join(shape.split()[1::2]), t, tr, busy,
-                                                         tr * busy, t / (tr * busy)))
+    print("| %s | %.3f | %.3f | %.3f | %.3f | %.3f |" % (label(shape), t, tr, busy, tr * busy,
+                                                         t / (tr * busy)))
 PY
