@@ -43,7 +43,8 @@ struct BenchOpts {
   int reps = 20, warmup = 3;
   int delay_us = 0; /* device idle (a one-thread spin) before each timed call, outside its time */
   int check = 1;
-  int plan = 1; /* 1: the planner's layout (2 ranks, balanced top-2, rank 0); 0: even split */
+  int plan = 1;    /* 1: the planner's layout (2 ranks, balanced top-2, rank 0); 0: even split */
+  int regroup = 0; /* the planned layout's rows with --even's tile order (one pass per expert) */
   unsigned only = kAllCalls; /* which of the five calls to time (--only) */
 };
 
@@ -173,18 +174,25 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   }
   const int col_tiles = (sh.n + tn - 1) / tn;
   /* Even layout: expert e gets rows/E rows (the first rows % E experts one more), back to
-   * back, one pass over each expert's weights. Its tiles follow the planner's order rules
-   * (layout.c): groups of up to tile_group bands of one expert, column by column, the direction
-   * of the columns alternating from group to group, so that --even differs from the planned
-   * layout only in its rows (and in having no remote bands). */
+   * back. Its tiles, and with --regroup the planned layout's, follow the planner's order rules
+   * (layout.c) with one difference: the bands of one expert are grouped whatever their
+   * destination, experts in index order, so each expert's weights are read in one pass. Groups
+   * of up to tile_group bands, column by column, the direction alternating from group to group.
+   * So --even differs from the planned layout in its rows and this order, --regroup in the order
+   * alone. */
+  const bool own_order = !o.plan || o.regroup;
   int group = 1;
-  if (!o.plan && tw__tile_group_resolve(&group) != TW_SUCCESS) {
+  if (own_order && tw__tile_group_resolve(&group) != TW_SUCCESS) {
     fprintf(stderr, "bench gemm: %s\n", tw_last_error());
     return -1;
   }
-  for (int e = 0; e < sh.experts && !o.plan; e++) {
-    m[e] = sh.rows / sh.experts + (e < sh.rows % sh.experts);
-    row0[e] = r;
+  if (own_order) tiles.clear(), bands = 0;
+  for (int e = 0; e < sh.experts && own_order; e++) {
+    if (!o.plan) {
+      m[e] = sh.rows / sh.experts + (e < sh.rows % sh.experts);
+      row0[e] = r;
+      r += m[e];
+    }
     const int nb = (m[e] + tm - 1) / tm;
     for (int b = 0, flip = 0; b < nb; b += group, flip = !flip) {
       const int g = std::min(group, nb - b);
@@ -192,7 +200,7 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
         for (int j = b; j < b + g; j++) {
           tw_tile t;
           memset(&t, 0, sizeof t);
-          t.row0 = r + j * tm;
+          t.row0 = row0[e] + j * tm;
           t.rows = std::min(tm, m[e] - j * tm);
           t.expert = e;
           t.col0 = (flip && group > 1 ? col_tiles - 1 - c : c) * tn;
@@ -201,7 +209,6 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
         }
     }
     bands += nb;
-    r += m[e];
   }
   /* Rows the tiles compute per column over the layout's rows: at equal speed per tile, the bound
    * on ours / concat that the experts' partial last bands set. */
@@ -377,11 +384,13 @@ void usage(FILE* f) {
       f,
       "usage: tilewave bench gemm [--rows R --k K --n N --experts E] [--tm 128] [--tn 0]\n"
       "                           [--grid P] [--variant V] [--reps 20] [--warmup 3] "
-      "[--delay-us 0] [--no-check] [--even]\n"
+      "[--delay-us 0] [--no-check] [--even | --regroup]\n"
       "                           [--only ours,signals,loop,grouped,concat]\n"
       "Without a shape, runs the default grid: rows 16384 and 32768, K 2048, N 4096 and\n"
       "8192, E 4..64, and rows 8192, K 1408, N 2048, E 30. Layout: the planner's for rank 0\n"
-      "of 2 ranks, balanced top-2 routing (rows include its padding); --even: rows/E each.\n"
+      "of 2 ranks, balanced top-2 routing (rows include its padding), its tile order.\n"
+      "--even: rows/E rows an expert (whole bands where E divides rows by 128); --even and\n"
+      "--regroup (the planned rows): tiles grouped per expert, one pass over its weights.\n"
       "--delay-us U: U us of a nearly idle device before each timed call (as `tilewave\n"
       "bench` does, default 300 there); 0 (default): the calls back to back, a sustained load.\n"
       "tile rows / rows: rows the tiles compute per column over the layout's rows (at equal\n"
@@ -437,6 +446,9 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
       continue;
     } else if (!strcmp(a, "--even")) {
       o.plan = 0;
+      continue;
+    } else if (!strcmp(a, "--regroup")) {
+      o.regroup = 1;
       continue;
     } else if (!strcmp(a, "--rows")) {
       dst = &o.rows;
@@ -502,8 +514,9 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
   printf(
       "# bench gemm on %s (%d SMs), grid %d, variant %d, tm %d, %s layout, median of %d reps, "
       "%d us idle before each call\n",
-      prop.name, prop.multiProcessorCount, o.grid, o.variant, o.tm, o.plan ? "planned" : "even",
-      o.reps, o.delay_us);
+      prop.name, prop.multiProcessorCount, o.grid, o.variant, o.tm,
+      !o.plan ? "even" : (o.regroup ? "planned (regrouped per expert)" : "planned"), o.reps,
+      o.delay_us);
   printf(
       "| rows | K | N | E | tn | ours us TF/s | +signals us, cost | cuBLAS loop us TF/s | "
       "cuBLAS grouped us TF/s | cuBLAS concat us TF/s | ours/concat | tile rows / rows | "
