@@ -342,15 +342,19 @@ done:
   return st;
 }
 
-/* Whether two consecutive bands may share a tile group: one expert (one weight matrix), so that
- * the group's tiles read each weight column tile at about the same time, the later bands from L2.
- * Remote-first also keeps every remote tile before every local one, so there a group never
- * spans destinations. Expert-major walks an expert's remote and local bands as one group: the
- * remote bands' last tiles come a group's worth of columns later, but the weights come from
- * device memory once (run 64, producer alone: 2-11% faster at 32-64 experts; with one group per
- * destination an expert of 32 MB of weights was read about twice). */
-static int tw__same_group(const tw_band* a, const tw_band* b, int32_t schedule) {
-  return a->expert == b->expert && (a->dest == b->dest || schedule == TW_SCHEDULE_EXPERT_MAJOR);
+/* Whether band j may join the tile group that band i (i < j, consecutive bands) starts: one
+ * expert (one weight matrix), so that the group's tiles read each weight column tile at about the
+ * same time, the later bands from L2; and one destination unless j <= span_end. Expert-major sets
+ * span_end to the schedule's last remote band: an expert's remote and local bands then share
+ * groups, so its weights come from device memory once (run 64, producer alone: 2-11% faster at
+ * 32-64 experts; with one group per destination an expert of 32 MB of weights was read about
+ * twice), at the price of publishing its remote bands up to a group's columns later; but no band
+ * after the last remote one joins a remote group, since the consumer's tail needs that band early
+ * (the lead of layout.c, or the last expert where there is none). Remote-first puts every remote
+ * tile first: span_end -1, one destination per group. */
+static int tw__same_group(const struct tw_plan* plan, int32_t i, int32_t j, int32_t span_end) {
+  const tw_band *a = &plan->bands[i], *b = &plan->bands[j];
+  return a->expert == b->expert && (a->dest == b->dest || j <= span_end);
 }
 
 tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
@@ -423,11 +427,12 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
    * columns alternates from one group to the next that it allows, so that a group starts on the
    * columns its predecessor read last. tile_group 1: band by band, columns ascending. */
   const int32_t group = plan->tile_group > 1 ? plan->tile_group : 1, cols = plan->col_tiles;
+  int32_t span_end = -1; /* the last band that may join a group of another destination */
+  for (int32_t d = 0; d < W && schedule == TW_SCHEDULE_EXPERT_MAJOR; d++)
+    if (plan->stream_last[d] > span_end) span_end = plan->stream_last[d];
   for (int32_t i = 0, t = 0, flip = 0; i < nb;) {
     int32_t g = 1;
-    while (g < group && i + g < nb &&
-           tw__same_group(&plan->bands[i + g], &plan->bands[i], schedule))
-      g++;
+    while (g < group && i + g < nb && tw__same_group(plan, i, i + g, span_end)) g++;
     for (int32_t c = 0; c < cols; c++) {
       const int32_t col = flip ? cols - 1 - c : c;
       for (int32_t j = i; j < i + g; j++, t++) {
@@ -440,9 +445,7 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
       }
     }
     i += g;
-    flip = group > 1 && i < nb && tw__same_group(&plan->bands[i], &plan->bands[i - 1], schedule)
-               ? !flip
-               : 0;
+    flip = group > 1 && i < nb && tw__same_group(plan, i - 1, i, span_end) ? !flip : 0;
   }
   plan->num_segments = 0; /* the bands' segment fields are -1 (copied from layout_bands) */
   plan->schedule = schedule;

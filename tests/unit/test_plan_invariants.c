@@ -242,16 +242,21 @@ static void check_segments(const struct tw_plan* pl, int32_t mgb) {
 }
 
 /* The tile order, rebuilt from the bands as the planner documents it (layout.c): groups of up
- * to tile_group consecutive bands of one expert (and, under remote-first, one destination), each
- * column by column, the direction alternating between consecutive groups that may share one; so
- * every (band, column) tile comes exactly once. */
+ * to tile_group consecutive bands of one expert and one destination, except that under
+ * expert-major the bands up to the last remote one may mix destinations; each group column by
+ * column, the direction alternating between consecutive groups that may share one; so every
+ * (band, column) tile comes exactly once. */
 static void check_tile_order(const struct tw_plan* pl) {
   const int32_t G = pl->tile_group, cols = pl->col_tiles, nb = pl->num_bands;
   CHECK(G >= 1 && G <= 64);
   CHECK(pl->num_tiles == nb * cols);
   const tw_band* b = pl->bands;
-  const int em = pl->schedule == TW_SCHEDULE_EXPERT_MAJOR;
-#define SAME_GROUP(x, y) (b[x].expert == b[y].expert && (b[x].dest == b[y].dest || em))
+  /* Expert-major: bands up to the schedule's last remote one may share a group across
+   * destinations. */
+  int32_t span_end = -1;
+  for (int32_t i = 0; i < nb && pl->schedule == TW_SCHEDULE_EXPERT_MAJOR; i++)
+    if (b[i].dest != pl->rank) span_end = i;
+#define SAME_GROUP(x, y) (b[x].expert == b[y].expert && (b[x].dest == b[y].dest || (x) <= span_end))
   int32_t t = 0, flip = 0;
   for (int32_t i = 0; i < nb && t < pl->num_tiles;) {
     int32_t g = 1;
@@ -471,6 +476,18 @@ static void check_world(const tw_problem* p, tw_routing_t rt, struct tw_plan** p
     }
     CHECKF(tile_runs == band_runs, "rank %d: the tiles change expert %d times, the bands %d", r,
            tile_runs, band_runs);
+    /* The schedule's last remote band is published before any band after it begins: no tile
+     * group (expert-major's may span destinations) holds it together with a later local band. */
+    int32_t last_remote = -1, last_remote_tile = -1, first_later_tile = pl->num_tiles;
+    for (int32_t i = 0; i < pl->num_bands; i++)
+      if (pl->bands[i].dest != r) last_remote = i;
+    for (int32_t t = 0; t < pl->num_tiles && last_remote >= 0; t++) {
+      if (pl->tiles[t].band == last_remote) last_remote_tile = t;
+      if (pl->tiles[t].band > last_remote && t < first_later_tile) first_later_tile = t;
+    }
+    CHECKF(last_remote_tile < first_later_tile,
+           "rank %d: the last remote band %d ends at tile %d, after a later band's tile %d", r,
+           last_remote, last_remote_tile, first_later_tile);
     free(order_of);
     free(stream_first);
     free(stream_last);
