@@ -20,25 +20,26 @@ import math
 import statistics
 from concurrent.futures import ThreadPoolExecutor
 
-from points import plan_ranks
-
-SMS = 132  # the built-in H200's SM count (P = SMS - C with one CTA per SM)
+from points import plan_json
 
 
 def rank_curves(tw, p, seed, dataflow):
-    ranks = plan_ranks(tw, p, seed, "--all-ranks", "--dataflow", dataflow)
+    """Per rank: (tiles, predicted T by C at mgb 1, the machine's SM count the plan used)."""
+    doc = plan_json(tw, p, seed, "--all-ranks", "--dataflow", dataflow)
+    sms = doc["hardware"]["sm_count"]  # P = sms - C with one CTA per SM
     # predicted_us_by_c[c - 1][j]: column j is mgb 1 (the first of the listed mgbs)
-    return [(r["tiles"], [row[r["mgb"].index(1)] for row in r["predicted_us_by_c"]]) for r in ranks]
+    return [(r["tiles"], [row[r["mgb"].index(1)] for row in r["predicted_us_by_c"]], sms)
+            for r in doc["ranks"]]
 
 
-def walk(tiles, curve, band, stop):
+def walk(tiles, curve, band, stop, sms):
     """stop: 'none' (argmin only), 'band' (within the band), 'wave' (also the same wave count),
     'margin' (the model's rule: also the next C keeps the wave count)."""
     t = {c: v for c, v in enumerate(curve, 1)}
     best = min(t, key=lambda c: (t[c], c))
     if stop == "none":
         return best
-    waves = lambda c: math.ceil(tiles / (SMS - c))
+    waves = lambda c: math.ceil(tiles / (sms - c))
     c = best
     while c + 1 <= len(curve) and t[c + 1] <= t[best] * (1 + band):
         if stop == "wave" and waves(c + 1) != waves(best):
@@ -69,7 +70,8 @@ def main():
             cells = {x["comm_ctas"]: x["median_us"] for x in p["configs"]
                      if x["name"].startswith("C") and x["coalesce"] == 1}
             oracle = min(x["median_us"] for x in p["configs"] if x["name"].startswith("C"))
-            slowest = max((min(curve), walk(tiles, curve, band, stop)) for tiles, curve in ranks)
+            slowest = max((min(curve), walk(tiles, curve, band, stop, sms))
+                          for tiles, curve, sms in ranks)
             c = slowest[1]
             regrets.append((cells[c] / oracle - 1, p["index"], p["workload"], p["tokens_per_rank"],
                             p["router"], c))

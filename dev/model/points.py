@@ -19,10 +19,14 @@ def family(workload):
     return workload if workload in PRESETS else "grid"
 
 
-def plan_ranks(tw, p, seed, *extra):
-    """`tilewave plan --json` for a matrix point (its routing seed, extra flags): the ranks' list."""
+def plan_json(tw, p, seed, *extra):
+    """`tilewave plan --json` for a matrix point (its routing seed, extra flags), parsed."""
     args = [tw, "plan", "--tokens", str(p["tokens_per_rank"]), "--router", p["router"], "--seed",
             str(seed), "--json", *extra]
     args += shape_args(p["workload"], p["hidden"], p["ffn"], p["experts"], p["top_k"])
-    out = subprocess.run(args, capture_output=True, text=True, check=True).stdout
-    return json.loads(out)["ranks"]
+    return json.loads(subprocess.run(args, capture_output=True, text=True, check=True).stdout)
+
+
+def plan_ranks(tw, p, seed, *extra):
+    """The ranks' list of plan_json."""
+    return plan_json(tw, p, seed, *extra)["ranks"]
