@@ -174,12 +174,12 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   }
   const int col_tiles = (sh.n + tn - 1) / tn;
   /* Even layout: expert e gets rows/E rows (the first rows % E experts one more), back to
-   * back. Its tiles, and with --regroup the planned layout's, follow the planner's order rules
-   * (layout.c) with one difference: the bands of one expert are grouped whatever their
-   * destination, experts in index order, so each expert's weights are read in one pass. Groups
-   * of up to tile_group bands, column by column, the direction alternating from group to group.
-   * So --even differs from the planned layout in its rows and this order, --regroup in the order
-   * alone. */
+   * back. Its tiles, and with --regroup the planned layout's, go expert by expert in index order,
+   * each expert's bands in groups of up to tile_group whatever their destination, column by
+   * column, the direction alternating from group to group: one pass over each expert's weights.
+   * That is the planner's expert-major rule (layout.c) without its order of experts and the lead
+   * of the last two, so --regroup measures the tile order apart from the rows and --even the
+   * rows (whole bands where rows/E is a multiple of tm). */
   const bool own_order = !o.plan || o.regroup;
   int group = 1;
   if (own_order && tw__tile_group_resolve(&group) != TW_SUCCESS) {
