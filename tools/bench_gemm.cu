@@ -174,41 +174,37 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   }
   const int col_tiles = (sh.n + tn - 1) / tn;
   /* Even layout: expert e gets rows/E rows (the first rows % E experts one more), back to
-   * back. Its tiles, and with --regroup the planned layout's, go expert by expert in index order,
-   * each expert's bands in groups of up to tile_group whatever their destination, column by
-   * column, the direction alternating from group to group: one pass over each expert's weights.
-   * That is the planner's expert-major rule (layout.c) without its order of experts and the lead
-   * of the last two, so --regroup measures the tile order apart from the rows and --even the
-   * rows (whole bands where rows/E is a multiple of tm). */
-  const bool own_order = !o.plan || o.regroup;
-  int group = 1;
-  if (own_order && tw__tile_group_resolve(&group) != TW_SUCCESS) {
-    fprintf(stderr, "bench gemm: %s\n", tw_last_error());
-    return -1;
-  }
-  if (own_order) tiles.clear(), bands = 0;
-  for (int e = 0; e < sh.experts && own_order; e++) {
-    if (!o.plan) {
-      m[e] = sh.rows / sh.experts + (e < sh.rows % sh.experts);
-      row0[e] = r;
-      r += m[e];
+   * back. Its tiles, and with --regroup the planned layout's, come from the planner's grouping
+   * (tw__tiles_from_bands) over bands expert by expert in index order, all of one destination:
+   * each expert's bands share groups, one pass over its weights. That is the planner's
+   * expert-major rule without its order of experts and the lead of the last two, so --regroup
+   * measures the tile order apart from the rows and --even the rows (whole bands where rows/E is
+   * a multiple of tm). */
+  if (!o.plan || o.regroup) {
+    int group = 1;
+    if (tw__tile_group_resolve(&group) != TW_SUCCESS) {
+      fprintf(stderr, "bench gemm: %s\n", tw_last_error());
+      return -1;
     }
-    const int nb = (m[e] + tm - 1) / tm;
-    for (int b = 0, flip = 0; b < nb; b += group, flip = !flip) {
-      const int g = std::min(group, nb - b);
-      for (int c = 0; c < col_tiles; c++)
-        for (int j = b; j < b + g; j++) {
-          tw_tile t;
-          memset(&t, 0, sizeof t);
-          t.row0 = row0[e] + j * tm;
-          t.rows = std::min(tm, m[e] - j * tm);
-          t.expert = e;
-          t.col0 = (flip && group > 1 ? col_tiles - 1 - c : c) * tn;
-          t.band = bands + j;
-          tiles.push_back(t);
-        }
+    std::vector<tw_band> bl;
+    for (int e = 0; e < sh.experts; e++) {
+      if (!o.plan) {
+        m[e] = sh.rows / sh.experts + (e < sh.rows % sh.experts);
+        row0[e] = r;
+        r += m[e];
+      }
+      for (int i = 0; i < m[e]; i += tm) {
+        tw_band bd;
+        memset(&bd, 0, sizeof bd);
+        bd.expert = e;
+        bd.row0 = row0[e] + i;
+        bd.rows = std::min(tm, m[e] - i);
+        bl.push_back(bd);
+      }
     }
-    bands += nb;
+    bands = (int)bl.size();
+    tiles.resize(bl.size() * col_tiles);
+    tw__tiles_from_bands(bl.data(), bands, col_tiles, tn, group, -1, tiles.data());
   }
   /* Rows the tiles compute per column over the layout's rows: at equal speed per tile, the bound
    * on ours / concat that the experts' partial last bands set. */

@@ -352,9 +352,28 @@ done:
  * after the last remote one joins a remote group, since the consumer's tail needs that band early
  * (the lead of layout.c, or the last expert where there is none). Remote-first puts every remote
  * tile first: span_end -1, one destination per group. */
-static int tw__same_group(const struct tw_plan* plan, int32_t i, int32_t j, int32_t span_end) {
-  const tw_band *a = &plan->bands[i], *b = &plan->bands[j];
-  return a->expert == b->expert && (a->dest == b->dest || j <= span_end);
+static int tw__same_group(const tw_band* bands, int32_t i, int32_t j, int32_t span_end) {
+  return bands[i].expert == bands[j].expert && (bands[i].dest == bands[j].dest || j <= span_end);
+}
+
+void tw__tiles_from_bands(const tw_band* bands, int32_t nb, int32_t cols, int32_t tn,
+                          int32_t tile_group, int32_t span_end, tw_tile* tiles) {
+  const int32_t group = tile_group > 1 ? tile_group : 1;
+  for (int32_t i = 0, t = 0, flip = 0; i < nb;) {
+    int32_t g = 1;
+    while (g < group && i + g < nb && tw__same_group(bands, i, i + g, span_end)) g++;
+    for (int32_t c = 0; c < cols; c++) {
+      const int32_t col = flip ? cols - 1 - c : c;
+      for (int32_t j = i; j < i + g; j++, t++)
+        tiles[t] = (tw_tile){.row0 = bands[j].row0,
+                             .rows = bands[j].rows,
+                             .expert = bands[j].expert,
+                             .col0 = col * tn,
+                             .band = j};
+    }
+    i += g;
+    flip = group > 1 && i < nb && tw__same_group(bands, i - 1, i, span_end) ? !flip : 0;
+  }
 }
 
 tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
@@ -420,33 +439,13 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
     plan->stream_last[d] = i;
   }
   plan->num_remote_tiles = nremote * plan->col_tiles;
-  /* Tiles: bands in schedule order, in groups of up to tile_group consecutive bands that
-   * tw__same_group allows together; within a group column by column (every band's tile of column
-   * 0, then column 1, ...), so that neighbouring CTAs read one weight column tile at the same time
-   * (the producer measured 5% faster, TW_TILE_GROUP_DEFAULT in plan.h), and the direction of the
-   * columns alternates from one group to the next that it allows, so that a group starts on the
-   * columns its predecessor read last. tile_group 1: band by band, columns ascending. */
-  const int32_t group = plan->tile_group > 1 ? plan->tile_group : 1, cols = plan->col_tiles;
-  int32_t span_end = -1; /* the last band that may join a group of another destination */
+  /* Tiles: bands in schedule order, in the groups of tw__tiles_from_bands; under expert-major
+   * an expert's bands of any destination share groups up to the last remote band. */
+  int32_t span_end = -1;
   for (int32_t d = 0; d < W && schedule == TW_SCHEDULE_EXPERT_MAJOR; d++)
     if (plan->stream_last[d] > span_end) span_end = plan->stream_last[d];
-  for (int32_t i = 0, t = 0, flip = 0; i < nb;) {
-    int32_t g = 1;
-    while (g < group && i + g < nb && tw__same_group(plan, i, i + g, span_end)) g++;
-    for (int32_t c = 0; c < cols; c++) {
-      const int32_t col = flip ? cols - 1 - c : c;
-      for (int32_t j = i; j < i + g; j++, t++) {
-        const tw_band* bd = &plan->bands[j];
-        plan->tiles[t] = (tw_tile){.row0 = bd->row0,
-                                   .rows = bd->rows,
-                                   .expert = bd->expert,
-                                   .col0 = col * plan->tn,
-                                   .band = j};
-      }
-    }
-    i += g;
-    flip = group > 1 && i < nb && tw__same_group(plan, i - 1, i, span_end) ? !flip : 0;
-  }
+  tw__tiles_from_bands(plan->bands, nb, plan->col_tiles, plan->tn, plan->tile_group, span_end,
+                       plan->tiles);
   plan->num_segments = 0; /* the bands' segment fields are -1 (copied from layout_bands) */
   plan->schedule = schedule;
   return TW_SUCCESS;

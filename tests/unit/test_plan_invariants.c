@@ -241,11 +241,11 @@ static void check_segments(const struct tw_plan* pl, int32_t mgb) {
   free(last_seg);
 }
 
-/* The tile order, rebuilt from the bands as the planner documents it (layout.c): groups of up
- * to tile_group consecutive bands of one expert and one destination, except that under
- * expert-major the bands up to the last remote one may mix destinations; each group column by
- * column, the direction alternating between consecutive groups that may share one; so every
- * (band, column) tile comes exactly once. */
+/* The tile order, rebuilt from the bands as the planner documents it (plan.h,
+ * tw__tiles_from_bands): groups of up to tile_group consecutive bands of one expert and one
+ * destination, except that under expert-major the bands up to the last remote one may mix
+ * destinations; each group column by column, the direction alternating between consecutive groups
+ * that may share one; so every (band, column) tile comes exactly once. */
 static void check_tile_order(const struct tw_plan* pl) {
   const int32_t G = pl->tile_group, cols = pl->col_tiles, nb = pl->num_bands;
   CHECK(G >= 1 && G <= 64);
