@@ -771,7 +771,11 @@ static void test_schedule_choice(void) {
   tw_plan_destroy(rf);
   tw_plan_destroy(em);
   tw_plan_destroy(au);
-  /* The model's choice never loses to either schedule, on every preset. */
+  /* On every preset the choice follows the model's rule over both schedules (the best candidate,
+   * then the plateau walk on its schedule) and equals the plan fixed to the schedule it chose.
+   * It need not have the lower T of the two fixed plans: each walks up its own plateau, so the
+   * schedule with the lower minimum can end above the other's walked T (qwen, seed 1796100608:
+   * 194.08 -> 195.98 us against remote-first's 195.01). */
   for (int p = 0; p < tw_preset_count(); p++) {
     tw_plan_config c1 = TW_PLAN_CONFIG_INIT, c2 = TW_PLAN_CONFIG_INIT, c3 = TW_PLAN_CONFIG_INIT;
     c1.schedule = TW_SCHEDULE_REMOTE_FIRST;
@@ -781,9 +785,13 @@ static void test_schedule_choice(void) {
     CHECK_OK(make_plan(tw_preset_name(p), 2, 4096, TW_ROUTER_MODERATE_SKEW, seed + p, 0, &c2, &b));
     CHECK_OK(make_plan(tw_preset_name(p), 2, 4096, TW_ROUTER_MODERATE_SKEW, seed + p, 0, &c3, &c));
     if (a && b && c) {
-      const double want = a->predicted_us <= b->predicted_us ? a->predicted_us : b->predicted_us;
-      CHECKF(c->predicted_us == want, "%s: chose %.9g, remote-first %.9g, expert-major %.9g",
-             tw_preset_name(p), c->predicted_us, a->predicted_us, b->predicted_us);
+      check_choice_is_argmin(c, tw_preset_name(p), 0);
+      const tw_plan_t same = c->schedule == TW_SCHEDULE_REMOTE_FIRST ? a : b;
+      CHECKF(c->predicted_us == same->predicted_us && c->comm_ctas == same->comm_ctas &&
+                 c->coalesce == same->coalesce,
+             "%s: chose schedule %d C %d mgb %d T %.9g; that schedule alone: C %d mgb %d T %.9g",
+             tw_preset_name(p), c->schedule, c->comm_ctas, c->coalesce, c->predicted_us,
+             same->comm_ctas, same->coalesce, same->predicted_us);
     }
     tw_plan_destroy(a);
     tw_plan_destroy(b);
