@@ -379,6 +379,12 @@ typedef struct tw_context_config {
   /* tw_combine_dataflow; the same on every rank. Appended after `consumer_copy`: a config that
    * ends before it runs TW_DATAFLOW_DEFAULT. */
   int32_t dataflow;
+  /* SMs any call may occupy at once (producer P + consumer C <= budget; every kernel's grid
+   * within it), to leave the rest to concurrent work; 0 = every SM on an NCCL team, the GPU's
+   * SMs / W on an in-process team. At least 2 (one producer and one consumer CTA). A call may
+   * lower it (tw_combine_options.sm_budget). Appended after `dataflow`: a config that ends
+   * before it takes the default. */
+  int32_t sm_budget;
 } tw_context_config;
 
 /* How the consumer moves rows to a peer. */
@@ -392,7 +398,7 @@ typedef enum tw_consumer_copy {
 } tw_consumer_copy;
 
 #define TW_CONTEXT_CONFIG_INIT \
-  { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0 }
 
 /* Creates a context for one rank. COLLECTIVE over `comm`: every rank calls it with the same
  * problem (problem->world_size must equal the communicator's size) and the same config.
@@ -411,6 +417,32 @@ typedef enum tw_consumer_copy {
  * version tilewave was built against (TW_ERR_NCCL otherwise). Synchronises the device. */
 tw_status tw_context_create(const tw_problem* problem, ncclComm_t comm,
                             const tw_context_config* config, tw_context_t* ctx);
+
+/* In-process teams: W ranks in one process on one GPU, one host thread per rank (as engines
+ * drive their ranks). Peer windows are plain device allocations on that GPU and the host
+ * collectives meet in shared memory, so every multi-rank protocol runs on a machine with one
+ * GPU; one GPU's memory stands in for NVLink, so timings do not compare with multi-GPU ones.
+ * The kernels and the planner are the same as on an NCCL team. */
+typedef struct tw_team* tw_team_t;
+
+#define TW_DEFAULT_TEAM_TIMEOUT_MS 60000 /* bound on every host-side collective of a team */
+
+/* Creates an in-process team of world_size ranks on CUDA device `device`. Not collective.
+ * Every rank drives four streams (the caller's and the context's three) and each needs a
+ * hardware queue of its own: with more than CUDA_DEVICE_MAX_CONNECTIONS / 4 ranks (8 queues
+ * unless set; at most 32) this fails with TW_ERR_UNSUPPORTED naming the variable, which must be
+ * set before the process's first CUDA call. Host collectives wait at most TW_TEAM_TIMEOUT_MS
+ * (TW_DEFAULT_TEAM_TIMEOUT_MS): after that every rank's collectives fail with TW_ERR_TIMEOUT. */
+tw_status tw_team_create(int32_t world_size, int32_t device, tw_team_t* team);
+/* Frees the team. Its contexts must have been destroyed (TW_ERR_STATE otherwise). */
+tw_status tw_team_destroy(tw_team_t team);
+/* Creates rank `rank`'s context on an in-process team: as tw_context_create, COLLECTIVE over the
+ * team (every rank's thread calls it, each with its own rank). Sets the team's device on the
+ * calling thread. The ranks' persistent kernels must all be resident at once: the budgets of all
+ * ranks must fit in the GPU's SMs (TW_ERR_UNSUPPORTED with the numbers otherwise); the default
+ * budget is SMs / W. */
+tw_status tw_context_create_on_team(const tw_problem* problem, tw_team_t team, int32_t rank,
+                                    const tw_context_config* config, tw_context_t* ctx);
 /* The add dataflow's output of the last call on this context: (tokens of this rank, hidden)
  * device bf16 inside the context's window, ready in the order of that call's stream. It stays
  * valid until the next call on the context starts (the call after that zeroes it); copy it out
@@ -448,10 +480,14 @@ typedef struct tw_combine_options {
   uint32_t version;
   tw_combine_mode mode;
   int32_t comm_ctas; /* C for this call, 1..max_comm_ctas; 0 = the plan's choice */
+  /* SMs this call may occupy at once, 2..the context's sm_budget; 0 = the context's. The plan's
+   * C must leave at least one SM for the producer (TW_ERR_INVALID_ARGUMENT otherwise: plan with
+   * tw_plan_config.sm_budget set to it). Appended after `comm_ctas`. */
+  int32_t sm_budget;
 } tw_combine_options;
 
 #define TW_COMBINE_OPTIONS_INIT \
-  { sizeof(tw_combine_options), TW_COMBINE_OPTIONS_MAGIC, TW_API_VERSION, TW_COMBINE_OVERLAP, 0 }
+  { sizeof(tw_combine_options), TW_COMBINE_OPTIONS_MAGIC, TW_API_VERSION, TW_COMBINE_OVERLAP, 0, 0 }
 
 /* GEMM2 + combine + weighted reduction of one MoE layer. COLLECTIVE: every rank calls it, in the
  * same order, with its own device plan (all built from one routing).
@@ -465,8 +501,11 @@ typedef struct tw_combine_options {
  *                  out[t] = bf16(bf16(w0 row0) + bf16(w1 row1)) (each add rounded once)
  * [in]  stream:    the caller's stream; all inputs must be ready in its order, and `out` is
  *                  ready in its order when the call's work completes
- * Launches the producer (P = SMs - C CTAs) on `stream`, then the consumer (C CTAs) on an internal
- * stream, makes `stream` wait for the consumer and launches the reduction on `stream`; returns
+ * Launches the producer (P = budget - C CTAs) on `stream`, then the consumer (C CTAs) on an
+ * internal stream, makes `stream` wait for the consumer and launches the reduction on `stream`
+ * (at most budget CTAs; on a whole GPU as many per SM as fit); a plan with nothing to send or
+ * receive (world 1, every row local) launches no consumer and gives the producer the whole
+ * budget. Returns
  * without synchronising. Device-side failures (a wait that exceeded the timeout) surface as
  * TW_ERR_TIMEOUT from tw_context_check() or from the next call on this context once this one
  * has completed; after that every call returns TW_ERR_STATE until tw_context_reset(). */
@@ -508,6 +547,8 @@ typedef struct tw_context_info {
   int32_t unit_tiles;    /* column tiles per consumer transfer unit */
   int32_t consumer_copy; /* tw_consumer_copy in use: REGISTERS or BULK */
   int32_t dataflow;      /* tw_combine_dataflow in use: REDUCE or ADD (DEFAULT resolved) */
+  int32_t sm_budget;     /* SMs a call occupies at most (config.sm_budget resolved) */
+  int32_t in_process;    /* 1: the context is on an in-process team (tw_team_create) */
 } tw_context_info;
 
 tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info);

@@ -65,8 +65,6 @@
  */
 #include "combine.h"
 
-#include <nccl_device.h>
-
 #include "bulk.cuh"
 #include "core.h"
 
@@ -309,6 +307,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   __shared__ int s_copied;           /* bulk: thread 0's copy of the unit did not time out */
   __shared__ uint32_t s_pending[64]; /* (world) finished, not yet announced units per owner */
   __shared__ uint32_t* s_arrive[64]; /* (world) our arrival counter in each owner's window */
+  __shared__ char* s_peer[64];       /* (world) every owner's window base */
   const size_t row_bytes = (size_t)a.hidden * 2;
   const uint32_t* credits = reinterpret_cast<const uint32_t*>(a.local_win + a.lay.credit);
   const bool add = a.row_token != nullptr;
@@ -317,9 +316,8 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   uint64_t credited = 0; /* owners whose credit this CTA has already waited for (W <= 64) */
   for (int d = threadIdx.x; d < a.world; d += blockDim.x) {
     s_pending[d] = 0;
-    s_arrive[d] = reinterpret_cast<uint32_t*>(static_cast<char*>(ncclGetPeerPointer(a.win, 0, d)) +
-                                              a.lay.arrive) +
-                  a.rank;
+    s_peer[d] = a.peers[d];
+    s_arrive[d] = reinterpret_cast<uint32_t*>(s_peer[d] + a.lay.arrive) + a.rank;
   }
   if (threadIdx.x == 0) {
     s_copied = 1;
@@ -380,9 +378,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
         /* The add dataflow waits for the owner's own word instead: its output buffer of this
          * call is zero (combine.h). */
         const uint32_t* credit =
-            add ? reinterpret_cast<const uint32_t*>(
-                      static_cast<char*>(ncclGetPeerPointer(a.win, 0, dest)) + a.lay.ready)
-                : &credits[dest];
+            add ? reinterpret_cast<const uint32_t*>(s_peer[dest] + a.lay.ready) : &credits[dest];
         ok = tw_wait_geq(credit, a.credit_target, true, a.timeout_ns, a.err, TW_WAIT_CREDIT, dest,
                          a.rank);
         credited |= 1ull << dest;
@@ -404,7 +400,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     const int part_rows = (band.valid_rows + parts - 1) / parts;
     const int r0 = part * part_rows;
     const int nrows = max(0, min(part_rows, band.valid_rows - r0));
-    char* peer = static_cast<char*>(ncclGetPeerPointer(a.win, 0, dest));
+    char* peer = s_peer[dest];
     if (!skip && nrows > 0) {
       const size_t at = (size_t)r0 * row_bytes + (size_t)c0 * 2;
       const char* src = reinterpret_cast<const char*>(a.c) + (size_t)band.row0 * row_bytes + at;
@@ -472,27 +468,7 @@ cudaError_t tw__consumer_enable_smem() {
   return e;
 }
 
-__global__ void tw_peer_pointer_kernel(ncclWindow_t win, uint64_t offset, int peer, void** out) {
-  *out = ncclGetPeerPointer(win, offset, peer);
-}
-
 }  // namespace
-
-tw_status tw__window_peer_pointer(ncclWindow_t win, uint64_t offset, int peer, void* scratch,
-                                  void** out, cudaStream_t stream) {
-  TW_CHECK_NULL(scratch);
-  TW_CHECK_NULL(out);
-  *out = NULL;
-  tw_peer_pointer_kernel<<<1, 1, 0, stream>>>(win, offset, peer, static_cast<void**>(scratch));
-  cudaError_t e = cudaGetLastError();
-  if (e == cudaSuccess)
-    e = cudaMemcpyAsync(out, scratch, sizeof(void*), cudaMemcpyDeviceToHost, stream);
-  if (e == cudaSuccess) e = cudaStreamSynchronize(stream);
-  if (e != cudaSuccess)
-    return tw__fail(TW_ERR_CUDA, "window: the address of rank %d's window: %s", peer,
-                    cudaGetErrorString(e));
-  return TW_SUCCESS;
-}
 
 tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream) {
   TW_CHECK_NULL(args);

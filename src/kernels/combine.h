@@ -30,7 +30,6 @@
 #ifndef TW_COMBINE_H
 #define TW_COMBINE_H
 
-#include <nccl.h>
 #include <stdint.h>
 
 #include "kernels.h"
@@ -56,7 +55,8 @@ typedef struct tw_window_layout {
 } tw_window_layout;
 
 typedef struct tw_consumer_args {
-  ncclWindow_t win; /* the symmetric window (device handle) */
+  char* const* peers; /* (world) device array: every rank's window base, as this GPU addresses
+                         it (the team's peer pointers; peers[rank] == local_win) */
   tw_window_layout lay;
   char* local_win;               /* this rank's window base (local pointer) */
   const uint16_t* c;             /* (rows, hidden) bf16 GEMM output */
@@ -92,7 +92,7 @@ typedef struct tw_consumer_args {
 
 typedef struct tw_reduce_args {
   tw_window_layout lay;
-  ncclWindow_t win;
+  char* const* peers;      /* (world) device array of every rank's window base */
   char* local_win;         /* this rank's window base */
   const uint16_t* c;       /* (rows, hidden) bf16 GEMM output (local rows) */
   const int32_t* slot_row; /* (tokens, top_k) */
@@ -107,15 +107,12 @@ typedef struct tw_reduce_args {
   uint64_t timeout_ns;
 } tw_reduce_args;
 
-/* Byte `offset` of `peer`'s window as this process addresses it (ncclGetPeerPointer is device
- * code): one thread writes it to `scratch` (8 bytes of device memory); synchronises `stream`. */
-tw_status tw__window_peer_pointer(ncclWindow_t win, uint64_t offset, int peer, void* scratch,
-                                  void** out, cudaStream_t stream);
-
 /* Consumer: grid CTAs (1..TW_MAX_COMM_CTAS). */
 tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream);
-/* Weighted reduction; grid chosen from the work (at least one CTA: it always returns credits).
- * Not launched under the add dataflow (the consumer waits for the arrivals there). */
-tw_status tw__reduce_launch(const tw_reduce_args* args, int sm_count, cudaStream_t stream);
+/* Weighted reduction; grid chosen from the work (at least one CTA: it always returns credits),
+ * at most `sms` x ctas_per_sm CTAs (ctas_per_sm 0: as many per SM as fit and pay). Not launched
+ * under the add dataflow (the consumer waits for the arrivals there). */
+tw_status tw__reduce_launch(const tw_reduce_args* args, int sms, int ctas_per_sm,
+                            cudaStream_t stream);
 
 #endif /* TW_COMBINE_H */

@@ -27,7 +27,6 @@
 #include "combine.h"
 
 #include <cuda_bf16.h>
-#include <nccl_device.h>
 
 #include "bf16x8.cuh"
 #include "core.h"
@@ -147,7 +146,7 @@ __global__ void __launch_bounds__(kReduceThreads) tw_reduce_kernel(const tw_redu
       if (*(volatile int32_t*)&a.err->status == 0) {
         for (int s = 0; s < a.world; s++) {
           if (s == a.rank) continue;
-          char* peer = static_cast<char*>(ncclGetPeerPointer(a.win, 0, s));
+          char* peer = a.peers[s];
           tw_red_release_sys(reinterpret_cast<uint32_t*>(peer + a.lay.credit) + a.rank, 1u);
         }
       }
@@ -190,7 +189,8 @@ int tw__reduce_ctas_per_sm(int K) {
 
 }  // namespace
 
-tw_status tw__reduce_launch(const tw_reduce_args* args, int sm_count, cudaStream_t stream) {
+tw_status tw__reduce_launch(const tw_reduce_args* args, int sms, int ctas_per_sm,
+                            cudaStream_t stream) {
   TW_CHECK_NULL(args);
   if (args->hidden <= 0)
     return tw__fail(TW_ERR_INVALID_SIZE, "reduce: hidden %d must be positive", args->hidden);
@@ -203,7 +203,9 @@ tw_status tw__reduce_launch(const tw_reduce_args* args, int sm_count, cudaStream
   const int K = args->top_k <= kMaxSlotsInFlight ? args->top_k : 0;
   const int64_t items = (int64_t)args->tokens * (args->hidden / 8);
   int64_t grid = (items + kReduceThreads - 1) / kReduceThreads;
-  const int64_t cap = (int64_t)(sm_count > 0 ? sm_count : 132) * tw__reduce_ctas_per_sm(K);
+  if (sms < 1 || ctas_per_sm < 0)
+    return tw__fail(TW_ERR_INTERNAL, "reduce: %d SMs, %d CTAs per SM", sms, ctas_per_sm);
+  const int64_t cap = (int64_t)sms * (ctas_per_sm > 0 ? ctas_per_sm : tw__reduce_ctas_per_sm(K));
   if (grid > cap) grid = cap;
   if (grid < 1) grid = 1;
   kReduceKernels[K]<<<(unsigned)grid, kReduceThreads, 0, stream>>>(*args);

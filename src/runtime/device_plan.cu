@@ -1,0 +1,244 @@
+/*
+ * device_plan.cu: device copies of one rank's plan (tiles, bands, segments, consumer units,
+ * slot rows, gate weights and, under the add dataflow, each row's token and weight), sized once
+ * for the worst case the context's problem allows, so that uploads never allocate. An upload
+ * checks the plan against the context before any byte is copied, so that no remote or local
+ * access of a later call can leave its buffer.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "context.h"
+
+extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* out) {
+  tw__clear_error();
+  TW_CHECK_NULL(ctx);
+  TW_CHECK_NULL(out);
+  *out = NULL;
+  TW_DEVICE_SCOPE(ctx);
+  tw_device_plan_t d = (tw_device_plan_t)calloc(1, sizeof(struct tw_device_plan));
+  if (d == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_device_plan_create: host memory");
+  d->ctx = ctx;
+  const size_t nt = (size_t)ctx->bands_max * ctx->col_tiles, nb = (size_t)ctx->bands_max;
+  const size_t ns = (size_t)ctx->slots_max;
+  size_t off_tiles = 0;
+  size_t off_bands = tw__align(off_tiles + nt * sizeof(tw_tile), 256);
+  size_t off_segs = tw__align(off_bands + nb * sizeof(tw_band), 256);
+  size_t off_unit0 = tw__align(off_segs + nb * sizeof(tw_segment), 256);
+  size_t off_slot = tw__align(off_unit0 + (2 * nb + 1) * 4, 256);
+  size_t off_w = tw__align(off_slot + ns * 4 + 4, 256);
+  /* The add dataflow's per-row token and weight. */
+  const size_t nr = ctx->dataflow == TW_DATAFLOW_ADD ? (size_t)ctx->rows_max : 0;
+  size_t off_tok = tw__align(off_w + ns * 4 + 4, 256);
+  size_t off_rw = tw__align(off_tok + nr * 4, 256);
+  size_t bytes = off_rw + nr * 4 + 4;
+  d->h_seg_unit0 = (int32_t*)malloc((2 * nb + 1) * 4);
+  if (nr > 0) d->h_row_token = (int32_t*)malloc(nr * 8);
+  cudaError_t e = cudaMalloc(&d->mem, bytes);
+  if (e != cudaSuccess || d->h_seg_unit0 == NULL || (nr > 0 && d->h_row_token == NULL)) {
+    free(d->h_seg_unit0);
+    free(d->h_row_token);
+    if (e == cudaSuccess) cudaFree(d->mem);
+    free(d);
+    return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_device_plan_create: %zu bytes: %s", bytes,
+                    cudaGetErrorString(e));
+  }
+  char* m = (char*)d->mem;
+  d->tiles = (tw_tile*)(m + off_tiles);
+  d->bands = (tw_band*)(m + off_bands);
+  d->segments = (tw_segment*)(m + off_segs);
+  d->seg_unit0 = (int32_t*)(m + off_unit0);
+  d->seg_split0 = d->seg_unit0 + nb + 1;
+  d->h_seg_split0 = d->h_seg_unit0 + nb + 1;
+  d->slot_row = (int32_t*)(m + off_slot);
+  d->weights = (float*)(m + off_w);
+  if (nr > 0) {
+    d->row_token = (int32_t*)(m + off_tok);
+    d->row_weight = (float*)(m + off_rw);
+    d->h_row_weight = (float*)(d->h_row_token + nr);
+  }
+  *out = d;
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw_device_plan_destroy(tw_device_plan_t d) {
+  tw__clear_error();
+  if (d == NULL) return TW_SUCCESS;
+  {
+    tw__device_guard guard(d->ctx->device);
+    /* A call may still read the arrays. */
+    tw__sync_all(d->ctx);
+    cudaFree(d->mem);
+  }
+  free(d->h_seg_unit0);
+  free(d->h_row_token);
+  free(d);
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, tw_routing_t routing,
+                                           cudaStream_t stream) {
+  tw__clear_error();
+  TW_CHECK_NULL(d);
+  TW_CHECK_NULL(plan);
+  TW_CHECK_NULL(routing);
+  tw_context_t ctx = d->ctx;
+  const tw_problem* p = &ctx->problem;
+  const tw_problem* q = &plan->problem;
+  if (plan->rank != ctx->rank)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_device_plan_upload: plan is for rank %d, the context is rank %d; upload "
+                    "this rank's plan",
+                    plan->rank, ctx->rank);
+  if (q->world_size != p->world_size || q->hidden != p->hidden || q->ffn != p->ffn ||
+      q->experts != p->experts || q->top_k != p->top_k || plan->tm != ctx->tm ||
+      plan->tn != ctx->tn)
+    return tw__fail(
+        TW_ERR_INVALID_ARGUMENT,
+        "tw_device_plan_upload: plan problem (W %d, H %d, F %d, E %d, k %d, tile %dx%d) "
+        "differs from the context's (W %d, H %d, F %d, E %d, k %d, tile %dx%d)",
+        q->world_size, q->hidden, q->ffn, q->experts, q->top_k, plan->tm, plan->tn, p->world_size,
+        p->hidden, p->ffn, p->experts, p->top_k, ctx->tm, ctx->tn);
+  if (plan->dataflow != ctx->dataflow)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_device_plan_upload: the plan was predicted for the %s dataflow, the "
+                    "context runs %s; set tw_plan_config.dataflow to the context's",
+                    tw__dataflow_name(plan->dataflow), tw__dataflow_name(ctx->dataflow));
+  int32_t tokens = 0;
+  const int32_t* ids = NULL;
+  const float* weights = NULL;
+  TW_TRY(tw_routing_rank(routing, ctx->rank, &tokens, &ids, &weights));
+  if (tokens > p->max_tokens)
+    return tw__fail(TW_ERR_CAPACITY,
+                    "tw_device_plan_upload: %d tokens on rank %d, the context holds at most %d "
+                    "(problem max_tokens)",
+                    tokens, ctx->rank, p->max_tokens);
+  if (plan->rows > ctx->rows_max || plan->num_bands > ctx->bands_max ||
+      plan->num_segments > ctx->bands_max || plan->recv_rows > ctx->recv_rows_max ||
+      (int64_t)plan->num_tiles != (int64_t)plan->num_bands * ctx->col_tiles)
+    return tw__fail(TW_ERR_CAPACITY,
+                    "tw_device_plan_upload: plan has %d rows, %d bands, %d segments, %d tiles, %d "
+                    "receive rows; the context holds %lld rows, %lld bands, %lld receive rows",
+                    plan->rows, plan->num_bands, plan->num_segments, plan->num_tiles,
+                    plan->recv_rows, (long long)ctx->rows_max, (long long)ctx->bands_max,
+                    (long long)ctx->recv_rows_max);
+  /* Consistency checks that keep every remote and local access in bounds. */
+  const int64_t row_bytes = (int64_t)p->hidden * 2;
+  const int64_t recv_cap = ctx->recv_rows_max * row_bytes;
+  for (int32_t i = 0; i < plan->num_bands; i++) {
+    const tw_band* b = &plan->bands[i];
+    if (b->row0 < 0 || b->valid_rows < 0 || b->valid_rows > b->rows ||
+        b->row0 + b->rows > plan->rows || b->dest < 0 || b->dest >= ctx->world ||
+        (b->dest != ctx->rank && ctx->dataflow == TW_DATAFLOW_REDUCE &&
+         (b->dest_offset < 0 || b->dest_offset % row_bytes != 0 ||
+          b->dest_offset + (int64_t)b->valid_rows * row_bytes > recv_cap)))
+      return tw__fail(TW_ERR_INTERNAL,
+                      "tw_device_plan_upload: band %d (rows %d+%d, valid %d, dest %d, offset %lld) "
+                      "is out of bounds",
+                      i, b->row0, b->rows, b->valid_rows, b->dest, (long long)b->dest_offset);
+  }
+  for (int32_t s = 0; s < plan->num_segments; s++) {
+    const tw_segment* sg = &plan->segments[s];
+    if (sg->band0 < 0 || sg->nbands < 1 || sg->band0 + sg->nbands > plan->num_bands ||
+        sg->dest < 0 || sg->dest >= ctx->world || sg->dest == ctx->rank)
+      return tw__fail(TW_ERR_INTERNAL, "tw_device_plan_upload: segment %d is malformed", s);
+  }
+  const int64_t units = tw__consumer_units(plan, ctx->tail_bands, ctx->tail_parts, ctx->unit_chunks,
+                                           d->h_seg_unit0, d->h_seg_split0);
+  if (units < 0)
+    return tw__fail(TW_ERR_INTERNAL,
+                    "tw_device_plan_upload: the segments cannot be cut into units");
+  if (units > INT32_MAX)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_device_plan_upload: %lld consumer units do not fit 32 bits; use fewer "
+                    "TW_CONSUMER_TAIL_PARTS or wider units (TW_CONSUMER_TILES_PER_UNIT)",
+                    (long long)units);
+  const int64_t nslots = (int64_t)tokens * p->top_k;
+  for (int64_t i = 0; i < nslots; i++) {
+    if (plan->slot_row[i] < 0 || plan->slot_row[i] >= plan->recv_rows + plan->rows)
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_device_plan_upload: slot %lld points at row %d outside %d receive + %d "
+                      "local rows; the plan and the routing do not belong together",
+                      (long long)i, plan->slot_row[i], plan->recv_rows, plan->rows);
+  }
+  /* The add dataflow: each row's token at its owner and its gate weight (rows of padding: -1
+   * and 0); a remote band's valid rows must all belong to its destination. */
+  if (ctx->dataflow == TW_DATAFLOW_ADD) {
+    int32_t owner_tokens[TW_MAX_RANKS];
+    const float* owner_w[TW_MAX_RANKS];
+    for (int r = 0; r < ctx->world; r++) {
+      const int32_t* ids_r = NULL;
+      TW_TRY(tw_routing_rank(routing, r, &owner_tokens[r], &ids_r, &owner_w[r]));
+    }
+    for (int32_t i = 0; i < plan->rows; i++) {
+      const tw_row_src src = plan->row_src[i];
+      d->h_row_token[i] = -1;
+      d->h_row_weight[i] = 0.f;
+      if (src.owner < 0) continue;
+      if (src.owner >= ctx->world || src.token < 0 || src.token >= owner_tokens[src.owner] ||
+          src.slot < 0 || src.slot >= p->top_k)
+        return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                        "tw_device_plan_upload: row %d names token %d slot %d of rank %d, which "
+                        "the routing does not hold; the plan and the routing do not belong "
+                        "together",
+                        i, src.token, src.slot, src.owner);
+      d->h_row_token[i] = src.token;
+      d->h_row_weight[i] = owner_w[src.owner][(int64_t)src.token * p->top_k + src.slot];
+    }
+    for (int32_t i = 0; i < plan->num_bands; i++) {
+      const tw_band* b = &plan->bands[i];
+      for (int32_t r = b->row0; r < b->row0 + b->valid_rows; r++)
+        if (plan->row_src[r].owner != b->dest)
+          return tw__fail(TW_ERR_INTERNAL,
+                          "tw_device_plan_upload: band %d sends row %d to rank %d, whose token it "
+                          "is not (owner %d)",
+                          i, r, b->dest, plan->row_src[r].owner);
+    }
+  }
+  int32_t recv_from[TW_MAX_RANKS];
+  for (int s = 0; s < ctx->world; s++) {
+    recv_from[s] = s == ctx->rank ? 0 : plan->recv_bands[s];
+    if (recv_from[s] < 0)
+      return tw__fail(TW_ERR_INTERNAL, "tw_device_plan_upload: recv_bands[%d] < 0", s);
+  }
+
+  TW_DEVICE_SCOPE(ctx);
+  /* Pageable copies: each returns once the source is staged, so the host plan may go away. */
+  if (plan->num_tiles > 0)
+    TW_CUDA_TRY(cudaMemcpyAsync(d->tiles, plan->tiles, (size_t)plan->num_tiles * sizeof(tw_tile),
+                                cudaMemcpyHostToDevice, stream));
+  if (plan->num_bands > 0)
+    TW_CUDA_TRY(cudaMemcpyAsync(d->bands, plan->bands, (size_t)plan->num_bands * sizeof(tw_band),
+                                cudaMemcpyHostToDevice, stream));
+  if (plan->num_segments > 0)
+    TW_CUDA_TRY(cudaMemcpyAsync(d->segments, plan->segments,
+                                (size_t)plan->num_segments * sizeof(tw_segment),
+                                cudaMemcpyHostToDevice, stream));
+  TW_CUDA_TRY(cudaMemcpyAsync(d->seg_unit0, d->h_seg_unit0, (size_t)(plan->num_segments + 1) * 4,
+                              cudaMemcpyHostToDevice, stream));
+  if (plan->num_segments > 0)
+    TW_CUDA_TRY(cudaMemcpyAsync(d->seg_split0, d->h_seg_split0, (size_t)plan->num_segments * 4,
+                                cudaMemcpyHostToDevice, stream));
+  if (nslots > 0) {
+    TW_CUDA_TRY(cudaMemcpyAsync(d->slot_row, plan->slot_row, (size_t)nslots * 4,
+                                cudaMemcpyHostToDevice, stream));
+    TW_CUDA_TRY(
+        cudaMemcpyAsync(d->weights, weights, (size_t)nslots * 4, cudaMemcpyHostToDevice, stream));
+  }
+  if (ctx->dataflow == TW_DATAFLOW_ADD && plan->rows > 0) {
+    TW_CUDA_TRY(cudaMemcpyAsync(d->row_token, d->h_row_token, (size_t)plan->rows * 4,
+                                cudaMemcpyHostToDevice, stream));
+    TW_CUDA_TRY(cudaMemcpyAsync(d->row_weight, d->h_row_weight, (size_t)plan->rows * 4,
+                                cudaMemcpyHostToDevice, stream));
+  }
+  d->rows = plan->rows;
+  d->recv_rows = plan->recv_rows;
+  d->num_tiles = plan->num_tiles;
+  d->num_bands = plan->num_bands;
+  d->total_units = (int32_t)units;
+  d->tokens = tokens;
+  d->comm_ctas = plan->comm_ctas;
+  memcpy(d->recv_bands, recv_from, sizeof(int32_t) * (size_t)ctx->world);
+  d->uploaded = 1;
+  return TW_SUCCESS;
+}
