@@ -16,7 +16,13 @@
 #define TW_TEST_SKIP 77
 
 /* Failures of the current test; a test passes when it records none. */
-static int tw_test_failures_ = 0;
+/* Per thread: the in-process multi-rank tests run one rank per thread. */
+#ifdef __cplusplus
+#define TW_TEST_THREAD_LOCAL thread_local
+#else
+#define TW_TEST_THREAD_LOCAL _Thread_local
+#endif
+static TW_TEST_THREAD_LOCAL int tw_test_failures_ = 0;
 
 #define CHECK(cond)                                                                \
   do {                                                                             \

@@ -1,11 +1,17 @@
 /*
  * overlap_common.h: what the multi-rank GPU tests of GEMM2 + combine share (test_overlap.cu,
- * test_timeout.cu): a per-rank harness whose test verdicts are agreed on by all ranks, seeded
- * inputs that are a pure function of (owner, token, slot) and (expert, n, f) so that any rank
- * can rebuild any row on the host, plan/upload helpers and a double-precision reference.
+ * test_timeout.cu, test_combine_add.cu): a per-rank harness whose test verdicts are agreed on by
+ * all ranks, seeded inputs that are a pure function of (owner, token, slot) and (expert, n, f) so
+ * that any rank can rebuild any row on the host, plan/upload helpers and a double-precision
+ * reference.
  *
- * The binaries fork their two ranks themselves (tw__spawn_local_ranks) before any CUDA call,
- * which is why the GPU count comes from tw__gpu_count_forked() and not from CUDA in main().
+ * Each binary runs its cases on one of two teams (tw_rank_test_main):
+ *  - no arguments: two ranks on two GPUs, one process each (forked before any CUDA call, which
+ *    is why the GPU count comes from tw__gpu_count_forked()), over NCCL; skipped with fewer GPUs;
+ *  - `--in-process W`: W ranks in this process on GPU 0, one thread each, on an in-process team
+ *    (tw_team_create); skipped without a GPU.
+ * A case must not synchronise the whole device while a call is in flight: in-process, the other
+ * ranks' calls are on the same device and may be waiting for this rank.
  */
 #ifndef TW_OVERLAP_COMMON_H
 #define TW_OVERLAP_COMMON_H
@@ -20,21 +26,57 @@
 #include <fcntl.h>
 #include <math.h>
 
+#include <pthread.h>
+
 #include "tilewave.h"
 #include "core.h"
 #include "plan.h"
 #include "kernels.h"
 #include "runtime.h"
 #include "spawn.h"
+#include "team.h"
 #include "tw_test_gpu.h"
 #include "tw_test_random.h"
 
 typedef struct tw_rank_env {
   int rank, nranks;
-  ncclComm_t comm;
+  ncclComm_t comm;   /* NCCL team: this rank's communicator (NULL in-process) */
+  tw_team_t team;    /* in-process team the contexts are created on (NULL over NCCL) */
+  tw__team* verdict; /* in-process: this rank's view of a second team, for the harness's sums */
   cudaStream_t stream;
   int32_t* d_flag; /* one int for agreeing on verdicts */
 } tw_rank_env;
+
+/* This rank's context on the run's team. */
+static inline tw_status tw_rank_context_create(const tw_rank_env* env, const tw_problem* p,
+                                               const tw_context_config* cc, tw_context_t* ctx) {
+  return env->team != NULL ? tw_context_create_on_team(p, env->team, env->rank, cc, ctx)
+                           : tw_context_create(p, env->comm, cc, ctx);
+}
+
+/* A test problem for this run's world: the expert count rounded up to a multiple of the ranks
+ * (the cases name counts for two ranks). */
+static inline tw_problem tw_rank_problem(const tw_rank_env* env, int32_t H, int32_t F, int32_t E,
+                                         int32_t K, int32_t max_tokens) {
+  const int32_t W = env->nranks;
+  return tw_test_problem(W, H, F, (E + W - 1) / W * W, K, max_tokens, 0, 0);
+}
+
+/* The sum over ranks of `mine`; -1 when the ranks could not agree. */
+static inline int32_t tw_rank_sum(tw_rank_env* env, int32_t mine) {
+  if (env->verdict != NULL) {
+    int64_t v = mine;
+    return tw__team_sum_i64(env->verdict, &v, 1) == TW_SUCCESS ? (int32_t)v : -1;
+  }
+  int32_t all = 0;
+  if (cudaMemcpy(env->d_flag, &mine, 4, cudaMemcpyHostToDevice) != cudaSuccess ||
+      ncclAllReduce(env->d_flag, env->d_flag, 1, ncclInt32, ncclSum, env->comm, env->stream) !=
+          ncclSuccess ||
+      cudaStreamSynchronize(env->stream) != cudaSuccess ||
+      cudaMemcpy(&all, env->d_flag, 4, cudaMemcpyDeviceToHost) != cudaSuccess)
+    return -1;
+  return all;
+}
 
 typedef struct tw_rank_case {
   const char* name;
@@ -51,12 +93,9 @@ static inline int tw_rank_run_cases(tw_rank_env* env, const tw_rank_case* cases,
     fflush(stdout);
     double t0 = tw__now_seconds();
     cases[i].fn(env);
-    int32_t mine = tw_test_failures_, all = 0;
-    if (cudaMemcpy(env->d_flag, &mine, 4, cudaMemcpyHostToDevice) != cudaSuccess ||
-        ncclAllReduce(env->d_flag, env->d_flag, 1, ncclInt32, ncclSum, env->comm, env->stream) !=
-            ncclSuccess ||
-        cudaStreamSynchronize(env->stream) != cudaSuccess ||
-        cudaMemcpy(&all, env->d_flag, 4, cudaMemcpyDeviceToHost) != cudaSuccess) {
+    const int32_t mine = tw_test_failures_;
+    int32_t all = tw_rank_sum(env, mine);
+    if (all < 0) {
       fprintf(stderr, "rank %d: cannot agree on the verdict of %s\n", env->rank, cases[i].name);
       all = mine + 1;
     }
@@ -70,7 +109,9 @@ static inline int tw_rank_run_cases(tw_rank_env* env, const tw_rank_case* cases,
     }
     fflush(stdout);
   }
-  if (env->rank == 0) printf("%d passed, %d failed\n", passed, failed);
+  if (env->rank == 0)
+    printf("%d passed, %d failed (%d ranks, %s)\n", passed, failed, env->nranks,
+           env->team != NULL ? "in-process team on one GPU" : "NCCL, one GPU each");
   fflush(stdout);
   return failed;
 }
@@ -110,8 +151,8 @@ static inline int tw__case_list_rank(int rank, int nranks, const ncclUniqueId* i
   return tw_rank_main(rank, nranks, id, l->cases, l->n);
 }
 
-/* A 2-GPU test binary's main: skips (exit 77) with fewer than 2 GPUs, else runs the cases on two
- * spawned ranks, each bounded by timeout_s. */
+/* A 2-GPU run: skips (exit 77) with fewer than 2 GPUs, else runs the cases on two spawned
+ * ranks, each bounded by timeout_s. */
 static inline int tw_two_rank_main(const tw_rank_case* cases, int n, int timeout_s) {
   const int gpus = tw__gpu_count_forked();
   if (gpus < 2) {
@@ -125,6 +166,90 @@ static inline int tw_two_rank_main(const tw_rank_case* cases, int n, int timeout
     return 1;
   }
   return 0;
+}
+
+/* ---- in-process ranks ---------------------------------------------------------------------- */
+
+typedef struct tw_local_rank {
+  tw_rank_env env;
+  const tw_case_list* cases;
+  int failed;
+} tw_local_rank;
+
+static inline void* tw__local_rank_thread(void* arg) {
+  tw_local_rank* r = (tw_local_rank*)arg;
+  tw_rank_env* env = &r->env;
+  r->failed = 1;
+  if (cudaSetDevice(0) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&env->stream, cudaStreamNonBlocking) != cudaSuccess) {
+    fprintf(stderr, "rank %d: no stream on GPU 0\n", env->rank);
+    return NULL;
+  }
+  r->failed = tw_rank_run_cases(env, r->cases->cases, r->cases->n);
+  if (cudaStreamSynchronize(env->stream) != cudaSuccess) r->failed++;
+  cudaStreamDestroy(env->stream);
+  return NULL;
+}
+
+/* W ranks as threads of this process on GPU 0, over an in-process team. */
+static inline int tw_in_process_main(const tw_rank_case* cases, int n, int world) {
+  /* Every rank's streams need hardware queues of their own (tw_team_create checks); this must
+   * be set before the first CUDA call of the process. */
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
+  if (tw_test_gpu_count() < 1) {
+    printf("needs 1 GPU, found 0: skipped\n0 passed, 0 failed\n");
+    return TW_TEST_SKIP;
+  }
+  tw_team_t team = NULL, verdicts = NULL;
+  tw_status st = tw_team_create(world, 0, &team);
+  if (st == TW_SUCCESS) st = tw_team_create(world, 0, &verdicts);
+  if (st != TW_SUCCESS) {
+    printf("FAILED: tw_team_create(%d): %s (%s)\n", world, tw_status_string(st), tw_last_error());
+    return 1;
+  }
+  tw_case_list l = {cases, n};
+  tw_local_rank ranks[TW_MAX_RANKS];
+  pthread_t threads[TW_MAX_RANKS];
+  int failed = 0;
+  memset(ranks, 0, sizeof ranks);
+  for (int r = 0; r < world; r++) {
+    ranks[r].env.rank = r;
+    ranks[r].env.nranks = world;
+    ranks[r].env.team = team;
+    ranks[r].cases = &l;
+    if (tw__team_local_join(verdicts, r, &ranks[r].env.verdict) != TW_SUCCESS) {
+      printf("FAILED: joining the verdict team: %s\n", tw_last_error());
+      return 1;
+    }
+  }
+  for (int r = 0; r < world; r++)
+    if (pthread_create(&threads[r], NULL, tw__local_rank_thread, &ranks[r]) != 0) {
+      printf("FAILED: pthread_create for rank %d\n", r);
+      return 1;
+    }
+  for (int r = 0; r < world; r++) {
+    pthread_join(threads[r], NULL);
+    failed += ranks[r].failed != 0;
+    ranks[r].env.verdict->ops->release(ranks[r].env.verdict);
+  }
+  if (tw_team_destroy(team) != TW_SUCCESS || tw_team_destroy(verdicts) != TW_SUCCESS) {
+    printf("FAILED: tw_team_destroy: %s\n", tw_last_error());
+    failed++;
+  }
+  return failed ? 1 : 0;
+}
+
+/* A multi-rank test binary's main: no arguments, two ranks on two GPUs over NCCL; `--in-process
+ * W`, W ranks on one GPU. Anything else is a usage error (exit 2). */
+static inline int tw_rank_test_main(int argc, char** argv, const tw_rank_case* cases, int n,
+                                    int timeout_s) {
+  if (argc == 1) return tw_two_rank_main(cases, n, timeout_s);
+  const int world = argc == 3 && strcmp(argv[1], "--in-process") == 0 ? atoi(argv[2]) : 0;
+  if (world < 1 || world > 8) {
+    fprintf(stderr, "usage: %s [--in-process W]   (W ranks on one GPU, 1..8)\n", argv[0]);
+    return 2;
+  }
+  return tw_in_process_main(cases, n, world);
 }
 
 /* ---- seeded data ---------------------------------------------------------------------------- */

@@ -47,12 +47,11 @@ typedef struct tw_add_fixture {
 
 static int tw_add_setup(tw_rank_env* env, const tw_add_cfg* c, int timeout_ms, tw_add_fixture* fx) {
   memset(fx, 0, sizeof *fx);
-  fx->p =
-      tw_test_problem(env->nranks, c->hidden, c->ffn, c->experts, c->top_k, c->max_tokens, 0, 0);
+  fx->p = tw_rank_problem(env, c->hidden, c->ffn, c->experts, c->top_k, c->max_tokens);
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.dataflow = TW_DATAFLOW_ADD;
   cc.timeout_ms = timeout_ms;
-  CHECK_OK(tw_context_create(&fx->p, env->comm, &cc, &fx->ctx));
+  CHECK_OK(tw_rank_context_create(env, &fx->p, &cc, &fx->ctx));
   if (fx->ctx == NULL) return 0;
   tw_context_info info;
   CHECK_OK(tw_context_info_get(fx->ctx, &info));
@@ -308,17 +307,17 @@ static void test_refusals(tw_rank_env* env) {
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.dataflow = TW_DATAFLOW_ADD;
   tw_context_t ctx = NULL;
-  tw_problem k4 = tw_test_problem(env->nranks, 512, 128, 8, 4, 64, 0, 0);
-  CHECK(tw_context_create(&k4, env->comm, &cc, &ctx) == TW_ERR_UNSUPPORTED && ctx == NULL);
+  tw_problem k4 = tw_rank_problem(env, 512, 128, 8, 4, 64);
+  CHECK(tw_rank_context_create(env, &k4, &cc, &ctx) == TW_ERR_UNSUPPORTED && ctx == NULL);
   CHECK(strstr(tw_last_error(), "TW_DATAFLOW_REDUCE") != NULL);
-  tw_problem k2 = tw_test_problem(env->nranks, 512, 128, 8, 2, 64, 0, 0);
+  tw_problem k2 = tw_rank_problem(env, 512, 128, 8, 2, 64);
   cc.debug_tags = TW_DEBUG_TAGS_CHECK;
-  CHECK(tw_context_create(&k2, env->comm, &cc, &ctx) == TW_ERR_UNSUPPORTED && ctx == NULL);
+  CHECK(tw_rank_context_create(env, &k2, &cc, &ctx) == TW_ERR_UNSUPPORTED && ctx == NULL);
   cc.debug_tags = 0;
   cc.dataflow = 7;
-  CHECK(tw_context_create(&k2, env->comm, &cc, &ctx) == TW_ERR_INVALID_ARGUMENT && ctx == NULL);
+  CHECK(tw_rank_context_create(env, &k2, &cc, &ctx) == TW_ERR_INVALID_ARGUMENT && ctx == NULL);
   cc.dataflow = TW_DATAFLOW_ADD;
-  CHECK_OK(tw_context_create(&k2, env->comm, &cc, &ctx));
+  CHECK_OK(tw_rank_context_create(env, &k2, &cc, &ctx));
   if (ctx == NULL) return;
   void* out = NULL;
   CHECK(tw_context_output(ctx, &out) == TW_ERR_STATE && out == NULL);
@@ -383,6 +382,6 @@ static const tw_rank_case kCases[] = {
     {"timeout_and_reset", test_timeout_and_reset},
 };
 
-int main(void) {
-  return tw_two_rank_main(kCases, (int)(sizeof kCases / sizeof kCases[0]), 600);
+int main(int argc, char** argv) {
+  return tw_rank_test_main(argc, argv, kCases, (int)(sizeof kCases / sizeof kCases[0]), 600);
 }

@@ -65,11 +65,11 @@ static void tw_run_mode(tw_rank_env* env, tw_context_t ctx, tw_device_plan_t dp,
   CHECK_CUDA(cudaStreamSynchronize(env->stream));
 }
 
-static double g_max_rel = 0.0;
+static thread_local double g_max_rel = 0.0; /* per rank (thread, in-process) */
 
 static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_index, int copy) {
-  tw_problem p = tw_test_problem(env->nranks, cfg->hidden, cfg->ffn, cfg->experts, cfg->top_k,
-                                 cfg->max_tokens, 0, 0);
+  tw_problem p =
+      tw_rank_problem(env, cfg->hidden, cfg->ffn, cfg->experts, cfg->top_k, cfg->max_tokens);
   CHECK_OK(tw_problem_validate(&p));
   /* Consumer unit widths 1 (default), several and whole bands (clamped to col_tiles). */
   static const int kUnitTiles[] = {1, 4, 1, 3, 1, 2, 64};
@@ -77,7 +77,7 @@ static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_i
   cc.unit_tiles = kUnitTiles[cfg_index % (int)(sizeof kUnitTiles / sizeof kUnitTiles[0])];
   cc.consumer_copy = copy;
   tw_context_t ctx = NULL;
-  CHECK_OK(tw_context_create(&p, env->comm, &cc, &ctx));
+  CHECK_OK(tw_rank_context_create(env, &p, &cc, &ctx));
   if (ctx == NULL) return;
   tw_device_plan_t dp = NULL;
   CHECK_OK(tw_device_plan_create(ctx, &dp));
@@ -211,13 +211,13 @@ static void test_overlap_matches_unfused_and_reference(tw_rank_env* env) {
 
 /* Debug tags + identity weights: out decodes to exactly the expected (token, k) payloads. */
 static void tw_debug_tags_exactly_once(tw_rank_env* env, int copy) {
-  tw_problem p = tw_test_problem(env->nranks, 256, 256, 16, 4, 300, 0, 0);
+  tw_problem p = tw_rank_problem(env, 256, 256, 16, 4, 300);
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.debug_tags = TW_DEBUG_TAGS_CHECK;
   cc.unit_tiles = 2; /* hits must still add up to col_tiles per row */
   cc.consumer_copy = copy;
   tw_context_t ctx = NULL;
-  CHECK_OK(tw_context_create(&p, env->comm, &cc, &ctx));
+  CHECK_OK(tw_rank_context_create(env, &p, &cc, &ctx));
   if (ctx == NULL) return;
   tw_device_plan_t dp = NULL;
   CHECK_OK(tw_device_plan_create(ctx, &dp));
@@ -326,9 +326,9 @@ static void test_debug_tags_exactly_once(tw_rank_env* env) {
 
 static void test_no_deadlock_any_c(tw_rank_env* env) {
   /* Large enough that the reduction's grid reaches its cap (it could fill every SM). */
-  tw_problem p = tw_test_problem(env->nranks, 1024, 128, 8, 2, 2048, 0, 0);
+  tw_problem p = tw_rank_problem(env, 1024, 128, 8, 2, 2048);
   tw_context_t ctx = NULL;
-  CHECK_OK(tw_context_create(&p, env->comm, NULL, &ctx));
+  CHECK_OK(tw_rank_context_create(env, &p, NULL, &ctx));
   if (ctx == NULL) return;
   tw_device_plan_t dp = NULL;
   CHECK_OK(tw_device_plan_create(ctx, &dp));
@@ -357,7 +357,10 @@ static void test_no_deadlock_any_c(tw_rank_env* env) {
     const size_t n_out = (size_t)p.max_tokens * p.hidden;
     tw_run_mode(env, ctx, dp, &b, p.max_tokens, p.hidden, TW_COMBINE_OVERLAP, 1, b.h_out);
     int mismatched = 0;
-    const int c_max = getenv("TW_TEST_QUICK") != NULL ? 3 : TW_MAX_COMM_CTAS;
+    /* Every C the context allows (its budget less one producer SM, at most 64). */
+    tw_context_info info;
+    CHECK_OK(tw_context_info_get(ctx, &info));
+    const int c_max = getenv("TW_TEST_QUICK") != NULL ? 3 : info.max_comm_ctas;
     for (int C = 1; C <= c_max; C++) {
       /* Several calls in flight before one check: the credits carry the calls along. Both
        * modes: in unfused mode consumer and reduction become ready at the same moment. */
@@ -390,14 +393,14 @@ static int tw_cmp_float(const void* a, const void* b) {
 static void tw_modes_and_timings(tw_rank_env* env, int copy, int unit_tiles, uint16_t** out_copy,
                                  size_t* out_n) {
   const int quick = getenv("TW_TEST_QUICK") != NULL;
-  tw_problem p = tw_test_problem(env->nranks, quick ? 512 : 4096, quick ? 256 : 2048, 16, 2,
-                                 quick ? 256 : 8192, 0, 0);
+  tw_problem p =
+      tw_rank_problem(env, quick ? 512 : 4096, quick ? 256 : 2048, 16, 2, quick ? 256 : 8192);
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.timing = 1;
   cc.unit_tiles = unit_tiles;
   cc.consumer_copy = copy;
   tw_context_t ctx = NULL;
-  CHECK_OK(tw_context_create(&p, env->comm, &cc, &ctx));
+  CHECK_OK(tw_rank_context_create(env, &p, &cc, &ctx));
   if (ctx == NULL) return;
   tw_combine_timings tm;
   CHECK_STATUS(tw_context_timings(ctx, &tm), TW_ERR_STATE); /* no call yet */
@@ -522,6 +525,6 @@ static const tw_rank_case kCases[] = {
     {"modes_and_timings", test_modes_and_timings},
 };
 
-int main(void) {
-  return tw_two_rank_main(kCases, (int)(sizeof kCases / sizeof kCases[0]), 600);
+int main(int argc, char** argv) {
+  return tw_rank_test_main(argc, argv, kCases, (int)(sizeof kCases / sizeof kCases[0]), 600);
 }

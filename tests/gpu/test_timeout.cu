@@ -10,7 +10,8 @@
  * After each fault: tw_context_check() returns TW_ERR_TIMEOUT on both ranks within a few
  * timeouts, the next call is refused with TW_ERR_STATE, and after tw_context_reset() the output
  * is bit-identical to the one from before the fault. Every case runs with both ways the
- * consumer copies (bulk and registers). Exits 77 with fewer than 2 GPUs.
+ * consumer copies (bulk and registers). Exits 77 with fewer than 2 GPUs (or, with
+ * --in-process W, without a GPU).
  */
 #include "overlap_common.h"
 
@@ -30,12 +31,12 @@ typedef struct tw_fixture {
 
 static int tw_fixture_init(tw_rank_env* env, tw_fixture* fx, int copy) {
   memset(fx, 0, sizeof *fx);
-  const tw_problem p = tw_test_problem(env->nranks, 512, 256, 8, 2, 256, 0, 0);
+  const tw_problem p = tw_rank_problem(env, 512, 256, 8, 2, 256);
   fx->p = p;
   tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
   cc.timeout_ms = TW_TEST_TIMEOUT_MS;
   cc.consumer_copy = copy;
-  CHECK_OK(tw_context_create(&p, env->comm, &cc, &fx->ctx));
+  CHECK_OK(tw_rank_context_create(env, &p, &cc, &fx->ctx));
   if (fx->ctx == NULL) return 0;
   tw_context_info info;
   CHECK_OK(tw_context_info_get(fx->ctx, &info));
@@ -111,7 +112,10 @@ static void tw_fault_round(tw_rank_env* env, tw_fixture* fx, int fault, int vict
   CHECK_STATUS(tw_moe_combine(fx->ctx, fx->dp, fx->expert_in, fx->w2, fx->out, env->stream),
                TW_ERR_STATE);
   CHECK_OK(tw_context_reset(fx->ctx));
-  CHECK_CUDA(cudaDeviceSynchronize()); /* nothing trapped: the CUDA context is alive */
+  /* Nothing trapped: the CUDA context is alive (a stream of this rank, not the device: on an
+   * in-process team the other ranks' calls may already be running again). */
+  CHECK_CUDA(cudaStreamSynchronize(env->stream));
+  CHECK_CUDA(cudaGetLastError());
   for (int rep = 0; rep < 3; rep++) {
     tw_clean_call(env, fx, fx->now);
     CHECKF(memcmp(fx->good, fx->now, fx->n_out * 2) == 0,
@@ -156,6 +160,6 @@ static const tw_rank_case kCases[] = {
     {"missing_band_publish_times_out_everywhere", test_missing_band_publish_times_out_everywhere},
 };
 
-int main(void) {
-  return tw_two_rank_main(kCases, (int)(sizeof kCases / sizeof kCases[0]), 300);
+int main(int argc, char** argv) {
+  return tw_rank_test_main(argc, argv, kCases, (int)(sizeof kCases / sizeof kCases[0]), 300);
 }
