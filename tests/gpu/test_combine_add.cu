@@ -323,7 +323,8 @@ static void test_refusals(tw_rank_env* env) {
   CHECK(tw_context_output(ctx, &out) == TW_ERR_STATE && out == NULL);
   tw_device_plan_t dp = NULL;
   CHECK_OK(tw_device_plan_create(ctx, &dp));
-  const int32_t tokens[2] = {64, 64};
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = 64;
   tw_routing_t rt = NULL;
   CHECK_OK(tw_make_routing(&k2, TW_ROUTER_BALANCED, tokens, 5, &rt));
   tw_plan_t reduce_plan = NULL, add_plan = NULL;
@@ -354,7 +355,8 @@ static void test_timeout_and_reset(tw_rank_env* env) {
     return;
   }
   tw_upload_exact_w2(env, &fx);
-  const int32_t tokens[2] = {256, 200};
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = r % 2 ? 200 : 256;
   tw_routing_t rt = NULL;
   CHECK_OK(tw_make_routing(&fx.p, c.router, tokens, 77, &rt));
   tw_plan_t plan = rt ? tw_add_plan(env, &fx, rt, 2, 1, 0) : NULL;
