@@ -6,8 +6,10 @@
  * grid shapes with 0 to 1024 MiB read that way, and the same reads alone (a kernel of the same
  * CTA count and 64 threads per CTA): the question is how much of the owner's reduction (805 MB at
  * 16384 tokens, N 8192) such warps could move inside the GEMM's time, and at what cost to it.
+ * The patch no longer applies to the current tree: dev/gemm/PATCHES.md names the commit to check
+ * out and how to recover it; then, in that tree:
  *
- *   git apply dev/gemm/v11_idle_warps.patch
+ *   git apply v11_idle_warps.patch
  *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Iinclude -Isrc/core -Isrc/plan \
  *     -Isrc/kernels dev/gemm/idle_warps_lab.cu src/kernels/sm90_gemm.cu src/core/status.c \
  *     -o idle_warps_lab && ./idle_warps_lab

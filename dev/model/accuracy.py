@@ -6,7 +6,7 @@ For every point of a `tilewave sweep --oracle --json-file` run, plans all ranks 
 the model's choice, (a) rank 0's prediction (what the sweep's table prints as "predicted us") and
 (b) the largest prediction over the ranks (the slowest rank bounds the call):
 
-    dev/model/accuracy.py bench/results/2026-11-30-run17-oracle.json.gz [--tilewave build/tilewave]
+    dev/model/accuracy.py bench/results/archive/2026-11-30-run17-oracle.json.gz [--tilewave build/tilewave]
 
 The choice of C depends only on the shape of each rank's predicted curve, so an offset common to
 all C costs no regret; this measures the model's absolute accuracy, not its choices.

@@ -6,7 +6,7 @@ and of the model's choice with each schedule. This script plans every point agai
 current `tilewave plan` (same routing seed, rank 0) and looks the new choice up in the measured
 table, so that a model change can be judged before any GPU time is spent:
 
-    dev/model/replay.py bench/results/2026-11-30-run4-oracle.json.gz [--calibration FILE]
+    dev/model/replay.py bench/results/archive/2026-11-30-run4-oracle.json.gz [--calibration FILE]
 
 Caveats (the output counts only the points it could not look up): the grid cells were measured
 in the schedule the model of the run chose for each mgb, so a point whose schedule choice changes is looked up in the other

@@ -21,13 +21,12 @@
  *      tn = 256.
  *   5  as 4, with the staging tile in 64-column boxes in the 128-byte swizzle and a full tile
  *      written by one TMA tensor store per box (2 or 4) instead of one bulk copy per row (128):
- *      with 128 bulk operations per tile no tile took less than ~5.4 us, with 2 a 128 x 128 x
- *      512 tile takes 3.3-3.75 us (dev/gemm/NOTES.md v7, v8). A tile with fewer valid rows (the
- *      last band of an expert in the compact layout; the rows after it belong to the next
- *      expert) is stored by the consumers from registers, masked, as in 3. The default for
- *      tn = 128: same run on 2 x H200 (v9), granite's K 512 GEMM 180 -> 128 us; at tn = 256 it
- *      was 3-8% slower than 4 (cause not measured; there the tile's compute already hides v4's
- *      row copies, so v5 has nothing to win).
+ *      the row copies set a per-tile floor that short-K tiles hit, and two stores lift it
+ *      (dev/gemm/NOTES.md v7, v8). A tile with fewer valid rows (the last band of an expert in
+ *      the compact layout; the rows after it belong to the next expert) is stored by the
+ *      consumers from registers, masked, as in 3. The default for tn = 128, where it is faster;
+ *      at tn = 256 the tile's compute already hides v4's row copies and v5 was slower, so 4
+ *      stays (measurements: dev/gemm/NOTES.md v9).
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
