@@ -20,9 +20,8 @@
  *
  * The last tail_bands bands of each destination stream are also cut into tail_parts row parts
  * (defaults and why: src/plan/plan.h): at the end of the call they are all that is left, and whole
- * they would be one CTA's copy each while the others idle (runs 18 and 21, 8192 tokens, N 8192,
- * 16-64 experts: the consumer's lag behind the producer 31-37 us with whole bands, 16-18 with the
- * last 2 split, 6-8 with the last 8). Units are announced on the owner's arrival counter; the owner
+ * they would be one CTA's copy each while the others idle (measured: dev/NOTES.md, the consumer's
+ * tail). Units are announced on the owner's arrival counter; the owner
  * counts them from the bands it receives (src/plan/units.c), so T and the split must be the same on
  * every rank (the context checks).
  *
@@ -30,8 +29,8 @@
  * microseconds), so a CTA does not release after every unit: it counts finished units per
  * owner and releases them with one reduction per owner when it runs out of units (and before
  * its first wait for an owner's credit, at most W times). The owner's reduction waits for all
- * units anyway. (An earlier form also released whenever the CTA was about to block on a band
- * that was not ready yet; dropping that changed no measured time, 2 x H200, run 5.)
+ * units anyway. (Also releasing before blocking on a band that is not ready changed no measured
+ * time.)
  *
  * NOTES: ordering, per unit:
  *  1. thread 0 acquires (.gpu) the band counters of the segment: the producer released them
@@ -199,8 +198,8 @@ __device__ __forceinline__ void tw__bulk_load_piece(tw__bulk_pipe& pp, const tw_
 }
 
 /* The add dataflow's bulk adds come from the lanes of warp 0, a piece's rows spread over them,
- * each lane with its own bulk groups: one thread issuing them all took ~0.2 us an add whatever
- * its size below ~8 KB (runs 47, 52); 32 lanes took 0.81 of that time at 1.5 KB rows (run 54).
+ * each lane with its own bulk groups: one thread issuing them all pays a fixed cost per add of
+ * a small row, which the lanes share (dev/NOTES.md, the add dataflow's lanes).
  * Stores (the reduce dataflow) move a contiguous piece in one instruction: thread 0 alone. */
 constexpr int kAddLanes = 32;
 

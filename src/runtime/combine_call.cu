@@ -61,7 +61,7 @@ static tw_status tw__raise_ready(tw_context_t ctx, cudaStream_t stream, int buf)
  * stream, then ready = e (peers may add into it in call e + 1) and ev_zeroed (this rank's producer
  * of call e + 1 waits for it). TW_ADD_ZEROING=copy: from call e's start, with this rank's copy
  * engine pulling the next rank's zeros over NVLink (no SM: a kernel here would wait for the
- * producer's and consumer's SMs, run 42). A comm-only call (a timing mode: it has no producer)
+ * producer's and consumer's SMs). A comm-only call (a timing mode: it has no producer)
  * zeroes with a memset after it has ended, so that its time is the consumer's alone. */
 static tw_status tw__zero_next_output(tw_context_t ctx, int buf, int after_call) {
   char* dst = (char*)ctx->win_buf + tw__out_offset(ctx, buf);

@@ -240,7 +240,7 @@ static tw_status tw__context_init(tw_context_t ctx) {
                     p->max_tokens, (long long)ctx->rows_max);
 
   /* Reduce: the receive rows. Add: two output buffers, then the zeros peers copy from (up to 32
-   * MiB: a copy-engine copy that long runs near its peak rate, HARDWARE.md). */
+   * MiB: a copy-engine copy that long runs near its peak rate, docs/hardware.md). */
   const int add = ctx->dataflow == TW_DATAFLOW_ADD;
   const uint64_t out_bytes =
       tw__align((uint64_t)(p->max_tokens > 0 ? p->max_tokens : 1) * H * 2, 4096);
@@ -346,7 +346,7 @@ static tw_status tw__context_init(tw_context_t ctx) {
                       ctx->sm_count / ctx->world);
   }
   /* TW_ADD_ZEROING=copy zeroes the next output buffer with this rank's copy engine, from the next
-   * rank's zeros (a copy within one GPU is a kernel and would wait for the SMs: runs 42, 44). The
+   * rank's zeros (a copy within one GPU is a kernel and would wait for the SMs). The
    * zeros stay in every add window whatever the zeroing, so that all ranks' layouts agree. */
   if (ctx->dataflow == TW_DATAFLOW_ADD && W > 1 && !ctx->zero_in_producer) {
     ctx->peer_zeros = (const char*)ctx->win.peers[(ctx->rank + 1) % W] + L->zeros;
@@ -430,7 +430,7 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
                       "tw_context_create: the add dataflow does not run here: %s", why);
     /* How the next output buffer is zeroed: by the producer's two idle warps (default: SM stores
      * inside the GEMM, no link traffic) or the copy engine (no SM, but NVLink bytes beside the
-     * consumer's; run 45: 0.9632 against 0.9774 of the reduce dataflow's time over the grid). */
+     * consumer's: slower over the grid, dev/NOTES.md). */
     const char* z = getenv("TW_ADD_ZEROING");
     if (z != NULL && z[0] != '\0' && strcmp(z, "copy") != 0 && strcmp(z, "producer") != 0)
       return tw__fail(TW_ERR_INVALID_ARGUMENT,
