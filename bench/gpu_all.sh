@@ -32,8 +32,10 @@ NCCL_ROOT=$(python3 -c 'import nvidia.nccl as m; print(m.__path__[0])' 2>/dev/nu
 } | tee "$OUT/env.txt"
 
 step build
-cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release ${NCCL_ROOT:+-DTW_NCCL_ROOT=$NCCL_ROOT} \
-  >"$OUT/build.log" 2>&1 && cmake --build "$BUILD" -j "$(nproc)" >>"$OUT/build.log" 2>&1 ||
+# ptxas -v on: its register and spill lines are collected into ptxas.txt below.
+cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTW_PTXAS_VERBOSE=ON \
+  ${NCCL_ROOT:+-DTW_NCCL_ROOT=$NCCL_ROOT} >"$OUT/build.log" 2>&1 &&
+  cmake --build "$BUILD" -j "$(nproc)" >>"$OUT/build.log" 2>&1 ||
   { tail -40 "$OUT/build.log"; exit 1; }
 grep -E "Used [0-9]+ registers|spill stores" "$OUT/build.log" | sort | uniq -c >"$OUT/ptxas.txt"
 

@@ -29,6 +29,14 @@
 extern "C" {
 #endif
 
+/* Marks the public functions: the library is built with hidden visibility, so these are the only
+ * symbols libtilewave.so exports. */
+#if defined(__GNUC__) || defined(__clang__)
+#define TW_API __attribute__((visibility("default")))
+#else
+#define TW_API
+#endif
+
 #define TW_VERSION_MAJOR 0
 #define TW_VERSION_MINOR 1
 #define TW_VERSION_PATCH 0
@@ -73,15 +81,15 @@ typedef enum tw_status {
 
 /* Name and one-line meaning of a status code, e.g. "TW_ERR_TOPK_RANGE: top-k is outside ...".
  * Never NULL; unknown codes give "TW_ERR_UNKNOWN". */
-const char* tw_status_string(tw_status status);
+TW_API const char* tw_status_string(tw_status status);
 
 /* Detail of the last failure on the calling thread (what was wrong and how to fix it), or "" if
  * no call on this thread has failed. The string stays valid until the next tilewave call on the
  * same thread. */
-const char* tw_last_error(void);
+TW_API const char* tw_last_error(void);
 
 /* Library version as MAJOR*10000 + MINOR*100 + PATCH. */
-int tw_version(void);
+TW_API int tw_version(void);
 
 /* -------------------------------------------------------------------------------------------- */
 /* Problem description                                                                          */
@@ -113,15 +121,15 @@ typedef struct tw_problem {
   { sizeof(tw_problem), TW_PROBLEM_MAGIC, TW_API_VERSION, 1, 0, 0, 0, 0, 0, 0, 0, TW_BF16 }
 
 /* Checks a problem; returns the first violation with a message naming the fix. */
-tw_status tw_problem_validate(const tw_problem* problem);
+TW_API tw_status tw_problem_validate(const tw_problem* problem);
 
 /* Model presets from the papers: name -> hidden, ffn, experts, top_k (tokens are up to you).
  * Names: "granite-3.1-1b-a400m", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "m-gpt", "m-bert",
  * "m-trans-xl" (case-insensitive). Leaves world_size, max_tokens and tiles untouched. */
-tw_status tw_problem_preset(const char* name, tw_problem* problem);
+TW_API tw_status tw_problem_preset(const char* name, tw_problem* problem);
 /* Number of presets and the i-th preset's name, for listings. */
-int tw_preset_count(void);
-const char* tw_preset_name(int index);
+TW_API int tw_preset_count(void);
+TW_API const char* tw_preset_name(int index);
 
 /* -------------------------------------------------------------------------------------------- */
 /* Routing: for every rank, for every token, top_k expert ids and gate weights                 */
@@ -144,19 +152,20 @@ typedef enum tw_router {
  * [in] expert_ids: (world_size) pointers, each (tokens[r], top_k) int32 expert ids, row-major
  * [in] weights:    (world_size) pointers, each (tokens[r], top_k) float gate weights
  * Ids must be in range and distinct within a token; weights must be finite. */
-tw_status tw_routing_create(const tw_problem* problem, const int32_t* tokens,
-                            const int32_t* const* expert_ids, const float* const* weights,
-                            tw_routing_t* routing);
+TW_API tw_status tw_routing_create(const tw_problem* problem, const int32_t* tokens,
+                                   const int32_t* const* expert_ids, const float* const* weights,
+                                   tw_routing_t* routing);
 
 /* Generates a deterministic routing from a seed: every rank holds `tokens_per_rank` tokens.
  * param: the target R_expert for TW_ROUTER_TARGET (>= 1), ignored otherwise. Weights are a
  * softmax over the chosen experts' random logits (positive, sum 1 per token). */
-tw_status tw_routing_generate(const tw_problem* problem, tw_router router, double param,
-                              int32_t tokens_per_rank, uint64_t seed, tw_routing_t* routing);
+TW_API tw_status tw_routing_generate(const tw_problem* problem, tw_router router, double param,
+                                     int32_t tokens_per_rank, uint64_t seed, tw_routing_t* routing);
 
 /* Reads / writes a routing file (text format documented in docs/routing-format.md). */
-tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routing_t* routing);
-tw_status tw_routing_write(tw_routing_t routing, const char* path);
+TW_API tw_status tw_routing_read(const tw_problem* problem, const char* path,
+                                 tw_routing_t* routing);
+TW_API tw_status tw_routing_write(tw_routing_t routing, const char* path);
 
 typedef struct tw_routing_stats {
   double r_expert;         /* max_e L_e / (M k / E): 1 is perfectly balanced */
@@ -166,13 +175,13 @@ typedef struct tw_routing_stats {
   int64_t max_rank_rows;   /* most (token, k) rows any rank's experts receive */
 } tw_routing_stats;
 
-tw_status tw_routing_stats_get(tw_routing_t routing, tw_routing_stats* stats);
+TW_API tw_status tw_routing_stats_get(tw_routing_t routing, tw_routing_stats* stats);
 /* (experts) assignments per expert, written to loads[0..experts-1]. */
-tw_status tw_routing_expert_loads(tw_routing_t routing, int64_t* loads);
+TW_API tw_status tw_routing_expert_loads(tw_routing_t routing, int64_t* loads);
 /* Read access to rank r's arrays (owned by the routing; valid until it is destroyed). */
-tw_status tw_routing_rank(tw_routing_t routing, int32_t rank, int32_t* tokens,
-                          const int32_t** expert_ids, const float** weights);
-tw_status tw_routing_destroy(tw_routing_t routing);
+TW_API tw_status tw_routing_rank(tw_routing_t routing, int32_t rank, int32_t* tokens,
+                                 const int32_t** expert_ids, const float** weights);
+TW_API tw_status tw_routing_destroy(tw_routing_t routing);
 
 /* -------------------------------------------------------------------------------------------- */
 /* Hardware description and calibration                                                         */
@@ -211,11 +220,11 @@ typedef struct tw_hardware {
                               (0, 1]: their compute is 2 TM TN K / (tile_tflops x this) */
 } tw_hardware;
 
-tw_status tw_hardware_default(tw_hardware* hw);
+TW_API tw_status tw_hardware_default(tw_hardware* hw);
 /* Text file of "key = value" lines, '#' comments; keys are the field names above. Missing keys
  * keep their defaults; unknown keys are an error naming the key. */
-tw_status tw_hardware_read(const char* path, tw_hardware* hw);
-tw_status tw_hardware_write(const tw_hardware* hw, const char* path);
+TW_API tw_status tw_hardware_read(const char* path, tw_hardware* hw);
+TW_API tw_status tw_hardware_write(const tw_hardware* hw, const char* path);
 
 /* -------------------------------------------------------------------------------------------- */
 /* Plans                                                                                        */
@@ -283,9 +292,9 @@ typedef struct tw_plan_config {
 /* Plans rank `rank`'s GEMM2 + combine: the remote-owner-aligned row layout of its local experts,
  * the tile schedule (config->schedule), the combine plan (band destinations, offsets, segments) and
  * the consumer partition (C, mgb). Pure host work; no GPU needed. */
-tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_t rank,
-                         const tw_plan_config* config, tw_plan_t* plan);
-tw_status tw_plan_destroy(tw_plan_t plan);
+TW_API tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_t rank,
+                                const tw_plan_config* config, tw_plan_t* plan);
+TW_API tw_status tw_plan_destroy(tw_plan_t plan);
 
 typedef struct tw_plan_summary {
   int32_t rank;
@@ -310,10 +319,10 @@ typedef struct tw_plan_summary {
 
 /* Fills `summary`. This struct has no size field: schedule, gemm_us and dataflow were appended,
  * so a caller built against an earlier tilewave.h must be rebuilt before it calls this. */
-tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary);
+TW_API tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary);
 
 /* Model prediction for one candidate (C, mgb) of this plan (its schedule), in microseconds. */
-tw_status tw_plan_predict(tw_plan_t plan, int32_t comm_ctas, int32_t coalesce, double* t_us);
+TW_API tw_status tw_plan_predict(tw_plan_t plan, int32_t comm_ctas, int32_t coalesce, double* t_us);
 
 /* -------------------------------------------------------------------------------------------- */
 /* The first paper's model (tensor-parallel GEMM2 + GatherRS), kept exactly                      */
@@ -333,8 +342,8 @@ typedef struct tw_tp_workload {
 
 /* Evaluates T(C) of equations (2)-(13) for C = 1..hw->c_max (t[C-1] in compute waves) and picks
  * C* with the eq. (18) tie breaker. t may be NULL. */
-tw_status tw_tp_select(const tw_tp_workload* workload, const tw_hardware* hw, int32_t* best_c,
-                       double* t);
+TW_API tw_status tw_tp_select(const tw_tp_workload* workload, const tw_hardware* hw,
+                              int32_t* best_c, double* t);
 
 /* -------------------------------------------------------------------------------------------- */
 /* Runtime: contexts, device plans and the overlapped GEMM2 + combine (needs GPUs and NCCL)     */
@@ -412,11 +421,11 @@ typedef enum tw_consumer_copy {
  * (ncclMemAlloc + ncclCommWindowRegister(NCCL_WIN_COLL_SYMMETRIC): max_tokens * top_k rows of
  * hidden bf16, plus arrival counters and credits; under TW_DATAFLOW_ADD instead two outputs of
  * max_tokens rows and up to 32 MiB of zeros), the GEMM output, the device communicator
- * (ncclDevCommCreate), two internal streams, and launches every kernel once (so that no kernel
+ * (ncclDevCommCreate), three internal streams, and launches every kernel once (so that no kernel
  * is lazily loaded while another spins). Checks that the NCCL library loaded at run time is the
  * version tilewave was built against (TW_ERR_NCCL otherwise). Synchronises the device. */
-tw_status tw_context_create(const tw_problem* problem, ncclComm_t comm,
-                            const tw_context_config* config, tw_context_t* ctx);
+TW_API tw_status tw_context_create(const tw_problem* problem, ncclComm_t comm,
+                                   const tw_context_config* config, tw_context_t* ctx);
 
 /* In-process teams: W ranks in one process on one GPU, one host thread per rank (as engines
  * drive their ranks). Peer windows are plain device allocations on that GPU and the host
@@ -433,37 +442,38 @@ typedef struct tw_team* tw_team_t;
  * unless set; at most 32) this fails with TW_ERR_UNSUPPORTED naming the variable, which must be
  * set before the process's first CUDA call. Host collectives wait at most TW_TEAM_TIMEOUT_MS
  * (TW_DEFAULT_TEAM_TIMEOUT_MS): after that every rank's collectives fail with TW_ERR_TIMEOUT. */
-tw_status tw_team_create(int32_t world_size, int32_t device, tw_team_t* team);
+TW_API tw_status tw_team_create(int32_t world_size, int32_t device, tw_team_t* team);
 /* Frees the team. Its contexts must have been destroyed (TW_ERR_STATE otherwise). */
-tw_status tw_team_destroy(tw_team_t team);
+TW_API tw_status tw_team_destroy(tw_team_t team);
 /* Creates rank `rank`'s context on an in-process team: as tw_context_create, COLLECTIVE over the
  * team (every rank's thread calls it, each with its own rank). Sets the team's device on the
  * calling thread. The ranks' persistent kernels must all be resident at once: the budgets of all
  * ranks must fit in the GPU's SMs (TW_ERR_UNSUPPORTED with the numbers otherwise); the default
  * budget is SMs / W. */
-tw_status tw_context_create_on_team(const tw_problem* problem, tw_team_t team, int32_t rank,
-                                    const tw_context_config* config, tw_context_t* ctx);
+TW_API tw_status tw_context_create_on_team(const tw_problem* problem, tw_team_t team,
+                                           int32_t rank, const tw_context_config* config,
+                                           tw_context_t* ctx);
 /* The add dataflow's output of the last call on this context: (tokens of this rank, hidden)
  * device bf16 inside the context's window, ready in the order of that call's stream. It stays
  * valid until the next call on the context starts (the call after that zeroes it); copy it out
  * or consume it before then. TW_ERR_STATE under the reduce dataflow or before the first call. */
-tw_status tw_context_output(tw_context_t ctx, void** out);
+TW_API tw_status tw_context_output(tw_context_t ctx, void** out);
 /* Frees everything the context allocated. COLLECTIVE (deregisters the window); waits for the
  * context's work to finish first. NULL is a no-op. */
-tw_status tw_context_destroy(tw_context_t ctx);
+TW_API tw_status tw_context_destroy(tw_context_t ctx);
 
 /* Device copy of one rank's plan plus its gate weights: tiles, bands, segments, slot_row and
  * weights. Created for a context, sized for the worst case its problem allows (so uploads never
  * allocate). Not collective. */
-tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* dplan);
+TW_API tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* dplan);
 /* Copies `plan` (this rank's plan: plan's rank must be the context's rank) and this rank's gate
  * weights from `routing` to the device, asynchronously on `stream`. The host objects may be
  * destroyed as soon as this returns. Calls that use dplan on another stream than `stream` must
  * be ordered after it by the caller; a call already enqueued on `stream` that uses dplan
  * finishes before the new contents land. */
-tw_status tw_device_plan_upload(tw_device_plan_t dplan, tw_plan_t plan, tw_routing_t routing,
-                                cudaStream_t stream);
-tw_status tw_device_plan_destroy(tw_device_plan_t dplan);
+TW_API tw_status tw_device_plan_upload(tw_device_plan_t dplan, tw_plan_t plan, tw_routing_t routing,
+                                       cudaStream_t stream);
+TW_API tw_status tw_device_plan_destroy(tw_device_plan_t dplan);
 
 typedef enum tw_combine_mode {
   TW_COMBINE_OVERLAP = 0,   /* producer and consumer run concurrently, tile-level signals */
@@ -509,22 +519,22 @@ typedef struct tw_combine_options {
  * without synchronising. Device-side failures (a wait that exceeded the timeout) surface as
  * TW_ERR_TIMEOUT from tw_context_check() or from the next call on this context once this one
  * has completed; after that every call returns TW_ERR_STATE until tw_context_reset(). */
-tw_status tw_moe_combine(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
-                         const void* w2, void* out, cudaStream_t stream);
+TW_API tw_status tw_moe_combine(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
+                                const void* w2, void* out, cudaStream_t stream);
 /* As tw_moe_combine, with options (NULL = defaults). */
-tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
-                            const void* w2, void* out, const tw_combine_options* options,
-                            cudaStream_t stream);
+TW_API tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
+                                   const void* w2, void* out, const tw_combine_options* options,
+                                   cudaStream_t stream);
 
 /* Waits for this rank's last call and agrees with every rank on whether any device-side wait
  * failed. COLLECTIVE and blocking. Returns TW_SUCCESS on every rank, or TW_ERR_TIMEOUT on every
  * rank with a detail (tw_last_error) naming the rank, the wait (band / arrival / credit), the
  * index and the counter value seen against the target. */
-tw_status tw_context_check(tw_context_t ctx);
+TW_API tw_status tw_context_check(tw_context_t ctx);
 /* Makes a context usable again after a failure. COLLECTIVE and blocking: waits for the
  * context's kernels to exit (every wait is bounded, so they do), zeroes counters, credits and
  * the error record on every rank, and restarts the call sequence. */
-tw_status tw_context_reset(tw_context_t ctx);
+TW_API tw_status tw_context_reset(tw_context_t ctx);
 
 /* Phase times of the last call in ms, from CUDA events (needs config.timing = 1; blocks until
  * the call has completed). Phases run concurrently in TW_COMBINE_OVERLAP, so they do not add up
@@ -536,7 +546,7 @@ typedef struct tw_combine_timings {
   float reduce_ms; /* owner's weighted reduction (about 0 under the add dataflow: none) */
 } tw_combine_timings;
 
-tw_status tw_context_timings(tw_context_t ctx, tw_combine_timings* timings);
+TW_API tw_status tw_context_timings(tw_context_t ctx, tw_combine_timings* timings);
 
 /* What the context resolved: rank, world size, SM count, timeout and the window's size. */
 typedef struct tw_context_info {
@@ -551,7 +561,7 @@ typedef struct tw_context_info {
   int32_t in_process;    /* 1: the context is on an in-process team (tw_team_create) */
 } tw_context_info;
 
-tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info);
+TW_API tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info);
 
 #ifdef __cplusplus
 }

@@ -15,12 +15,14 @@ OUT=${OUT:-$PWD/ab-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 CUDA_MODULE_LOADING=EAGER
 NCCL_ROOT=$(python3 -c 'import nvidia.nccl as m; print(m.__path__[0])' 2>/dev/null || true)
-cfg() { cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release ${NCCL_ROOT:+-DTW_NCCL_ROOT=$NCCL_ROOT}; }
+# ptxas -v on: the new build's register and spill lines go to ptxas-new.txt.
+cfg() { cmake -S "$1" -B "$2" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTW_PTXAS_VERBOSE=ON \
+  ${NCCL_ROOT:+-DTW_NCCL_ROOT=$NCCL_ROOT}; }
 OLDTREE=$(mktemp -d)
 if [[ $OLD == *.tgz ]]; then
   tar -xzf "$OLD" -C "$OLDTREE"
 else
-  cp -r CMakeLists.txt include src tools tests python bench dev scripts "$OLDTREE"/ &&
+  cp -r CMakeLists.txt include src harness tools tests python bench dev scripts "$OLDTREE"/ &&
     cp "$OLD" "$OLDTREE/src/kernels/sm90_gemm.cu"
 fi
 { cfg . build-gpu && cmake --build build-gpu -j "$(nproc)"; } >"$OUT/build-new.log" 2>&1 || { tail -30 "$OUT/build-new.log"; exit 1; }

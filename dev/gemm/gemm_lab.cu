@@ -1,11 +1,9 @@
 /*
- * gemm_lab.cu: kernel lab for the producer GEMM (llm.c dev/cuda style), compiled standalone:
+ * gemm_lab.cu: kernel lab for the producer GEMM (llm.c dev/cuda style), a program of its own:
  *
- *   nvcc -gencode=arch=compute_90a,code=sm_90a -O3 -std=c++17 -Iinclude -Isrc/core -Isrc/plan \
- *     -Isrc/kernels -Itools dev/gemm/gemm_lab.cu tools/bench_gemm.cu src/kernels/sm90_gemm.cu \
- *     src/kernels/fill.cu src/core/status.c src/plan/[a-z]*.c -lcublas -o gemm_lab
- *   (the planner sources: the benchmark takes its layout from tw_plan_create)
- *   ./gemm_lab <version> [bench options]     (version: 1 = WMMA, 2..4 = TMA + wgmma)
+ *   part of the CMake build (target gemm_lab: this file, the `tilewave` commands' library for
+ *   `bench gemm`, and libtilewave.a; docs/build.md)
+ *   build/gemm_lab <version> [bench options]     (version: 1 = WMMA, 2..4 = TMA + wgmma)
  *
  * The numbered versions live in src/kernels/sm90_gemm.cu behind tw_gemm_args.variant, so the
  * lab always measures exactly the code the library ships. For the chosen version the lab first

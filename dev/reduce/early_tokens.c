@@ -5,7 +5,8 @@
  * k rows exist; transfer delays are ignored. Prints the share of tokens complete by 50 / 75 / 90 /
  * 95% of the producer's span, on real plans of the grid (balanced routing, seed 1).
  *
- * Build and run from the repository root after a CPU build (build/libtilewave_host.a):
+ * Part of the CMake build (target early_tokens: build/early_tokens), or, from the repository root
+ * after a CPU build (build/libtilewave_host.a):
  *   gcc -O2 -Iinclude -Isrc/core -Isrc/plan dev/reduce/early_tokens.c build/libtilewave_host.a \
  *       -lm -lpthread -o build/early_tokens && build/early_tokens
  */

@@ -10,7 +10,8 @@
  * `u` (token, vector) items per thread per step, so u x k 16-byte loads in flight per thread.
  * No sender runs beside it: an upper bound for the design.
  *
- * Build: nvcc -O3 -arch=sm_90a -std=c++17 dev/reduce/idle_warps.cu -o idle_warps
+ * Build: part of the CMake build (target idle_warps), or
+ *   nvcc -O3 -arch=sm_90a -std=c++17 dev/reduce/idle_warps.cu -o idle_warps
  * Run:   ./idle_warps     prints a markdown table: GB/s moved (k rows read + 1 written per token)
  */
 #include <cuda_bf16.h>

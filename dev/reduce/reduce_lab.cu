@@ -30,7 +30,8 @@
  *   copy  cudaMemcpyAsync D2D moving the same bytes (read + write) as the reduction
  * Every variant's output must equal v0's bit for bit (same fp32 operation order).
  *
- * Build: nvcc -O3 -arch=sm_90a -std=c++17 dev/reduce/reduce_lab.cu -o reduce_lab
+ * Build: part of the CMake build (target reduce_lab), or
+ *   nvcc -O3 -arch=sm_90a -std=c++17 dev/reduce/reduce_lab.cu -o reduce_lab
  * Run:   ./reduce_lab [reps [shape]]  prints a markdown table (cold = L2 flushed before each
  *        launch; warm = right after the other variants read the same rows)
  */

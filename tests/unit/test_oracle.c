@@ -1,5 +1,5 @@
 /*
- * test_oracle.c: the summary arithmetic of `tilewave sweep --oracle` (tools/oracle.c) on
+ * test_oracle.c: the summary arithmetic of `tilewave sweep --oracle` (harness/oracle.c) on
  * hand-computed matrices (regret, best fixed candidate, losses, NaN candidates, a model outside the
  * grid, ties), properties on seeded random matrices, and the workload matrices themselves (sizes,
  * valid problems on 2 ranks, quick a subset of full). TW_TEST_SEED replays a run.
