@@ -113,9 +113,10 @@ static uint64_t plan_digest(const struct tw_plan* pl, const struct tw_routing* r
 }
 
 static const char* router_name(int r) {
-  return r == TW_ROUTER_BALANCED ? "balanced" : r == TW_ROUTER_MODERATE_SKEW ? "moderate"
-                                            : r == TW_ROUTER_STRESS_SKEW    ? "stress"
-                                                                            : "uneven";
+  return r == TW_ROUTER_BALANCED        ? "balanced"
+         : r == TW_ROUTER_MODERATE_SKEW ? "moderate"
+         : r == TW_ROUTER_STRESS_SKEW   ? "stress"
+                                        : "uneven";
 }
 
 /* A routing whose ranks hold different token counts (0 and 1 among them), uniform experts. */
@@ -143,7 +144,8 @@ static tw_status uneven_routing(const tw_problem* p, tw_routing_t* rt) {
       }
     }
   }
-  tw_status s = tw_routing_create(p, tokens, (const int32_t* const*)ids, (const float* const*)w, rt);
+  tw_status s =
+      tw_routing_create(p, tokens, (const int32_t* const*)ids, (const float* const*)w, rt);
   for (int32_t r = 0; r < p->world_size; r++) {
     free(ids[r]);
     free(w[r]);
@@ -165,12 +167,12 @@ static void one_plan(const tw_problem* p, tw_routing_t rt, int32_t rank, const c
   }
   double bytes = 0.0, refetch = 0.0;
   if (tw__model_traffic(pl, &bytes, &refetch) != TW_SUCCESS) bytes = refetch = -1.0;
-  printf("%s %016" PRIx64 " c %d mgb %d sched %d/%d flow %d group %d tiles %d/%d bands %d seg %d "
+  printf("%s %016" PRIx64
+         " c %d mgb %d sched %d/%d flow %d group %d tiles %d/%d bands %d seg %d "
          "T %.17g seq %.17g gemm %.17g traffic %.17g %.17g",
-         tag, plan_digest(pl, rt), pl->comm_ctas, pl->coalesce, pl->schedule,
-         pl->schedule_request, pl->dataflow, pl->tile_group, pl->num_tiles, pl->num_remote_tiles,
-         pl->num_bands, pl->num_segments, pl->predicted_us, pl->sequential_us, pl->gemm_us, bytes,
-         refetch);
+         tag, plan_digest(pl, rt), pl->comm_ctas, pl->coalesce, pl->schedule, pl->schedule_request,
+         pl->dataflow, pl->tile_group, pl->num_tiles, pl->num_remote_tiles, pl->num_bands,
+         pl->num_segments, pl->predicted_us, pl->sequential_us, pl->gemm_us, bytes, refetch);
   /* A few points of the model's tables: tw_plan_predict, and the other schedule when the model
    * chose between them. */
   static const int32_t cs[] = {1, 5, 12, 32};
@@ -216,14 +218,16 @@ int main(int argc, char** argv) {
     p.tile_m = tms[rng_in(0, 2)];
     p.tile_n = tns[rng_in(0, 4)];
     const int32_t pick = rng_in(0, 5);
-    const int32_t tokens = pick == 0 ? 0 : pick == 1 ? 1 : pick == 2 ? 2 * rng_in(0, 400) + 1
-                                                                    : rng_in(2, 4096);
+    const int32_t tokens = pick == 0   ? 0
+                           : pick == 1 ? 1
+                           : pick == 2 ? 2 * rng_in(0, 400) + 1
+                                       : rng_in(2, 4096);
     p.max_tokens = tokens < 1 ? 1 : tokens;
     const int router = rng_in(0, 3);
     tw_routing_t rt = NULL;
-    tw_status s = router == 3 ? uneven_routing(&p, &rt)
-                              : tw_routing_generate(&p, (tw_router)router, 0.0, tokens,
-                                                    rng_next(), &rt);
+    tw_status s = router == 3
+                      ? uneven_routing(&p, &rt)
+                      : tw_routing_generate(&p, (tw_router)router, 0.0, tokens, rng_next(), &rt);
     printf("problem %d: W %d H %d F %d E %d k %d tokens %d tm %d tn %d router %s\n", n,
            p.world_size, p.hidden, p.ffn, p.experts, p.top_k, tokens, p.tile_m, p.tile_n,
            router_name(router));
@@ -279,8 +283,8 @@ int main(int argc, char** argv) {
   tw_routing_t rt = NULL;
   if (tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, 256, 7, &rt) == TW_SUCCESS) {
     static const char* bad[][2] = {
-        {"TW_TILE_GROUP", "0"},        {"TW_TILE_GROUP", "65"},         {"TW_TILE_GROUP", " 8"},
-        {"TW_TILE_GROUP", "8x"},       {"TW_SCHEDULE", "sideways"},     {"TW_SCHEDULE", "auto"},
+        {"TW_TILE_GROUP", "0"},         {"TW_TILE_GROUP", "65"},        {"TW_TILE_GROUP", " 8"},
+        {"TW_TILE_GROUP", "8x"},        {"TW_SCHEDULE", "sideways"},    {"TW_SCHEDULE", "auto"},
         {"TW_COMBINE_DATAFLOW", "sum"}, {"TW_COMBINE_DATAFLOW", "Add"}, {"TW_TILE_GROUP", ""},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {

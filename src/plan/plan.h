@@ -164,14 +164,20 @@ const char* tw__dataflow_name(int32_t dataflow);
 /* Internal helpers shared by plan sources. */
 int32_t tw__resolve_tile_n(const tw_problem* p);
 int32_t tw__resolve_tile_m(const tw_problem* p);
+/* Builds the rank's row layout from the routing (layout.c): expert_row0 / rows / real_rows,
+ * row_src, expert_order, layout_bands with expert_band0 / expert_local_band0, num_bands,
+ * send_bytes, num_tiles, the receive side (recv_rows, recv_bands, slot_row), and allocates bands,
+ * tiles and segments for the worst case; the bands' order is left to tw__plan_set_schedule. The
+ * plan holds problem, rank, local_experts, tm, tn and col_tiles; on failure the caller frees it. */
+tw_status tw__plan_layout(struct tw_plan* plan, const struct tw_routing* routing);
 /* Builds plan->segments for a coalescing factor (replaces any previous ones; the array is sized
- * for the worst case at plan creation, so rebuilding never allocates). Planner (layout.c). */
+ * for the worst case at plan creation, so rebuilding never allocates). Planner (segments.c). */
 tw_status tw__plan_build_segments(struct tw_plan* plan, int32_t coalesce);
 /* Puts plan->bands and plan->tiles in the order of `schedule` (TW_SCHEDULE_REMOTE_FIRST or
  * TW_SCHEDULE_EXPERT_MAJOR) from layout_bands, and recomputes num_remote_tiles and stream_first /
  * stream_last; clears the segments (num_segments 0, every band's segment -1), which the caller
  * rebuilds. O(tiles), never allocates. A plan without layout_bands can only keep its schedule
- * (TW_ERR_STATE otherwise). Planner (layout.c). */
+ * (TW_ERR_STATE otherwise). Planner (schedule.c). */
 tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule);
 /* The producer's tile list (nb x cols tiles) for bands in schedule order: groups of up to
  * tile_group consecutive bands of one expert and one destination (bands up to span_end may mix
@@ -212,12 +218,12 @@ void tw__tiles_from_bands(const tw_band* bands, int32_t nb, int32_t cols, int32_
  * 7.7-8.5% at one point. */
 #define TW_MODEL_PLATEAU 0.02
 /* The tile group (plan->tile_group): env TW_TILE_GROUP (1 to 64), else TW_TILE_GROUP_DEFAULT.
- * Planner (layout.c). */
+ * Planner (plan.c). */
 tw_status tw__tile_group_resolve(int32_t* tile_group);
 /* Resolves the schedule a plan is built for: config->schedule when the config has the field and
  * sets it, else env TW_SCHEDULE (remote-first | expert-major | auto) when set, else
  * TW_SCHEDULE_AUTO. A bad value in either is TW_ERR_INVALID_ARGUMENT naming the fix; the
- * environment is read on every call and checked even when the config decides. Planner. */
+ * environment is read on every call and checked even when the config decides. Planner (plan.c). */
 tw_status tw__schedule_resolve(const tw_plan_config* config, int32_t* schedule);
 
 /* Chooses the partition: sets plan->comm_ctas, coalesce (rebuilding the segments),
