@@ -205,12 +205,12 @@ void tw__tiles_from_bands(const tw_band* bands, int32_t nb, int32_t cols, int32_
 #define TW_ADD_ROW_FLOOR_US 0.18
 /* The decision's plateau: from the best candidate, the model goes up in C while T stays within
  * this share of the best's and the next C keeps the best's wave count, and takes the last C
- * reached (model.c, tw__plateau_end). T is flat where more consumer CTAs leave the producer's
- * wave count as it is; measured, the call still gets faster there (the consumer's tail after the
- * last wave shortens, and the producer's tiles there are bandwidth-like, a wave of 104 tiles
- * 30.6 us against 35.5 for 128 on a stand-in, so fewer of them at once run faster: m-bert 4096
- * stress skew, C 4 -> 20, producer end -6 us, consumer tail -5 us, run 61). The last C before a
- * step is never taken: where the ranks' tile counts differ by a few, one rank's step is a C
+ * reached (model_search.c, tw__plateau_end). T is flat where more consumer CTAs leave the
+ * producer's wave count as it is; measured, the call still gets faster there (the consumer's tail
+ * after the last wave shortens, and the producer's tiles there are bandwidth-like, a wave of 104
+ * tiles 30.6 us against 35.5 for 128 on a stand-in, so fewer of them at once run faster: m-bert
+ * 4096 stress skew, C 4 -> 20, producer end -6 us, consumer tail -5 us, run 61). The last C before
+ * a step is never taken: where the ranks' tile counts differ by a few, one rank's step is a C
  * earlier than another's. Replayed on the full oracle matrices of runs 57 / 35 / 33 / 22 (each
  * rank's choice, the cell at the slowest rank's, dev/model/plateau.py): mean regret 0.65 / 0.72 /
  * 0.76 / 0.78% -> 0.48 / 0.58 / 0.55 / 0.58%, max 5.19 / 5.06 / 5.78 / 6.43% -> 3.15 / 3.74 / 3.63
@@ -278,7 +278,7 @@ tw_status tw__hardware_resolve(const tw_hardware* given, tw_hardware* out);
 /* Frees plan->model_tables (model.c); safe on a plan without them. tw_plan_destroy calls it. */
 void tw__model_free(struct tw_plan* plan);
 /* The EP model's T evaluated segment by segment (F = max_s (A_s + Q_s)) on the plan's current
- * segments, for tests against the fast form (model.c). tw_plan_predict is also defined in model.c.
+ * segments, for tests against the fast form (model_eval.c). tw_plan_predict is defined in model.c.
  */
 tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t comm_ctas, double* t_us);
 /* tw_plan_predict for either schedule the model tabulated (both when it chose between them;
@@ -288,7 +288,7 @@ tw_status tw__model_predict(const struct tw_plan* plan, int32_t schedule, int32_
 /* Bytes the producer moves through device memory in the plan's current order: each expert's
  * weights (hidden x ffn) once per run of consecutive bands of that expert, the input rows
  * (rows x ffn) and the output rows (rows x hidden), 2 bytes an element; and, of those, the
- * weight bytes of the runs that read an expert a second time (model.c). */
+ * weight bytes of the runs that read an expert a second time (model_eval.c). */
 tw_status tw__model_traffic(const struct tw_plan* plan, double* bytes, double* refetch);
 
 #ifdef __cplusplus
