@@ -287,8 +287,8 @@ static tw_status tw__calib_status = TW_SUCCESS;
 static char tw__calib_error[600];
 
 static void tw__calib_load(void) {
-  const char* path = getenv("TW_CALIBRATION");
-  if (path == NULL || *path == '\0') {
+  const char* path = tw__tunable_string(TW_TUNE_CALIBRATION);
+  if (path == NULL) {
     tw__calib_status = tw_hardware_default(&tw__calib_hw);
     return;
   }

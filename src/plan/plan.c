@@ -14,7 +14,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 
 #include "core.h"
 #include "plan.h"
@@ -48,10 +47,8 @@ tw_status tw_plan_destroy(tw_plan_t plan) {
 }
 
 int32_t tw__schedule_parse(const char* s) {
-  if (strcasecmp(s, "remote-first") == 0) return TW_SCHEDULE_REMOTE_FIRST;
-  if (strcasecmp(s, "expert-major") == 0) return TW_SCHEDULE_EXPERT_MAJOR;
-  if (strcasecmp(s, "auto") == 0) return TW_SCHEDULE_AUTO;
-  return -1;
+  /* TW_SCHEDULE's choices (tunables.c) are in tw_schedule order: the index is the value. */
+  return tw__tunable_match(TW_TUNE_SCHEDULE, s);
 }
 
 tw_status tw__schedule_resolve(const tw_plan_config* config, int32_t* schedule) {
@@ -60,16 +57,8 @@ tw_status tw__schedule_resolve(const tw_plan_config* config, int32_t* schedule) 
   /* Read on every plan (not cached): a process may change it between plans, e.g. a benchmark
    * that measures both schedules. A bad value is an error even when the config decides, so that
    * a typo never goes unnoticed. */
-  const char* env = getenv("TW_SCHEDULE");
   int32_t from_env = TW_SCHEDULE_AUTO;
-  if (env != NULL && env[0] != '\0') {
-    from_env = tw__schedule_parse(env);
-    if (from_env < 0)
-      return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                      "TW_SCHEDULE=\"%s\" is not a schedule; set remote-first, expert-major or "
-                      "auto, or unset it",
-                      env);
-  }
+  TW_TRY(tw__tunable_choice("tw_plan_create", TW_TUNE_SCHEDULE, &from_env));
   int32_t from_config = TW_SCHEDULE_AUTO;
   if (config != NULL && config->size >= offsetof(tw_plan_config, schedule) + sizeof(int32_t)) {
     from_config = config->schedule;
@@ -89,15 +78,8 @@ tw_status tw__tile_group_resolve(int32_t* tile_group) {
   TW_CHECK_NULL(tile_group);
   *tile_group = TW_TILE_GROUP_DEFAULT;
   /* Read on every plan, like TW_SCHEDULE. */
-  const char* env = getenv("TW_TILE_GROUP");
-  if (env == NULL || env[0] == '\0') return TW_SUCCESS;
-  char* end = NULL;
-  const long v = strtol(env, &end, 10);
-  if (*end != '\0' || v < 1 || v > 64)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "TW_TILE_GROUP=\"%s\" is not a band count; set 1 to 64, or unset it", env);
-  *tile_group = (int32_t)v;
-  return TW_SUCCESS;
+  return tw__tunable_int_or("tw_plan_create", TW_TUNE_TILE_GROUP, TW_TILE_GROUP_DEFAULT,
+                            tile_group);
 }
 
 tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_t rank,
