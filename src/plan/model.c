@@ -55,18 +55,12 @@ void tw__model_free(struct tw_plan* plan) {
 
 /* Tie rank of a table: the smaller mgb wins a tie, then a schedule. A coarser segment is never
  * ready earlier and its per-band costs are the same, so T(mgb) >= T(1) in the model: mgb > 1 can
- * only tie. Measured, it loses: at the model's C, mgb 1 was 0.2-0.4% faster than mgb 4 on average
- * over the oracle matrix (runs 6, 6c, 6d), up to 3.3% at N 8192, 16384 tokens, where a segment
- * of four 2 MB bands waits for its last band (dev/NOTES.md section 11). (It used to go the other
- * way, on the guess that fewer segments meant fewer latencies the model underestimates.)
- * On a tie between schedules the model cannot tell them apart.
- * Usually expert-major wins it: it reads each expert's weights once but two (what a second read
- * costs the model sees only in part: refetch_exposure). Where the weights stay in L2 there is no
- * second read to pay, and remote-first wins it: its remote bands are all computed first, so its
- * consumer ends before the producer, and the reduction reads the local rows computed last while
- * they are in L2. Measured with bench --phases (2 x H200, granite at 1024-16384 tokens, C 17):
- * expert-major's consumer ended 3-8 us after its producer and the call took 2.4-7.2% longer
- * (dev/NOTES.md section 10); the model has no term for either effect. */
+ * only tie, and it measured slower (dev/NOTES.md section 11). Between schedules the model cannot
+ * tell a tie apart: expert-major wins it, reading each expert's weights once but two (a second
+ * read the model sees only in part: refetch_exposure), except where the weights stay in L2:
+ * there remote-first wins it, its consumer ending before its producer and its reduction reading
+ * the local rows while they are in L2, effects the model has no term for (dev/NOTES.md section
+ * 10). */
 static int32_t tw__table_key(int32_t mgb, int32_t schedule, int weights_in_l2) {
   const int32_t wins = weights_in_l2 ? TW_SCHEDULE_REMOTE_FIRST : TW_SCHEDULE_EXPERT_MAJOR;
   return -2 * mgb + (schedule == wins);
@@ -185,9 +179,8 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   plan->model_tables = m;
   m->hw = plan->hardware;
   if (plan->dataflow == TW_DATAFLOW_ADD) {
-    /* The consumer adds rows instead of storing them: measured at these shares of the store's
-     * rates (run 39, 2 x H200, rows of 8 and 16 KB: 40-42 against 44-50 GB/s per CTA, 302-312
-     * against 336-351 at the NVLink plateau). */
+    /* The consumer adds rows instead of storing them, at measured shares of the store's rates
+     * per CTA and at the NVLink plateau (dev/NOTES.md, "Moved from code comments"). */
     m->hw.link_cta_gbps *= TW__ADD_CTA_SHARE;
     m->hw.link_peak_gbps *= TW__ADD_PEAK_SHARE;
     /* One bulk add per row: short rows are bound by the adds' rate, not the bytes (the SM's
@@ -204,7 +197,7 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
   m->tau_comp_us = sqrt(sqrt(c * c * c * c + f * f * f * f)) + m->hw.tile_overhead_us;
   m->seq_reduce_us = tw__reduce_us(plan);
   /* The add dataflow has no reduction: its rows were added where they were computed or sent (the
-   * producer's local adds cost it 0.5-3% alone, run 40; not modelled). */
+   * producer's local adds cost it a few percent, not modelled). */
   m->reduce_us = plan->dataflow == TW_DATAFLOW_ADD ? 0.0 : m->seq_reduce_us;
   const tw_hardware* hw = &m->hw;
   const size_t stride = (size_t)hw->c_max + 1;

@@ -37,11 +37,8 @@
  * the moment segment s is ready, what is left (s and every later segment) takes the longer of what
  * the C CTAs need (bytes at C per-CTA rates plus the per-band costs they share) and what the
  * link needs (bytes at its plateau). Past the plateau the per-band costs hide under other CTAs'
- * transfers, so more CTAs stop paying off and the SMs they take from the GEMM decide (an
- * earlier form added the per-band costs to bytes / min(C rate, plateau) and took 32 CTAs at every
- * top-8 point where 13-20 were measured best; before that, each segment was served only by the
- * CTAs that held one of its units, with a serial latency per segment: oracle matrix mean regret
- * 3.83%, then 2.01%; bench/results/2026-11-30-run3.md).
+ * transfers, so more CTAs stop paying off and the SMs they take from the GEMM decide (the
+ * earlier forms and their regret: dev/NOTES.md, "Moved from code comments").
  *
  * The memory term: the producer cannot finish before it has moved its bytes through device
  * memory, each expert's hidden x ffn weights once per run of consecutive bands of that expert in
@@ -49,17 +46,14 @@
  * expert-major but for its last two experts), the input rows and the output rows once; the traffic
  * is spread over the tiles, so a wave lasts the longer of its tiles' compute and their share of the
  * traffic, and a last wave with few tiles is short (tw__model_traffic, tw__compute_end,
- * docs/model.md). Spread evenly over the waves instead, a partial last wave took a full wave's
- * share, and the model saw three waves of 124 + 124 + 8 tiles as fast as two of 128 (m-bert at 1024
- * tokens: measured 109 against 92 us). A second read of an expert's weights costs more than the
- * roofline says: measured, remote-first takes refetch_exposure (0.30) x those bytes / mem_gbps
- * longer than expert-major beyond the roofline's own difference, also where both are
- * compute-bound, so that part is added to the waves. Where all local experts' weights fit in
- * half the L2 (l2_mib), a second run finds them there: each expert counts once, nothing is
- * exposed, and remote-first wins the ties (tw__table_key). With the schedule left to the model,
- * both schedules' tables are built and searched together, and the plan is rebuilt in the winner's
- * order.
- *
+ * docs/model.md). Spread evenly over the waves instead, a partial last wave would take a full
+ * wave's share (dev/NOTES.md, "Moved from code comments"). A second read of an expert's weights
+ * costs more than the roofline says, also where both schedules are compute-bound, so
+ * refetch_exposure x those bytes / mem_gbps is added to the waves (hardware.c).
+ * Where all local experts' weights fit in half the L2 (l2_mib), a second run finds them there: each
+ * expert counts once, nothing is exposed, and remote-first wins the ties (tw__table_key). With the
+ * schedule left to the model, both schedules' tables are built and searched together, and the plan
+ * is rebuilt in the winner's order.
  *
  * Evaluating F segment by segment costs O(S) per candidate; model_search.c's header says how the
  * tables make it one term per wave.

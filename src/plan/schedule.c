@@ -26,12 +26,11 @@
  * expert (one weight matrix), so that the group's tiles read each weight column tile at about the
  * same time, the later bands from L2; and one destination unless j <= span_end. Expert-major sets
  * span_end to the schedule's last remote band: an expert's remote and local bands then share
- * groups, so its weights come from device memory once (run 64, producer alone: 2-11% faster at
- * 32-64 experts; with one group per destination an expert of 32 MB of weights was read about
- * twice), at the price of publishing its remote bands up to a group's columns later; but no band
- * after the last remote one joins a remote group, since the consumer's tail needs that band early
- * (the lead of layout.c, or the last expert where there is none). Remote-first puts every remote
- * tile first: span_end -1, one destination per group. */
+ * groups, so its weights come from device memory once (dev/NOTES.md section 25), at the price of
+ * publishing its remote bands up to a group's columns later; but no band after the last remote one
+ * joins a remote group, since the consumer's tail needs that band early (the lead of layout.c, or
+ * the last expert where there is none). Remote-first puts every remote tile first: span_end -1, one
+ * destination per group. */
 static int tw__same_group(const tw_band* bands, int32_t i, int32_t j, int32_t span_end) {
   return bands[i].expert == bands[j].expert && (bands[i].dest == bands[j].dest || j <= span_end);
 }
