@@ -16,7 +16,7 @@
 #include <string.h>
 
 #include "core.h"
-#include "model.h"
+#include "model_internal.h"
 #include "plan.h"
 
 /* The add dataflow's consumer rates as shares of the store's (tw__model_prepare). */
@@ -28,7 +28,7 @@
  * and mgb 1 wins the ties: tw__table_key). */
 static const int32_t tw__mgb_candidates[] = {4, 2, 1};
 _Static_assert(sizeof tw__mgb_candidates / sizeof tw__mgb_candidates[0] == TW__NUM_MGB_CANDIDATES,
-               "model.h counts the candidates");
+               "model_internal.h counts the candidates");
 
 static void tw__table_free(tw__seg_table* tb) {
   free(tb->seg);

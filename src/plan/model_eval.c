@@ -65,7 +65,7 @@
 #include <string.h>
 
 #include "core.h"
-#include "model.h"
+#include "model_internal.h"
 #include "plan.h"
 
 /* The producer's waves at P CTAs: the end of the last wave (the compute end), and in *wave_us how

@@ -24,7 +24,7 @@
 #include <string.h>
 
 #include "core.h"
-#include "model.h"
+#include "model_internal.h"
 #include "plan.h"
 
 /* Candidate ordering: smaller T; on equal T the smaller C, then the larger key (the smaller mgb,

@@ -1,5 +1,5 @@
 /*
- * model.h: the expert-parallel model's tables and the functions its three files share
+ * model_internal.h: the expert-parallel model's tables and the functions its three files share
  * (internal to src/plan/model*.c; the planner sees plan.h alone).
  *
  *   model_eval.c    the EP form: the compute end, the segment tables, a candidate's T
@@ -11,8 +11,8 @@
  *
  * docs/model.md derives the model; model_eval.c's header has its terms.
  */
-#ifndef TW_MODEL_H
-#define TW_MODEL_H
+#ifndef TW_MODEL_INTERNAL_H
+#define TW_MODEL_INTERNAL_H
 
 #include <stdint.h>
 
@@ -141,4 +141,4 @@ void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, unsigned u
                int32_t* best_table, double* best_t);
 void tw__plateau_end(const tw__model_tables* m, int32_t table, int32_t c_hi, int32_t* c, double* t);
 
-#endif /* TW_MODEL_H */
+#endif /* TW_MODEL_INTERNAL_H */
