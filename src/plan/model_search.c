@@ -116,6 +116,76 @@ static inline int32_t tw__scan_end(const double* comp_min, double reduce, double
   return *lt > tie_end ? *lt : tie_end;
 }
 
+/* Step 4 of tw__solve: the probes raise bounds; the candidates that can still win are evaluated,
+ * best-ranked bound first. First lazily: the best-ranked candidate is probed, and evaluated at once
+ * while the probes leave its bound as it was (it still ranks first: probes only raise the others);
+ * most decisions end here, most candidates unprobed. At the first bound the probes raise (or
+ * rule out), every candidate left is probed and they are evaluated in order: each lazy step
+ * costs a scan of the list, so that is cheaper once the probes start to tell candidates apart,
+ * and from the start where the list is long (TW__LAZY_MAX).
+ * cand: (n) the candidates steps 1-2 left (reordered); done: step 3 found the answer already;
+ * (*best_t, *best_c, *best_i, *best_key): the best evaluated candidate, updated. */
+static void tw__solve_step4(const tw__model_tables* m, int32_t hint, double reduce, tw__cand* cand,
+                            int32_t n, int done, double* best_t, int32_t* best_c, int32_t* best_i,
+                            int32_t* best_key) {
+  double bt = *best_t;
+  int32_t bc = *best_c, bi = *best_i, bkey = *best_key;
+  int32_t j = -1; /* the candidate whose raised bound ended the lazy phase */
+  while (!done && n > 0 && n <= TW__LAZY_MAX) {
+    j = 0;
+    for (int32_t q = 1; q < n; q++)
+      if (tw__better(cand[q].lb, cand[q].c, cand[q].key, cand[j].lb, cand[j].c, cand[j].key)) j = q;
+    tw__cand x = cand[j];
+    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) { /* the best-ranked cannot win: none can */
+      done = 1;
+      break;
+    }
+    const double lb = x.lb;
+    tw__probe(m, &x, hint, reduce, bt, bc, bkey);
+    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) {
+      cand[j] = cand[--n], j = -1;
+      break;
+    }
+    if (x.lb != lb) {
+      cand[j] = x;
+      break;
+    }
+    cand[j] = cand[--n], j = -1;
+    /* A candidate that loses ties stops at a term that reaches bt. */
+    const int strict = !tw__better(bt, x.c, x.key, bt, bc, bkey);
+    const double t = tw__eval(m, &m->t[x.table], x.c, x.first, bt, strict, x.wave, NULL, 0.0);
+    if (tw__better(t, x.c, x.key, bt, bc, bkey)) {
+      bt = t, bc = x.c, bi = x.table, bkey = x.key;
+      done = t == lb; /* T at its bound, which ranked first: no other can win */
+    }
+  }
+  int32_t k = 0;
+  for (int32_t q = 0; q < n && !done; q++) {
+    tw__cand x = cand[q];
+    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) continue;
+    if (q != j) {
+      tw__probe(m, &x, hint, reduce, bt, bc, bkey);
+      if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) continue;
+    }
+    cand[k++] = x;
+  }
+  n = done ? 0 : k;
+  while (n > 0) {
+    j = 0;
+    for (int32_t q = 1; q < n; q++)
+      if (tw__better(cand[q].lb, cand[q].c, cand[q].key, cand[j].lb, cand[j].c, cand[j].key)) j = q;
+    const tw__cand x = cand[j];
+    /* The best-ranked bound left cannot win: none can. */
+    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) break;
+    cand[j] = cand[--n];
+    /* A candidate that loses ties stops at a term that reaches bt. */
+    const int strict = !tw__better(bt, x.c, x.key, bt, bc, bkey);
+    const double t = tw__eval(m, &m->t[x.table], x.c, x.first, bt, strict, x.wave, NULL, 0.0);
+    if (tw__better(t, x.c, x.key, bt, bc, bkey)) bt = t, bc = x.c, bi = x.table, bkey = x.key;
+  }
+  *best_t = bt, *best_c = bc, *best_i = bi, *best_key = bkey;
+}
+
 /* The decision: the best (C, mgb, schedule) over C in [c_lo, c_hi] and the tables of `use` (bit
  * i = table i; one table per mgb and schedule), by T, then the smaller C, then the larger key
  * (the smaller mgb, then a schedule); the same answer as evaluating every candidate, found by
@@ -257,67 +327,8 @@ void tw__solve(const tw__model_tables* m, int32_t c_lo, int32_t c_hi, unsigned u
     }
     if (pass == 0 && li == bi && lc == bc && bt == bl) break; /* step 3 */
   }
-  /* Step 4: the probes raise bounds; the candidates that can still win are evaluated, best-ranked
-   * bound first. First lazily: the best-ranked candidate is probed, and evaluated at once while
-   * the probes leave its bound as it was (it still ranks first: probes only raise the others);
-   * most decisions end here, most candidates unprobed. At the first bound the probes raise (or
-   * rule out), every candidate left is probed and they are evaluated in order: each lazy step
-   * costs a scan of the list, so that is cheaper once the probes start to tell candidates apart,
-   * and from the start where the list is long (TW__LAZY_MAX). */
-  int done = li == bi && lc == bc && bt == bl;
-  int32_t j = -1; /* the candidate whose raised bound ended the lazy phase */
-  while (!done && n > 0 && n <= TW__LAZY_MAX) {
-    j = 0;
-    for (int32_t q = 1; q < n; q++)
-      if (tw__better(cand[q].lb, cand[q].c, cand[q].key, cand[j].lb, cand[j].c, cand[j].key)) j = q;
-    tw__cand x = cand[j];
-    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) { /* the best-ranked cannot win: none can */
-      done = 1;
-      break;
-    }
-    const double lb = x.lb;
-    tw__probe(m, &x, hint, reduce, bt, bc, bkey);
-    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) {
-      cand[j] = cand[--n], j = -1;
-      break;
-    }
-    if (x.lb != lb) {
-      cand[j] = x;
-      break;
-    }
-    cand[j] = cand[--n], j = -1;
-    /* A candidate that loses ties stops at a term that reaches bt. */
-    const int strict = !tw__better(bt, x.c, x.key, bt, bc, bkey);
-    const double t = tw__eval(m, &m->t[x.table], x.c, x.first, bt, strict, x.wave, NULL, 0.0);
-    if (tw__better(t, x.c, x.key, bt, bc, bkey)) {
-      bt = t, bc = x.c, bi = x.table, bkey = x.key;
-      done = t == lb; /* T at its bound, which ranked first: no other can win */
-    }
-  }
-  int32_t k = 0;
-  for (int32_t q = 0; q < n && !done; q++) {
-    tw__cand x = cand[q];
-    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) continue;
-    if (q != j) {
-      tw__probe(m, &x, hint, reduce, bt, bc, bkey);
-      if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) continue;
-    }
-    cand[k++] = x;
-  }
-  n = done ? 0 : k;
-  while (n > 0) {
-    j = 0;
-    for (int32_t q = 1; q < n; q++)
-      if (tw__better(cand[q].lb, cand[q].c, cand[q].key, cand[j].lb, cand[j].c, cand[j].key)) j = q;
-    const tw__cand x = cand[j];
-    /* The best-ranked bound left cannot win: none can. */
-    if (!tw__better(x.lb, x.c, x.key, bt, bc, bkey)) break;
-    cand[j] = cand[--n];
-    /* A candidate that loses ties stops at a term that reaches bt. */
-    const int strict = !tw__better(bt, x.c, x.key, bt, bc, bkey);
-    const double t = tw__eval(m, &m->t[x.table], x.c, x.first, bt, strict, x.wave, NULL, 0.0);
-    if (tw__better(t, x.c, x.key, bt, bc, bkey)) bt = t, bc = x.c, bi = x.table, bkey = x.key;
-  }
+  /* Step 4 (tw__solve_step4). */
+  tw__solve_step4(m, hint, reduce, cand, n, li == bi && lc == bc && bt == bl, &bt, &bc, &bi, &bkey);
   *best_c = bc;
   *best_table = bi;
   *best_t = bt;
