@@ -51,9 +51,9 @@ tw_status tw_hardware_default(tw_hardware* hw) {
   /* Same table: 16 CTAs 348, 32 CTAs 351, 64 CTAs 359 GB/s per direction; 351 is the plateau
    * over the C range the model considers (c_max = 32). */
   hw->link_peak_gbps = 351.0;
-  /* The consumer's fixed cost per band it sends, in the model's pool form (model.c: C CTAs share
-   * it): a unit's band poll and the latency of its first bulk load are not overlapped with the
-   * previous unit (combine.cu), 2-3 us; 3 us also fits the oracle matrix best (dev/NOTES.md,
+  /* The consumer's fixed cost per band it sends, in the model's pool form (model_eval.c: C CTAs
+   * share it): a unit's band poll and the latency of its first bulk load are not overlapped with
+   * the previous unit (combine.cu), 2-3 us; 3 us also fits the oracle matrix best (dev/NOTES.md,
    * "Moved from code comments"). `tilewave calibrate` fits it together with the per-CTA rate from
    * two hidden sizes (docs/calibrate.md). */
   hw->link_latency_us = 3.0;

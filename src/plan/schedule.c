@@ -28,9 +28,9 @@
  * span_end to the schedule's last remote band: an expert's remote and local bands then share
  * groups, so its weights come from device memory once (dev/NOTES.md section 25), at the price of
  * publishing its remote bands up to a group's columns later; but no band after the last remote one
- * joins a remote group, since the consumer's tail needs that band early (the lead of layout.c, or
- * the last expert where there is none). Remote-first puts every remote tile first: span_end -1, one
- * destination per group. */
+ * joins a remote group, since the consumer's tail needs that band early (the lead of
+ * tw__plan_set_schedule, or the last expert where there is none). Remote-first puts every remote
+ * tile first: span_end -1, one destination per group. */
 static int tw__same_group(const tw_band* bands, int32_t i, int32_t j, int32_t span_end) {
   return bands[i].expert == bands[j].expert && (bands[i].dest == bands[j].dest || j <= span_end);
 }
