@@ -53,11 +53,14 @@ void tw__log(tw_log_level level, const char* fmt, ...) TW__PRINTF(2, 3);
 #define TW_INFO(...) tw__log(TW_LOG_INFO, __VA_ARGS__)
 #define TW_TRACE(...) tw__log(TW_LOG_TRACE, __VA_ARGS__)
 
-/* Tunables: integer environment variables read once and cached. */
+/* Environment variables by name. The library's own TW_* variables are in the table of
+ * tunables.h and read through its accessors; these two serve a variable outside it (the tests')
+ * and callers not yet converted. tw__env_int: the integer value, or fallback when unset, empty or
+ * not an integer (with a warning naming the variable); no range check. */
 int64_t tw__env_int(const char* name, int64_t fallback);
 /* An integer environment variable that must lie in [lo, hi]: *out = its value, or fallback when it
  * is unset or empty; anything else is TW_ERR_INVALID_ARGUMENT naming the variable and the range
- * (the caller's `what` leads the message). */
+ * (the caller's `what` leads the message; tunables.h's TW_TUNABLE_SAY_USE form). */
 tw_status tw__env_int_in(const char* what, const char* name, int lo, int hi, int fallback,
                          int* out);
 
@@ -76,5 +79,7 @@ double tw__now_seconds(void);
 #ifdef __cplusplus
 }
 #endif
+
+#include "tunables.h" /* the TW_* environment variables */
 
 #endif /* TW_CORE_H */

@@ -1,12 +1,12 @@
 /*
- * status.c: status strings, the per-thread last error, logging and environment tunables.
+ * status.c: status strings, the per-thread last error, logging and environment variables by
+ * name (the library's own are tunables.c's).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <time.h>
 
 #include "core.h"
@@ -50,11 +50,10 @@ tw_log_level tw__log_level(void) {
   /* Read once: the level is a process-wide setting, and getenv on every log call is slow. */
   static int level = -1;
   if (level < 0) {
-    const char* s = getenv("TW_DEBUG");
-    level = TW_LOG_WARN;
-    if (s && strcasecmp(s, "NONE") == 0) level = TW_LOG_NONE;
-    if (s && strcasecmp(s, "INFO") == 0) level = TW_LOG_INFO;
-    if (s && strcasecmp(s, "TRACE") == 0) level = TW_LOG_TRACE;
+    /* A lenient choice: anything but the four names is the default (no error: logging an
+     * error would come back here). The choices are in tw_log_level order. */
+    const int32_t i = tw__tunable_match(TW_TUNE_DEBUG, tw__tunable_raw(TW_TUNE_DEBUG));
+    level = i >= 0 ? i : (int)tw__tunable(TW_TUNE_DEBUG)->def;
   }
   return (tw_log_level)level;
 }
@@ -90,10 +89,8 @@ tw_status tw__env_int_in(const char* what, const char* name, int lo, int hi, int
     *out = fallback;
     return TW_SUCCESS;
   }
-  char* end = NULL;
-  const long v = strtol(s, &end, 10);
-  const int spaced = *s == ' ' || *s == '\t'; /* strtol would skip them */
-  if (spaced || end == s || *end != '\0' || v < lo || v > hi)
+  int64_t v = 0;
+  if (!tw__tunable_parse_int(s, lo, hi, 0, &v))
     return tw__fail(TW_ERR_INVALID_ARGUMENT, "%s: %s='%s'; use an integer in %d..%d (or unset it)",
                     what, name, s, lo, hi);
   *out = (int)v;

@@ -43,56 +43,40 @@ tw_status tw_hardware_default(tw_hardware* hw) {
    * cost of a remote SM-store transfer (intercept of the 256 KiB / 1 MiB rows of the SM-store
    * table, which also includes a kernel launch and an NVLink round trip). */
   hw->tile_overhead_us = 0.5;
-  /* What tilewave's consumer (bulk copies) moves per CTA while the producer runs beside it,
-   * measured (2 x H200, 2026-11-30, sweep of C = 1..32 at 8192 tokens/rank, K 2048, N 4096,
-   * 16 experts, top-2; dev/NOTES.md section 4): the 67 MB remote half takes, after the ~60 us
-   * reduction, 1.79 ms at C = 1 (37 GB/s per CTA), 0.98 ms at C = 2 (34), 0.74 ms at C = 3 (30)
-   * and 0.50 ms at C = 5 (27): the per-CTA rate falls as the consumer shares memory with the
-   * GEMM. 28 GB/s is the rate in the range where the choice is made (C = 4..8); with it the
-   * pool form of the model picks C = 7 there, measured 1.15% from the optimum (C = 11;
-   * bench/results/2026-11-30-run3.md, run C, point 61). (Register copies moved 16 GB/s.) */
+  /* What tilewave's consumer (bulk copies) moves per CTA while the producer runs beside it: the
+   * rate falls from 37 GB/s at C = 1 as the consumer shares memory with the GEMM, and 28 GB/s is
+   * the rate where the choice is made, C = 4..8 (dev/NOTES.md section 4 and "Moved from code
+   * comments"). */
   hw->link_cta_gbps = 28.0;
   /* Same table: 16 CTAs 348, 32 CTAs 351, 64 CTAs 359 GB/s per direction; 351 is the plateau
    * over the C range the model considers (c_max = 32). */
   hw->link_peak_gbps = 351.0;
-  /* The consumer's fixed cost per band it sends, in the model's pool form (model.c: C CTAs share
-   * it): a unit's band poll and the latency of its first bulk load are not overlapped with the
-   * previous unit (combine.cu), 2-3 us. 3 us is also the value that fits the measured oracle
-   * matrix best (2 x H200, 2026-11-30, 114 points, replayed offline: mean regret 2.3% against
-   * 3.7% with 0.26 us; that is in-sample; measured with 3 us: 2.01%,
-   * bench/results/2026-11-30-run3.md). `tilewave calibrate` fits it together with the per-CTA
-   * rate from two hidden sizes (docs/calibrate.md). */
+  /* The consumer's fixed cost per band it sends, in the model's pool form (model_eval.c: C CTAs
+   * share it): a unit's band poll and the latency of its first bulk load are not overlapped with
+   * the previous unit (combine.cu), 2-3 us; 3 us also fits the oracle matrix best (dev/NOTES.md,
+   * "Moved from code comments"). `tilewave calibrate` fits it together with the per-CTA rate from
+   * two hidden sizes (docs/calibrate.md). */
   hw->link_latency_us = 3.0;
   /* Local device copy measured 3.8 TB/s (read + write). */
   hw->mem_gbps = 3800.0;
-  /* `tilewave bench gemm` with each schedule forced (2 x H200, 2026-11-30, 16 points of 8-64
-   * local experts, 8192 and 16384 tokens/rank, N 4096 and 8192; bench/results/2026-11-30-run3.md):
-   * remote-first, which reads the weights of an expert with remote and local rows twice, took
-   * longer than expert-major by the model's roofline difference (non-zero at 2 of the points)
-   * plus 0.30 x (the second reads' bytes / mem_gbps) (least squares; single points -0.07-1.0,
-   * about 0 at 4 experts, whose weights stay in L2). */
+  /* `tilewave bench gemm` with each schedule forced: remote-first, which reads the weights of an
+   * expert with remote and local rows twice, took longer than expert-major by the model's roofline
+   * difference plus 0.30 x (the second reads' bytes / mem_gbps), a least-squares fit (dev/NOTES.md,
+   * "Moved from code comments"). */
   hw->refetch_exposure = 0.30;
   /* First paper's reference service-rate ratio (its Section III calibration, K=352, 128x128
    * tiles, D=4). */
   hw->rho_ref = 10.05;
-  /* H200 (HARDWARE.md): 60 MiB. */
+  /* H200 (docs/hardware.md): 60 MiB. */
   hw->l2_mib = 60.0;
   /* A producer tile takes a floor however short its K, about 2.8 us per 128 output columns
-   * with the default kernels (v5 at tn 128, v4 at tn 256): per wave at K 512 (compute 2.8 us per
-   * 128 x 128 tile at tile_tflops 6.0), 128 x 128 tiles took 3.3-3.75 us with v5 (dev/gemm/NOTES.md
-   * v8) and 128 x 256 tiles 6.45-6.6 with v4 (run 7a, dev/gemm/tile_times.sh, NOTES.md v7);
-   * (c^4 + (2.8 TN / 128)^4)^(1/4) gives 3.33 and 6.65. (v4's 128 x 128 tile had a floor of
-   * 5.4: its 128 bulk row copies per tile.) Replayed on the oracle matrices measured with v5 at
-   * every tile width (quick, 14 points), this floor with the default overhead 0.5 cut the mean
-   * regret 1.00% -> 0.86%; floors 2.5-3.2 gave the same, overheads below the default 0.5 were up to
-   * 0.07 points worse on v4's matrices (runs 7, 7a). */
+   * with the default kernels (v5 at tn 128, v4 at tn 256): (c^4 + (2.8 TN / 128)^4)^(1/4) matches
+   * the measured tile times at K 512 and cut the oracle matrices' replayed regret
+   * (dev/gemm/NOTES.md v7-v8; dev/NOTES.md, "Moved from code comments"). */
   hw->tile_floor_us = 2.8;
-  /* 64-row tiles (problem tile_m 64) run at a lower rate than 128-row ones: at 8192 tokens/rank,
-   * K 2048, N 4096, 32 experts (2 x H200, 2026-11-30, bench/results/2026-11-30-run11-tile-m.md)
-   * the producer alone took 587.9 us for 4320 64 x 256 tiles and 453.9 us for 2272 128 x 256
-   * ones: a 64-row tile 0.68 of a 128-row one's time for half its work, a share of 0.5 / 0.68.
-   * With 1 the model predicted 64-row tiles 0.7-7.6% faster where they measured 1.19-1.37x
-   * slower. */
+  /* 64-row tiles (problem tile_m 64) run at a lower rate than 128-row ones: measured, a 64-row
+   * tile takes 0.68 of a 128-row one's time for half its work, a share of 0.5 / 0.68 (dev/NOTES.md,
+   * "Moved from code comments"). */
   hw->tile_m64_share = 0.73;
   return TW_SUCCESS;
 }
@@ -287,8 +271,8 @@ static tw_status tw__calib_status = TW_SUCCESS;
 static char tw__calib_error[600];
 
 static void tw__calib_load(void) {
-  const char* path = getenv("TW_CALIBRATION");
-  if (path == NULL || *path == '\0') {
+  const char* path = tw__tunable_string(TW_TUNE_CALIBRATION);
+  if (path == NULL) {
     tw__calib_status = tw_hardware_default(&tw__calib_hw);
     return;
   }

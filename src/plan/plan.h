@@ -164,14 +164,20 @@ const char* tw__dataflow_name(int32_t dataflow);
 /* Internal helpers shared by plan sources. */
 int32_t tw__resolve_tile_n(const tw_problem* p);
 int32_t tw__resolve_tile_m(const tw_problem* p);
+/* Builds the rank's row layout from the routing (layout.c): expert_row0 / rows / real_rows,
+ * row_src, expert_order, layout_bands with expert_band0 / expert_local_band0, num_bands,
+ * send_bytes, num_tiles, the receive side (recv_rows, recv_bands, slot_row), and allocates bands,
+ * tiles and segments for the worst case; the bands' order is left to tw__plan_set_schedule. The
+ * plan holds problem, rank, local_experts, tm, tn and col_tiles; on failure the caller frees it. */
+tw_status tw__plan_layout(struct tw_plan* plan, const struct tw_routing* routing);
 /* Builds plan->segments for a coalescing factor (replaces any previous ones; the array is sized
- * for the worst case at plan creation, so rebuilding never allocates). Planner (layout.c). */
+ * for the worst case at plan creation, so rebuilding never allocates). Planner (segments.c). */
 tw_status tw__plan_build_segments(struct tw_plan* plan, int32_t coalesce);
 /* Puts plan->bands and plan->tiles in the order of `schedule` (TW_SCHEDULE_REMOTE_FIRST or
  * TW_SCHEDULE_EXPERT_MAJOR) from layout_bands, and recomputes num_remote_tiles and stream_first /
  * stream_last; clears the segments (num_segments 0, every band's segment -1), which the caller
  * rebuilds. O(tiles), never allocates. A plan without layout_bands can only keep its schedule
- * (TW_ERR_STATE otherwise). Planner (layout.c). */
+ * (TW_ERR_STATE otherwise). Planner (schedule.c). */
 tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule);
 /* The producer's tile list (nb x cols tiles) for bands in schedule order: groups of up to
  * tile_group consecutive bands of one expert and one destination (bands up to span_end may mix
@@ -182,42 +188,30 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule);
  * tile_group 1: band by band, columns ascending. */
 void tw__tiles_from_bands(const tw_band* bands, int32_t nb, int32_t cols, int32_t tn,
                           int32_t tile_group, int32_t span_end, tw_tile* tiles);
-/* Bands whose tiles the producer walks column by column together (tw__plan_set_schedule).
- * Measured on 2 x H200, one binary, arms A B C C B A: the producer alone (`bench gemm`, 300 us
- * idle before each call, run 27): groups of 2 / 4 / 8 / 16 bands against band by band, geometric
- * mean over the grid 0.966 / 0.950 / 0.950 / 0.950; the overlapped call (`bench`, run 28): 4 / 8
- * bands 0.951 / 0.940, at hidden 8192 0.91-0.92 with 8. Why (run 33, Nsight Compute on the
- * producer alone at 16384 rows, hidden 8192, 16 experts): band by band the L2 moved 9.46 GB at 87%
- * of its peak and device memory served 1.64 GB of reads; in groups of 8, G CTAs with adjacent
- * indices read one weight column tile while it is in L2: 5.34 GB at 52%, 1.02 GB of reads. */
+/* Bands whose tiles the producer walks column by column together (tw__plan_set_schedule): G CTAs
+ * with adjacent indices then read one weight column tile while it is in L2, which made the
+ * producer about 5% faster over the grid, and 8 was the best group measured (docs/model.md; the
+ * measurements: dev/NOTES.md, "Moved from code comments"). */
 #define TW_TILE_GROUP_DEFAULT 8
-/* The add dataflow's consumer takes at least this long per row and CTA (one bulk add per row, the
- * SM's bulk-copy unit the bound below ~8 KB rows). Measured: 0.2 us with one thread issuing the
- * adds (runs 39, 46), 0.18 with warp 0's lanes (run 54: 186 us for 4096 rows on 4 CTAs). Replayed
- * on run 55's add oracle (9 top-2 points, the lanes' consumer): 0.15 / 0.18 / 0.2 / 0.25 us gave
- * mean regret 1.46 / 1.29 / 1.61 / 1.32%, max 4.23% each (model.c, tw__model_prepare). */
+/* The add dataflow's consumer takes at least this long per row and CTA: one bulk add per row,
+ * so the SM's bulk-copy unit bounds rows below ~8 KB (model.c, tw__model_prepare). The value is
+ * the one measured with warp 0's lanes issuing the adds, which also fit the add oracle best
+ * (dev/NOTES.md, "Moved from code comments"). */
 #define TW_ADD_ROW_FLOOR_US 0.18
 /* The decision's plateau: from the best candidate, the model goes up in C while T stays within
  * this share of the best's and the next C keeps the best's wave count, and takes the last C
- * reached (model.c, tw__plateau_end). T is flat where more consumer CTAs leave the producer's
- * wave count as it is; measured, the call still gets faster there (the consumer's tail after the
- * last wave shortens, and the producer's tiles there are bandwidth-like, a wave of 104 tiles
- * 30.6 us against 35.5 for 128 on a stand-in, so fewer of them at once run faster: m-bert 4096
- * stress skew, C 4 -> 20, producer end -6 us, consumer tail -5 us, run 61). The last C before a
- * step is never taken: where the ranks' tile counts differ by a few, one rank's step is a C
- * earlier than another's. Replayed on the full oracle matrices of runs 57 / 35 / 33 / 22 (each
- * rank's choice, the cell at the slowest rank's, dev/model/plateau.py): mean regret 0.65 / 0.72 /
- * 0.76 / 0.78% -> 0.48 / 0.58 / 0.55 / 0.58%, max 5.19 / 5.06 / 5.78 / 6.43% -> 3.15 / 3.74 / 3.63
- * / 2.99%. 0.01 and 0.015 had a higher mean on all four (and maxima up to 5.11%), 0.03 reached
- * 7.7-8.5% at one point. */
+ * reached (model_search.c, tw__plateau_end). Where T is flat the call measured faster with more
+ * consumer CTAs (a shorter consumer tail, fewer bandwidth-bound tiles at once), and the last C
+ * before a wave step is never taken because the ranks' steps differ by a C. 0.02 had the lowest
+ * replayed regret (docs/model.md; the numbers: dev/NOTES.md, "Moved from code comments"). */
 #define TW_MODEL_PLATEAU 0.02
 /* The tile group (plan->tile_group): env TW_TILE_GROUP (1 to 64), else TW_TILE_GROUP_DEFAULT.
- * Planner (layout.c). */
+ * Planner (plan.c). */
 tw_status tw__tile_group_resolve(int32_t* tile_group);
 /* Resolves the schedule a plan is built for: config->schedule when the config has the field and
  * sets it, else env TW_SCHEDULE (remote-first | expert-major | auto) when set, else
  * TW_SCHEDULE_AUTO. A bad value in either is TW_ERR_INVALID_ARGUMENT naming the fix; the
- * environment is read on every call and checked even when the config decides. Planner. */
+ * environment is read on every call and checked even when the config decides. Planner (plan.c). */
 tw_status tw__schedule_resolve(const tw_plan_config* config, int32_t* schedule);
 
 /* Chooses the partition: sets plan->comm_ctas, coalesce (rebuilding the segments),
@@ -231,22 +225,16 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config);
 
 /* The consumer's tail split (defaults; the context reads the environment over them): the last
  * TW_DEFAULT_TAIL_BANDS bands of every destination stream go in row parts (below). Whole, a band is
- * one CTA's copy at ~35 GB/s (2 MB at hidden 8192: ~57 us, about 2.5 of the producer's waves of ~22
- * us; 1 MB at 4096: ~1.3 waves), so a band finished in the GEMM's last few waves would still be in
- * one CTA's hands after the GEMM has ended; 8 bands per stream cover those waves at both widths (a
- * wave finishes ~4-8 bands, about half of them remote). Measured on the grid (run 21, 2 -> 8
- * bands): where the consumer ended over 10 us after the producer (8 points, 10.7-24.6 us) it
- * ends 5.4-12.0 us after; the calls at 16-64 experts -1.2%..+0.1%, geometric mean over the grid
- * 0.9960. Splitting every band measured the same (0.9956) and would multiply the per-unit costs
- * where the consumer bounds small calls. */
+ * one CTA's copy (2 MB at hidden 8192: ~57 us, about 2.5 producer waves), so a band finished in the
+ * GEMM's last waves would still be in one CTA's hands after the GEMM has ended; 8 bands per stream
+ * cover those waves at hidden 4096 and 8192 (docs/runtime.md; the measurements: dev/NOTES.md,
+ * "Moved from code comments"). */
 #define TW_DEFAULT_TAIL_BANDS 8
 /* Row parts per tail band: by default TW_TAIL_MAX_PARTS when each part holds at least
  * TW_TAIL_PART_MIN_BYTES, else the band stays whole (tw__tail_parts_default; 128-row bands:
  * 4 parts from hidden 1024 up, whole at 512). A unit has a fixed cost of a few microseconds (poll,
  * claim, first load: link_latency_us ~3 us), which a short band's copy does not amortise over
- * parts. Measured at C 12 (bench at 1024 and 4096 tokens, runs 23-24): at hidden 512 (128 KB
- * bands) 2 parts 0.7% and 4 parts 3.6% slower than whole bands; at 1024 (256 KB) 4 parts 1.4%
- * faster than whole; at 4096 with 32-64 experts 4 parts 0.4-0.9% faster than 2. */
+ * parts (the measurements: dev/NOTES.md, "Moved from code comments"). */
 #define TW_TAIL_PART_MIN_BYTES (64 << 10)
 #define TW_TAIL_MAX_PARTS 4
 
@@ -272,7 +260,7 @@ tw_status tw__hardware_resolve(const tw_hardware* given, tw_hardware* out);
 /* Frees plan->model_tables (model.c); safe on a plan without them. tw_plan_destroy calls it. */
 void tw__model_free(struct tw_plan* plan);
 /* The EP model's T evaluated segment by segment (F = max_s (A_s + Q_s)) on the plan's current
- * segments, for tests against the fast form (model.c). tw_plan_predict is also defined in model.c.
+ * segments, for tests against the fast form (model_eval.c). tw_plan_predict is defined in model.c.
  */
 tw_status tw__model_eval_plain(const struct tw_plan* plan, int32_t comm_ctas, double* t_us);
 /* tw_plan_predict for either schedule the model tabulated (both when it chose between them;
@@ -282,7 +270,7 @@ tw_status tw__model_predict(const struct tw_plan* plan, int32_t schedule, int32_
 /* Bytes the producer moves through device memory in the plan's current order: each expert's
  * weights (hidden x ffn) once per run of consecutive bands of that expert, the input rows
  * (rows x ffn) and the output rows (rows x hidden), 2 bytes an element; and, of those, the
- * weight bytes of the runs that read an expert a second time (model.c). */
+ * weight bytes of the runs that read an expert a second time (model_eval.c). */
 tw_status tw__model_traffic(const struct tw_plan* plan, double* bytes, double* refetch);
 
 #ifdef __cplusplus

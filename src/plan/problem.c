@@ -145,10 +145,12 @@ const char* tw_preset_name(int index) {
   return tw__presets[index].name;
 }
 
+/* TW_COMBINE_DATAFLOW's choices (tunables.c: `reduce`, `add`) as tw_combine_dataflow values. */
+static const int32_t tw__dataflow_values[] = {TW_DATAFLOW_REDUCE, TW_DATAFLOW_ADD};
+
 int32_t tw__dataflow_parse(const char* name) {
-  if (strcasecmp(name, "reduce") == 0) return TW_DATAFLOW_REDUCE;
-  if (strcasecmp(name, "add") == 0) return TW_DATAFLOW_ADD;
-  return -1;
+  const int32_t i = tw__tunable_match(TW_TUNE_COMBINE_DATAFLOW, name);
+  return i < 0 ? -1 : tw__dataflow_values[i];
 }
 
 const char* tw__dataflow_name(int32_t dataflow) {
@@ -165,15 +167,8 @@ tw_status tw__dataflow_resolve(const char* what, int32_t requested, int32_t* dat
                     "reduce), 1 (TW_DATAFLOW_REDUCE) or 2 (TW_DATAFLOW_ADD)",
                     what, requested);
   /* Read every time (not cached), and checked even when the caller decides, like TW_SCHEDULE. */
-  const char* env = getenv("TW_COMBINE_DATAFLOW");
-  int32_t from_env = TW_DATAFLOW_REDUCE;
-  if (env != NULL && env[0] != '\0') {
-    from_env = tw__dataflow_parse(env);
-    if (from_env < 0)
-      return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                      "%s: TW_COMBINE_DATAFLOW=\"%s\"; set `reduce` or `add`, or unset it", what,
-                      env);
-  }
-  *dataflow = requested != TW_DATAFLOW_DEFAULT ? requested : from_env;
+  int32_t i = 0;
+  TW_TRY(tw__tunable_choice(what, TW_TUNE_COMBINE_DATAFLOW, &i));
+  *dataflow = requested != TW_DATAFLOW_DEFAULT ? requested : tw__dataflow_values[i];
   return TW_SUCCESS;
 }

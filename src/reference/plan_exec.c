@@ -499,7 +499,8 @@ tw_status tw__plan_exec_cpu(tw_routing_t routing, const tw_plan_t* plans, const 
   ctx.EL = pb->experts / pb->world_size;
   ctx.row_bytes = (int64_t)pb->hidden * 2; /* bf16 and fp16 rows: 2 bytes per value */
   ctx.opt = options ? *options : (tw_plan_exec_options)TW_PLAN_EXEC_OPTIONS_INIT;
-  int64_t ms = ctx.opt.timeout_ms > 0 ? ctx.opt.timeout_ms : tw__env_int("TW_TIMEOUT_MS", 10000);
+  int64_t ms = ctx.opt.timeout_ms > 0 ? ctx.opt.timeout_ms
+                                      : tw__tunable_int_lenient(TW_TUNE_TIMEOUT_MS, 10000);
   ctx.timeout_s = (double)ms * 1e-3;
   for (int32_t r = 0; r < ctx.W; r++) {
     if (plans[r] == NULL)

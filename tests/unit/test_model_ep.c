@@ -1,5 +1,5 @@
 /*
- * test_model_ep.c: the expert-parallel resource model (model.c). A hand-built plan whose T(C,
+ * test_model_ep.c: the expert-parallel resource model (model*.c). A hand-built plan whose T(C,
  * mgb) table is computed by hand below, once compute-bound and once bound by its memory traffic;
  * then real plans from the planner: the choice is the argmin of the predictions over every
  * candidate (both schedules when the model chooses the schedule), the fast evaluation equals the
@@ -689,7 +689,7 @@ static int64_t split_experts(tw_plan_t plan) {
 }
 
 /* Experts expert-major reads twice: its last two experts go remote, remote, local, local
- * (layout.c), so one whose two parts have a non-empty part of the other between them. */
+ * (schedule.c), so one whose two parts have a non-empty part of the other between them. */
 static int64_t expert_major_second_reads(tw_plan_t plan) {
   const int32_t E = plan->local_experts;
   if (E < 3) return 0;

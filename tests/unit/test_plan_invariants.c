@@ -32,7 +32,7 @@
 
 /* Expert-major's order as blocks: the expert at position k of expert_order has its remote part
  * in block 2k and its local part in 2k + 1, except that with three experts or more the last two
- * go remote, remote, local, local (layout.c). */
+ * go remote, remote, local, local (schedule.c). */
 static int32_t em_block(int32_t k, int local, int32_t E) {
   if (E >= 3 && k >= E - 2) return 2 * (E - 2) + (local ? 2 : 0) + (k - (E - 2));
   return 2 * k + (local ? 1 : 0);

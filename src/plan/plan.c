@@ -1,0 +1,182 @@
+/*
+ * plan.c: tw_plan_create and the plan's lifetime: checks the arguments, resolves the schedule,
+ * dataflow and tile group the plan is built for, then builds it in three steps, each in its own
+ * file and none calling back into this one:
+ *
+ *   layout.c     the row layout of the rank's local experts, its bands in layout order and the
+ *                receive side (tw__plan_layout);
+ *   schedule.c   the bands and tiles in the order of a schedule (tw__plan_set_schedule);
+ *   model*.c     the partition (C, mgb) and, for TW_SCHEDULE_AUTO, the schedule, which reorders
+ *                the plan (schedule.c) and builds its segments (segments.c) as it goes
+ *                (tw__model_choose).
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "plan.h"
+
+/* Frees a plan, possibly partly built; keeps the thread's last error (failure paths use it). */
+static void tw__plan_free(struct tw_plan* plan) {
+  if (plan == NULL) return;
+  tw__model_free(plan); /* the model's tables (model.c) */
+  free(plan->expert_row0);
+  free(plan->expert_rows);
+  free(plan->expert_real_rows);
+  free(plan->row_src);
+  free(plan->tiles);
+  free(plan->expert_order);
+  free(plan->layout_bands);
+  free(plan->expert_band0);
+  free(plan->expert_local_band0);
+  free(plan->bands);
+  free(plan->segments);
+  free(plan->slot_row);
+  free(plan->recv_bands);
+  free(plan->stream_first);
+  free(plan->stream_last);
+  free(plan);
+}
+
+tw_status tw_plan_destroy(tw_plan_t plan) {
+  tw__clear_error();
+  tw__plan_free(plan);
+  return TW_SUCCESS;
+}
+
+int32_t tw__schedule_parse(const char* s) {
+  /* TW_SCHEDULE's choices (tunables.c) are in tw_schedule order: the index is the value. */
+  return tw__tunable_match(TW_TUNE_SCHEDULE, s);
+}
+
+tw_status tw__schedule_resolve(const tw_plan_config* config, int32_t* schedule) {
+  TW_CHECK_NULL(schedule);
+  *schedule = TW_SCHEDULE_AUTO;
+  /* Read on every plan (not cached): a process may change it between plans, e.g. a benchmark
+   * that measures both schedules. A bad value is an error even when the config decides, so that
+   * a typo never goes unnoticed. */
+  int32_t from_env = TW_SCHEDULE_AUTO;
+  TW_TRY(tw__tunable_choice("tw_plan_create", TW_TUNE_SCHEDULE, &from_env));
+  int32_t from_config = TW_SCHEDULE_AUTO;
+  if (config != NULL && config->size >= offsetof(tw_plan_config, schedule) + sizeof(int32_t)) {
+    from_config = config->schedule;
+    if (from_config != TW_SCHEDULE_AUTO && from_config != TW_SCHEDULE_REMOTE_FIRST &&
+        from_config != TW_SCHEDULE_EXPERT_MAJOR)
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_plan_config.schedule = %d; give 0 (TW_SCHEDULE_AUTO: env TW_SCHEDULE, "
+                      "else the model's choice), 1 (TW_SCHEDULE_REMOTE_FIRST) or 2 "
+                      "(TW_SCHEDULE_EXPERT_MAJOR)",
+                      from_config);
+  }
+  *schedule = from_config != TW_SCHEDULE_AUTO ? from_config : from_env;
+  return TW_SUCCESS;
+}
+
+tw_status tw__tile_group_resolve(int32_t* tile_group) {
+  TW_CHECK_NULL(tile_group);
+  *tile_group = TW_TILE_GROUP_DEFAULT;
+  /* Read on every plan, like TW_SCHEDULE. */
+  return tw__tunable_int_or("tw_plan_create", TW_TUNE_TILE_GROUP, TW_TILE_GROUP_DEFAULT,
+                            tile_group);
+}
+
+tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_t rank,
+                         const tw_plan_config* config, tw_plan_t* plan) {
+  tw__clear_error();
+  TW_CHECK_NULL(plan);
+  *plan = NULL;
+  TW_TRY(tw_problem_validate(problem));
+  TW_CHECK_NULL(routing);
+  const tw_problem* p = problem;
+  /* The config's values are checked by the model (tw__model_choose), against the hardware, and
+   * the schedule by tw__schedule_resolve. A config of the size before `schedule` was appended
+   * (same magic and version) is a caller built against the earlier tilewave.h: it is read up to
+   * `hardware` and plans as TW_SCHEDULE_AUTO, like a NULL config; one that ends before
+   * `dataflow` plans for TW_DATAFLOW_DEFAULT. */
+  if (config != NULL) {
+    const size_t v1_size = offsetof(tw_plan_config, schedule);
+    const size_t v2_size = offsetof(tw_plan_config, dataflow);
+    const size_t known =
+        config->size == v1_size || config->size == v2_size ? config->size : sizeof(tw_plan_config);
+    TW_TRY(tw__check_header("tw_plan_config", config->size, known, config->magic,
+                            TW_PLAN_CONFIG_MAGIC, config->version));
+  }
+  int32_t schedule = TW_SCHEDULE_AUTO;
+  TW_TRY(tw__schedule_resolve(config, &schedule));
+  int32_t dataflow = TW_DATAFLOW_REDUCE;
+  TW_TRY(tw__dataflow_resolve("tw_plan_create",
+                              config != NULL && config->size == sizeof(tw_plan_config)
+                                  ? config->dataflow
+                                  : TW_DATAFLOW_DEFAULT,
+                              &dataflow));
+  int32_t tile_group = TW_TILE_GROUP_DEFAULT;
+  TW_TRY(tw__tile_group_resolve(&tile_group));
+  const tw_problem* rp = &routing->problem;
+  if (rp->world_size != p->world_size || rp->experts != p->experts || rp->top_k != p->top_k)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "the routing is for world_size %d, experts %d, top_k %d but the problem has "
+                    "%d, %d, %d; build the routing from the same problem",
+                    rp->world_size, rp->experts, rp->top_k, p->world_size, p->experts, p->top_k);
+  for (int32_t r = 0; r < p->world_size; r++)
+    if (routing->tokens[r] > p->max_tokens)
+      return tw__fail(TW_ERR_CAPACITY,
+                      "routing rank %d holds %d tokens, more than the problem's max_tokens (%d); "
+                      "raise max_tokens",
+                      r, routing->tokens[r], p->max_tokens);
+  if (rank < 0 || rank >= p->world_size)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "rank %d is outside 0..%d (world_size %d)", rank,
+                    p->world_size - 1, p->world_size);
+
+  struct tw_plan* pl = calloc(1, sizeof *pl);
+  if (pl == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "plan: out of host memory");
+  pl->problem = *p;
+  pl->rank = rank;
+  pl->local_experts = p->experts / p->world_size;
+  pl->tm = tw__resolve_tile_m(p);
+  pl->tn = tw__resolve_tile_n(p);
+  pl->col_tiles = (int32_t)tw__ceil_div(p->hidden, pl->tn);
+  pl->schedule_request = schedule;
+  pl->dataflow = dataflow;
+  pl->tile_group = tile_group;
+  tw_status st = tw__plan_layout(pl, routing);
+  /* The model tabulates an AUTO plan in remote-first order first (tw__model_choose). */
+  if (st == TW_SUCCESS)
+    st = tw__plan_set_schedule(pl, pl->schedule_request == TW_SCHEDULE_EXPERT_MAJOR
+                                       ? TW_SCHEDULE_EXPERT_MAJOR
+                                       : TW_SCHEDULE_REMOTE_FIRST);
+  if (st == TW_SUCCESS) st = tw__model_choose(pl, config);
+  if (st != TW_SUCCESS) {
+    tw__plan_free(pl);
+    return st;
+  }
+  *plan = pl;
+  return TW_SUCCESS;
+}
+
+tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary) {
+  tw__clear_error();
+  TW_CHECK_NULL(plan);
+  TW_CHECK_NULL(summary);
+  int64_t real = 0;
+  for (int32_t e = 0; e < plan->local_experts; e++) real += plan->expert_real_rows[e];
+  memset(summary, 0, sizeof *summary);
+  summary->rank = plan->rank;
+  summary->comm_ctas = plan->comm_ctas;
+  summary->coalesce = plan->coalesce;
+  summary->rows = plan->rows;
+  summary->padding_rows = plan->rows - real;
+  summary->tiles = plan->num_tiles;
+  summary->remote_tiles = plan->num_remote_tiles;
+  summary->bands = plan->num_bands;
+  summary->segments = plan->num_segments;
+  summary->send_bytes = plan->send_bytes;
+  summary->predicted_us = plan->predicted_us;
+  summary->sequential_us = plan->sequential_us;
+  summary->solve_us = plan->solve_us;
+  summary->schedule = plan->schedule;
+  summary->gemm_us = plan->gemm_us;
+  summary->dataflow = plan->dataflow;
+  return TW_SUCCESS;
+}
