@@ -277,12 +277,16 @@ typedef struct tw_plan_config {
    * match the context's (tw_device_plan_upload checks). Appended after `schedule`: a config that
    * ends before it plans as TW_DATAFLOW_DEFAULT. */
   int32_t dataflow;
+  /* SMs the call this plan is for may occupy (tw_context_config / tw_combine_options
+   * .sm_budget): the model picks C with P = budget - C; 0 = the hardware description's
+   * sm_count (a whole GPU). 2..sm_count. Appended after `dataflow`. */
+  int32_t sm_budget;
 } tw_plan_config;
 
 #define TW_PLAN_CONFIG_INIT                                                                        \
   {                                                                                                \
     sizeof(tw_plan_config), TW_PLAN_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 1, NULL, TW_SCHEDULE_AUTO, \
-        TW_DATAFLOW_DEFAULT                                                                        \
+        TW_DATAFLOW_DEFAULT, 0                                                                     \
   }
 
 #define TW_DEFAULT_COMM_CTAS 8
@@ -291,7 +295,8 @@ typedef struct tw_plan_config {
 
 /* Plans rank `rank`'s GEMM2 + combine: the remote-owner-aligned row layout of its local experts,
  * the tile schedule (config->schedule), the combine plan (band destinations, offsets, segments) and
- * the consumer partition (C, mgb). Pure host work; no GPU needed. */
+ * the consumer partition (C, mgb). A rank with nothing to send gets C = 0 (no consumer SMs)
+ * unless config->comm_ctas fixes it. Pure host work; no GPU needed. */
 TW_API tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_t rank,
                                 const tw_plan_config* config, tw_plan_t* plan);
 TW_API tw_status tw_plan_destroy(tw_plan_t plan);
@@ -315,9 +320,11 @@ typedef struct tw_plan_summary {
                            plus the exposed part of second weight reads (refetch_exposure) */
   int32_t dataflow;     /* the tw_combine_dataflow the plan was predicted for (REDUCE or ADD,
                            never DEFAULT) */
+  int32_t sm_budget;    /* SMs the plan was predicted for (config.sm_budget resolved) */
 } tw_plan_summary;
 
-/* Fills `summary`. This struct has no size field: schedule, gemm_us and dataflow were appended,
+/* Fills `summary`. This struct has no size field: schedule, gemm_us, dataflow and sm_budget were
+ * appended,
  * so a caller built against an earlier tilewave.h must be rebuilt before it calls this. */
 TW_API tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary);
 

@@ -145,7 +145,7 @@ class _CPlanConfig(ctypes.Structure):
                 ("version", ctypes.c_uint32), ("comm_ctas", ctypes.c_int32),
                 ("coalesce", ctypes.c_int32), ("use_model", ctypes.c_int32),
                 ("hardware", ctypes.POINTER(_CHardware)), ("schedule", ctypes.c_int32),
-                ("dataflow", ctypes.c_int32)]
+                ("dataflow", ctypes.c_int32), ("sm_budget", ctypes.c_int32)]
 
 
 class _CPlanSummary(ctypes.Structure):
@@ -156,7 +156,8 @@ class _CPlanSummary(ctypes.Structure):
                 ("segments", ctypes.c_int64), ("send_bytes", ctypes.c_int64),
                 ("predicted_us", ctypes.c_double), ("sequential_us", ctypes.c_double),
                 ("solve_us", ctypes.c_double), ("schedule", ctypes.c_int32),
-                ("gemm_us", ctypes.c_double), ("dataflow", ctypes.c_int32)]
+                ("gemm_us", ctypes.c_double), ("dataflow", ctypes.c_int32),
+                ("sm_budget", ctypes.c_int32)]
 
 
 class _CTpWorkload(ctypes.Structure):
@@ -509,11 +510,12 @@ class Plan(_Owned):
     Hardware (None = TW_CALIBRATION file if set, else built-in defaults); schedule: "auto" (None:
     env TW_SCHEDULE, else the model's choice), "remote-first" or "expert-major"; dataflow: the
     combine dataflow the model predicts for, "reduce" or "add" (None: env TW_COMBINE_DATAFLOW, else
-    reduce)."""
+    reduce); sm_budget: the SMs the call may occupy (None: every SM of the hardware
+    description); a rank with nothing to send plans comm_ctas 0 unless comm_ctas is given."""
     _destroy = "tw_plan_destroy"
 
     def __init__(self, problem, routing, rank, comm_ctas=None, coalesce=None, use_model=True,
-                 hardware=None, schedule=None, dataflow=None):
+                 hardware=None, schedule=None, dataflow=None, sm_budget=None):
         self.problem = problem
         self.routing = routing  # keeps the routing alive at least as long as the plan
         self.rank = rank
@@ -522,10 +524,13 @@ class Plan(_Owned):
             raise ValueError("schedule %r: give one of %s" % (schedule, ", ".join(SCHEDULES)))
         if dataflow is not None and dataflow not in DATAFLOWS:
             raise ValueError("dataflow %r: give one of %s" % (dataflow, ", ".join(DATAFLOWS)))
+        if sm_budget is not None and not 2 <= int(sm_budget) <= 100000:
+            raise ValueError("sm_budget %r: give the SMs a call may occupy, 2 or more" % sm_budget)
         cfg = _CPlanConfig(ctypes.sizeof(_CPlanConfig), _PLAN_CONFIG_MAGIC, _API_VERSION,
                            int(comm_ctas or 0), int(coalesce or 0), 1 if use_model else 0,
                            ctypes.pointer(hw) if hw is not None else None,
-                           SCHEDULES[schedule or "auto"], DATAFLOWS[dataflow or "default"])
+                           SCHEDULES[schedule or "auto"], DATAFLOWS[dataflow or "default"],
+                           int(sm_budget or 0))
         h = ctypes.c_void_p()
         _check(_load().tw_plan_create(ctypes.byref(problem._c()), routing._handle(), int(rank),
                                       ctypes.byref(cfg), ctypes.byref(h)))
@@ -535,7 +540,7 @@ class Plan(_Owned):
     def summary(self):
         """dict: rank, comm_ctas, coalesce, rows, padding_rows, tiles, remote_tiles, bands,
         segments, send_bytes, predicted_us, sequential_us, solve_us, schedule (1 remote-first,
-        2 expert-major), gemm_us, dataflow (1 reduce, 2 add)."""
+        2 expert-major), gemm_us, dataflow (1 reduce, 2 add), sm_budget."""
         s = _CPlanSummary()
         _check(_load().tw_plan_summary_get(self._handle(), ctypes.byref(s)))
         return {name: getattr(s, name) for name, _ in _CPlanSummary._fields_}

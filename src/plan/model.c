@@ -10,6 +10,7 @@
  * other way round.
  */
 #include <float.h>
+#include <stddef.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -263,6 +264,21 @@ static tw_status tw__model_prepare(struct tw_plan* plan, int32_t explicit_mgb,
 tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
   TW_CHECK_NULL(plan);
   TW_TRY(tw__hardware_resolve(config ? config->hardware : NULL, &plan->hardware));
+  /* An SM budget is a GPU of that many SMs to the model: P = budget - C, and C leaves the
+   * producer at least one SM. */
+  const int32_t budget =
+      config != NULL && config->size > offsetof(tw_plan_config, sm_budget) ? config->sm_budget : 0;
+  if (budget != 0) {
+    tw_hardware* h = &plan->hardware;
+    if (budget < 2 || budget > h->sm_count)
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "sm_budget = %d; give 0 (every SM) or 2..%d (the hardware's sm_count: one "
+                      "producer and one consumer SM at least)",
+                      budget, h->sm_count);
+    h->sm_count = budget;
+    const int32_t c_fit = (budget - 1) * h->occ_comm;
+    if (h->c_max > c_fit) h->c_max = c_fit;
+  }
   const tw_hardware* hw = &plan->hardware;
   int32_t fixed_c = 0, fixed_mgb = 0, use_model = 1;
   /* Only the fields before `schedule` are read: an old-size config ends there. */
@@ -338,6 +354,12 @@ tw_status tw__model_choose(struct tw_plan* plan, const tw_plan_config* config) {
   plan->comm_ctas = c;
   plan->predicted_us = t;
   plan->gemm_us = m->gemm_us[slot];
+  /* Nothing to send: the call launches no consumer (unless C was given) and the producer has
+   * every SM; then, under the reduce dataflow, the reduction. */
+  if (plan->num_remote_tiles == 0 && (config == NULL || config->comm_ctas == 0)) {
+    plan->comm_ctas = 0;
+    plan->predicted_us = m->gemm_us[slot] + m->reduce_us;
+  }
   /* The sequential baseline (cuBLAS, NCCL, the reduction) is the same whatever dataflow ours runs:
    * the store's plateau and the reduction of the reduce dataflow. */
   plan->sequential_us =

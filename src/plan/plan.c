@@ -98,8 +98,11 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
   if (config != NULL) {
     const size_t v1_size = offsetof(tw_plan_config, schedule);
     const size_t v2_size = offsetof(tw_plan_config, dataflow);
+    const size_t v3_size = offsetof(tw_plan_config, sm_budget);
     const size_t known =
-        config->size == v1_size || config->size == v2_size ? config->size : sizeof(tw_plan_config);
+        config->size == v1_size || config->size == v2_size || config->size == v3_size
+            ? config->size
+            : sizeof(tw_plan_config);
     TW_TRY(tw__check_header("tw_plan_config", config->size, known, config->magic,
                             TW_PLAN_CONFIG_MAGIC, config->version));
   }
@@ -107,7 +110,7 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
   TW_TRY(tw__schedule_resolve(config, &schedule));
   int32_t dataflow = TW_DATAFLOW_REDUCE;
   TW_TRY(tw__dataflow_resolve("tw_plan_create",
-                              config != NULL && config->size == sizeof(tw_plan_config)
+                              config != NULL && config->size > offsetof(tw_plan_config, dataflow)
                                   ? config->dataflow
                                   : TW_DATAFLOW_DEFAULT,
                               &dataflow));
@@ -178,5 +181,6 @@ tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary) {
   summary->schedule = plan->schedule;
   summary->gemm_us = plan->gemm_us;
   summary->dataflow = plan->dataflow;
+  summary->sm_budget = plan->hardware.sm_count;
   return TW_SUCCESS;
 }

@@ -516,7 +516,7 @@ tw_status tw__plan_exec_cpu(tw_routing_t routing, const tw_plan_t* plans, const 
                       __func__, r, p->rank);
     if (r > 0 && (p->tn != plans[0]->tn || p->tm != plans[0]->tm))
       return tw__fail(TW_ERR_INVALID_ARGUMENT, "%s: plans disagree on the tile shape", __func__);
-    if (p->comm_ctas < 1)
+    if (p->comm_ctas < 1 && p->num_segments > 0)
       return tw__fail(TW_ERR_INTERNAL, "%s: plan of rank %d has comm_ctas %d", __func__, r,
                       p->comm_ctas);
     if (routing->tokens[r] > 0 && (h[r] == NULL || out[r] == NULL))

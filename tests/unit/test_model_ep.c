@@ -224,19 +224,24 @@ static void test_hand_plan_explicit_and_defaults(void) {
   tw__model_free(&h.plan);
 }
 
-/* Nothing to send: T = compute end + reduce, so the smallest C (most producers) wins, and every
- * mgb ties (-> the smallest, 1).
+/* Nothing to send: no consumer (C = 0) and T = the compute end on every SM + reduce; every mgb
+ * ties (-> the smallest, 1); an explicit C still wins and is priced as the model prices it.
  *   own rows = all 448 local + 128 received = 576, tokens 288: (576 + 288) x 256 B / 737280 B/us
- *   = 0.3 us. Compute: C=1 ceil(14/4) = 4, C=2 ceil(14/3) = 5, C=3 ceil(14/2) = 7 (memory 1.718
- *   us). T = 4.3, 5.3, 7.3. */
+ *   = 0.3 us. Compute: C=0 ceil(14/5) = 3 waves, C=1 ceil(14/4) = 4, C=2 ceil(14/3) = 5, C=3
+ *   ceil(14/2) = 7 (memory 1.718 us). T = 3.3, 4.3, 5.3, 7.3. */
 static void test_hand_plan_no_remote(void) {
   static hand_plan h;
   hand_build(&h, 0);
   tw_plan_config cfg = hand_config(&h, 0, 0, 1);
   CHECK_OK(tw__model_choose(&h.plan, &cfg));
   CHECK(h.plan.num_segments == 0);
-  CHECK(h.plan.comm_ctas == 1);
+  CHECK(h.plan.comm_ctas == 0);
   CHECK(h.plan.coalesce == 1);
+  CHECK_NEAR(h.plan.predicted_us, 3.3, 1e-9);
+  tw__model_free(&h.plan);
+  cfg = hand_config(&h, 1, 0, 1); /* C given: kept */
+  CHECK_OK(tw__model_choose(&h.plan, &cfg));
+  CHECK(h.plan.comm_ctas == 1);
   CHECK_NEAR(h.plan.predicted_us, 4.3, 1e-9);
   const double want[3] = {4.3, 5.3, 7.3};
   for (int c = 1; c <= 3; c++)
@@ -394,6 +399,13 @@ static void check_choice_is_argmin(tw_plan_t plan, const char* what, int other_t
   tw_plan_summary s;
   CHECK_OK(tw_plan_summary_get(plan, &s));
   const best_cand b = argmin_all(plan, mgbs, 3);
+  if (plan->num_remote_tiles == 0) { /* nothing to send: no consumer, the producer on every SM */
+    CHECKF(s.comm_ctas == 0 && s.coalesce == b.mgb && s.schedule == b.schedule &&
+               s.predicted_us >= s.gemm_us,
+           "%s: nothing to send, chose C %d mgb %d schedule %d T %.9g (GEMM %.9g)", what,
+           s.comm_ctas, s.coalesce, s.schedule, s.predicted_us, s.gemm_us);
+    return;
+  }
   CHECKF(s.comm_ctas == b.c && s.coalesce == b.mgb && s.schedule == b.schedule &&
              s.predicted_us == b.t,
          "%s: chose C %d mgb %d schedule %d T %.9g; argmin is C %d mgb %d schedule %d T %.9g", what,
@@ -543,9 +555,9 @@ static void test_monotonic_in_link(void) {
   }
 }
 
-/* One rank: nothing is remote, so T is the compute end + reduce, and the choice the C whose
- * producer ends first (the smallest on ties): the full waves of P tiles last max(tau, P m), the
- * last wave of r tiles max(tau, r m), m the traffic per tile. */
+/* One rank: nothing is remote, so the plan takes no consumer SM (C = 0) and T is the compute end
+ * on every SM + reduce: the full waves of P tiles last max(tau, P m), the last wave of r tiles
+ * max(tau, r m), m the traffic per tile. */
 static void test_real_plan_no_remote(void) {
   tw_plan_t plan = NULL;
   const int32_t tokens = 3000;
@@ -565,20 +577,19 @@ static void test_real_plan_no_remote(void) {
                               (double)plan->rows * (plan->problem.hidden + plan->problem.ffn));
   const double m = bytes / (hw->mem_gbps * 1e3) / (double)plan->num_tiles;
   double want = 0;
-  int32_t want_c = 0, mixed = 0;
-  for (int32_t cc = 1; cc <= hw->c_max; cc++) {
+  int32_t mixed = 0;
+  for (int32_t cc = 0; cc <= hw->c_max; cc++) {
     const int64_t p = hw->occ_comp * (hw->sm_count - (cc + hw->occ_comm - 1) / hw->occ_comm);
     const int64_t tiles = plan->num_tiles, waves = (tiles + p - 1) / p;
     const int64_t last = tiles - (waves - 1) * p;
     const double end = (double)(waves - 1) * fmax(tau, (double)p * m) + fmax(tau, (double)last * m);
-    if (want_c == 0 || end + reduce < want - 1e-9 * want) want = end + reduce, want_c = cc;
+    if (cc == 0) want = end + reduce;
     mixed += waves > 1 && (double)p * m > tau && (double)last * m < tau;
   }
   /* The case the even spread priced wrong: memory-bound full waves, a compute-bound last one. */
   CHECKF(mixed > 0,
          "no C with memory-bound full waves and a compute-bound last wave (m %g, tau %g)", m, tau);
-  CHECKF(plan->comm_ctas == want_c, "chose C %d, the earliest producer end is at C %d",
-         plan->comm_ctas, want_c);
+  CHECKF(plan->comm_ctas == 0, "chose C %d with nothing to send", plan->comm_ctas);
   CHECK_NEAR(plan->predicted_us, want, 1e-9 * want);
   tw_plan_destroy(plan);
 }
@@ -652,10 +663,13 @@ static void test_random_hardware_equivalence(void) {
                  c, fast, plain);
         }
         const best_cand b = argmin_all(plan, &mgb, 1);
-        CHECKF(plan->coalesce == mgb && plan->comm_ctas == b.c && plan->predicted_us == b.t &&
-                   plan->schedule == b.schedule,
-               "%s: chose C %d schedule %d T %.12g; argmin C %d schedule %d T %.12g", what,
-               plan->comm_ctas, plan->schedule, plan->predicted_us, b.c, b.schedule, b.t);
+        const int32_t want_c = plan->num_remote_tiles == 0 ? 0 : b.c;
+        CHECKF(
+            plan->coalesce == mgb && plan->comm_ctas == want_c &&
+                (want_c == 0 ? plan->predicted_us >= plan->gemm_us : plan->predicted_us == b.t) &&
+                plan->schedule == b.schedule,
+            "%s: chose C %d schedule %d T %.12g; argmin C %d schedule %d T %.12g", what,
+            plan->comm_ctas, plan->schedule, plan->predicted_us, want_c, b.schedule, b.t);
       }
       tw_plan_destroy(plan);
       checked++;
