@@ -1,5 +1,5 @@
 /*
- * bench_common.h: what `tilewave bench` and `tilewave sweep` share: sample statistics, a device
+ * bench_common.h: what `tilewave bench` and `tilewave sweep` share: a device
  * delay that lets the host finish enqueuing a policy before its timed region starts, and
  * command-line number parsing.
  */
@@ -9,20 +9,12 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "bench_stats.h" /* tw__bench_stats, tw__bench_stats_of (harness/) */
 #include "tilewave.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
-
-/* Order statistics of one policy's samples (microseconds). */
-typedef struct tw__bench_stats {
-  double median, p10, p90, min, mean;
-  int n;
-} tw__bench_stats;
-
-/* Sorts a copy of v[0..n) and fills *s; n == 0 gives all zeros. */
-void tw__bench_stats_of(const float* v, int n, tw__bench_stats* s);
 
 /* Enqueues a kernel on `stream` that spins for `us` microseconds on one SM (globaltimer): the host
  * enqueues the timed work while it spins, so that host launch cost that overlaps device work in a

@@ -86,9 +86,9 @@ __global__ void bench_compare(const __nv_bfloat16* a, const __nv_bfloat16* b, si
   if (local) atomicAdd(wrong, local);
 }
 
-double median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : (double)v[v.size() / 2];
+/* The mean of the two middle values for an even count (harness/bench_stats.h), 0 for none. */
+double median(const std::vector<float>& v) {
+  return v.empty() ? 0.0 : tw__stats_percentile_f(v.data(), (int)v.size(), 0.5);
 }
 
 /* Times the functions of `fns` (each returns 0 on success) interleaved rep by rep, so that

@@ -833,10 +833,10 @@ static tw_status twb_time_solve(twb_rank* s, int reps, twb_sweep_result* r) {
   }
   if (st == TW_SUCCESS) {
     float q[4];
-    q[0] = (float)tw__oracle_percentile(v, reps, 0.5);
-    q[1] = (float)tw__oracle_percentile(v, reps, 0.99);
-    q[2] = (float)tw__oracle_percentile(v + reps, reps, 0.5);
-    q[3] = (float)tw__oracle_percentile(v + reps, reps, 0.99);
+    q[0] = (float)tw__stats_percentile(v, reps, 0.5);
+    q[1] = (float)tw__stats_percentile(v, reps, 0.99);
+    q[2] = (float)tw__stats_percentile(v + reps, reps, 0.5);
+    q[3] = (float)tw__stats_percentile(v + reps, reps, 0.99);
     st = twb_max_over_ranks(s, q, 4);
     r->solve_med = q[0], r->solve_p99 = q[1], r->create_med = q[2], r->create_p99 = q[3];
     r->solve_reps = reps;
@@ -1414,13 +1414,13 @@ static void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pt
   double sm = -1, smax = -1, sp99 = -1, cm = -1, cmaxv = -1, cp99 = -1; /* -1: not measured */
   if (tmp && n > 0 && o->solve_reps > 0) {
     memcpy(tmp, acc->solve_med, sizeof(double) * (size_t)n);
-    sm = tw__oracle_percentile(tmp, n, 0.5), smax = tmp[n - 1];
+    sm = tw__stats_percentile(tmp, n, 0.5), smax = tmp[n - 1];
     memcpy(tmp, acc->solve_p99, sizeof(double) * (size_t)n);
-    sp99 = tw__oracle_percentile(tmp, n, 1.0);
+    sp99 = tw__stats_percentile(tmp, n, 1.0);
     memcpy(tmp, acc->create_med, sizeof(double) * (size_t)n);
-    cm = tw__oracle_percentile(tmp, n, 0.5), cmaxv = tmp[n - 1];
+    cm = tw__stats_percentile(tmp, n, 0.5), cmaxv = tmp[n - 1];
     memcpy(tmp, acc->create_p99, sizeof(double) * (size_t)n);
-    cp99 = tw__oracle_percentile(tmp, n, 1.0);
+    cp99 = tw__stats_percentile(tmp, n, 1.0);
   }
   free(tmp);
   const double slower_pct = n > 0 ? 100.0 * sum.model_slower / n : 0;

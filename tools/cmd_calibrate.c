@@ -200,11 +200,6 @@ static void twc_note(char* buf, size_t size, const char* fmt, ...) {
   va_end(ap);
 }
 
-/* Median of v[0..n) (sorts v). */
-static double twc_median(double* v, int n) {
-  return tw__oracle_percentile(v, n, 0.5);
-}
-
 static tw_status twc_barrier(twc_state* s) {
   TW_NCCL_TRY(ncclAllReduce(s->barrier, s->barrier + 1, 1, ncclInt32, ncclSum, s->comm, s->stream));
   TW_CUDA_TRY(cudaStreamSynchronize(s->stream));
@@ -357,7 +352,7 @@ static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
   double x[TWC_NK], y[TWC_NK], r[TWC_NK];
   for (int i = 0; i < TWC_NK; i++) {
     twc_prod_point* p = &s->prod[i];
-    for (int j = 0; j < TWC_NSIZES; j++) p->us[j] = twc_median(samples[i * TWC_NSIZES + j], reps);
+    for (int j = 0; j < TWC_NSIZES; j++) p->us[j] = tw__stats_median(samples[i * TWC_NSIZES + j], reps);
     p->us_per_wave = tw__calib_per_wave(p->us[0], p->waves[0], p->us[1], p->waves[1]);
     x[i] = 2.0 * s->tm * s->tn * p->k;
     y[i] = p->us_per_wave;
@@ -381,7 +376,7 @@ static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
    * wave (tile_overhead_us and the floor as just fitted). */
   twc_prod_point* p64 = &s->m64;
   for (int j = 0; j < TWC_NSIZES; j++)
-    p64->us[j] = twc_median(samples[TWC_NK * TWC_NSIZES + j], reps);
+    p64->us[j] = tw__stats_median(samples[TWC_NK * TWC_NSIZES + j], reps);
   p64->us_per_wave = tw__calib_per_wave(p64->us[0], p64->waves[0], p64->us[1], p64->waves[1]);
   double share = 0;
   const tw_status sst =
@@ -409,7 +404,7 @@ static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
     TW_CUDA_TRY(cudaEventElapsedTime(&ms, b->ev[0], b->ev[1]));
     if (rep >= warmup) samples[0][rep - warmup] = 1000.0 * ms;
   }
-  s->copy_us = twc_median(samples[0], reps);
+  s->copy_us = tw__stats_median(samples[0], reps);
   s->hw.mem_gbps = 2.0 * s->copy_bytes / s->copy_us * 1e-3;
   return TW_SUCCESS;
 }
@@ -512,7 +507,7 @@ static tw_status twc_measure_refetch_inner(twc_state* s, twc_ref_bufs* b) {
   /* Both schedules back to back per rep, the first one alternating. */
   double samples[2][32];
   TW_TRY(twc_time_rotated(s, g, 2, warmup, reps, b->ev, samples));
-  for (int i = 0; i < 2; i++) s->ref_us[i] = twc_median(samples[i], reps);
+  for (int i = 0; i < 2; i++) s->ref_us[i] = tw__stats_median(samples[i], reps);
   /* What the model already predicts between the two orders with the exposure at 0, under this
    * run's producer and memory numbers: 0 where both are compute-bound, as this problem is meant
    * to be; otherwise the roofline's share of the gap, which the exposure must not count again. */
@@ -675,10 +670,10 @@ static tw_status twc_link_problem_inner(twc_state* s, int pi, twc_link_bufs* b,
     q->c = twc_cs[ci];
     q->bands = rem.bands;
     q->total_bytes = rem.bytes;
-    q->us = twc_median(comm, reps);
-    q->reduce_us = twc_median(red, reps);
-    q->beside_us = twc_median(beside, reps);
-    q->gemm_us = twc_median(gemm, reps);
+    q->us = tw__stats_median(comm, reps);
+    q->reduce_us = tw__stats_median(red, reps);
+    q->beside_us = tw__stats_median(beside, reps);
+    q->gemm_us = tw__stats_median(gemm, reps);
     q->ready_waves = (double)rem.ready_waves;
     q->waves = (double)rem.waves;
     /* The consumer kernel starts with the producer and idles until the first segment is ready,
@@ -1094,20 +1089,6 @@ static int twc_fields(const twc_state* s, twc_field* f) {
   return n;
 }
 
-/* A JSON string: quotes, backslashes and control characters escaped. */
-static void twc_json_str(FILE* f, const char* str) {
-  fputc('"', f);
-  for (const unsigned char* c = (const unsigned char*)str; *c; c++) {
-    if (*c == '"' || *c == '\\')
-      fprintf(f, "\\%c", *c);
-    else if (*c < 0x20)
-      fprintf(f, "\\u%04x", *c);
-    else
-      fputc(*c, f);
-  }
-  fputc('"', f);
-}
-
 static void twc_json_hw(FILE* f, const char* name, const tw_hardware* h) {
   fprintf(
       f,
@@ -1124,7 +1105,7 @@ static tw_status twc_write_json(const twc_state* s, const char* path) {
   FILE* f = fopen(path, "w");
   if (f == NULL) return tw__fail(TW_ERR_IO, "calibrate: cannot write %s", path);
   fprintf(f, "{\"command\": \"calibrate\", \"device\": ");
-  twc_json_str(f, s->device_name);
+  tw__json_str(f, s->device_name);
   fprintf(f, ", \"world_size\": %d, \"quick\": %d,\n", s->world, s->o.quick);
   twc_json_hw(f, "defaults", &s->def);
   fprintf(f, ",\n");
@@ -1157,7 +1138,7 @@ static tw_status twc_write_json(const twc_state* s, const char* path) {
           s->m64_ok ? "true" : "false", s->tn64, p64->k, (long long)p64->tiles[0],
           (long long)p64->tiles[1], (long long)p64->waves[0], (long long)p64->waves[1], p64->us[0],
           p64->us[1], p64->us_per_wave);
-  twc_json_str(f, s->m64_note);
+  tw__json_str(f, s->m64_note);
   fprintf(f, "}},\n  \"copy\": {\"bytes\": %.0f, \"us\": %.3f},\n", s->copy_bytes, s->copy_us);
   fprintf(f,
           "  \"refetch\": {\"measured\": %s, \"tokens\": %d, \"experts\": %d, \"local_experts\": "
@@ -1170,7 +1151,7 @@ static tw_status twc_write_json(const twc_state* s, const char* path) {
           TWC_REFETCH_K, TWC_REFETCH_N, s->grid, s->ref_rows, (long long)s->ref_tiles, s->ref_us[0],
           s->ref_us[1], s->ref_traffic[0], s->ref_traffic[1], s->ref_bytes, s->hw.mem_gbps,
           s->ref_roof_us, s->ref_raw, s->hw.refetch_exposure);
-  twc_json_str(f, s->ref_note);
+  tw__json_str(f, s->ref_note);
   fprintf(f, "},\n");
   const twc_pool_fit* fit = &s->cfit[s->fit_ci];
   fprintf(f,
@@ -1183,7 +1164,7 @@ static tw_status twc_write_json(const twc_state* s, const char* path) {
           TWC_LINK_MGB, twc_link_hidden[0], twc_link_hidden[1], s->unit_tiles[0], s->unit_tiles[1],
           s->fit_c, fit->ok ? "true" : "false", fit->n, fit->gbps, fit->latency_us,
           s->cta_written ? "true" : "false", s->latency_written ? "true" : "false");
-  twc_json_str(f, s->link_note);
+  tw__json_str(f, s->link_note);
   fprintf(f, ",\n    \"fits_by_c\": [");
   for (int ci = 0; s->link_ok && ci <= s->fit_ci; ci++)
     fprintf(f,

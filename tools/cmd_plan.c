@@ -16,6 +16,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_stats.h"
 #include "cli.h"
 #include "plan.h" /* the dataflow and schedule names, the dataflow the plans were predicted for */
 #include "tilewave.h"
@@ -73,25 +74,6 @@ static int plan_bad(const char* fmt, ...) {
   fprintf(stderr, "\n(tilewave plan --help lists the options)\n");
   va_end(ap);
   return 2;
-}
-
-/* A JSON string value (or null). */
-static void json_str(const char* s) {
-  if (s == NULL) {
-    printf("null");
-    return;
-  }
-  putchar('"');
-  for (; *s; s++) {
-    unsigned char ch = (unsigned char)*s;
-    if (ch == '"' || ch == '\\')
-      printf("\\%c", ch);
-    else if (ch < 0x20)
-      printf("\\u%04x", ch);
-    else
-      putchar(ch);
-  }
-  putchar('"');
 }
 
 static int parse_i32(const char* s, int32_t lo, int32_t hi, int32_t* out) {
@@ -241,17 +223,10 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static int cmp_double(const void* a, const void* b) {
-  double x = *(const double*)a, y = *(const double*)b;
-  return (x > y) - (x < y);
-}
-
-/* Median and 99th percentile (nearest rank) of n samples; sorts them. */
+/* Median and 99th percentile of n samples (harness/bench_stats.h: interpolated); sorts them. */
 static void med_p99(double* v, int n, double* med, double* p99) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  *med = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-  int k = (int)ceil(0.99 * n) - 1;
-  *p99 = v[k < 0 ? 0 : k];
+  *med = tw__stats_median(v, n);
+  *p99 = tw__stats_percentile(v, n, 0.99);
 }
 
 typedef struct rank_result {
@@ -439,20 +414,21 @@ int tw_cli_plan(int argc, char** argv) {
   const char* dataflow_name = tw__dataflow_name(dataflow);
   if (o.json) {
     printf(
-        "{\"problem\": {\"model\": \"%s\", \"hidden\": %d, \"ffn\": %d, \"experts\": %d, "
+        "{\"problem\": {\"model\": ");
+    tw__json_str(stdout, o.model ? o.model : "custom");
+    printf(", \"hidden\": %d, \"ffn\": %d, \"experts\": %d, "
         "\"top_k\": %d, \"world_size\": %d, \"dataflow\": \"%s\", ",
-        o.model ? o.model : "custom", prob.hidden, prob.ffn, prob.experts, prob.top_k,
-        prob.world_size, dataflow_name);
+        prob.hidden, prob.ffn, prob.experts, prob.top_k, prob.world_size, dataflow_name);
     /* A replayed routing has its own token counts; router and seed do not apply. */
     if (o.routing_file)
       printf("\"tokens_per_rank\": null, \"router\": null, \"seed\": null, ");
     else {
       printf("\"tokens_per_rank\": %d, \"router\": ", o.tokens);
-      json_str(o.router_name);
+      tw__json_str(stdout, o.router_name);
       printf(", \"seed\": %llu, ", (unsigned long long)o.seed);
     }
     printf("\"routing_file\": ");
-    json_str(o.routing_file);
+    tw__json_str(stdout, o.routing_file);
     printf("},\n");
     printf(
         " \"routing\": {\"r_expert\": %.6f, \"total_tokens\": %lld, \"max_expert_load\": %lld, "
@@ -463,7 +439,7 @@ int tw_cli_plan(int argc, char** argv) {
       printf("%s%lld", r ? ", " : "", (long long)rank_rows[r]);
     printf("]},\n \"hardware\": {\"sm_count\": %d, \"c_max\": %d, \"calibration\": ", hw.sm_count,
            hw.c_max);
-    json_str(calib);
+    tw__json_str(stdout, calib);
     printf("},\n");
     printf(" \"ranks\": [");
     for (int32_t i = 0; i < nr; i++) {
