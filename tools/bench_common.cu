@@ -1,11 +1,7 @@
 /*
- * bench_common.cu: the device delay and number parsing of the benchmark commands
+ * bench_common.cu: the device delay of the benchmark commands
  * (see bench_common.h).
  */
-#include <errno.h>
-#include <stdlib.h>
-#include <string.h>
-
 #include "bench_common.h"
 #include "core.h"
 
@@ -25,24 +21,4 @@ extern "C" tw_status tw__bench_delay(cudaStream_t stream, int us) {
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "bench: delay kernel launch failed: %s", cudaGetErrorString(e));
   return TW_SUCCESS;
-}
-
-extern "C" int tw__bench_parse_int(const char* s, long lo, long hi, long* out) {
-  if (s == NULL || *s == '\0') return 0;
-  char* end = NULL;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno != 0 || *end != '\0' || v < lo || v > hi) return 0;
-  *out = v;
-  return 1;
-}
-
-extern "C" int tw__bench_parse_double(const char* s, double* out) {
-  if (s == NULL || *s == '\0') return 0;
-  char* end = NULL;
-  errno = 0;
-  double v = strtod(s, &end);
-  if (errno != 0 || *end != '\0') return 0;
-  *out = v;
-  return 1;
 }

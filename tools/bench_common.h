@@ -1,7 +1,7 @@
 /*
- * bench_common.h: what `tilewave bench` and `tilewave sweep` share: a device
- * delay that lets the host finish enqueuing a policy before its timed region starts, and
- * command-line number parsing.
+ * bench_common.h: what `tilewave bench` and `tilewave sweep` share: a device delay that lets the
+ * host finish enqueuing a policy before its timed region starts (the statistics are in
+ * harness/bench_stats.h, the command-line numbers in cli_args.h).
  */
 #ifndef TW_BENCH_COMMON_H
 #define TW_BENCH_COMMON_H
@@ -20,10 +20,6 @@ extern "C" {
  * enqueues the timed work while it spins, so that host launch cost that overlaps device work in a
  * real pipeline does not count, and launch cost that does not overlap still does. */
 tw_status tw__bench_delay(cudaStream_t stream, int us);
-
-/* Strict number parsing for flags: the whole string must be a number within [lo, hi]. */
-int tw__bench_parse_int(const char* s, long lo, long hi, long* out);
-int tw__bench_parse_double(const char* s, double* out);
 
 #ifdef __cplusplus
 }

@@ -23,6 +23,7 @@
 
 #include "bench_common.h"
 #include "cli.h"
+#include "cli_args.h"
 #include "core.h"
 #include "kernels.h"
 #include "plan.h"
@@ -378,12 +379,14 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
 void usage(FILE* f) {
   fprintf(
       f,
-      "usage: tilewave bench gemm [--rows R --k K --n N --experts E] [--tm 128] [--tn 0]\n"
-      "                           [--grid P] [--variant V] [--reps 20] [--warmup 3] "
-      "[--delay-us 0] [--no-check] [--even | --regroup]\n"
+      "usage: tilewave bench gemm [--rows R --ffn F --hidden H --experts E] [--tile-m 128]\n"
+      "                           [--tile-n TN] [--grid P] [--variant V] [--iters 20]\n"
+      "                           [--warmup 3] [--delay-us 0] [--no-check] [--even | --regroup]\n"
       "                           [--only ours,signals,loop,grouped,concat]\n"
-      "Without a shape, runs the default grid: rows 16384 and 32768, K 2048, N 4096 and\n"
-      "8192, E 4..64, and rows 8192, K 1408, N 2048, E 30. Layout: the planner's for rank 0\n"
+      "GEMM2 of R rows: K = --ffn F, N = --hidden H (aliases --k, --n; --tm, --tn for\n"
+      "--tile-m, --tile-n; --reps for --iters). --tile-n: default the planner's choice.\n"
+      "Without a shape, runs the default grid: rows 16384 and 32768, F 2048, H 4096 and\n"
+      "8192, E 4..64, and rows 8192, F 1408, H 2048, E 30. Layout: the planner's for rank 0\n"
       "of 2 ranks, balanced top-2 routing (rows include its padding), its tile order.\n"
       "--even: rows/E rows an expert (whole bands where E divides rows by 128); --even and\n"
       "--regroup (the planned rows): tiles grouped per expert, one pass over its weights.\n"
@@ -399,19 +402,26 @@ void usage(FILE* f) {
 
 }  // namespace
 
-/* "ours,concat" -> the mask of those calls; false on an unknown or empty name. */
-static bool parse_only(const char* list, unsigned* mask) {
+static void usage_cb(FILE* f, void*) {
+  usage(f);
+}
+
+/* --only "ours,concat" -> the mask of those calls (dst: unsigned); NULL, or what to give on an
+ * unknown or empty name. */
+static const char* parse_only(const char* list, void* dst) {
+  unsigned* mask = (unsigned*)dst;
+  static const char* want = "a comma-separated subset of ours,signals,loop,grouped,concat";
   *mask = 0;
   for (const char* p = list; *p;) {
     const char* end = strchr(p, ',');
     size_t len = end ? (size_t)(end - p) : strlen(p);
     int c = 0;
     while (c < kNumCalls && !(strlen(kCallNames[c]) == len && !strncmp(p, kCallNames[c], len))) c++;
-    if (c == kNumCalls) return false;
+    if (c == kNumCalls) return want;
     *mask |= 1u << c;
     p += len + (end != nullptr);
   }
-  return *mask != 0;
+  return *mask != 0 ? nullptr : want;
 }
 
 extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
@@ -421,61 +431,29 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
     fprintf(stderr, "%s\n", tw_last_error());
     return 2;
   }
-  for (int i = 1; i < argc; i++) {
-    const char* a = argv[i];
-    const bool has = i + 1 < argc;
-    int* dst = nullptr;
-    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-      usage(stdout);
-      return 0;
-    } else if (!strcmp(a, "--no-check")) {
-      o.check = 0;
-      continue;
-    } else if (!strcmp(a, "--only") && has) {
-      if (!parse_only(argv[++i], &o.only)) {
-        fprintf(stderr,
-                "bench gemm: --only '%s': give a comma-separated subset of "
-                "ours,signals,loop,grouped,concat\n",
-                argv[i]);
-        return 2;
-      }
-      continue;
-    } else if (!strcmp(a, "--even")) {
-      o.plan = 0;
-      continue;
-    } else if (!strcmp(a, "--regroup")) {
-      o.regroup = 1;
-      continue;
-    } else if (!strcmp(a, "--rows")) {
-      dst = &o.rows;
-    } else if (!strcmp(a, "--k")) {
-      dst = &o.k;
-    } else if (!strcmp(a, "--n")) {
-      dst = &o.n;
-    } else if (!strcmp(a, "--experts")) {
-      dst = &o.experts;
-    } else if (!strcmp(a, "--tm")) {
-      dst = &o.tm;
-    } else if (!strcmp(a, "--tn")) {
-      dst = &o.tn;
-    } else if (!strcmp(a, "--grid")) {
-      dst = &o.grid;
-    } else if (!strcmp(a, "--variant")) {
-      dst = &o.variant;
-    } else if (!strcmp(a, "--reps")) {
-      dst = &o.reps;
-    } else if (!strcmp(a, "--warmup")) {
-      dst = &o.warmup;
-    } else if (!strcmp(a, "--delay-us")) {
-      dst = &o.delay_us;
-    }
-    if (dst == nullptr || !has) {
-      fprintf(stderr, "bench gemm: unknown or incomplete option '%s'\n", a);
-      usage(stderr);
-      return 2;
-    }
-    *dst = atoi(argv[++i]);
-  }
+  int no_check = 0, even = 0;
+  tw_cli_arg args[] = {
+      tw__cli_int("--rows", &o.rows, 1, TW_CLI_TOKENS_MAX),
+      tw__cli_alias(tw__cli_ffn(&o.k), "--k"),
+      tw__cli_alias(tw__cli_hidden(&o.n), "--n"),
+      tw__cli_experts(&o.experts),
+      tw__cli_alias(tw__cli_tile_m(&o.tm), "--tm"),
+      tw__cli_alias(tw__cli_tile_n(&o.tn), "--tn"),
+      tw__cli_int("--grid", &o.grid, 0, 1 << 16),
+      tw__cli_int("--variant", &o.variant, 0, 5),
+      tw__cli_alias(tw__cli_iters(&o.reps), "--reps"),
+      tw__cli_warmup(&o.warmup),
+      tw__cli_delay_us(&o.delay_us),
+      tw__cli_bool("--no-check", &no_check),
+      tw__cli_custom("--only", &o.only, parse_only),
+      tw__cli_bool("--even", &even),
+      tw__cli_bool("--regroup", &o.regroup),
+  };
+  const int rc_args = tw__cli_parse("tilewave bench gemm", argc, argv, args,
+                                    (int)(sizeof args / sizeof args[0]), usage_cb, nullptr);
+  if (rc_args != 0) return rc_args == 1 ? 0 : rc_args;
+  if (no_check) o.check = 0;
+  if (even) o.plan = 0;
   std::vector<Shape> shapes;
   if (o.rows || o.k || o.n || o.experts) {
     if (o.rows <= 0 || o.k <= 0 || o.n <= 0 || o.experts <= 0) {
@@ -488,11 +466,6 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
       for (int n : {4096, 8192})
         for (int e : {4, 8, 16, 32, 64}) shapes.push_back({rows, 2048, n, e});
     shapes.push_back({8192, 1408, 2048, 30});
-  }
-  if (o.reps < 1) o.reps = 1;
-  if (o.delay_us < 0 || o.delay_us > 1000000) {
-    fprintf(stderr, "bench gemm: --delay-us %d; give 0..1000000\n", o.delay_us);
-    return 2;
   }
   int dev = 0;
   cudaDeviceProp prop;

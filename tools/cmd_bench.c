@@ -33,6 +33,7 @@
 #include "bench_common.h"
 #include "checks.h"
 #include "cli.h"
+#include "cli_args.h"
 #include "core.h"
 #include "kernels.h"
 #include "oracle.h"
@@ -1789,16 +1790,17 @@ static void twb_usage(FILE* f, int sweep) {
         "                      (C, mgb) back to back at every point, R rounds, and count where\n"
         "                      the model is slower (median of the paired ratios, and with 95%%\n"
         "                      confidence); default 0: off\n\n"
-        "shape (default: tokens/rank 8192, K 2048, N 4096, E 16, top-2, balanced):\n");
+        "shape (GEMM2 K = F, N = H; default: tokens/rank 8192, F 2048, H 4096, E 16, top-2,\n"
+        "balanced):\n");
   else
     fprintf(f,
             "`tilewave bench gemm ...` runs the GEMM benchmark (tools/bench_gemm.cu).\n\n"
-            "shape (default: the grid tokens/rank {8192,16384} x N {4096,8192} x\n"
-            "       E {4,8,16,32,64}, K 2048, top-2, balanced):\n");
+            "shape (GEMM2 K = F, N = H; default: the grid tokens/rank {8192,16384} x\n"
+            "       H {4096,8192} x E {4,8,16,32,64}, F 2048, top-2, balanced):\n");
   fprintf(f,
           "  --model NAME        preset (tilewave plan --help lists them)\n"
-          "  --hidden N --ffn K --experts E --topk k\n"
-          "  --tile-m TM --tile-n TN  GEMM2 tile (default 128 x chosen from N)\n"
+          "  --hidden H --ffn F --experts E --topk K\n"
+          "  --tile-m TM --tile-n TN  GEMM2 tile (default 128 x chosen from H)\n"
           "  --tokens T[,T...]   tokens per rank (default 8192 with --model or shape flags)\n"
           "  --router R          balanced | moderate_skew | stress_skew | target:R_EXPERT\n"
           "  --routing FILE      replay a routing file instead (docs/routing-format.md)\n"
@@ -1809,7 +1811,7 @@ static void twb_usage(FILE* f, int sweep) {
           "                      or add (rows scaled and added into the owner's output; top-2\n"
           "                      at most); sets TW_COMBINE_DATAFLOW\n"
           "  --comm-ctas C       force C (default: the model's choice)\n"
-          "  --coalesce M        force mgb (default: the model's choice)\n"
+          "  --coalesce MGB      force mgb (default: the model's choice)\n"
           "measurement:\n"
           "  --iters N           timed rounds (default %d%s)\n"
           "  --warmup N          untimed rounds (default %d%s)\n"
@@ -1827,176 +1829,98 @@ static void twb_usage(FILE* f, int sweep) {
             "                      reduction) with the context's events, --iters more calls\n");
   fprintf(f,
           "  --tol X             largest normwise relative error that passes (default 2e-2)\n"
-          "  --ranks N           ranks to spawn (default: every visible GPU)\n"
+          "  --ranks N           ranks to spawn (default: every visible GPU; alias --gpus)\n"
           "  --timeout S         kill the run after S seconds (default 1800)\n"
           "  --json              JSON on stdout instead of the markdown table\n"
           "  --json-file F       also write the JSON to F (the table stays on stdout)\n");
 }
 
-static int twb_parse_list(const char* s, int* out, int max, long lo, long hi) {
-  char buf[256];
-  snprintf(buf, sizeof buf, "%s", s);
+static void twb_usage_cb(FILE* f, void* sweep) {
+  twb_usage(f, *(const int*)sweep);
+}
+
+/* Fills *o from the command line: 0 parsed, 1 help printed, 2 usage error. *shape_given: a
+ * flag that sets the shape (or replays a routing) was given. */
+static int twb_parse(int argc, char** argv, int sweep, twb_opts* o, int* shape_given) {
+  memset(o, 0, sizeof *o);
+  o->sweep = sweep;
+  o->seed = 1;
+  o->iters = -1; /* defaults below, once --oracle is known */
+  o->warmup = -1;
+  o->solve_reps = 200;
+  o->timeout_s = 1800;
+  o->delay_us = 300;
+  o->c_max = 32;
+  o->tol = 2e-2;
+  o->chunks[0] = 1024, o->chunks[1] = 2048, o->chunks[2] = 4096, o->chunks[3] = 8192;
+  o->nchunks = 4;
+  tw_cli_router router = {-1, 0.0, NULL};
+  int64_t seed = 1;
+  int dataflow = -1, matrix = -1;
+  static const char* const matrices[] = {"quick", "full"};
+  const char* cmd = sweep ? "tilewave sweep" : "tilewave bench";
+  enum { NSHAPE = 6 }; /* the first NSHAPE entries set the shape */
+  tw_cli_arg args[48];
   int n = 0;
-  for (char* tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
-    long v;
-    if (n >= max || !tw__bench_parse_int(tok, lo, hi, &v)) return -1;
-    out[n++] = (int)v;
+  args[n++] = tw__cli_string("--model", &o->model);
+  args[n++] = tw__cli_hidden(&o->hidden);
+  args[n++] = tw__cli_ffn(&o->ffn);
+  args[n++] = tw__cli_experts(&o->experts);
+  args[n++] = tw__cli_topk(&o->topk);
+  args[n++] = tw__cli_string("--routing", &o->routing_file);
+  args[n++] = tw__cli_tokens_list(o->tokens, TWB_MAX_TOKENS_LIST, &o->ntokens);
+  args[n++] = tw__cli_tile_m(&o->tile_m);
+  args[n++] = tw__cli_tile_n(&o->tile_n);
+  args[n++] = tw__cli_router_arg(&router);
+  args[n++] = tw__cli_string("--write-routing", &o->write_routing);
+  args[n++] = tw__cli_seed(&seed);
+  args[n++] = tw__cli_dataflow(&dataflow);
+  args[n++] = tw__cli_comm_ctas(&o->comm_ctas);
+  args[n++] = tw__cli_coalesce(&o->coalesce);
+  args[n++] = tw__cli_iters(&o->iters);
+  args[n++] = tw__cli_warmup(&o->warmup);
+  args[n++] = tw__cli_int_list("--chunks", o->chunks, TWB_MAX_CHUNKS, &o->nchunks, 1, 1 << 24);
+  args[n++] = tw__cli_delay_us(&o->delay_us);
+  args[n++] = tw__cli_double("--tol", &o->tol, 0.0, INFINITY, 1);
+  args[n++] = tw__cli_ranks(&o->ranks);
+  args[n++] = tw__cli_timeout(&o->timeout_s);
+  args[n++] = tw__cli_json(&o->json);
+  args[n++] = tw__cli_json_file(&o->json_file);
+  if (sweep) {
+    args[n++] = tw__cli_int("--c-max", &o->c_max, 1, TW_MAX_COMM_CTAS);
+    args[n++] = tw__cli_bool("--oracle", &o->oracle);
+    args[n++] = tw__cli_choice("--matrix", &matrix, 2, matrices, NULL);
+    args[n++] = tw__cli_bool("--list", &o->list);
+    args[n++] = tw__cli_int("--solve-reps", &o->solve_reps, 0, 1000000);
+    args[n++] = tw__cli_int_list("--points", o->only, TWB_MAX_ONLY, &o->nonly, 1,
+                                 TW__ORACLE_MAX_POINTS);
+    args[n++] = tw__cli_int("--confirm", &o->confirm, 0, TW_CLI_ITERS_MAX);
+    args[n++] = tw__cli_int("--versus-fixed", &o->versus, 0, TW_CLI_ITERS_MAX);
+  } else {
+    args[n++] = tw__cli_bool("--full", &o->full);
+    args[n++] = tw__cli_bool("--phases", &o->phases);
   }
-  return n;
+  const int rc = tw__cli_parse(cmd, argc, argv, args, n, twb_usage_cb, &sweep);
+  if (rc != 0) return rc;
+  *shape_given = 0;
+  for (int i = 0; i < NSHAPE; i++) *shape_given |= args[i].seen > 0;
+  o->router = router.router;
+  o->router_param = router.param;
+  o->seed = (uint64_t)seed;
+  if (matrix >= 0) o->matrix = matrices[matrix], o->oracle = 1;
+  if (o->nonly > 0) o->oracle = 1;
+  /* The library reads it at every plan and context (plan.h, tw__dataflow_resolve); the ranks
+   * spawned below inherit it. */
+  if (dataflow >= 0) setenv("TW_COMBINE_DATAFLOW", tw__dataflow_name(dataflow), 1);
+  return 0;
 }
 
 static int twb_main(int argc, char** argv, int sweep) {
   twb_opts o;
-  memset(&o, 0, sizeof o);
-  o.sweep = sweep;
-  o.router = -1;
-  o.seed = 1;
-  o.iters = -1; /* defaults below, once --oracle is known */
-  o.warmup = -1;
-  o.solve_reps = 200;
-  o.timeout_s = 1800;
-  o.delay_us = 300;
-  o.c_max = 32;
-  o.tol = 2e-2;
-  o.chunks[0] = 1024, o.chunks[1] = 2048, o.chunks[2] = 4096, o.chunks[3] = 8192;
-  o.nchunks = 4;
   int shape_given = 0;
-  for (int i = 1; i < argc; i++) {
-    const char* a = argv[i];
-    const char* v = i + 1 < argc ? argv[i + 1] : NULL;
-    long n;
-#define TWB_INT(flag, field, lo, hi)                                                   \
-  if (strcmp(a, flag) == 0) {                                                          \
-    if (!tw__bench_parse_int(v, lo, hi, &n)) {                                         \
-      fprintf(stderr, "tilewave: %s needs an integer in %ld..%ld\n", flag, (long)(lo), \
-              (long)(hi));                                                             \
-      return 2;                                                                        \
-    }                                                                                  \
-    field = (int)n;                                                                    \
-    i++;                                                                               \
-    continue;                                                                          \
-  }
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      twb_usage(stdout, sweep);
-      return 0;
-    }
-    if (strcmp(a, "--json") == 0) {
-      o.json = 1;
-      continue;
-    }
-    if (strcmp(a, "--full") == 0 && !sweep) {
-      o.full = 1;
-      continue;
-    }
-    if (strcmp(a, "--phases") == 0 && !sweep) {
-      o.phases = 1;
-      continue;
-    }
-    if (strcmp(a, "--oracle") == 0 && sweep) {
-      o.oracle = 1;
-      continue;
-    }
-    if (strcmp(a, "--list") == 0 && sweep) {
-      o.list = 1;
-      continue;
-    }
-    if (strcmp(a, "--hidden") == 0) shape_given = 1;
-    if (strcmp(a, "--ffn") == 0) shape_given = 1;
-    if (strcmp(a, "--experts") == 0) shape_given = 1;
-    if (strcmp(a, "--topk") == 0) shape_given = 1;
-    TWB_INT("--hidden", o.hidden, 8, 1 << 16)
-    TWB_INT("--ffn", o.ffn, 8, 1 << 16)
-    TWB_INT("--experts", o.experts, 1, 4096)
-    TWB_INT("--topk", o.topk, 1, 64)
-    TWB_INT("--tile-m", o.tile_m, 1, 1024)
-    TWB_INT("--tile-n", o.tile_n, 1, 1024)
-    TWB_INT("--comm-ctas", o.comm_ctas, 1, TW_MAX_COMM_CTAS)
-    TWB_INT("--coalesce", o.coalesce, 1, 1 << 20)
-    TWB_INT("--iters", o.iters, 1, 100000)
-    TWB_INT("--warmup", o.warmup, 0, 100000)
-    TWB_INT("--delay-us", o.delay_us, 0, 100000)
-    TWB_INT("--ranks", o.ranks, 1, TW_MAX_RANKS)
-    TWB_INT("--timeout", o.timeout_s, 0, 1 << 30)
-    TWB_INT("--c-max", o.c_max, 1, TW_MAX_COMM_CTAS)
-    TWB_INT("--solve-reps", o.solve_reps, 0, 1000000)
-    TWB_INT("--confirm", o.confirm, 0, 100000)
-    TWB_INT("--versus-fixed", o.versus, 0, 100000)
-#undef TWB_INT
-    if (v == NULL) {
-      fprintf(stderr, "tilewave %s: unknown option or missing value: %s\n", argv[0], a);
-      return 2;
-    }
-    if (strcmp(a, "--model") == 0) {
-      o.model = v, i++, shape_given = 1;
-    } else if (strcmp(a, "--tokens") == 0) {
-      o.ntokens = twb_parse_list(v, o.tokens, TWB_MAX_TOKENS_LIST, 1, 1 << 24);
-      if (o.ntokens <= 0) {
-        fprintf(stderr, "tilewave: --tokens needs positive integers separated by commas\n");
-        return 2;
-      }
-      i++;
-    } else if (strcmp(a, "--chunks") == 0) {
-      o.nchunks = twb_parse_list(v, o.chunks, TWB_MAX_CHUNKS, 1, 1 << 24);
-      if (o.nchunks <= 0) {
-        fprintf(stderr, "tilewave: --chunks needs positive integers separated by commas\n");
-        return 2;
-      }
-      i++;
-    } else if (strcmp(a, "--router") == 0) {
-      if (!tw__cli_parse_router(v, &o.router, &o.router_param)) {
-        fprintf(stderr,
-                "tilewave: --router must be balanced, moderate_skew, stress_skew or target:R with "
-                "R >= 1\n");
-        return 2;
-      }
-      i++;
-    } else if (strcmp(a, "--routing") == 0) {
-      o.routing_file = v, i++, shape_given = 1;
-    } else if (strcmp(a, "--matrix") == 0 && sweep) {
-      tw__oracle_point probe[TW__ORACLE_MAX_POINTS];
-      if (tw__oracle_matrix(v, probe, TW__ORACLE_MAX_POINTS) < 0) {
-        fprintf(stderr, "tilewave sweep: --matrix must be quick or full (got '%s')\n", v);
-        return 2;
-      }
-      o.matrix = v, o.oracle = 1, i++;
-    } else if (strcmp(a, "--points") == 0 && sweep) {
-      o.nonly = twb_parse_list(v, o.only, TWB_MAX_ONLY, 1, TW__ORACLE_MAX_POINTS);
-      if (o.nonly <= 0) {
-        fprintf(stderr,
-                "tilewave sweep: --points needs matrix indices (1-based) separated by "
-                "commas, at most %d\n",
-                TWB_MAX_ONLY);
-        return 2;
-      }
-      o.oracle = 1, i++;
-    } else if (strcmp(a, "--json-file") == 0) {
-      o.json_file = v, i++;
-    } else if (strcmp(a, "--dataflow") == 0) {
-      /* The library reads it at every plan and context (plan.h, tw__dataflow_resolve); the ranks
-       * spawned below inherit it. */
-      if (tw__dataflow_parse(v) < 0) {
-        fprintf(stderr, "tilewave: --dataflow must be reduce or add (got '%s')\n", v);
-        return 2;
-      }
-      setenv("TW_COMBINE_DATAFLOW", v, 1), i++;
-    } else if (strcmp(a, "--write-routing") == 0) {
-      o.write_routing = v, i++;
-    } else if (strcmp(a, "--seed") == 0) {
-      if (!tw__bench_parse_int(v, 0, 0x7fffffffL, &n)) {
-        fprintf(stderr, "tilewave: --seed needs a non-negative integer\n");
-        return 2;
-      }
-      o.seed = (uint64_t)n, i++;
-    } else if (strcmp(a, "--tol") == 0) {
-      if (!tw__bench_parse_double(v, &o.tol) || !(o.tol > 0)) {
-        fprintf(stderr, "tilewave: --tol needs a positive number\n");
-        return 2;
-      }
-      i++;
-    } else {
-      fprintf(stderr, "tilewave %s: unknown option %s (--help lists them)\n", argv[0], a);
-      return 2;
-    }
+  {
+    const int rc = twb_parse(argc, argv, sweep, &o, &shape_given);
+    if (rc != 0) return rc == 1 ? 0 : rc;
   }
 
   if (o.list) o.oracle = 1;

@@ -63,6 +63,7 @@
 #include "calibrate_fit.h"
 #include "checks.h"
 #include "cli.h"
+#include "cli_args.h"
 #include "core.h"
 #include "kernels.h"
 #include "oracle.h"
@@ -1350,7 +1351,7 @@ static int twc_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
 
 static void twc_usage(FILE* f) {
   fprintf(f,
-          "usage: tilewave calibrate [--out FILE] [--json FILE] [--quick] [--ranks N] "
+          "usage: tilewave calibrate [--out FILE] [--json-file FILE] [--quick] [--ranks N] "
           "[--timeout S]\n\n"
           "Measures the resource model's machine description on the GPUs present (one process\n"
           "per GPU) and writes it as a calibration file; plans read it when TW_CALIBRATION\n"
@@ -1366,11 +1367,17 @@ static void twc_usage(FILE* f) {
           "           1024) and the saturated NVLink rate (link_peak_gbps)\n"
           "A fitted value outside its plausible range is not written (the default stays and\n"
           "the table says why).\n\n"
-          "  --out FILE     calibration file to write (default tilewave-calibration.txt)\n"
-          "  --json FILE    also write every measurement and fit as JSON\n"
-          "  --quick        smaller problems and fewer repetitions (noisier)\n"
-          "  --ranks N      GPUs to use (default: every visible GPU; 1 = no link values)\n"
-          "  --timeout S    kill the run after S seconds (default 300)\n");
+          "  --out FILE        calibration file to write (default tilewave-calibration.txt)\n"
+          "  --json-file FILE  also write every measurement and fit as JSON (alias --json)\n"
+          "  --quick           smaller problems and fewer repetitions (noisier)\n"
+          "  --ranks N         GPUs to use (default: every visible GPU; 1 = no link values;\n"
+          "                    alias --gpus)\n"
+          "  --timeout S       kill the run after S seconds (default 300)\n");
+}
+
+static void twc_usage_cb(FILE* f, void* ctx) {
+  (void)ctx;
+  twc_usage(f);
 }
 
 int tw_cli_calibrate(int argc, char** argv) {
@@ -1378,31 +1385,17 @@ int tw_cli_calibrate(int argc, char** argv) {
   memset(&o, 0, sizeof o);
   o.out = "tilewave-calibration.txt";
   o.timeout_s = 300;
-  for (int i = 1; i < argc; i++) {
-    const char* a = argv[i];
-    const char* v = i + 1 < argc ? argv[i + 1] : NULL;
-    long n = 0;
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      twc_usage(stdout);
-      return 0;
-    } else if (strcmp(a, "--quick") == 0) {
-      o.quick = 1;
-    } else if (strcmp(a, "--out") == 0 && v != NULL && *v != '\0') {
-      o.out = v, i++;
-    } else if (strcmp(a, "--json") == 0 && v != NULL && *v != '\0') {
-      o.json = v, i++;
-    } else if (strcmp(a, "--ranks") == 0 && tw__bench_parse_int(v, 1, TW_MAX_RANKS, &n)) {
-      o.ranks = (int)n, i++;
-    } else if (strcmp(a, "--timeout") == 0 && tw__bench_parse_int(v, 0, 1 << 30, &n)) {
-      o.timeout_s = (int)n, i++;
-    } else {
-      fprintf(stderr,
-              "tilewave calibrate: unknown option, or missing or bad value: %s (--help lists "
-              "them)\n",
-              a);
-      return 2;
-    }
-  }
+  tw_cli_arg args[] = {
+      tw__cli_string("--out", &o.out),
+      /* --json FILE: the spelling calibrate has always had (docs/calibrate.md) */
+      tw__cli_alias(tw__cli_json_file(&o.json), "--json"),
+      tw__cli_bool("--quick", &o.quick),
+      tw__cli_ranks(&o.ranks),
+      tw__cli_timeout(&o.timeout_s),
+  };
+  const int rc = tw__cli_parse("tilewave calibrate", argc, argv, args,
+                               (int)(sizeof args / sizeof args[0]), twc_usage_cb, NULL);
+  if (rc != 0) return rc == 1 ? 0 : rc;
   int nranks = o.ranks;
   tw_launcher l;
   if (tw__launcher_detect(&l)) {

@@ -7,7 +7,6 @@
  * form. Only the public API (tilewave.h) is used, as an application would.
  */
 #define _POSIX_C_SOURCE 200809L
-#include <errno.h>
 #include <stdarg.h>
 #include <math.h>
 #include <stdint.h>
@@ -18,6 +17,7 @@
 
 #include "bench_stats.h"
 #include "cli.h"
+#include "cli_args.h"
 #include "plan.h" /* the dataflow and schedule names, the dataflow the plans were predicted for */
 #include "tilewave.h"
 
@@ -45,8 +45,8 @@ static void plan_usage(FILE* f) {
           "usage: tilewave plan [options]\n"
           "  --model NAME          preset (see --list-models), or give the shape with:\n"
           "  --hidden H --ffn F --experts E --topk K\n"
-          "  --tokens N            tokens per rank (default 8192)\n"
-          "  --gpus W              ranks (default 2)\n"
+          "  --tokens T            tokens per rank (default 8192)\n"
+          "  --ranks N             ranks, the world size (default 2; alias --gpus)\n"
           "  --router R            balanced | moderate_skew | stress_skew | target:RATIO "
           "(default balanced)\n"
           "  --seed S              routing seed (default 1)\n"
@@ -76,135 +76,70 @@ static int plan_bad(const char* fmt, ...) {
   return 2;
 }
 
-static int parse_i32(const char* s, int32_t lo, int32_t hi, int32_t* out) {
-  char* end = NULL;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (s[0] == '\0' || *end != '\0' || errno != 0 || v < lo || v > hi) return 0;
-  *out = (int32_t)v;
-  return 1;
+static void plan_usage_cb(FILE* f, void* ctx) {
+  (void)ctx;
+  plan_usage(f);
 }
 
+static void list_models(void) {
+  for (int p = 0; p < tw_preset_count(); p++) {
+    tw_problem pr = TW_PROBLEM_INIT;
+    if (tw_problem_preset(tw_preset_name(p), &pr) != TW_SUCCESS) continue;
+    printf("%-22s hidden %5d  ffn %5d  experts %3d  top-k %d\n", tw_preset_name(p), pr.hidden,
+           pr.ffn, pr.experts, pr.top_k);
+  }
+}
+
+/* 0: parsed; 1: done (help or the model list printed); 2: usage error. */
 static int parse_args(int argc, char** argv, plan_opts* o) {
   memset(o, 0, sizeof *o);
   o->tokens = 8192;
   o->gpus = 2;
-  o->router = TW_ROUTER_BALANCED;
-  o->router_name = "balanced";
-  o->seed = 1;
-  for (int i = 1; i < argc; i++) {
-    const char* a = argv[i];
-    const char* v = i + 1 < argc ? argv[i + 1] : NULL;
-#define NEED_VALUE                                         \
-  do {                                                     \
-    if (v == NULL) return plan_bad("%s needs a value", a); \
-    i++;                                                   \
-  } while (0)
-#define INT_FLAG(name, field, lo, hi)                                            \
-  if (strcmp(a, name) == 0) {                                                    \
-    NEED_VALUE;                                                                  \
-    if (!parse_i32(v, lo, hi, &o->field))                                        \
-      return plan_bad("%s: give an integer in %d..%d (got '%s')", a, lo, hi, v); \
-    continue;                                                                    \
+  int64_t seed = 1;
+  int list = 0;
+  tw_cli_router router = {TW_ROUTER_BALANCED, 0.0, "balanced"};
+  tw_cli_arg args[] = {
+      tw__cli_string("--model", &o->model),
+      tw__cli_hidden(&o->hidden),
+      tw__cli_ffn(&o->ffn),
+      tw__cli_experts(&o->experts),
+      tw__cli_topk(&o->topk),
+      tw__cli_tokens(&o->tokens),
+      tw__cli_ranks(&o->gpus),
+      tw__cli_router_arg(&router),
+      tw__cli_seed(&seed),
+      tw__cli_string("--routing", &o->routing_file),
+      tw__cli_int("--rank", &o->rank, 0, TW_MAX_RANKS - 1),
+      tw__cli_bool("--all-ranks", &o->all_ranks),
+      tw__cli_tile_m(&o->tile_m),
+      tw__cli_tile_n(&o->tile_n),
+      tw__cli_comm_ctas(&o->comm_ctas),
+      tw__cli_coalesce(&o->coalesce),
+      tw__cli_schedule(&o->schedule),
+      tw__cli_dataflow(&o->dataflow),
+      tw__cli_string("--calibration", &o->calibration),
+      tw__cli_json(&o->json),
+      tw__cli_int("--bench-solve", &o->bench_solve, 1, 1000000),
+      tw__cli_bool("--list-models", &list),
+  };
+  const int nargs = (int)(sizeof args / sizeof args[0]);
+  args[nargs - 2].has_optional = 1, args[nargs - 2].optional_value = 200;
+  int rc = tw__cli_parse("tilewave plan", argc, argv, args, nargs, plan_usage_cb, NULL);
+  if (rc != 0) return rc;
+  if (list) {
+    list_models();
+    return 1;
   }
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      plan_usage(stdout);
-      return 1;
-    }
-    if (strcmp(a, "--list-models") == 0) {
-      for (int p = 0; p < tw_preset_count(); p++) {
-        tw_problem pr = TW_PROBLEM_INIT;
-        if (tw_problem_preset(tw_preset_name(p), &pr) != TW_SUCCESS) continue;
-        printf("%-22s hidden %5d  ffn %5d  experts %3d  top-k %d\n", tw_preset_name(p), pr.hidden,
-               pr.ffn, pr.experts, pr.top_k);
-      }
-      return 1;
-    }
-    if (strcmp(a, "--json") == 0) {
-      o->json = 1;
-      continue;
-    }
-    if (strcmp(a, "--all-ranks") == 0) {
-      o->all_ranks = 1;
-      continue;
-    }
-    if (strcmp(a, "--bench-solve") == 0) {
-      o->bench_solve = 200;
-      if (v != NULL && v[0] != '-') {
-        i++;
-        if (!parse_i32(v, 1, 1000000, &o->bench_solve))
-          return plan_bad("--bench-solve: give a repetition count in 1..1000000 (got '%s')", v);
-      }
-      continue;
-    }
-#define STR_FLAG(name, field) \
-  if (strcmp(a, name) == 0) { \
-    NEED_VALUE;               \
-    o->field = v;             \
-    continue;                 \
-  }
-    STR_FLAG("--model", model)
-    STR_FLAG("--calibration", calibration)
-    STR_FLAG("--routing", routing_file)
-#undef STR_FLAG
-    if (strcmp(a, "--seed") == 0) {
-      NEED_VALUE;
-      char* end = NULL;
-      errno = 0;
-      unsigned long long s = strtoull(v, &end, 0);
-      if (v[0] == '\0' || v[0] == '-' || *end != '\0' || errno != 0)
-        return plan_bad("--seed: give a non-negative integer (got '%s')", v);
-      o->seed = (uint64_t)s;
-      continue;
-    }
-    if (strcmp(a, "--schedule") == 0) {
-      NEED_VALUE;
-      o->schedule = tw__schedule_parse(v);
-      if (o->schedule < 0)
-        return plan_bad(
-            "--schedule: '%s' is not a schedule; use auto, remote-first or expert-major", v);
-      continue;
-    }
-    if (strcmp(a, "--dataflow") == 0) {
-      NEED_VALUE;
-      o->dataflow = tw__dataflow_parse(v);
-      if (o->dataflow < 0)
-        return plan_bad("--dataflow: '%s' is not a dataflow; use reduce or add", v);
-      continue;
-    }
-    if (strcmp(a, "--router") == 0) {
-      NEED_VALUE;
-      o->router_name = v;
-      int router = 0;
-      if (!tw__cli_parse_router(v, &router, &o->router_param))
-        return plan_bad(
-            "--router: '%s' is not a router; use balanced, moderate_skew, stress_skew or "
-            "target:R with R >= 1 (the target R_expert)",
-            v);
-      o->router = (tw_router)router;
-      continue;
-    }
-    INT_FLAG("--hidden", hidden, 1, 1 << 20)
-    INT_FLAG("--ffn", ffn, 1, 1 << 20)
-    INT_FLAG("--experts", experts, 1, 1 << 16)
-    INT_FLAG("--topk", topk, 1, 1 << 16)
-    INT_FLAG("--tokens", tokens, 1, 1 << 26)
-    INT_FLAG("--gpus", gpus, 1, 1024)
-    INT_FLAG("--rank", rank, 0, 1023)
-    INT_FLAG("--tile-m", tile_m, 1, 1024)
-    INT_FLAG("--tile-n", tile_n, 1, 1024)
-    INT_FLAG("--comm-ctas", comm_ctas, 1, 1 << 16)
-    INT_FLAG("--coalesce", coalesce, 1, 1 << 16)
-#undef INT_FLAG
-#undef NEED_VALUE
-    return plan_bad("unknown option '%s'", a);
-  }
+  o->seed = (uint64_t)seed;
+  o->router = (tw_router)router.router;
+  o->router_param = router.param;
+  o->router_name = router.name;
   if (o->model == NULL && (o->hidden == 0 || o->ffn == 0 || o->experts == 0 || o->topk == 0))
     return plan_bad(
         "no problem shape: give --model NAME, or all of --hidden, --ffn, --experts "
         "and --topk");
   if (o->rank >= o->gpus)
-    return plan_bad("--rank %d must be below --gpus %d (ranks are 0..W-1)", o->rank, o->gpus);
+    return plan_bad("--rank %d must be below --ranks %d (ranks are 0..N-1)", o->rank, o->gpus);
   return 0;
 }
 
