@@ -192,8 +192,8 @@ void twb_rank_free(twb_rank* s);
 /* Problem, routing, every rank's plan (explicit --comm-ctas/--coalesce win over the model),
  * context, this rank's device plan(s), baselines, inputs and outputs. `sweep_mgbs` (n > 0) adds one
  * plan and device plan per coalescing factor. */
-tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt,
-                           const int* sweep_mgbs, int n_sweep);
+tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt, const int* sweep_mgbs,
+                    int n_sweep);
 /* ---- running and timing policies ------------------------------------------------------------- */
 tw_status twb_run(twb_rank* s, const twb_policy* pol, int set, cudaStream_t st);
 /* twb_run for a correctness check: under the add dataflow ours' output is in the context's window
@@ -205,23 +205,21 @@ tw_status twb_max_over_ranks(twb_rank* s, float* v, size_t n);
 /* Runs every output-producing policy once on input set `set` (outputs poisoned first), checks our
  * context, and returns per policy the normwise relative difference to ours' output, max over ranks
  * (err[i] = -1 for policies without an output, 0 for ours). */
-tw_status twb_check(twb_rank* s, const twb_policy* pols, int np, int set, int rerun,
-                           float* err);
+tw_status twb_check(twb_rank* s, const twb_policy* pols, int np, int set, int rerun, float* err);
 /* Times every policy: warmup + iters rounds, ABBA order, max over ranks per sample. samples: (np,
  * iters) microseconds. */
-tw_status twb_time(twb_rank* s, const twb_opts* o, const twb_policy* pols, int np,
-                          float* samples, int* last_set);
+tw_status twb_time(twb_rank* s, const twb_opts* o, const twb_policy* pols, int np, float* samples,
+                   int* last_set);
 /* The model's prediction of the call: the largest of the ranks' own predictions under the default
  * config (each rank plans for itself and the slowest bounds the call; rank 0's alone can be far
  * below it on skewed routings, dev/NOTES.md section 15). The caller has already planned
  * `known_rank` (its prediction `known_us`): only the other ranks are planned here. */
-tw_status twb_predicted_call(const tw_problem* p, tw_routing_t rt, int known_rank,
-                                    double known_us, double* us);
+tw_status twb_predicted_call(const tw_problem* p, tw_routing_t rt, int known_rank, double known_us,
+                             double* us);
 
 /* ---- bench_grid.c ---- */
 void twb_print_header(const twb_opts* o);
-tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point* pt,
-                                 twb_bench_result* r);
+tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point* pt, twb_bench_result* r);
 void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_result* r, int first);
 void twb_print_row(const twb_opts* o, const twb_bench_result* r);
 void twb_derive(const twb_opts* o, const twb_bench_result* r, twb_derived* d);
@@ -229,20 +227,20 @@ void twb_derive(const twb_opts* o, const twb_bench_result* r, twb_derived* d);
 /* ---- bench_sweep.c ---- */
 /* Rank 0, before the first point: the JSON's opening and the table's header. */
 void twb_oracle_begin(const twb_opts* o, int nranks, FILE* js);
-int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt, int index,
-                            int npoints, twb_oracle_acc* acc, FILE* js, tw_status* status);
+int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt, int index, int npoints,
+                     twb_oracle_acc* acc, FILE* js, tw_status* status);
 /* `tilewave sweep` of one point: the measured table with the model's predictions, the oracle, the
  * model's choice and its regret (rank 0 prints). */
 tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point* pt);
 /* The pass over the matrix (all ranks; rank 0 keeps the results in v[0..npoints)): the best fixed
  * (C, mgb) comes from rank 0's summary of the matrix. Returns the points done in *done. */
 tw_status twb_versus_pass(twb_rank* s, const twb_opts* o, const twb_point* pts, int npoints,
-                                 const twb_oracle_acc* acc, twb_versus* v, int* fixed, int* done);
+                          const twb_oracle_acc* acc, twb_versus* v, int* fixed, int* done);
 /* The matrix's summary (rank 0): the model's mean and max regret, the best single fixed (C, mgb)
  * and how often the model loses to it, the planning time. Markdown on stdout, JSON to js. */
 void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pts,
-                               const twb_oracle_acc* acc, const twb_versus* vs, int nvs,
-                               const int* vfixed, FILE* js);
+                        const twb_oracle_acc* acc, const twb_versus* vs, int nvs, const int* vfixed,
+                        FILE* js);
 /* `sweep --oracle --list`: the matrix and a rough time estimate, host only. Per point: rank 0's
  * plan (default config) gives the model's choice and its predicted time of every candidate; the
  * estimate is rounds (warm-up + timed + the correctness run) x (the sum of the predictions +

@@ -23,7 +23,6 @@
 #include "spawn.h"
 #include "tilewave.h"
 
-
 static int twb_policy_index(const twb_bench_result* r, int kind, int chunk) {
   for (int i = 0; i < r->np; i++)
     if (r->pols[i].kind == kind && (kind != TWB_CHUNKED || r->pols[i].chunk == chunk)) return i;
@@ -121,7 +120,7 @@ static tw_status twb_time_phases(twb_rank* s, const twb_opts* o, twb_bench_resul
 }
 
 tw_status twb_bench_point(twb_rank* s, const twb_opts* o, const twb_point* pt,
-                                 twb_bench_result* r) {
+                          twb_bench_result* r) {
   memset(r, 0, sizeof *r);
   r->pt = *pt;
   TW_TRY(twb_setup(s, o, pt, NULL, 0));
@@ -218,7 +217,6 @@ void twb_print_header(const twb_opts* o) {
       "| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
       "---: | ---: | ---: | ---: | ---: | --- |\n");
 }
-
 
 void twb_derive(const twb_opts* o, const twb_bench_result* r, twb_derived* d) {
   memset(d, 0, sizeof *d);
@@ -336,4 +334,3 @@ void twb_print_json_point(FILE* f, const twb_opts* o, const twb_bench_result* r,
               r->bphase[b][1], r->bphase[b][2], r->bphase[b][3]);
   fprintf(f, "}");
 }
-

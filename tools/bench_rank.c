@@ -57,8 +57,8 @@ void twb_rank_free(twb_rank* s) {
 /* Problem, routing, every rank's plan (explicit --comm-ctas/--coalesce win over the model),
  * context, this rank's device plan(s), baselines, inputs and outputs. `sweep_mgbs` (n > 0) adds one
  * plan and device plan per coalescing factor. */
-tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt,
-                           const int* sweep_mgbs, int n_sweep) {
+tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt, const int* sweep_mgbs,
+                    int n_sweep) {
   tw_problem p = TW_PROBLEM_INIT;
   p.world_size = s->world;
   p.hidden = pt->hidden;
@@ -219,8 +219,7 @@ tw_status twb_max_over_ranks(twb_rank* s, float* v, size_t n) {
 /* Runs every output-producing policy once on input set `set` (outputs poisoned first), checks our
  * context, and returns per policy the normwise relative difference to ours' output, max over ranks
  * (err[i] = -1 for policies without an output, 0 for ours). */
-tw_status twb_check(twb_rank* s, const twb_policy* pols, int np, int set, int rerun,
-                           float* err) {
+tw_status twb_check(twb_rank* s, const twb_policy* pols, int np, int set, int rerun, float* err) {
   /* The add dataflow keeps only the last call's output: run every policy again, copying it. */
   if (rerun || s->add) {
     for (int i = 0; i < TWB_NOUT; i++)
@@ -246,8 +245,8 @@ tw_status twb_check(twb_rank* s, const twb_policy* pols, int np, int set, int re
 
 /* Times every policy: warmup + iters rounds, ABBA order, max over ranks per sample. samples: (np,
  * iters) microseconds. */
-tw_status twb_time(twb_rank* s, const twb_opts* o, const twb_policy* pols, int np,
-                          float* samples, int* last_set) {
+tw_status twb_time(twb_rank* s, const twb_opts* o, const twb_policy* pols, int np, float* samples,
+                   int* last_set) {
   cudaEvent_t e0, e1;
   TW_CUDA_TRY(cudaEventCreate(&e0));
   TW_CUDA_TRY(cudaEventCreate(&e1));
@@ -284,8 +283,8 @@ tw_status twb_time(twb_rank* s, const twb_opts* o, const twb_policy* pols, int n
  * config (each rank plans for itself and the slowest bounds the call; rank 0's alone can be far
  * below it on skewed routings, dev/NOTES.md section 15). The caller has already planned
  * `known_rank` (its prediction `known_us`): only the other ranks are planned here. */
-tw_status twb_predicted_call(const tw_problem* p, tw_routing_t rt, int known_rank,
-                                    double known_us, double* us) {
+tw_status twb_predicted_call(const tw_problem* p, tw_routing_t rt, int known_rank, double known_us,
+                             double* us) {
   *us = known_us;
   for (int r = 0; r < p->world_size; r++) {
     if (r == known_rank) continue;
@@ -300,4 +299,3 @@ tw_status twb_predicted_call(const tw_problem* p, tw_routing_t rt, int known_ran
   }
   return TW_SUCCESS;
 }
-

@@ -395,8 +395,6 @@ tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point* pt) {
 
 /* ---- sweep --oracle: a workload matrix ------------------------------------------------------- */
 
-
-
 /* One point (all ranks): setup, the model's plan as a launch makes it against the plan at the fixed
  * mgb run at the fixed C, both outputs compared once, then timed. */
 static tw_status twb_versus_point(twb_rank* s, const twb_opts* o, const twb_point* pt, int fc,
@@ -463,7 +461,7 @@ static tw_status twb_versus_point(twb_rank* s, const twb_opts* o, const twb_poin
 /* The pass over the matrix (all ranks; rank 0 keeps the results in v[0..npoints)): the best fixed
  * (C, mgb) comes from rank 0's summary of the matrix. Returns the points done in *done. */
 tw_status twb_versus_pass(twb_rank* s, const twb_opts* o, const twb_point* pts, int npoints,
-                                 const twb_oracle_acc* acc, twb_versus* v, int* fixed, int* done) {
+                          const twb_oracle_acc* acc, twb_versus* v, int* fixed, int* done) {
   *done = 0;
   float f[2] = {0.f, 0.f}; /* rank 0's (C, mgb); the others add zeros to the max */
   if (s->rank == 0 && acc->done == npoints) {
@@ -607,8 +605,8 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
           tw__now_seconds() - t0, el, el / (index + 1) * (npoints - index - 1));
 }
 
-int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt, int index,
-                            int npoints, twb_oracle_acc* acc, FILE* js, tw_status* status) {
+int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt, int index, int npoints,
+                     twb_oracle_acc* acc, FILE* js, tw_status* status) {
   const double t0 = tw__now_seconds();
   twb_sweep_result res;
   tw_status st = twb_sweep_measure(s, o, pt, &res);
@@ -623,8 +621,8 @@ int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt, int in
 /* The matrix's summary (rank 0): the model's mean and max regret, the best single fixed (C, mgb)
  * and how often the model loses to it, the planning time. Markdown on stdout, JSON to js. */
 void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pts,
-                               const twb_oracle_acc* acc, const twb_versus* vs, int nvs,
-                               const int* vfixed, FILE* js) {
+                        const twb_oracle_acc* acc, const twb_versus* vs, int nvs, const int* vfixed,
+                        FILE* js) {
   const int n = acc->done;
   tw__oracle_summary sum;
   memset(&sum, 0, sizeof sum);
@@ -853,4 +851,3 @@ int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n) {
          total / 60);
   return 0;
 }
-

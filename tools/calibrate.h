@@ -38,9 +38,8 @@
 #define TWC_REFETCH_K 2048
 #define TWC_REFETCH_N 4096
 
-
-extern const int twc_ks[TWC_NK];   /* producer K points */
-extern const int twc_cs[TWC_NC];   /* link: consumer CTA counts */
+extern const int twc_ks[TWC_NK]; /* producer K points */
+extern const int twc_cs[TWC_NC]; /* link: consumer CTA counts */
 /* Same bands, 4x different bytes per band: what separates link_cta from link_latency. */
 extern const int twc_link_hidden[TWC_NPROB];
 extern const int32_t twc_scheds[2]; /* remote-first, expert-major */

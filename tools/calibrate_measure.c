@@ -208,7 +208,8 @@ static tw_status twc_measure_producer_inner(twc_state* s, twc_prod_bufs* b) {
   double x[TWC_NK], y[TWC_NK], r[TWC_NK];
   for (int i = 0; i < TWC_NK; i++) {
     twc_prod_point* p = &s->prod[i];
-    for (int j = 0; j < TWC_NSIZES; j++) p->us[j] = tw__stats_median(samples[i * TWC_NSIZES + j], reps);
+    for (int j = 0; j < TWC_NSIZES; j++)
+      p->us[j] = tw__stats_median(samples[i * TWC_NSIZES + j], reps);
     p->us_per_wave = tw__calib_per_wave(p->us[0], p->waves[0], p->us[1], p->waves[1]);
     x[i] = 2.0 * s->tm * s->tn * p->k;
     y[i] = p->us_per_wave;
@@ -707,4 +708,3 @@ tw_status twc_measure_link(twc_state* s) {
   TW_TRY(twc_gather_points(s, mine));
   return twc_link_summarise(s);
 }
-

@@ -411,4 +411,3 @@ tw_status twc_append_provenance(const twc_state* s) {
   if (fclose(f) != 0 || bad) return tw__fail(TW_ERR_IO, "calibrate: writing %s failed", s->o.out);
   return TW_SUCCESS;
 }
-

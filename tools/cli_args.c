@@ -197,14 +197,14 @@ static int tw__cli_value(const char* cmd, const char* flag, tw_cli_arg* a, const
   switch (a->type) {
     case TW_CLI_T_INT:
       if (!tw__cli_parse_ll(v, a->lo, a->hi, &n))
-        return tw__cli_usage_error(cmd, "%s: give an integer in %lld..%lld (got '%s')", flag,
-                                   a->lo, a->hi, v);
+        return tw__cli_usage_error(cmd, "%s: give an integer in %lld..%lld (got '%s')", flag, a->lo,
+                                   a->hi, v);
       *(int*)a->dst = (int)n;
       return 0;
     case TW_CLI_T_I64:
       if (!tw__cli_parse_ll(v, a->lo, a->hi, &n))
-        return tw__cli_usage_error(cmd, "%s: give an integer in %lld..%lld (got '%s')", flag,
-                                   a->lo, a->hi, v);
+        return tw__cli_usage_error(cmd, "%s: give an integer in %lld..%lld (got '%s')", flag, a->lo,
+                                   a->hi, v);
       *(int64_t*)a->dst = (int64_t)n;
       return 0;
     case TW_CLI_T_INT_LIST: {

@@ -42,14 +42,14 @@ typedef struct tw_cli_arg {
   const char* alias; /* another accepted spelling, or NULL */
   tw_cli_type type;
   void* dst;
-  long long lo, hi;            /* INT, INT_LIST, I64 */
-  double dlo, dhi;             /* DOUBLE */
-  int dlo_open;                /* DOUBLE: dlo itself is out of range */
-  int max;                     /* INT_LIST: capacity of dst */
-  int* count;                  /* INT_LIST: how many were given */
+  long long lo, hi;                      /* INT, INT_LIST, I64 */
+  double dlo, dhi;                       /* DOUBLE */
+  int dlo_open;                          /* DOUBLE: dlo itself is out of range */
+  int max;                               /* INT_LIST: capacity of dst */
+  int* count;                            /* INT_LIST: how many were given */
   const char* names[TW_CLI_MAX_CHOICES]; /* CHOICE, NULL-terminated */
   int values[TW_CLI_MAX_CHOICES];
-  const char** chosen_name; /* CHOICE: also the name given (optional) */
+  const char** chosen_name;                       /* CHOICE: also the name given (optional) */
   const char* (*parse)(const char* v, void* dst); /* CUSTOM */
   int optional_value; /* INT: the value may be left out (next is a flag or none): *dst = this */
   int has_optional;
@@ -83,26 +83,26 @@ tw_cli_arg tw__cli_alias(tw_cli_arg a, const char* alias);
 #define TW_CLI_DELAY_US_MAX 1000000
 #define TW_CLI_TIMEOUT_MAX (1 << 30)
 
-tw_cli_arg tw__cli_hidden(int* dst);                 /* --hidden H: 8..65536 */
-tw_cli_arg tw__cli_ffn(int* dst);                    /* --ffn F: 8..65536 */
-tw_cli_arg tw__cli_experts(int* dst);                /* --experts E: 1..4096 */
-tw_cli_arg tw__cli_topk(int* dst);                   /* --topk K: 1..64 */
-tw_cli_arg tw__cli_tokens(int* dst);                 /* --tokens T: 1..2^24 */
+tw_cli_arg tw__cli_hidden(int* dst);                           /* --hidden H: 8..65536 */
+tw_cli_arg tw__cli_ffn(int* dst);                              /* --ffn F: 8..65536 */
+tw_cli_arg tw__cli_experts(int* dst);                          /* --experts E: 1..4096 */
+tw_cli_arg tw__cli_topk(int* dst);                             /* --topk K: 1..64 */
+tw_cli_arg tw__cli_tokens(int* dst);                           /* --tokens T: 1..2^24 */
 tw_cli_arg tw__cli_tokens_list(int* dst, int max, int* count); /* --tokens T[,T...] */
-tw_cli_arg tw__cli_ranks(int* dst);                  /* --ranks N (alias --gpus): 1..TW_MAX_RANKS */
-tw_cli_arg tw__cli_tile_m(int* dst);                 /* --tile-m TM: 1..1024 */
-tw_cli_arg tw__cli_tile_n(int* dst);                 /* --tile-n TN: 1..1024 */
-tw_cli_arg tw__cli_comm_ctas(int* dst);              /* --comm-ctas C: 1..TW_MAX_COMM_CTAS */
-tw_cli_arg tw__cli_coalesce(int* dst);               /* --coalesce MGB: 1..65536 */
-tw_cli_arg tw__cli_seed(int64_t* dst);               /* --seed S: 0..2^63-1 */
-tw_cli_arg tw__cli_schedule(int* dst);               /* --schedule auto|remote-first|expert-major */
-tw_cli_arg tw__cli_dataflow(int* dst);               /* --dataflow reduce|add */
-tw_cli_arg tw__cli_iters(int* dst);                  /* --iters N: 1..100000 */
-tw_cli_arg tw__cli_warmup(int* dst);                 /* --warmup N: 0..100000 */
-tw_cli_arg tw__cli_delay_us(int* dst);               /* --delay-us U: 0..1000000 */
-tw_cli_arg tw__cli_timeout(int* dst);                /* --timeout S: 0..2^30 */
-tw_cli_arg tw__cli_json(int* dst);                   /* --json: JSON on stdout */
-tw_cli_arg tw__cli_json_file(const char** dst);      /* --json-file F */
+tw_cli_arg tw__cli_ranks(int* dst);             /* --ranks N (alias --gpus): 1..TW_MAX_RANKS */
+tw_cli_arg tw__cli_tile_m(int* dst);            /* --tile-m TM: 1..1024 */
+tw_cli_arg tw__cli_tile_n(int* dst);            /* --tile-n TN: 1..1024 */
+tw_cli_arg tw__cli_comm_ctas(int* dst);         /* --comm-ctas C: 1..TW_MAX_COMM_CTAS */
+tw_cli_arg tw__cli_coalesce(int* dst);          /* --coalesce MGB: 1..65536 */
+tw_cli_arg tw__cli_seed(int64_t* dst);          /* --seed S: 0..2^63-1 */
+tw_cli_arg tw__cli_schedule(int* dst);          /* --schedule auto|remote-first|expert-major */
+tw_cli_arg tw__cli_dataflow(int* dst);          /* --dataflow reduce|add */
+tw_cli_arg tw__cli_iters(int* dst);             /* --iters N: 1..100000 */
+tw_cli_arg tw__cli_warmup(int* dst);            /* --warmup N: 0..100000 */
+tw_cli_arg tw__cli_delay_us(int* dst);          /* --delay-us U: 0..1000000 */
+tw_cli_arg tw__cli_timeout(int* dst);           /* --timeout S: 0..2^30 */
+tw_cli_arg tw__cli_json(int* dst);              /* --json: JSON on stdout */
+tw_cli_arg tw__cli_json_file(const char** dst); /* --json-file F */
 
 /* A router on the command line: what --router fills. */
 typedef struct tw_cli_router {
@@ -120,7 +120,8 @@ int tw__cli_parse(const char* cmd, int argc, char** argv, tw_cli_arg* args, int 
 
 /* A usage error of `cmd` found after parsing: prints "cmd: MESSAGE" and where the options are
  * listed; returns 2. */
-int tw__cli_usage_error(const char* cmd, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+int tw__cli_usage_error(const char* cmd, const char* fmt, ...)
+    __attribute__((format(printf, 2, 3)));
 
 /* Strict number parsing: the whole string must be a number within [lo, hi]. */
 int tw__cli_parse_ll(const char* s, long long lo, long long hi, long long* out);

@@ -308,8 +308,8 @@ static int twb_parse(int argc, char** argv, int sweep, twb_opts* o, int* shape_g
     args[n++] = tw__cli_choice("--matrix", &matrix, 2, matrices, NULL);
     args[n++] = tw__cli_bool("--list", &o->list);
     args[n++] = tw__cli_int("--solve-reps", &o->solve_reps, 0, 1000000);
-    args[n++] = tw__cli_int_list("--points", o->only, TWB_MAX_ONLY, &o->nonly, 1,
-                                 TW__ORACLE_MAX_POINTS);
+    args[n++] =
+        tw__cli_int_list("--points", o->only, TWB_MAX_ONLY, &o->nonly, 1, TW__ORACLE_MAX_POINTS);
     args[n++] = tw__cli_int("--confirm", &o->confirm, 0, TW_CLI_ITERS_MAX);
     args[n++] = tw__cli_int("--versus-fixed", &o->versus, 0, TW_CLI_ITERS_MAX);
   } else {

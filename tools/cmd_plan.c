@@ -263,6 +263,144 @@ static void print_problem(const plan_opts* o, const tw_problem* p) {
     printf("auto (%d)\n", p->hidden >= 2048 ? 256 : 128);
 }
 
+/* What tw_cli_plan computed, for its two printers. */
+typedef struct plan_out {
+  const plan_opts* o;
+  tw_problem prob;
+  tw_hardware hw;
+  const char* calib; /* the calibration file read, or NULL */
+  tw_routing_stats rs;
+  const int64_t* rank_rows;
+  const rank_result* res; /* (nr) ranks r0.. */
+  int32_t nr, r0;
+  const char* dataflow_name;
+  double ep_med, ep_p99, tp_med, tp_p99; /* --bench-solve */
+  int32_t tp_c, tp_n;
+} plan_out;
+
+static void print_json(const plan_out* p) {
+  const plan_opts* o = p->o;
+  printf("{\"problem\": {\"model\": ");
+  tw__json_str(stdout, o->model ? o->model : "custom");
+  printf(
+      ", \"hidden\": %d, \"ffn\": %d, \"experts\": %d, "
+      "\"top_k\": %d, \"world_size\": %d, \"dataflow\": \"%s\", ",
+      p->prob.hidden, p->prob.ffn, p->prob.experts, p->prob.top_k, p->prob.world_size,
+      p->dataflow_name);
+  /* A replayed routing has its own token counts; router and seed do not apply. */
+  if (o->routing_file)
+    printf("\"tokens_per_rank\": null, \"router\": null, \"seed\": null, ");
+  else {
+    printf("\"tokens_per_rank\": %d, \"router\": ", o->tokens);
+    tw__json_str(stdout, o->router_name);
+    printf(", \"seed\": %llu, ", (unsigned long long)o->seed);
+  }
+  printf("\"routing_file\": ");
+  tw__json_str(stdout, o->routing_file);
+  printf("},\n");
+  printf(
+      " \"routing\": {\"r_expert\": %.6f, \"total_tokens\": %lld, \"max_expert_load\": %lld, "
+      "\"min_expert_load\": %lld, \"rows_per_rank\": [",
+      p->rs.r_expert, (long long)p->rs.total_tokens, (long long)p->rs.max_expert_load,
+      (long long)p->rs.min_expert_load);
+  for (int32_t r = 0; r < p->prob.world_size; r++)
+    printf("%s%lld", r ? ", " : "", (long long)p->rank_rows[r]);
+  printf("]},\n \"hardware\": {\"sm_count\": %d, \"c_max\": %d, \"calibration\": ", p->hw.sm_count,
+         p->hw.c_max);
+  tw__json_str(stdout, p->calib);
+  printf("},\n");
+  printf(" \"ranks\": [");
+  for (int32_t i = 0; i < p->nr; i++) {
+    const rank_result* x = &p->res[i];
+    const tw_plan_summary* s = &x->s;
+    const int64_t real = s->rows - s->padding_rows;
+    printf(
+        "%s\n  {\"rank\": %d, \"rows\": %lld, \"padding_rows\": %lld, \"padding_pct\": %.4f, "
+        "\"tiles\": %lld, \"remote_tiles\": %lld, \"bands\": %lld, \"segments\": %lld, "
+        "\"send_bytes\": %lld, \"comm_ctas\": %d, \"coalesce\": %d, \"predicted_us\": %.6f, "
+        "\"sequential_us\": %.6f, \"speedup\": %.6f, \"solve_us\": %.6f, \"schedule\": \"%s\", "
+        "\"gemm_us\": %.6f,\n   \"mgb\": [",
+        i ? "," : "", s->rank, (long long)s->rows, (long long)s->padding_rows,
+        real > 0 ? 100.0 * (double)s->padding_rows / (double)real : 0.0, (long long)s->tiles,
+        (long long)s->remote_tiles, (long long)s->bands, (long long)s->segments,
+        (long long)s->send_bytes, s->comm_ctas, s->coalesce, s->predicted_us, s->sequential_us,
+        s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0, s->solve_us,
+        tw__cli_schedule_name(s->schedule), s->gemm_us);
+    for (int j = 0; j < x->ncol; j++) printf("%s%d", j ? ", " : "", x->mgbs[j]);
+    printf("], \"predicted_us_by_c\": [");
+    for (int32_t c = 0; c < p->hw.c_max; c++) {
+      printf("%s[", c ? ", " : "");
+      for (int j = 0; j < x->ncol; j++)
+        printf("%s%.6f", j ? ", " : "", x->table[(size_t)c * x->ncol + j]);
+      printf("]");
+    }
+    printf("]}");
+  }
+  printf("]");
+  if (o->bench_solve > 0)
+    printf(
+        ",\n \"bench_solve\": {\"repetitions\": %d, \"ep_median_us\": %.6f, \"ep_p99_us\": "
+        "%.6f, \"tp_candidates\": 16, \"tp_median_us\": %.6f, \"tp_p99_us\": %.6f, "
+        "\"tp_choice\": %d}",
+        o->bench_solve, p->ep_med, p->ep_p99, p->tp_med, p->tp_p99, p->tp_c);
+  printf("}\n");
+}
+
+static void print_text(const plan_out* p) {
+  const plan_opts* o = p->o;
+  print_problem(o, &p->prob);
+  printf("routing: R_expert %.3f, expert load max %lld min %lld (fair %.1f), rows per rank:",
+         p->rs.r_expert, (long long)p->rs.max_expert_load, (long long)p->rs.min_expert_load,
+         (double)p->rs.total_tokens * p->prob.top_k / p->prob.experts);
+  for (int32_t r = 0; r < p->prob.world_size && r < 16; r++)
+    printf(" %lld", (long long)p->rank_rows[r]);
+  printf("%s\n", p->prob.world_size > 16 ? " ..." : "");
+  printf("hardware: %s (G %d, c_max %d); combine dataflow: %s\n",
+         p->calib ? p->calib : "built-in H200", p->hw.sm_count, p->hw.c_max, p->dataflow_name);
+  for (int32_t i = 0; i < p->nr; i++) {
+    const rank_result* x = &p->res[i];
+    const tw_plan_summary* s = &x->s;
+    const int64_t real = s->rows - s->padding_rows;
+    printf(
+        "\nrank %d: rows %lld (padding %lld, %.2f%% over %lld routed), tiles %lld (%lld "
+        "remote), bands %lld, segments %lld, sends %.3f MB\n",
+        s->rank, (long long)s->rows, (long long)s->padding_rows,
+        real > 0 ? 100.0 * (double)s->padding_rows / (double)real : 0.0, (long long)real,
+        (long long)s->tiles, (long long)s->remote_tiles, (long long)s->bands,
+        (long long)s->segments, (double)s->send_bytes / 1e6);
+    printf(
+        "choice: C = %d consumer CTAs, mgb = %d%s; predicted %.2f us, sequential %.2f us, "
+        "speedup %.3fx; decided in %.3f us\n",
+        s->comm_ctas, s->coalesce,
+        (o->comm_ctas || o->coalesce) ? " (partly or fully fixed by flags)" : "", s->predicted_us,
+        s->sequential_us, s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0,
+        s->solve_us);
+    printf("schedule: %s%s; GEMM alone on all SMs %.2f us (model)\n",
+           tw__cli_schedule_name(s->schedule), o->schedule ? " (fixed by --schedule)" : "",
+           s->gemm_us);
+    printf("predicted T (us), C rows x mgb columns, * = choice:\n    C");
+    for (int j = 0; j < x->ncol; j++) printf("     mgb %-3d", x->mgbs[j]);
+    printf("\n");
+    for (int32_t c = 1; c <= p->hw.c_max; c++) {
+      printf("  %3d", c);
+      for (int j = 0; j < x->ncol; j++) {
+        int mark = c == s->comm_ctas && x->mgbs[j] == s->coalesce;
+        printf("  %10.2f%c", x->table[(size_t)(c - 1) * x->ncol + j], mark ? '*' : ' ');
+      }
+      printf("\n");
+    }
+  }
+  if (o->bench_solve > 0) {
+    printf("\nsolve time per decision, %d repetitions:\n", o->bench_solve);
+    printf("  EP model (rank %d, C 1..%d x mgb {1,2,4}): median %.3f us, p99 %.3f us\n", p->r0,
+           p->hw.c_max, p->ep_med, p->ep_p99);
+    printf(
+        "  TP model (first paper, %d candidates, L 2): median %.3f us, p99 %.3f us (C* %d; "
+        "batches of 64 calls)\n",
+        p->tp_n, p->tp_med, p->tp_p99, p->tp_c);
+  }
+}
+
 int tw_cli_plan(int argc, char** argv) {
   plan_opts o;
   int rc = parse_args(argc, argv, &o);
@@ -344,126 +482,15 @@ int tw_cli_plan(int argc, char** argv) {
     goto done;
   }
 
+  plan_out out = {&o, prob, hw,     calib,  rs,     rank_rows, res,  nr,
+                  r0, NULL, ep_med, ep_p99, tp_med, tp_p99,    tp_c, tp_n};
   int32_t dataflow = TW_DATAFLOW_REDUCE; /* resolved as tw_plan_create did (it succeeded) */
   tw__dataflow_resolve("tilewave plan", o.dataflow, &dataflow);
-  const char* dataflow_name = tw__dataflow_name(dataflow);
-  if (o.json) {
-    printf(
-        "{\"problem\": {\"model\": ");
-    tw__json_str(stdout, o.model ? o.model : "custom");
-    printf(", \"hidden\": %d, \"ffn\": %d, \"experts\": %d, "
-        "\"top_k\": %d, \"world_size\": %d, \"dataflow\": \"%s\", ",
-        prob.hidden, prob.ffn, prob.experts, prob.top_k, prob.world_size, dataflow_name);
-    /* A replayed routing has its own token counts; router and seed do not apply. */
-    if (o.routing_file)
-      printf("\"tokens_per_rank\": null, \"router\": null, \"seed\": null, ");
-    else {
-      printf("\"tokens_per_rank\": %d, \"router\": ", o.tokens);
-      tw__json_str(stdout, o.router_name);
-      printf(", \"seed\": %llu, ", (unsigned long long)o.seed);
-    }
-    printf("\"routing_file\": ");
-    tw__json_str(stdout, o.routing_file);
-    printf("},\n");
-    printf(
-        " \"routing\": {\"r_expert\": %.6f, \"total_tokens\": %lld, \"max_expert_load\": %lld, "
-        "\"min_expert_load\": %lld, \"rows_per_rank\": [",
-        rs.r_expert, (long long)rs.total_tokens, (long long)rs.max_expert_load,
-        (long long)rs.min_expert_load);
-    for (int32_t r = 0; r < prob.world_size; r++)
-      printf("%s%lld", r ? ", " : "", (long long)rank_rows[r]);
-    printf("]},\n \"hardware\": {\"sm_count\": %d, \"c_max\": %d, \"calibration\": ", hw.sm_count,
-           hw.c_max);
-    tw__json_str(stdout, calib);
-    printf("},\n");
-    printf(" \"ranks\": [");
-    for (int32_t i = 0; i < nr; i++) {
-      const rank_result* x = &res[i];
-      const tw_plan_summary* s = &x->s;
-      const int64_t real = s->rows - s->padding_rows;
-      printf(
-          "%s\n  {\"rank\": %d, \"rows\": %lld, \"padding_rows\": %lld, \"padding_pct\": %.4f, "
-          "\"tiles\": %lld, \"remote_tiles\": %lld, \"bands\": %lld, \"segments\": %lld, "
-          "\"send_bytes\": %lld, \"comm_ctas\": %d, \"coalesce\": %d, \"predicted_us\": %.6f, "
-          "\"sequential_us\": %.6f, \"speedup\": %.6f, \"solve_us\": %.6f, \"schedule\": \"%s\", "
-          "\"gemm_us\": %.6f,\n   \"mgb\": [",
-          i ? "," : "", s->rank, (long long)s->rows, (long long)s->padding_rows,
-          real > 0 ? 100.0 * (double)s->padding_rows / (double)real : 0.0, (long long)s->tiles,
-          (long long)s->remote_tiles, (long long)s->bands, (long long)s->segments,
-          (long long)s->send_bytes, s->comm_ctas, s->coalesce, s->predicted_us, s->sequential_us,
-          s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0, s->solve_us,
-          tw__cli_schedule_name(s->schedule), s->gemm_us);
-      for (int j = 0; j < x->ncol; j++) printf("%s%d", j ? ", " : "", x->mgbs[j]);
-      printf("], \"predicted_us_by_c\": [");
-      for (int32_t c = 0; c < hw.c_max; c++) {
-        printf("%s[", c ? ", " : "");
-        for (int j = 0; j < x->ncol; j++)
-          printf("%s%.6f", j ? ", " : "", x->table[(size_t)c * x->ncol + j]);
-        printf("]");
-      }
-      printf("]}");
-    }
-    printf("]");
-    if (o.bench_solve > 0)
-      printf(
-          ",\n \"bench_solve\": {\"repetitions\": %d, \"ep_median_us\": %.6f, \"ep_p99_us\": "
-          "%.6f, \"tp_candidates\": 16, \"tp_median_us\": %.6f, \"tp_p99_us\": %.6f, "
-          "\"tp_choice\": %d}",
-          o.bench_solve, ep_med, ep_p99, tp_med, tp_p99, tp_c);
-    printf("}\n");
-    goto done;
-  }
-
-  print_problem(&o, &prob);
-  printf("routing: R_expert %.3f, expert load max %lld min %lld (fair %.1f), rows per rank:",
-         rs.r_expert, (long long)rs.max_expert_load, (long long)rs.min_expert_load,
-         (double)rs.total_tokens * prob.top_k / prob.experts);
-  for (int32_t r = 0; r < prob.world_size && r < 16; r++) printf(" %lld", (long long)rank_rows[r]);
-  printf("%s\n", prob.world_size > 16 ? " ..." : "");
-  printf("hardware: %s (G %d, c_max %d); combine dataflow: %s\n", calib ? calib : "built-in H200",
-         hw.sm_count, hw.c_max, dataflow_name);
-  for (int32_t i = 0; i < nr; i++) {
-    const rank_result* x = &res[i];
-    const tw_plan_summary* s = &x->s;
-    const int64_t real = s->rows - s->padding_rows;
-    printf(
-        "\nrank %d: rows %lld (padding %lld, %.2f%% over %lld routed), tiles %lld (%lld "
-        "remote), bands %lld, segments %lld, sends %.3f MB\n",
-        s->rank, (long long)s->rows, (long long)s->padding_rows,
-        real > 0 ? 100.0 * (double)s->padding_rows / (double)real : 0.0, (long long)real,
-        (long long)s->tiles, (long long)s->remote_tiles, (long long)s->bands,
-        (long long)s->segments, (double)s->send_bytes / 1e6);
-    printf(
-        "choice: C = %d consumer CTAs, mgb = %d%s; predicted %.2f us, sequential %.2f us, "
-        "speedup %.3fx; decided in %.3f us\n",
-        s->comm_ctas, s->coalesce,
-        (o.comm_ctas || o.coalesce) ? " (partly or fully fixed by flags)" : "", s->predicted_us,
-        s->sequential_us, s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0,
-        s->solve_us);
-    printf("schedule: %s%s; GEMM alone on all SMs %.2f us (model)\n",
-           tw__cli_schedule_name(s->schedule), o.schedule ? " (fixed by --schedule)" : "",
-           s->gemm_us);
-    printf("predicted T (us), C rows x mgb columns, * = choice:\n    C");
-    for (int j = 0; j < x->ncol; j++) printf("     mgb %-3d", x->mgbs[j]);
-    printf("\n");
-    for (int32_t c = 1; c <= hw.c_max; c++) {
-      printf("  %3d", c);
-      for (int j = 0; j < x->ncol; j++) {
-        int mark = c == s->comm_ctas && x->mgbs[j] == s->coalesce;
-        printf("  %10.2f%c", x->table[(size_t)(c - 1) * x->ncol + j], mark ? '*' : ' ');
-      }
-      printf("\n");
-    }
-  }
-  if (o.bench_solve > 0) {
-    printf("\nsolve time per decision, %d repetitions:\n", o.bench_solve);
-    printf("  EP model (rank %d, C 1..%d x mgb {1,2,4}): median %.3f us, p99 %.3f us\n", r0,
-           hw.c_max, ep_med, ep_p99);
-    printf(
-        "  TP model (first paper, %d candidates, L 2): median %.3f us, p99 %.3f us (C* %d; "
-        "batches of 64 calls)\n",
-        tp_n, tp_med, tp_p99, tp_c);
-  }
+  out.dataflow_name = tw__dataflow_name(dataflow);
+  if (o.json)
+    print_json(&out);
+  else
+    print_text(&out);
   rc = 0;
 done:
   if (res)
