@@ -233,21 +233,13 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   BENCH_CUDA(cudaGetLastError());
 
   tw_gemm_args g;
-  memset(&g, 0, sizeof g);
-  g.a = A;
-  g.b = B;
-  g.c = C;
-  g.rows = sh.rows;
-  g.k = sh.k;
-  g.n = sh.n;
-  g.experts = sh.experts;
-  g.tiles = dtiles;
-  g.num_tiles = (int)tiles.size();
-  g.tm = tm;
-  g.tn = tn;
-  g.grid = o.grid;
+  const tw_gemm_shape gs = {sh.rows, sh.k, sh.n, sh.experts, tm, tn};
+  if (tw__gemm_args_init(&g, &gs, A, B, C, dtiles, (int)tiles.size(), o.grid, TW_SIGNAL_NONE,
+                         nullptr) != TW_SUCCESS) {
+    fprintf(stderr, "bench gemm: %s\n", tw_last_error());
+    return -1;
+  }
   g.variant = o.variant;
-  g.epilogue = TW_EPILOGUE_STORE;
   tw_gemm_args g_sig = g;
   g_sig.scope = TW_SIGNAL_GPU;
   g_sig.band_counters = counters;

@@ -107,17 +107,11 @@ typedef struct twc_prod_bufs {
  * add). The caller sets the buffers and band counters. */
 static tw_status twc_gemm_args(const twc_state* s, const struct tw_plan* pl, int k, int n,
                                tw_tile** dev_tiles, tw_gemm_args* a) {
-  memset(a, 0, sizeof *a);
-  a->rows = pl->rows;
-  a->k = k;
-  a->n = n;
-  a->experts = pl->local_experts;
-  a->num_tiles = pl->num_tiles;
-  a->tm = pl->tm;
-  a->tn = pl->tn;
-  a->grid = s->grid;
-  a->scope = TW_SIGNAL_GPU;
-  a->epilogue = TW_EPILOGUE_STORE;
+  tw_gemm_shape sh = tw__gemm_shape_of_plan(pl);
+  sh.k = k;
+  sh.n = n;
+  TW_TRY(tw__gemm_args_init(a, &sh, NULL, NULL, NULL, NULL, pl->num_tiles, s->grid, TW_SIGNAL_GPU,
+                            NULL));
   const size_t tb = sizeof(tw_tile) * (size_t)pl->num_tiles;
   TW_CUDA_TRY(cudaMalloc((void**)dev_tiles, tb));
   TW_CUDA_TRY(cudaMemcpy(*dev_tiles, pl->tiles, tb, cudaMemcpyHostToDevice));
