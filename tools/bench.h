@@ -55,6 +55,7 @@ typedef struct twb_opts {
   int phases;         /* bench --phases: time ours' phases with the context's events */
   int tile_m, tile_n; /* GEMM2 tile (0: the library's choice) */
   int add;            /* the add dataflow (--dataflow / TW_COMBINE_DATAFLOW, resolved once) */
+  int what_if;        /* bench --what-if: the planner's choices for the points, no GPU */
 } twb_opts;
 
 typedef struct twb_point {
@@ -249,5 +250,12 @@ void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pts,
  * the model's predictions and overheads (on 2 x H200 the full matrix took 282 s with 15 rounds,
  * under 60% of the estimate). */
 int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n);
+
+/* ---- bench_what_if.c ---- */
+/* `tilewave bench` without the GPUs it needs (or --what-if): what the planner picks at every
+ * point for rank 0 of `world` ranks (C, mgb, schedule, predicted and sequential us) and the
+ * slowest rank's prediction, after one line saying `why`; host only. Returns the exit code: 0,
+ * 1 (a failure), 2 (a problem the planner rejects). */
+int twb_what_if(const twb_opts* o, const twb_point* pts, int n, int world, const char* why);
 
 #endif /* TW_TOOLS_BENCH_H */

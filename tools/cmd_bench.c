@@ -28,6 +28,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "baseline.h"
 #include "bench.h"
@@ -210,7 +211,10 @@ static void twb_usage(FILE* f, int sweep) {
         "balanced):\n");
   else
     fprintf(f,
-            "`tilewave bench gemm ...` runs the GEMM benchmark (tools/bench_gemm.cu).\n\n"
+            "`tilewave bench gemm ...` runs the GEMM benchmark (tools/bench_gemm.cu).\n"
+            "Without GPUs (or fewer than 2, or than --ranks), or with --what-if, shows what the\n"
+            "planner would pick at every point instead (C, mgb, schedule, predicted and\n"
+            "sequential us; tilewave plan's choice for rank 0) and exits 0.\n\n"
             "shape (GEMM2 K = F, N = H; default: the grid tokens/rank {8192,16384} x\n"
             "       H {4096,8192} x E {4,8,16,32,64}, F 2048, top-2, balanced):\n");
   fprintf(f,
@@ -242,7 +246,9 @@ static void twb_usage(FILE* f, int sweep) {
     fprintf(f,
             "  --full              the grid with all three routers\n"
             "  --phases            also time ours' phases (producer end, consumer end,\n"
-            "                      reduction) with the context's events, --iters more calls\n");
+            "                      reduction) with the context's events, --iters more calls\n"
+            "  --what-if           plan the points on the host and show the planner's choices\n"
+            "                      (no GPU is touched; what runs without GPUs anyway)\n");
   fprintf(f,
           "  --tol X             largest normwise relative error that passes (default 2e-2)\n"
           "  --ranks N           ranks to spawn (default: every visible GPU; alias --gpus)\n"
@@ -315,6 +321,7 @@ static int twb_parse(int argc, char** argv, int sweep, twb_opts* o, int* shape_g
   } else {
     args[n++] = tw__cli_bool("--full", &o->full);
     args[n++] = tw__cli_bool("--phases", &o->phases);
+    args[n++] = tw__cli_bool("--what-if", &o->what_if);
   }
   const int rc = tw__cli_parse(cmd, argc, argv, args, n, twb_usage_cb, &sweep);
   if (rc != 0) return rc;
@@ -331,182 +338,222 @@ static int twb_parse(int argc, char** argv, int sweep, twb_opts* o, int* shape_g
   return 0;
 }
 
-static int twb_main(int argc, char** argv, int sweep) {
-  twb_opts o;
-  int shape_given = 0;
-  {
-    const int rc = twb_parse(argc, argv, sweep, &o, &shape_given);
-    if (rc != 0) return rc == 1 ? 0 : rc;
-  }
-
-  if (o.list) o.oracle = 1;
+/* The combinations of flags that parse but make no sense: 0, or 2 (usage error, said why). */
+static int twb_check_opts(twb_opts* o, int sweep, int shape_given, const char* cmd) {
+  if (o->list) o->oracle = 1;
   /* The oracle is a minimum over ~100 medians: with 5 rounds an outlier cell biased it low (run 8:
    * max regret 7.23% with 5 rounds, 4.85% with 15, same code; bench/results/2026-11-30-run8.md). */
-  if (o.iters < 0) o.iters = o.oracle ? 15 : sweep ? 20 : 50;
-  if (o.warmup < 0) o.warmup = o.oracle ? 2 : sweep ? 3 : 5;
-  if (o.versus > 0 && !o.oracle) {
-    fprintf(stderr, "tilewave sweep: --versus-fixed needs a matrix (--oracle)\n");
-    return 2;
-  }
+  if (o->iters < 0) o->iters = o->oracle ? 15 : sweep ? 20 : 50;
+  if (o->warmup < 0) o->warmup = o->oracle ? 2 : sweep ? 3 : 5;
+  if (o->versus > 0 && !o->oracle)
+    return tw__cli_usage_error(cmd, "--versus-fixed needs a matrix (--oracle)");
   /* The confirmation re-times a matrix point's best cells: without --oracle there are none, and
    * silently timing nothing would read as a confirmed result. */
-  if (o.confirm > 0 && !o.oracle) {
-    fprintf(stderr,
-            "tilewave %s: --confirm R re-times the cells of an oracle matrix; use it with "
-            "`tilewave sweep --oracle`\n",
-            argv[0]);
-    return 2;
+  if (o->confirm > 0 && !o->oracle)
+    return tw__cli_usage_error(cmd,
+                               "--confirm R re-times the cells of an oracle matrix; use it with "
+                               "`tilewave sweep --oracle`");
+  if (o->oracle) {
+    if (o->matrix == NULL) o->matrix = "quick";
+    const char* conflict = shape_given        ? "--model/--hidden/--ffn/--experts/--topk/--routing"
+                           : o->ntokens       ? "--tokens"
+                           : o->router >= 0   ? "--router"
+                           : o->write_routing ? "--write-routing"
+                           : o->comm_ctas     ? "--comm-ctas"
+                           : o->coalesce      ? "--coalesce"
+                                              : NULL;
+    if (conflict)
+      return tw__cli_usage_error(
+          cmd, "--oracle measures its own workload matrix (--matrix quick|full); drop %s",
+          conflict);
   }
-  if (o.oracle) {
-    if (o.matrix == NULL) o.matrix = "quick";
-    const char* conflict = shape_given       ? "--model/--hidden/--ffn/--experts/--topk/--routing"
-                           : o.ntokens       ? "--tokens"
-                           : o.router >= 0   ? "--router"
-                           : o.write_routing ? "--write-routing"
-                           : o.comm_ctas     ? "--comm-ctas"
-                           : o.coalesce      ? "--coalesce"
-                                             : NULL;
-    if (conflict) {
-      fprintf(stderr,
-              "tilewave sweep: --oracle measures its own workload matrix (--matrix quick|full); "
-              "drop %s\n",
-              conflict);
+  return 0;
+}
+
+/* sweep --oracle: the matrix's points, or the --points subset of it. 0, 1 failure, 2 usage. */
+static int twb_matrix_points(const twb_opts* o, twb_job* job) {
+  tw__oracle_point* m = (tw__oracle_point*)calloc(TW__ORACLE_MAX_POINTS, sizeof(tw__oracle_point));
+  job->points = (twb_point*)calloc(TW__ORACLE_MAX_POINTS, sizeof(twb_point));
+  const int n = m && job->points ? tw__oracle_matrix(o->matrix, m, TW__ORACLE_MAX_POINTS) : -1;
+  for (int i = 0; i < n; i++) {
+    twb_point* pt = &job->points[i];
+    pt->hidden = m[i].hidden, pt->ffn = m[i].ffn, pt->experts = m[i].experts;
+    pt->topk = m[i].topk, pt->tokens = m[i].tokens, pt->router = m[i].router;
+    snprintf(pt->name, sizeof pt->name, "%s", m[i].name);
+    pt->index = i + 1;
+  }
+  free(m);
+  if (n < 0) {
+    fprintf(stderr, "tilewave sweep: cannot build the %s matrix\n", o->matrix);
+    return 1;
+  }
+  job->npoints = n;
+  if (o->nonly == 0) return 0;
+  /* --points: a subset, in the order given (indices as --list numbers them). */
+  twb_point* sub = (twb_point*)calloc((size_t)o->nonly, sizeof(twb_point));
+  if (sub == NULL) return 1;
+  for (int i = 0; i < o->nonly; i++) {
+    if (o->only[i] > n) {
+      free(sub);
+      return tw__cli_usage_error("tilewave sweep", "--points %d: the %s matrix has %d points",
+                                 o->only[i], o->matrix, n);
+    }
+    sub[i] = job->points[o->only[i] - 1];
+  }
+  free(job->points);
+  job->points = sub;
+  job->npoints = o->nonly;
+  return 0;
+}
+
+/* bench and sweep of one shape: the grid (bench without a shape), or the shape at each --tokens.
+ * 0, 1 failure, 2 usage. */
+static int twb_shape_points(const twb_opts* o, int sweep, int shape_given, twb_job* job) {
+  twb_point base = {4096, 2048, 16, 2, 8192, TW_ROUTER_BALANCED, 0.0, "", 0};
+  if (o->model) {
+    tw_problem p = TW_PROBLEM_INIT;
+    if (tw_problem_preset(o->model, &p) != TW_SUCCESS) {
+      fprintf(stderr, "tilewave: %s\n", tw_last_error());
       return 2;
     }
+    base.hidden = p.hidden, base.ffn = p.ffn, base.experts = p.experts, base.topk = p.top_k;
   }
-
-  /* Points. */
-  twb_job job;
-  memset(&job, 0, sizeof job);
-  if (o.oracle) {
-    tw__oracle_point* m =
-        (tw__oracle_point*)calloc(TW__ORACLE_MAX_POINTS, sizeof(tw__oracle_point));
-    job.points = (twb_point*)calloc(TW__ORACLE_MAX_POINTS, sizeof(twb_point));
-    const int n = m && job.points ? tw__oracle_matrix(o.matrix, m, TW__ORACLE_MAX_POINTS) : -1;
-    for (int i = 0; i < n; i++) {
-      twb_point* pt = &job.points[i];
-      pt->hidden = m[i].hidden, pt->ffn = m[i].ffn, pt->experts = m[i].experts;
-      pt->topk = m[i].topk, pt->tokens = m[i].tokens, pt->router = m[i].router;
-      snprintf(pt->name, sizeof pt->name, "%s", m[i].name);
-      pt->index = i + 1;
-    }
-    free(m);
-    if (n < 0) {
-      free(job.points);
-      fprintf(stderr, "tilewave sweep: cannot build the %s matrix\n", o.matrix);
-      return 1;
-    }
-    job.npoints = n;
-    if (o.nonly > 0) {
-      /* --points: a subset, in the order given (indices as --list numbers them). */
-      twb_point* sub = (twb_point*)calloc((size_t)o.nonly, sizeof(twb_point));
-      if (sub == NULL) {
-        free(job.points);
-        return 1;
-      }
-      for (int i = 0; i < o.nonly; i++) {
-        if (o.only[i] > n) {
-          fprintf(stderr, "tilewave sweep: --points %d: the %s matrix has %d points\n", o.only[i],
-                  o.matrix, n);
-          free(sub);
-          free(job.points);
-          return 2;
+  if (o->hidden) base.hidden = o->hidden;
+  if (o->ffn) base.ffn = o->ffn;
+  if (o->experts) base.experts = o->experts;
+  if (o->topk) base.topk = o->topk;
+  if (o->router >= 0) base.router = o->router, base.router_param = o->router_param;
+  const int routers[3] = {TW_ROUTER_BALANCED, TW_ROUTER_MODERATE_SKEW, TW_ROUTER_STRESS_SKEW};
+  const int nrouters = o->full && o->router < 0 ? 3 : 1;
+  static const int default_tokens[2] = {8192, 16384};
+  const int* toks = o->ntokens ? o->tokens : default_tokens;
+  const int ntoks = o->ntokens ? o->ntokens : (shape_given || sweep ? 1 : 2);
+  const int grid = !shape_given && !sweep;
+  const int hs[2] = {4096, 8192}, es[5] = {4, 8, 16, 32, 64};
+  job->points = (twb_point*)calloc(64 + (size_t)ntoks * 2 * 5 * 3, sizeof(twb_point));
+  if (job->points == NULL) return 1;
+  for (int t = 0; t < ntoks; t++)
+    for (int h = 0; h < (grid ? 2 : 1); h++)
+      for (int e = 0; e < (grid ? 5 : 1); e++)
+        for (int r = 0; r < nrouters; r++) {
+          twb_point pt = base;
+          pt.tokens = toks[t];
+          if (grid) pt.hidden = hs[h], pt.experts = es[e];
+          if (nrouters > 1) pt.router = routers[r], pt.router_param = 0.0;
+          job->points[job->npoints++] = pt;
         }
-        sub[i] = job.points[o.only[i] - 1];
-      }
-      free(job.points);
-      job.points = sub;
-      job.npoints = o.nonly;
-    }
-    if (o.list) {
-      const int rc = twb_oracle_list(&o, job.points, job.npoints);
-      free(job.points);
-      return rc;
-    }
-  } else {
-    twb_point base = {4096, 2048, 16, 2, 8192, TW_ROUTER_BALANCED, 0.0, "", 0};
-    if (o.model) {
-      tw_problem p = TW_PROBLEM_INIT;
-      if (tw_problem_preset(o.model, &p) != TW_SUCCESS) {
-        fprintf(stderr, "tilewave: %s\n", tw_last_error());
-        return 2;
-      }
-      base.hidden = p.hidden, base.ffn = p.ffn, base.experts = p.experts, base.topk = p.top_k;
-    }
-    if (o.hidden) base.hidden = o.hidden;
-    if (o.ffn) base.ffn = o.ffn;
-    if (o.experts) base.experts = o.experts;
-    if (o.topk) base.topk = o.topk;
-    if (o.router >= 0) base.router = o.router, base.router_param = o.router_param;
-    const int routers[3] = {TW_ROUTER_BALANCED, TW_ROUTER_MODERATE_SKEW, TW_ROUTER_STRESS_SKEW};
-    const int nrouters = o.full && o.router < 0 ? 3 : 1;
-    int default_tokens[2] = {8192, 16384};
-    const int* toks = o.ntokens ? o.tokens : default_tokens;
-    int ntoks = o.ntokens ? o.ntokens : (shape_given || sweep ? 1 : 2);
-    const int grid = !shape_given && !sweep;
-    const int hs[2] = {4096, 8192}, es[5] = {4, 8, 16, 32, 64};
-    job.points = (twb_point*)calloc(64 + (size_t)ntoks * 2 * 5 * 3, sizeof(twb_point));
-    if (job.points == NULL) return 1;
-    for (int t = 0; t < ntoks; t++)
-      for (int h = 0; h < (grid ? 2 : 1); h++)
-        for (int e = 0; e < (grid ? 5 : 1); e++)
-          for (int r = 0; r < nrouters; r++) {
-            twb_point pt = base;
-            pt.tokens = toks[t];
-            if (grid) pt.hidden = hs[h], pt.experts = es[e];
-            if (nrouters > 1) pt.router = routers[r], pt.router_param = 0.0;
-            job.points[job.npoints++] = pt;
-          }
-  }
-  /* The add dataflow sums at most two rows per token (top-1 or top-2): other points are left
-   * out, said so, rather than failing the whole run at their context. */
+  return 0;
+}
+
+/* The add dataflow sums at most two rows per token (top-1 or top-2): other points are left out,
+ * said so, rather than failing the whole run at their context. Sets o->add. 0, or 2 (usage). */
+static int twb_keep_dataflow_points(twb_opts* o, twb_job* job, const char* cmd) {
   int32_t dataflow = TW_DATAFLOW_REDUCE;
   if (tw__dataflow_resolve("tilewave", TW_DATAFLOW_DEFAULT, &dataflow) != TW_SUCCESS) {
     fprintf(stderr, "tilewave: %s\n", tw_last_error());
-    free(job.points);
     return 2;
   }
-  o.add = dataflow == TW_DATAFLOW_ADD;
-  if (o.add) {
-    int kept = 0;
-    for (int i = 0; i < job.npoints; i++) {
-      if (job.points[i].topk <= 2) {
-        job.points[kept++] = job.points[i];
-        continue;
-      }
-      fprintf(
-          stderr,
-          "tilewave %s: point %d (top-%d) left out: the add dataflow runs top-1 and top-2 only\n",
-          argv[0], job.points[i].index > 0 ? job.points[i].index : i + 1, job.points[i].topk);
+  o->add = dataflow == TW_DATAFLOW_ADD;
+  if (!o->add) return 0;
+  int kept = 0;
+  for (int i = 0; i < job->npoints; i++) {
+    if (job->points[i].topk <= 2) {
+      job->points[kept++] = job->points[i];
+      continue;
     }
-    if (kept == 0) {
-      fprintf(stderr, "tilewave %s: no point is top-1 or top-2; use --dataflow reduce\n", argv[0]);
-      free(job.points);
-      return 2;
-    }
-    job.npoints = kept;
+    fprintf(stderr, "%s: point %d (top-%d) left out: the add dataflow runs top-1 and top-2 only\n",
+            cmd, job->points[i].index > 0 ? job->points[i].index : i + 1, job->points[i].topk);
   }
-  if (sweep && !o.oracle && job.npoints > 1) job.npoints = 1;
+  if (kept == 0) {
+    fprintf(stderr, "%s: no point is top-1 or top-2; use --dataflow reduce\n", cmd);
+    return 2;
+  }
+  job->npoints = kept;
+  return 0;
+}
+
+/* GPUs this process could use, without initialising CUDA in it: none where the machine has no
+ * NVIDIA device node (nothing forked), else counted in a short-lived child. */
+static int twb_gpus_present(void) {
+  if (access("/dev/nvidiactl", F_OK) != 0 && access("/dev/nvidia0", F_OK) != 0 &&
+      access("/dev/dxg", F_OK) != 0)
+    return 0;
+  const int n = tw__gpu_count_forked();
+  return n < 0 ? 0 : n;
+}
+
+/* The points of the command line (job->points, job->npoints): 0, 1 failure, 2 usage; on 0 with
+ * *done set the command has finished (sweep --oracle --list). */
+static int twb_points(twb_opts* o, int sweep, int shape_given, twb_job* job, const char* cmd,
+                      int* done) {
+  *done = 0;
+  int rc = o->oracle ? twb_matrix_points(o, job) : twb_shape_points(o, sweep, shape_given, job);
+  if (rc == 0 && o->oracle && o->list) {
+    *done = 1;
+    return twb_oracle_list(o, job->points, job->npoints);
+  }
+  if (rc == 0) rc = twb_keep_dataflow_points(o, job, cmd);
+  if (rc == 0 && sweep && !o->oracle && job->npoints > 1) job->npoints = 1;
+  return rc;
+}
+
+static int twb_main(int argc, char** argv, int sweep) {
+  const char* cmd = sweep ? "tilewave sweep" : "tilewave bench";
+  twb_opts o;
+  int shape_given = 0;
+  int rc = twb_parse(argc, argv, sweep, &o, &shape_given);
+  if (rc != 0) return rc == 1 ? 0 : rc;
+  rc = twb_check_opts(&o, sweep, shape_given, cmd);
+  if (rc != 0) return rc;
+
+  twb_job job;
+  memset(&job, 0, sizeof job);
+  int done = 0;
+  rc = twb_points(&o, sweep, shape_given, &job, cmd, &done);
+  if (rc != 0 || done) {
+    free(job.points);
+    return rc;
+  }
   job.o = o;
 
+  /* bench without the GPUs it needs (checked before anything forks or touches CUDA), or with
+   * --what-if: the planner's choices for the same points instead. */
   int nranks = o.ranks;
+  tw_launcher l;
+  const int launched = tw__launcher_detect(&l);
+  if (!sweep && (o.what_if || !launched)) {
+    const int need = o.ranks ? o.ranks : 2;
+    const int gpus = o.what_if ? -1 : twb_gpus_present();
+    if (o.what_if || gpus < need) {
+      char why[160];
+      if (o.what_if)
+        snprintf(why, sizeof why, "--what-if: no GPU is used");
+      else if (gpus == 0)
+        snprintf(why, sizeof why, "no GPU found");
+      else
+        snprintf(why, sizeof why, "%d GPU(s) found, the bench needs %d", gpus, need);
+      rc = twb_what_if(&o, job.points, job.npoints, need, why);
+      free(job.points);
+      return rc;
+    }
+    if (nranks == 0) nranks = gpus;
+  }
   if (nranks == 0) {
-    tw_launcher l;
-    if (tw__launcher_detect(&l)) {
+    if (launched) {
       nranks = l.nranks;
     } else {
-      nranks = tw__gpu_count_forked();
+      nranks = twb_gpus_present();
       if (nranks <= 0) {
-        fprintf(stderr, "tilewave %s: no CUDA device found; this command needs GPUs\n", argv[0]);
+        fprintf(stderr, "%s: no CUDA device found; this command needs GPUs\n", cmd);
         free(job.points);
         return 1;
       }
     }
   }
-  tw_status st = tw__run_ranks(nranks, twb_rank_main, &job, o.timeout_s);
+  const tw_status st = tw__run_ranks(nranks, twb_rank_main, &job, o.timeout_s);
   free(job.points);
   if (st != TW_SUCCESS) {
-    fprintf(stderr, "tilewave %s: %s: %s\n", argv[0], tw_status_string(st), tw_last_error());
+    fprintf(stderr, "%s: %s: %s\n", cmd, tw_status_string(st), tw_last_error());
     return 1;
   }
   return 0;
