@@ -164,14 +164,17 @@ bool planned_layout(Shape& sh, int tm, int tn, std::vector<int>& m, std::vector<
   return true;
 }
 
-int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) {
-  int tn = o.tn ? o.tn : (sh.n % 256 == 0 ? 256 : 128);
-  const int tm = o.tm;
-  std::vector<int> m(sh.experts), row0(sh.experts);
-  std::vector<tw_tile> tiles;
-  int r = 0, bands = 0;
+/* The layout of one shape: each expert's rows (m, row0), the tile list in execution order, the
+ * band count and the tile width (tn: --tile-n, else the planner's or --even's choice); the
+ * planned layout sets sh.rows (padding included). Returns false (with a message) if planning
+ * fails. */
+bool shape_layout(Shape& sh, const BenchOpts& o, int tm, int& tn, std::vector<int>& m,
+                  std::vector<int>& row0, std::vector<tw_tile>& tiles, int& bands) {
+  tn = o.tn ? o.tn : (sh.n % 256 == 0 ? 256 : 128);
+  int r = 0;
+  bands = 0;
   if (o.plan) {
-    if (!planned_layout(sh, tm, o.tn, m, row0, tiles, bands, tn)) return -1;
+    if (!planned_layout(sh, tm, o.tn, m, row0, tiles, bands, tn)) return false;
   }
   const int col_tiles = (sh.n + tn - 1) / tn;
   /* Even layout: expert e gets rows/E rows (the first rows % E experts one more), back to
@@ -185,7 +188,7 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
     int group = 1;
     if (tw__tile_group_resolve(&group) != TW_SUCCESS) {
       fprintf(stderr, "bench gemm: %s\n", tw_last_error());
-      return -1;
+      return false;
     }
     std::vector<tw_band> bl;
     for (int e = 0; e < sh.experts; e++) {
@@ -207,6 +210,46 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
     tiles.resize(bl.size() * col_tiles);
     tw__tiles_from_bands(bl.data(), bands, col_tiles, tn, group, -1, tiles.data());
   }
+  return true;
+}
+
+/* One table row: the calls' times (0: not timed), TFLOP/s, ratios and the check's count. */
+void print_row(const Shape& sh, const BenchOpts& o, int tn, const double* us, double tile_rows,
+               unsigned long long nwrong) {
+  const double flop = 2.0 * sh.rows * (double)sh.n * sh.k;
+  char cell[kNumCalls][32], vs_concat[16], vs_loop[16], wrong_s[24];
+  for (int c = 0; c < kNumCalls; c++) {
+    if (c == kOursSignals && us[c] > 0 && us[kOurs] > 0)
+      snprintf(cell[c], sizeof cell[c], "%7.1f %+5.1f%%", us[c],
+               100.0 * (us[c] - us[kOurs]) / us[kOurs]);
+    else if (c == kOursSignals)
+      snprintf(cell[c], sizeof cell[c], "%14s", "-");
+    else if (us[c] > 0)
+      snprintf(cell[c], sizeof cell[c], "%7.1f %5.0f", us[c], flop / us[c] * 1e-6);
+    else
+      snprintf(cell[c], sizeof cell[c], "%13s", "-");
+  }
+  auto speedup = [&](char* dst, size_t len, Call base) {
+    if (us[kOurs] > 0 && us[base] > 0)
+      snprintf(dst, len, "%5.2f", us[base] / us[kOurs]);
+    else
+      snprintf(dst, len, "%5s", "-");
+  };
+  speedup(vs_concat, sizeof vs_concat, kConcat);
+  speedup(vs_loop, sizeof vs_loop, kLoop);
+  snprintf(wrong_s, sizeof wrong_s, o.check ? "%llu" : "-", nwrong);
+  printf("| %5d | %4d | %4d | %2d | %3d | %s | %s | %s | %s | %s | %s | %5.3f | %s | %s |\n",
+         sh.rows, sh.k, sh.n, sh.experts, tn, cell[kOurs], cell[kOursSignals], cell[kLoop],
+         cell[kGrouped], cell[kConcat], vs_concat, tile_rows, vs_loop, wrong_s);
+}
+
+int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) {
+  const int tm = o.tm;
+  int tn = 0, bands = 0;
+  std::vector<int> m(sh.experts), row0(sh.experts);
+  std::vector<tw_tile> tiles;
+  if (!shape_layout(sh, o, tm, tn, m, row0, tiles, bands)) return -1;
+  const int col_tiles = (sh.n + tn - 1) / tn;
   /* Rows the tiles compute per column over the layout's rows: at equal speed per tile, the bound
    * on ours / concat that the experts' partial last bands set. */
   const double tile_rows = (double)tiles.size() * tm / col_tiles / sh.rows;
@@ -331,31 +374,7 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   for (int c = 0, i = 0; c < kNumCalls; c++)
     if (o.only >> c & 1) us[c] = timed[i++];
   BENCH_CUDA(cudaStreamSynchronize(s));
-  const double flop = 2.0 * sh.rows * (double)sh.n * sh.k;
-  char cell[kNumCalls][32], vs_concat[16], vs_loop[16], wrong_s[24];
-  for (int c = 0; c < kNumCalls; c++) {
-    if (c == kOursSignals && us[c] > 0 && us[kOurs] > 0)
-      snprintf(cell[c], sizeof cell[c], "%7.1f %+5.1f%%", us[c],
-               100.0 * (us[c] - us[kOurs]) / us[kOurs]);
-    else if (c == kOursSignals)
-      snprintf(cell[c], sizeof cell[c], "%14s", "-");
-    else if (us[c] > 0)
-      snprintf(cell[c], sizeof cell[c], "%7.1f %5.0f", us[c], flop / us[c] * 1e-6);
-    else
-      snprintf(cell[c], sizeof cell[c], "%13s", "-");
-  }
-  auto speedup = [&](char* dst, size_t len, Call base) {
-    if (us[kOurs] > 0 && us[base] > 0)
-      snprintf(dst, len, "%5.2f", us[base] / us[kOurs]);
-    else
-      snprintf(dst, len, "%5s", "-");
-  };
-  speedup(vs_concat, sizeof vs_concat, kConcat);
-  speedup(vs_loop, sizeof vs_loop, kLoop);
-  snprintf(wrong_s, sizeof wrong_s, o.check ? "%llu" : "-", nwrong);
-  printf("| %5d | %4d | %4d | %2d | %3d | %s | %s | %s | %s | %s | %s | %5.3f | %s | %s |\n",
-         sh.rows, sh.k, sh.n, sh.experts, tn, cell[kOurs], cell[kOursSignals], cell[kLoop],
-         cell[kGrouped], cell[kConcat], vs_concat, tile_rows, vs_loop, wrong_s);
+  print_row(sh, o, tn, us, tile_rows, nwrong);
   fflush(stdout);
   cudaFree(A);
   cudaFree(B);
