@@ -78,6 +78,12 @@ void tw__json_num(FILE* f, const char* fmt, double v) {
     fprintf(f, fmt, v);
 }
 
+const char* tw__json_fmt(char* buf, size_t size, const char* fmt, double v) {
+  if (!isfinite(v)) return "null";
+  snprintf(buf, size, fmt, v);
+  return buf;
+}
+
 void tw__json_key(FILE* f, const char* key, int first) {
   if (!first) fputs(", ", f);
   tw__json_str(f, key);

@@ -38,6 +38,8 @@ void tw__bench_stats_of(const float* v, int n, tw__bench_stats* s);
 void tw__json_str(FILE* f, const char* s);
 /* A number with a printf format for one double ("%.3f"); not finite: null. */
 void tw__json_num(FILE* f, const char* fmt, double v);
+/* The same into buf (for a "%s" in a larger format): buf, or "null" when v is not finite. */
+const char* tw__json_fmt(char* buf, size_t size, const char* fmt, double v);
 /* "key": then the value's writer follows; `first` 0 writes a ", " before it. */
 void tw__json_key(FILE* f, const char* key, int first);
 /* true / false. */

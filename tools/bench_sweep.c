@@ -14,6 +14,7 @@
 #include "baseline.h"
 #include "bench.h"
 #include "bench_common.h"
+#include "bench_stats.h"
 #include "checks.h"
 #include "cli.h"
 #include "core.h"
@@ -335,18 +336,21 @@ tw_status twb_sweep_point(twb_rank* s, const twb_opts* o, const twb_point* pt) {
   if (st == TW_SUCCESS && s->rank == 0) {
     FILE* js = o->json ? stdout : s->json_out;
     if (js) {
+      char jt[32], jr[32], je[32]; /* numbers that may be NaN or infinite: null in the JSON */
       fprintf(js,
               "{\"command\": \"sweep\", \"world_size\": %d, \"tokens_per_rank\": %d, \"ffn\": %d, "
               "\"hidden\": %d, \"experts\": %d, \"top_k\": %d, \"router\": \"%s\", \"seq_us\": "
               "%.2f,\n \"oracle\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f},\n "
-              "\"model\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f, \"predicted_us\": "
-              "%.2f, \"solve_us\": %.3f},\n \"regret\": %.4f, \"max_rel_err\": %.3e, \"pass\": "
+              "\"model\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %s, \"predicted_us\": "
+              "%.2f, \"solve_us\": %.3f},\n \"regret\": %s, \"max_rel_err\": %s, \"pass\": "
               "%s,\n \"solve_us\": {\"median\": %.3f, \"p99\": %.3f}, \"plan_create_us\": "
               "{\"median\": %.1f, \"p99\": %.1f}, \"solve_reps\": %d,\n \"configs\": [",
               s->world, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
               tw__cli_router_name(pt->router), sts[0].median, pols[best].c,
-              s->mgbs[pols[best].dplan], r->t_oracle, ms.comm_ctas, ms.coalesce, r->t_model,
-              ms.predicted_us, ms.solve_us, r->regret, (double)r->maxerr,
+              s->mgbs[pols[best].dplan], r->t_oracle, ms.comm_ctas, ms.coalesce,
+              tw__json_fmt(jt, sizeof jt, "%.2f", r->t_model), ms.predicted_us, ms.solve_us,
+              tw__json_fmt(jr, sizeof jr, "%.4f", r->regret),
+              tw__json_fmt(je, sizeof je, "%.3e", (double)r->maxerr),
               r->maxerr <= o->tol ? "true" : "false", r->solve_med, r->solve_p99, r->create_med,
               r->create_p99, r->solve_reps);
       twb_sweep_json_configs(js, s, r);
@@ -566,23 +570,26 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
     fflush(stdout);
   }
   if (js) {
+    char jt[32], jo[32], jr[32]; /* numbers that may be NaN: null in the JSON */
     fprintf(js,
             "%s  {\"index\": %d, \"workload\": \"%s\", \"tokens_per_rank\": %d, \"ffn\": %d, "
             "\"hidden\": %d, \"experts\": %d, \"top_k\": %d, \"router\": \"%s\",\n   "
             "\"oracle\": {\"comm_ctas\": %d, \"coalesce\": %d, \"us\": %.2f},\n   \"model\": "
             "{\"comm_ctas\": %d, \"coalesce\": %d, \"comm_ctas_min\": %d, \"comm_ctas_max\": "
-            "%d, \"coalesce_min\": %d, \"coalesce_max\": %d, \"us\": %.2f, \"predicted_us\": "
+            "%d, \"coalesce_min\": %d, \"coalesce_max\": %d, \"us\": %s, \"predicted_us\": "
             "%.2f, \"predicted_call_us\": %.2f, \"sequential_predicted_us\": %.2f, "
             "\"schedule\": \"%s\", "
-            "\"other_schedule_us\": %.2f},\n   \"regret\": %.5f, \"solve_us\": "
+            "\"other_schedule_us\": %s},\n   \"regret\": %s, \"solve_us\": "
             "{\"median\": %.3f, \"p99\": %.3f}, \"plan_create_us\": {\"median\": %.1f, \"p99\": "
             "%.1f}, \"solve_reps\": %d, \"max_rel_err\": %.3e, \"pass\": %s, \"seconds\": %.1f,"
             "\n   \"configs\": [",
             index ? ",\n" : "", pt->index, pt->name, pt->tokens, pt->ffn, pt->hidden, pt->experts,
             pt->topk, tw__cli_router_name(pt->router), b->c, s->mgbs[b->dplan], r->t_oracle,
             ms->comm_ctas, ms->coalesce, r->model_c_lo, r->model_c_hi, r->model_mgb_lo,
-            r->model_mgb_hi, r->t_model, ms->predicted_us, r->predicted_call, ms->sequential_us,
-            tw__cli_schedule_name(ms->schedule), r->t_other, r->regret, r->solve_med, r->solve_p99,
+            r->model_mgb_hi, tw__json_fmt(jt, sizeof jt, "%.2f", r->t_model), ms->predicted_us,
+            r->predicted_call, ms->sequential_us, tw__cli_schedule_name(ms->schedule),
+            tw__json_fmt(jo, sizeof jo, "%.2f", r->t_other),
+            tw__json_fmt(jr, sizeof jr, "%.5f", r->regret), r->solve_med, r->solve_p99,
             r->create_med, r->create_p99, r->solve_reps,
             r->maxerr < 1e30f ? (double)r->maxerr : 1e30, pass ? "true" : "false",
             tw__now_seconds() - t0);
@@ -738,10 +745,11 @@ void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pts,
     fflush(stdout);
   }
   if (js) {
+    char jfm[32], jfx[32]; /* no fixed candidate measured everywhere: NaN, null in the JSON */
     fprintf(js,
             "\n ],\n \"summary\": {\"points\": %d, \"failed\": %d, \"mean_regret\": %.5f, "
             "\"max_regret\": %.5f, \"max_regret_point\": %d, \"fixed\": {\"comm_ctas\": %d, "
-            "\"coalesce\": %d, \"mean_regret\": %.5f, \"max_regret\": %.5f}, \"model_slower\": %d, "
+            "\"coalesce\": %d, \"mean_regret\": %s, \"max_regret\": %s}, \"model_slower\": %d, "
             "\"model_slower_1pct\": %d, \"other_schedule_faster\": %d, "
             "\"other_schedule_faster_1pct\": %d, \"solve_us\": {\"median_of_medians\": %.3f, "
             "\"max_median\": %.3f, \"max_p99\": %.3f}, \"plan_create_us\": {\"median_of_medians\": "
@@ -749,11 +757,13 @@ void twb_oracle_summary(const twb_opts* o, int world, const twb_point* pts,
             "\"points\": %d, \"mean_regret\": %.5f, \"max_regret\": %.5f, \"max_regret_point\": "
             "%d}, \"seconds\": %.1f",
             n, acc->failed, ok ? sum.mean_regret : -1.0, ok ? sum.max_regret : -1.0,
-            ok ? pts[sum.max_regret_point].index : 0, fc, fm, sum.fixed_mean_regret,
-            sum.fixed_max_regret, sum.model_slower, sum.model_slower_1pct, sum.other_faster,
-            sum.other_faster_1pct, sm, smax, sp99, cm, cmaxv, cp99, o->confirm, cn,
-            cn > 0 ? csum / cn : -1.0, cn > 0 ? acc->regret_c[cmax_i] : -1.0,
-            cn > 0 ? pts[cmax_i].index : 0, tw__now_seconds() - acc->t_start);
+            ok ? pts[sum.max_regret_point].index : 0, fc, fm,
+            tw__json_fmt(jfm, sizeof jfm, "%.5f", sum.fixed_mean_regret),
+            tw__json_fmt(jfx, sizeof jfx, "%.5f", sum.fixed_max_regret), sum.model_slower,
+            sum.model_slower_1pct, sum.other_faster, sum.other_faster_1pct, sm, smax, sp99, cm,
+            cmaxv, cp99, o->confirm, cn, cn > 0 ? csum / cn : -1.0,
+            cn > 0 ? acc->regret_c[cmax_i] : -1.0, cn > 0 ? pts[cmax_i].index : 0,
+            tw__now_seconds() - acc->t_start);
     if (nvs > 0) {
       fprintf(js,
               ",\n  \"versus_fixed\": {\"comm_ctas\": %d, \"coalesce\": %d, \"rounds\": %d, "
