@@ -468,8 +468,8 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
   std::vector<Shape> shapes;
   if (o.rows || o.k || o.n || o.experts) {
     if (o.rows <= 0 || o.k <= 0 || o.n <= 0 || o.experts <= 0) {
-      fprintf(stderr, "bench gemm: give all of --rows, --k, --n, --experts (> 0)\n");
-      return 2;
+      return tw__cli_usage_error("tilewave bench gemm",
+                                 "one shape needs all of --rows, --ffn, --hidden and --experts");
     }
     shapes.push_back({o.rows, o.k, o.n, o.experts});
   } else {

@@ -7,7 +7,6 @@
  * form. Only the public API (tilewave.h) is used, as an application would.
  */
 #define _POSIX_C_SOURCE 200809L
-#include <stdarg.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -62,18 +61,6 @@ static void plan_usage(FILE* f) {
           "  --json                machine-readable output\n"
           "  --bench-solve [N]     time the decision N times (default 200): median, p99\n"
           "  --list-models         list the presets\n");
-}
-
-/* Usage errors: say what is wrong and what to pass, exit code 2. */
-static int plan_bad(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-static int plan_bad(const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  fprintf(stderr, "tilewave plan: ");
-  vfprintf(stderr, fmt, ap);
-  fprintf(stderr, "\n(tilewave plan --help lists the options)\n");
-  va_end(ap);
-  return 2;
 }
 
 static void plan_usage_cb(FILE* f, void* ctx) {
@@ -135,11 +122,13 @@ static int parse_args(int argc, char** argv, plan_opts* o) {
   o->router_param = router.param;
   o->router_name = router.name;
   if (o->model == NULL && (o->hidden == 0 || o->ffn == 0 || o->experts == 0 || o->topk == 0))
-    return plan_bad(
+    return tw__cli_usage_error(
+        "tilewave plan",
         "no problem shape: give --model NAME, or all of --hidden, --ffn, --experts "
         "and --topk");
   if (o->rank >= o->gpus)
-    return plan_bad("--rank %d must be below --ranks %d (ranks are 0..N-1)", o->rank, o->gpus);
+    return tw__cli_usage_error(
+        "tilewave plan", "--rank %d must be below --ranks %d (ranks are 0..N-1)", o->rank, o->gpus);
   return 0;
 }
 
@@ -411,8 +400,9 @@ int tw_cli_plan(int argc, char** argv) {
   if (o.model != NULL) {
     st = tw_problem_preset(o.model, &prob);
     if (st != TW_SUCCESS)
-      return plan_bad("--model: '%s' is not a preset; tilewave plan --list-models lists them",
-                      o.model);
+      return tw__cli_usage_error(
+          "tilewave plan", "--model: '%s' is not a preset; tilewave plan --list-models lists them",
+          o.model);
   }
   if (o.hidden) prob.hidden = o.hidden;
   if (o.ffn) prob.ffn = o.ffn;
