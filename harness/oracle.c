@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench_stats.h"
 #include "tilewave.h"
 
 static int tw__oracle_add(tw__oracle_point* out, int cap, int* n, const char* name, int hidden,
@@ -92,24 +93,15 @@ int tw__oracle_matrix(const char* which, tw__oracle_point* out, int cap) {
   return -1;
 }
 
-static int tw__oracle_cmp(const void* a, const void* b) {
-  const double x = *(const double*)a, y = *(const double*)b;
-  return x < y ? -1 : x > y ? 1 : 0;
-}
-
 double tw__oracle_percentile(double* v, int n, double q) {
-  if (v == NULL || n < 1) return NAN;
-  qsort(v, (size_t)n, sizeof *v, tw__oracle_cmp);
-  const double pos = q * (double)(n - 1);
-  const int lo = (int)pos, hi = lo + 1 < n ? lo + 1 : lo;
-  return v[lo] + (pos - lo) * (v[hi] - v[lo]);
+  return tw__stats_percentile(v, n, q); /* the one definition (harness/bench_stats.c) */
 }
 
 double tw__oracle_median_ci(double* v, int n, double conf, double* median, double* lo, double* hi) {
   if (median == NULL || lo == NULL || hi == NULL) return NAN;
   *median = *lo = *hi = NAN;
   if (v == NULL || n < 1 || !(conf > 0 && conf < 1)) return NAN;
-  *median = tw__oracle_percentile(v, n, 0.5);
+  *median = tw__stats_median(v, n);
   /* cdf = P(B <= j - 1) for B ~ Binomial(n, 1/2), grown one term at a time; the interval
    * [v_(k), v_(n+1-k)] misses the median with probability 2 P(B <= k - 1). */
   const double tail = 0.5 * (1.0 - conf);

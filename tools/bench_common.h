@@ -1,7 +1,7 @@
 /*
- * bench_common.h: what `tilewave bench` and `tilewave sweep` share: sample statistics, a device
- * delay that lets the host finish enqueuing a policy before its timed region starts, and
- * command-line number parsing.
+ * bench_common.h: what `tilewave bench` and `tilewave sweep` share: a device delay that lets the
+ * host finish enqueuing a policy before its timed region starts (the statistics are in
+ * harness/bench_stats.h, the command-line numbers in cli_args.h).
  */
 #ifndef TW_BENCH_COMMON_H
 #define TW_BENCH_COMMON_H
@@ -9,29 +9,17 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "bench_stats.h" /* tw__bench_stats, tw__bench_stats_of (harness/) */
 #include "tilewave.h"
 
 #ifdef __cplusplus
 extern "C" {
 #endif
 
-/* Order statistics of one policy's samples (microseconds). */
-typedef struct tw__bench_stats {
-  double median, p10, p90, min, mean;
-  int n;
-} tw__bench_stats;
-
-/* Sorts a copy of v[0..n) and fills *s; n == 0 gives all zeros. */
-void tw__bench_stats_of(const float* v, int n, tw__bench_stats* s);
-
 /* Enqueues a kernel on `stream` that spins for `us` microseconds on one SM (globaltimer): the host
  * enqueues the timed work while it spins, so that host launch cost that overlaps device work in a
  * real pipeline does not count, and launch cost that does not overlap still does. */
 tw_status tw__bench_delay(cudaStream_t stream, int us);
-
-/* Strict number parsing for flags: the whole string must be a number within [lo, hi]. */
-int tw__bench_parse_int(const char* s, long lo, long hi, long* out);
-int tw__bench_parse_double(const char* s, double* out);
 
 #ifdef __cplusplus
 }

@@ -23,6 +23,7 @@
 
 #include "bench_common.h"
 #include "cli.h"
+#include "cli_args.h"
 #include "core.h"
 #include "kernels.h"
 #include "plan.h"
@@ -86,9 +87,9 @@ __global__ void bench_compare(const __nv_bfloat16* a, const __nv_bfloat16* b, si
   if (local) atomicAdd(wrong, local);
 }
 
-double median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : (double)v[v.size() / 2];
+/* The mean of the two middle values for an even count (harness/bench_stats.h), 0 for none. */
+double median(const std::vector<float>& v) {
+  return v.empty() ? 0.0 : tw__stats_percentile_f(v.data(), (int)v.size(), 0.5);
 }
 
 /* Times the functions of `fns` (each returns 0 on success) interleaved rep by rep, so that
@@ -163,14 +164,17 @@ bool planned_layout(Shape& sh, int tm, int tn, std::vector<int>& m, std::vector<
   return true;
 }
 
-int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) {
-  int tn = o.tn ? o.tn : (sh.n % 256 == 0 ? 256 : 128);
-  const int tm = o.tm;
-  std::vector<int> m(sh.experts), row0(sh.experts);
-  std::vector<tw_tile> tiles;
-  int r = 0, bands = 0;
+/* The layout of one shape: each expert's rows (m, row0), the tile list in execution order, the
+ * band count and the tile width (tn: --tile-n, else the planner's or --even's choice); the
+ * planned layout sets sh.rows (padding included). Returns false (with a message) if planning
+ * fails. */
+bool shape_layout(Shape& sh, const BenchOpts& o, int tm, int& tn, std::vector<int>& m,
+                  std::vector<int>& row0, std::vector<tw_tile>& tiles, int& bands) {
+  tn = o.tn ? o.tn : (sh.n % 256 == 0 ? 256 : 128);
+  int r = 0;
+  bands = 0;
   if (o.plan) {
-    if (!planned_layout(sh, tm, o.tn, m, row0, tiles, bands, tn)) return -1;
+    if (!planned_layout(sh, tm, o.tn, m, row0, tiles, bands, tn)) return false;
   }
   const int col_tiles = (sh.n + tn - 1) / tn;
   /* Even layout: expert e gets rows/E rows (the first rows % E experts one more), back to
@@ -184,7 +188,7 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
     int group = 1;
     if (tw__tile_group_resolve(&group) != TW_SUCCESS) {
       fprintf(stderr, "bench gemm: %s\n", tw_last_error());
-      return -1;
+      return false;
     }
     std::vector<tw_band> bl;
     for (int e = 0; e < sh.experts; e++) {
@@ -206,6 +210,46 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
     tiles.resize(bl.size() * col_tiles);
     tw__tiles_from_bands(bl.data(), bands, col_tiles, tn, group, -1, tiles.data());
   }
+  return true;
+}
+
+/* One table row: the calls' times (0: not timed), TFLOP/s, ratios and the check's count. */
+void print_row(const Shape& sh, const BenchOpts& o, int tn, const double* us, double tile_rows,
+               unsigned long long nwrong) {
+  const double flop = 2.0 * sh.rows * (double)sh.n * sh.k;
+  char cell[kNumCalls][32], vs_concat[16], vs_loop[16], wrong_s[24];
+  for (int c = 0; c < kNumCalls; c++) {
+    if (c == kOursSignals && us[c] > 0 && us[kOurs] > 0)
+      snprintf(cell[c], sizeof cell[c], "%7.1f %+5.1f%%", us[c],
+               100.0 * (us[c] - us[kOurs]) / us[kOurs]);
+    else if (c == kOursSignals)
+      snprintf(cell[c], sizeof cell[c], "%14s", "-");
+    else if (us[c] > 0)
+      snprintf(cell[c], sizeof cell[c], "%7.1f %5.0f", us[c], flop / us[c] * 1e-6);
+    else
+      snprintf(cell[c], sizeof cell[c], "%13s", "-");
+  }
+  auto speedup = [&](char* dst, size_t len, Call base) {
+    if (us[kOurs] > 0 && us[base] > 0)
+      snprintf(dst, len, "%5.2f", us[base] / us[kOurs]);
+    else
+      snprintf(dst, len, "%5s", "-");
+  };
+  speedup(vs_concat, sizeof vs_concat, kConcat);
+  speedup(vs_loop, sizeof vs_loop, kLoop);
+  snprintf(wrong_s, sizeof wrong_s, o.check ? "%llu" : "-", nwrong);
+  printf("| %5d | %4d | %4d | %2d | %3d | %s | %s | %s | %s | %s | %s | %5.3f | %s | %s |\n",
+         sh.rows, sh.k, sh.n, sh.experts, tn, cell[kOurs], cell[kOursSignals], cell[kLoop],
+         cell[kGrouped], cell[kConcat], vs_concat, tile_rows, vs_loop, wrong_s);
+}
+
+int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) {
+  const int tm = o.tm;
+  int tn = 0, bands = 0;
+  std::vector<int> m(sh.experts), row0(sh.experts);
+  std::vector<tw_tile> tiles;
+  if (!shape_layout(sh, o, tm, tn, m, row0, tiles, bands)) return -1;
+  const int col_tiles = (sh.n + tn - 1) / tn;
   /* Rows the tiles compute per column over the layout's rows: at equal speed per tile, the bound
    * on ours / concat that the experts' partial last bands set. */
   const double tile_rows = (double)tiles.size() * tm / col_tiles / sh.rows;
@@ -232,21 +276,13 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   BENCH_CUDA(cudaGetLastError());
 
   tw_gemm_args g;
-  memset(&g, 0, sizeof g);
-  g.a = A;
-  g.b = B;
-  g.c = C;
-  g.rows = sh.rows;
-  g.k = sh.k;
-  g.n = sh.n;
-  g.experts = sh.experts;
-  g.tiles = dtiles;
-  g.num_tiles = (int)tiles.size();
-  g.tm = tm;
-  g.tn = tn;
-  g.grid = o.grid;
+  const tw_gemm_shape gs = {sh.rows, sh.k, sh.n, sh.experts, tm, tn};
+  if (tw__gemm_args_init(&g, &gs, A, B, C, dtiles, (int)tiles.size(), o.grid, TW_SIGNAL_NONE,
+                         nullptr) != TW_SUCCESS) {
+    fprintf(stderr, "bench gemm: %s\n", tw_last_error());
+    return -1;
+  }
   g.variant = o.variant;
-  g.epilogue = TW_EPILOGUE_STORE;
   tw_gemm_args g_sig = g;
   g_sig.scope = TW_SIGNAL_GPU;
   g_sig.band_counters = counters;
@@ -338,31 +374,7 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   for (int c = 0, i = 0; c < kNumCalls; c++)
     if (o.only >> c & 1) us[c] = timed[i++];
   BENCH_CUDA(cudaStreamSynchronize(s));
-  const double flop = 2.0 * sh.rows * (double)sh.n * sh.k;
-  char cell[kNumCalls][32], vs_concat[16], vs_loop[16], wrong_s[24];
-  for (int c = 0; c < kNumCalls; c++) {
-    if (c == kOursSignals && us[c] > 0 && us[kOurs] > 0)
-      snprintf(cell[c], sizeof cell[c], "%7.1f %+5.1f%%", us[c],
-               100.0 * (us[c] - us[kOurs]) / us[kOurs]);
-    else if (c == kOursSignals)
-      snprintf(cell[c], sizeof cell[c], "%14s", "-");
-    else if (us[c] > 0)
-      snprintf(cell[c], sizeof cell[c], "%7.1f %5.0f", us[c], flop / us[c] * 1e-6);
-    else
-      snprintf(cell[c], sizeof cell[c], "%13s", "-");
-  }
-  auto speedup = [&](char* dst, size_t len, Call base) {
-    if (us[kOurs] > 0 && us[base] > 0)
-      snprintf(dst, len, "%5.2f", us[base] / us[kOurs]);
-    else
-      snprintf(dst, len, "%5s", "-");
-  };
-  speedup(vs_concat, sizeof vs_concat, kConcat);
-  speedup(vs_loop, sizeof vs_loop, kLoop);
-  snprintf(wrong_s, sizeof wrong_s, o.check ? "%llu" : "-", nwrong);
-  printf("| %5d | %4d | %4d | %2d | %3d | %s | %s | %s | %s | %s | %s | %5.3f | %s | %s |\n",
-         sh.rows, sh.k, sh.n, sh.experts, tn, cell[kOurs], cell[kOursSignals], cell[kLoop],
-         cell[kGrouped], cell[kConcat], vs_concat, tile_rows, vs_loop, wrong_s);
+  print_row(sh, o, tn, us, tile_rows, nwrong);
   fflush(stdout);
   cudaFree(A);
   cudaFree(B);
@@ -378,12 +390,14 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
 void usage(FILE* f) {
   fprintf(
       f,
-      "usage: tilewave bench gemm [--rows R --k K --n N --experts E] [--tm 128] [--tn 0]\n"
-      "                           [--grid P] [--variant V] [--reps 20] [--warmup 3] "
-      "[--delay-us 0] [--no-check] [--even | --regroup]\n"
+      "usage: tilewave bench gemm [--rows R --ffn F --hidden H --experts E] [--tile-m 128]\n"
+      "                           [--tile-n TN] [--grid P] [--variant V] [--iters 20]\n"
+      "                           [--warmup 3] [--delay-us 0] [--no-check] [--even | --regroup]\n"
       "                           [--only ours,signals,loop,grouped,concat]\n"
-      "Without a shape, runs the default grid: rows 16384 and 32768, K 2048, N 4096 and\n"
-      "8192, E 4..64, and rows 8192, K 1408, N 2048, E 30. Layout: the planner's for rank 0\n"
+      "GEMM2 of R rows: K = --ffn F, N = --hidden H (aliases --k, --n; --tm, --tn for\n"
+      "--tile-m, --tile-n; --reps for --iters). --tile-n: default the planner's choice.\n"
+      "Without a shape, runs the default grid: rows 16384 and 32768, F 2048, H 4096 and\n"
+      "8192, E 4..64, and rows 8192, F 1408, H 2048, E 30. Layout: the planner's for rank 0\n"
       "of 2 ranks, balanced top-2 routing (rows include its padding), its tile order.\n"
       "--even: rows/E rows an expert (whole bands where E divides rows by 128); --even and\n"
       "--regroup (the planned rows): tiles grouped per expert, one pass over its weights.\n"
@@ -399,19 +413,26 @@ void usage(FILE* f) {
 
 }  // namespace
 
-/* "ours,concat" -> the mask of those calls; false on an unknown or empty name. */
-static bool parse_only(const char* list, unsigned* mask) {
+static void usage_cb(FILE* f, void*) {
+  usage(f);
+}
+
+/* --only "ours,concat" -> the mask of those calls (dst: unsigned); NULL, or what to give on an
+ * unknown or empty name. */
+static const char* parse_only(const char* list, void* dst) {
+  unsigned* mask = (unsigned*)dst;
+  static const char* want = "a comma-separated subset of ours,signals,loop,grouped,concat";
   *mask = 0;
   for (const char* p = list; *p;) {
     const char* end = strchr(p, ',');
     size_t len = end ? (size_t)(end - p) : strlen(p);
     int c = 0;
     while (c < kNumCalls && !(strlen(kCallNames[c]) == len && !strncmp(p, kCallNames[c], len))) c++;
-    if (c == kNumCalls) return false;
+    if (c == kNumCalls) return want;
     *mask |= 1u << c;
     p += len + (end != nullptr);
   }
-  return *mask != 0;
+  return *mask != 0 ? nullptr : want;
 }
 
 extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
@@ -421,66 +442,34 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
     fprintf(stderr, "%s\n", tw_last_error());
     return 2;
   }
-  for (int i = 1; i < argc; i++) {
-    const char* a = argv[i];
-    const bool has = i + 1 < argc;
-    int* dst = nullptr;
-    if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
-      usage(stdout);
-      return 0;
-    } else if (!strcmp(a, "--no-check")) {
-      o.check = 0;
-      continue;
-    } else if (!strcmp(a, "--only") && has) {
-      if (!parse_only(argv[++i], &o.only)) {
-        fprintf(stderr,
-                "bench gemm: --only '%s': give a comma-separated subset of "
-                "ours,signals,loop,grouped,concat\n",
-                argv[i]);
-        return 2;
-      }
-      continue;
-    } else if (!strcmp(a, "--even")) {
-      o.plan = 0;
-      continue;
-    } else if (!strcmp(a, "--regroup")) {
-      o.regroup = 1;
-      continue;
-    } else if (!strcmp(a, "--rows")) {
-      dst = &o.rows;
-    } else if (!strcmp(a, "--k")) {
-      dst = &o.k;
-    } else if (!strcmp(a, "--n")) {
-      dst = &o.n;
-    } else if (!strcmp(a, "--experts")) {
-      dst = &o.experts;
-    } else if (!strcmp(a, "--tm")) {
-      dst = &o.tm;
-    } else if (!strcmp(a, "--tn")) {
-      dst = &o.tn;
-    } else if (!strcmp(a, "--grid")) {
-      dst = &o.grid;
-    } else if (!strcmp(a, "--variant")) {
-      dst = &o.variant;
-    } else if (!strcmp(a, "--reps")) {
-      dst = &o.reps;
-    } else if (!strcmp(a, "--warmup")) {
-      dst = &o.warmup;
-    } else if (!strcmp(a, "--delay-us")) {
-      dst = &o.delay_us;
-    }
-    if (dst == nullptr || !has) {
-      fprintf(stderr, "bench gemm: unknown or incomplete option '%s'\n", a);
-      usage(stderr);
-      return 2;
-    }
-    *dst = atoi(argv[++i]);
-  }
+  int no_check = 0, even = 0;
+  tw_cli_arg args[] = {
+      tw__cli_int("--rows", &o.rows, 1, TW_CLI_TOKENS_MAX),
+      tw__cli_alias(tw__cli_ffn(&o.k), "--k"),
+      tw__cli_alias(tw__cli_hidden(&o.n), "--n"),
+      tw__cli_experts(&o.experts),
+      tw__cli_alias(tw__cli_tile_m(&o.tm), "--tm"),
+      tw__cli_alias(tw__cli_tile_n(&o.tn), "--tn"),
+      tw__cli_int("--grid", &o.grid, 0, 1 << 16),
+      tw__cli_int("--variant", &o.variant, 0, 5),
+      tw__cli_alias(tw__cli_iters(&o.reps), "--reps"),
+      tw__cli_warmup(&o.warmup),
+      tw__cli_delay_us(&o.delay_us),
+      tw__cli_bool("--no-check", &no_check),
+      tw__cli_custom("--only", &o.only, parse_only),
+      tw__cli_bool("--even", &even),
+      tw__cli_bool("--regroup", &o.regroup),
+  };
+  const int rc_args = tw__cli_parse("tilewave bench gemm", argc, argv, args,
+                                    (int)(sizeof args / sizeof args[0]), usage_cb, nullptr);
+  if (rc_args != 0) return rc_args == 1 ? 0 : rc_args;
+  if (no_check) o.check = 0;
+  if (even) o.plan = 0;
   std::vector<Shape> shapes;
   if (o.rows || o.k || o.n || o.experts) {
     if (o.rows <= 0 || o.k <= 0 || o.n <= 0 || o.experts <= 0) {
-      fprintf(stderr, "bench gemm: give all of --rows, --k, --n, --experts (> 0)\n");
-      return 2;
+      return tw__cli_usage_error("tilewave bench gemm",
+                                 "one shape needs all of --rows, --ffn, --hidden and --experts");
     }
     shapes.push_back({o.rows, o.k, o.n, o.experts});
   } else {
@@ -488,11 +477,6 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
       for (int n : {4096, 8192})
         for (int e : {4, 8, 16, 32, 64}) shapes.push_back({rows, 2048, n, e});
     shapes.push_back({8192, 1408, 2048, 30});
-  }
-  if (o.reps < 1) o.reps = 1;
-  if (o.delay_us < 0 || o.delay_us > 1000000) {
-    fprintf(stderr, "bench gemm: --delay-us %d; give 0..1000000\n", o.delay_us);
-    return 2;
   }
   int dev = 0;
   cudaDeviceProp prop;

@@ -7,8 +7,6 @@
  * form. Only the public API (tilewave.h) is used, as an application would.
  */
 #define _POSIX_C_SOURCE 200809L
-#include <errno.h>
-#include <stdarg.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -16,7 +14,9 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_stats.h"
 #include "cli.h"
+#include "cli_args.h"
 #include "plan.h" /* the dataflow and schedule names, the dataflow the plans were predicted for */
 #include "tilewave.h"
 
@@ -44,8 +44,8 @@ static void plan_usage(FILE* f) {
           "usage: tilewave plan [options]\n"
           "  --model NAME          preset (see --list-models), or give the shape with:\n"
           "  --hidden H --ffn F --experts E --topk K\n"
-          "  --tokens N            tokens per rank (default 8192)\n"
-          "  --gpus W              ranks (default 2)\n"
+          "  --tokens T            tokens per rank (default 8192)\n"
+          "  --ranks N             ranks, the world size (default 2; alias --gpus)\n"
           "  --router R            balanced | moderate_skew | stress_skew | target:RATIO "
           "(default balanced)\n"
           "  --seed S              routing seed (default 1)\n"
@@ -63,166 +63,72 @@ static void plan_usage(FILE* f) {
           "  --list-models         list the presets\n");
 }
 
-/* Usage errors: say what is wrong and what to pass, exit code 2. */
-static int plan_bad(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-static int plan_bad(const char* fmt, ...) {
-  va_list ap;
-  va_start(ap, fmt);
-  fprintf(stderr, "tilewave plan: ");
-  vfprintf(stderr, fmt, ap);
-  fprintf(stderr, "\n(tilewave plan --help lists the options)\n");
-  va_end(ap);
-  return 2;
+static void plan_usage_cb(FILE* f, void* ctx) {
+  (void)ctx;
+  plan_usage(f);
 }
 
-/* A JSON string value (or null). */
-static void json_str(const char* s) {
-  if (s == NULL) {
-    printf("null");
-    return;
+static void list_models(void) {
+  for (int p = 0; p < tw_preset_count(); p++) {
+    tw_problem pr = TW_PROBLEM_INIT;
+    if (tw_problem_preset(tw_preset_name(p), &pr) != TW_SUCCESS) continue;
+    printf("%-22s hidden %5d  ffn %5d  experts %3d  top-k %d\n", tw_preset_name(p), pr.hidden,
+           pr.ffn, pr.experts, pr.top_k);
   }
-  putchar('"');
-  for (; *s; s++) {
-    unsigned char ch = (unsigned char)*s;
-    if (ch == '"' || ch == '\\')
-      printf("\\%c", ch);
-    else if (ch < 0x20)
-      printf("\\u%04x", ch);
-    else
-      putchar(ch);
-  }
-  putchar('"');
 }
 
-static int parse_i32(const char* s, int32_t lo, int32_t hi, int32_t* out) {
-  char* end = NULL;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (s[0] == '\0' || *end != '\0' || errno != 0 || v < lo || v > hi) return 0;
-  *out = (int32_t)v;
-  return 1;
-}
-
+/* 0: parsed; 1: done (help or the model list printed); 2: usage error. */
 static int parse_args(int argc, char** argv, plan_opts* o) {
   memset(o, 0, sizeof *o);
   o->tokens = 8192;
   o->gpus = 2;
-  o->router = TW_ROUTER_BALANCED;
-  o->router_name = "balanced";
-  o->seed = 1;
-  for (int i = 1; i < argc; i++) {
-    const char* a = argv[i];
-    const char* v = i + 1 < argc ? argv[i + 1] : NULL;
-#define NEED_VALUE                                         \
-  do {                                                     \
-    if (v == NULL) return plan_bad("%s needs a value", a); \
-    i++;                                                   \
-  } while (0)
-#define INT_FLAG(name, field, lo, hi)                                            \
-  if (strcmp(a, name) == 0) {                                                    \
-    NEED_VALUE;                                                                  \
-    if (!parse_i32(v, lo, hi, &o->field))                                        \
-      return plan_bad("%s: give an integer in %d..%d (got '%s')", a, lo, hi, v); \
-    continue;                                                                    \
+  int64_t seed = 1;
+  int list = 0;
+  tw_cli_router router = {TW_ROUTER_BALANCED, 0.0, "balanced"};
+  tw_cli_arg args[] = {
+      tw__cli_string("--model", &o->model),
+      tw__cli_hidden(&o->hidden),
+      tw__cli_ffn(&o->ffn),
+      tw__cli_experts(&o->experts),
+      tw__cli_topk(&o->topk),
+      tw__cli_tokens(&o->tokens),
+      tw__cli_ranks(&o->gpus),
+      tw__cli_router_arg(&router),
+      tw__cli_seed(&seed),
+      tw__cli_string("--routing", &o->routing_file),
+      tw__cli_int("--rank", &o->rank, 0, TW_MAX_RANKS - 1),
+      tw__cli_bool("--all-ranks", &o->all_ranks),
+      tw__cli_tile_m(&o->tile_m),
+      tw__cli_tile_n(&o->tile_n),
+      tw__cli_comm_ctas(&o->comm_ctas),
+      tw__cli_coalesce(&o->coalesce),
+      tw__cli_schedule(&o->schedule),
+      tw__cli_dataflow(&o->dataflow),
+      tw__cli_string("--calibration", &o->calibration),
+      tw__cli_json(&o->json),
+      tw__cli_int("--bench-solve", &o->bench_solve, 1, 1000000),
+      tw__cli_bool("--list-models", &list),
+  };
+  const int nargs = (int)(sizeof args / sizeof args[0]);
+  args[nargs - 2].has_optional = 1, args[nargs - 2].optional_value = 200;
+  int rc = tw__cli_parse("tilewave plan", argc, argv, args, nargs, plan_usage_cb, NULL);
+  if (rc != 0) return rc;
+  if (list) {
+    list_models();
+    return 1;
   }
-    if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-      plan_usage(stdout);
-      return 1;
-    }
-    if (strcmp(a, "--list-models") == 0) {
-      for (int p = 0; p < tw_preset_count(); p++) {
-        tw_problem pr = TW_PROBLEM_INIT;
-        if (tw_problem_preset(tw_preset_name(p), &pr) != TW_SUCCESS) continue;
-        printf("%-22s hidden %5d  ffn %5d  experts %3d  top-k %d\n", tw_preset_name(p), pr.hidden,
-               pr.ffn, pr.experts, pr.top_k);
-      }
-      return 1;
-    }
-    if (strcmp(a, "--json") == 0) {
-      o->json = 1;
-      continue;
-    }
-    if (strcmp(a, "--all-ranks") == 0) {
-      o->all_ranks = 1;
-      continue;
-    }
-    if (strcmp(a, "--bench-solve") == 0) {
-      o->bench_solve = 200;
-      if (v != NULL && v[0] != '-') {
-        i++;
-        if (!parse_i32(v, 1, 1000000, &o->bench_solve))
-          return plan_bad("--bench-solve: give a repetition count in 1..1000000 (got '%s')", v);
-      }
-      continue;
-    }
-#define STR_FLAG(name, field) \
-  if (strcmp(a, name) == 0) { \
-    NEED_VALUE;               \
-    o->field = v;             \
-    continue;                 \
-  }
-    STR_FLAG("--model", model)
-    STR_FLAG("--calibration", calibration)
-    STR_FLAG("--routing", routing_file)
-#undef STR_FLAG
-    if (strcmp(a, "--seed") == 0) {
-      NEED_VALUE;
-      char* end = NULL;
-      errno = 0;
-      unsigned long long s = strtoull(v, &end, 0);
-      if (v[0] == '\0' || v[0] == '-' || *end != '\0' || errno != 0)
-        return plan_bad("--seed: give a non-negative integer (got '%s')", v);
-      o->seed = (uint64_t)s;
-      continue;
-    }
-    if (strcmp(a, "--schedule") == 0) {
-      NEED_VALUE;
-      o->schedule = tw__schedule_parse(v);
-      if (o->schedule < 0)
-        return plan_bad(
-            "--schedule: '%s' is not a schedule; use auto, remote-first or expert-major", v);
-      continue;
-    }
-    if (strcmp(a, "--dataflow") == 0) {
-      NEED_VALUE;
-      o->dataflow = tw__dataflow_parse(v);
-      if (o->dataflow < 0)
-        return plan_bad("--dataflow: '%s' is not a dataflow; use reduce or add", v);
-      continue;
-    }
-    if (strcmp(a, "--router") == 0) {
-      NEED_VALUE;
-      o->router_name = v;
-      int router = 0;
-      if (!tw__cli_parse_router(v, &router, &o->router_param))
-        return plan_bad(
-            "--router: '%s' is not a router; use balanced, moderate_skew, stress_skew or "
-            "target:R with R >= 1 (the target R_expert)",
-            v);
-      o->router = (tw_router)router;
-      continue;
-    }
-    INT_FLAG("--hidden", hidden, 1, 1 << 20)
-    INT_FLAG("--ffn", ffn, 1, 1 << 20)
-    INT_FLAG("--experts", experts, 1, 1 << 16)
-    INT_FLAG("--topk", topk, 1, 1 << 16)
-    INT_FLAG("--tokens", tokens, 1, 1 << 26)
-    INT_FLAG("--gpus", gpus, 1, 1024)
-    INT_FLAG("--rank", rank, 0, 1023)
-    INT_FLAG("--tile-m", tile_m, 1, 1024)
-    INT_FLAG("--tile-n", tile_n, 1, 1024)
-    INT_FLAG("--comm-ctas", comm_ctas, 1, 1 << 16)
-    INT_FLAG("--coalesce", coalesce, 1, 1 << 16)
-#undef INT_FLAG
-#undef NEED_VALUE
-    return plan_bad("unknown option '%s'", a);
-  }
+  o->seed = (uint64_t)seed;
+  o->router = (tw_router)router.router;
+  o->router_param = router.param;
+  o->router_name = router.name;
   if (o->model == NULL && (o->hidden == 0 || o->ffn == 0 || o->experts == 0 || o->topk == 0))
-    return plan_bad(
+    return tw__cli_usage_error(
+        "tilewave plan",
         "no problem shape: give --model NAME, or all of --hidden, --ffn, --experts "
         "and --topk");
   if (o->rank >= o->gpus)
-    return plan_bad("--rank %d must be below --gpus %d (ranks are 0..W-1)", o->rank, o->gpus);
+    return tw__cli_usage_error(
+        "tilewave plan", "--rank %d must be below --ranks %d (ranks are 0..N-1)", o->rank, o->gpus);
   return 0;
 }
 
@@ -241,17 +147,10 @@ static double now_s(void) {
   return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-static int cmp_double(const void* a, const void* b) {
-  double x = *(const double*)a, y = *(const double*)b;
-  return (x > y) - (x < y);
-}
-
-/* Median and 99th percentile (nearest rank) of n samples; sorts them. */
+/* Median and 99th percentile of n samples (harness/bench_stats.h: interpolated); sorts them. */
 static void med_p99(double* v, int n, double* med, double* p99) {
-  qsort(v, (size_t)n, sizeof *v, cmp_double);
-  *med = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-  int k = (int)ceil(0.99 * n) - 1;
-  *p99 = v[k < 0 ? 0 : k];
+  *med = tw__stats_median(v, n);
+  *p99 = tw__stats_percentile(v, n, 0.99);
 }
 
 typedef struct rank_result {
@@ -353,6 +252,144 @@ static void print_problem(const plan_opts* o, const tw_problem* p) {
     printf("auto (%d)\n", p->hidden >= 2048 ? 256 : 128);
 }
 
+/* What tw_cli_plan computed, for its two printers. */
+typedef struct plan_out {
+  const plan_opts* o;
+  tw_problem prob;
+  tw_hardware hw;
+  const char* calib; /* the calibration file read, or NULL */
+  tw_routing_stats rs;
+  const int64_t* rank_rows;
+  const rank_result* res; /* (nr) ranks r0.. */
+  int32_t nr, r0;
+  const char* dataflow_name;
+  double ep_med, ep_p99, tp_med, tp_p99; /* --bench-solve */
+  int32_t tp_c, tp_n;
+} plan_out;
+
+static void print_json(const plan_out* p) {
+  const plan_opts* o = p->o;
+  printf("{\"problem\": {\"model\": ");
+  tw__json_str(stdout, o->model ? o->model : "custom");
+  printf(
+      ", \"hidden\": %d, \"ffn\": %d, \"experts\": %d, "
+      "\"top_k\": %d, \"world_size\": %d, \"dataflow\": \"%s\", ",
+      p->prob.hidden, p->prob.ffn, p->prob.experts, p->prob.top_k, p->prob.world_size,
+      p->dataflow_name);
+  /* A replayed routing has its own token counts; router and seed do not apply. */
+  if (o->routing_file)
+    printf("\"tokens_per_rank\": null, \"router\": null, \"seed\": null, ");
+  else {
+    printf("\"tokens_per_rank\": %d, \"router\": ", o->tokens);
+    tw__json_str(stdout, o->router_name);
+    printf(", \"seed\": %llu, ", (unsigned long long)o->seed);
+  }
+  printf("\"routing_file\": ");
+  tw__json_str(stdout, o->routing_file);
+  printf("},\n");
+  printf(
+      " \"routing\": {\"r_expert\": %.6f, \"total_tokens\": %lld, \"max_expert_load\": %lld, "
+      "\"min_expert_load\": %lld, \"rows_per_rank\": [",
+      p->rs.r_expert, (long long)p->rs.total_tokens, (long long)p->rs.max_expert_load,
+      (long long)p->rs.min_expert_load);
+  for (int32_t r = 0; r < p->prob.world_size; r++)
+    printf("%s%lld", r ? ", " : "", (long long)p->rank_rows[r]);
+  printf("]},\n \"hardware\": {\"sm_count\": %d, \"c_max\": %d, \"calibration\": ", p->hw.sm_count,
+         p->hw.c_max);
+  tw__json_str(stdout, p->calib);
+  printf("},\n");
+  printf(" \"ranks\": [");
+  for (int32_t i = 0; i < p->nr; i++) {
+    const rank_result* x = &p->res[i];
+    const tw_plan_summary* s = &x->s;
+    const int64_t real = s->rows - s->padding_rows;
+    printf(
+        "%s\n  {\"rank\": %d, \"rows\": %lld, \"padding_rows\": %lld, \"padding_pct\": %.4f, "
+        "\"tiles\": %lld, \"remote_tiles\": %lld, \"bands\": %lld, \"segments\": %lld, "
+        "\"send_bytes\": %lld, \"comm_ctas\": %d, \"coalesce\": %d, \"predicted_us\": %.6f, "
+        "\"sequential_us\": %.6f, \"speedup\": %.6f, \"solve_us\": %.6f, \"schedule\": \"%s\", "
+        "\"gemm_us\": %.6f,\n   \"mgb\": [",
+        i ? "," : "", s->rank, (long long)s->rows, (long long)s->padding_rows,
+        real > 0 ? 100.0 * (double)s->padding_rows / (double)real : 0.0, (long long)s->tiles,
+        (long long)s->remote_tiles, (long long)s->bands, (long long)s->segments,
+        (long long)s->send_bytes, s->comm_ctas, s->coalesce, s->predicted_us, s->sequential_us,
+        s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0, s->solve_us,
+        tw__cli_schedule_name(s->schedule), s->gemm_us);
+    for (int j = 0; j < x->ncol; j++) printf("%s%d", j ? ", " : "", x->mgbs[j]);
+    printf("], \"predicted_us_by_c\": [");
+    for (int32_t c = 0; c < p->hw.c_max; c++) {
+      printf("%s[", c ? ", " : "");
+      for (int j = 0; j < x->ncol; j++)
+        printf("%s%.6f", j ? ", " : "", x->table[(size_t)c * x->ncol + j]);
+      printf("]");
+    }
+    printf("]}");
+  }
+  printf("]");
+  if (o->bench_solve > 0)
+    printf(
+        ",\n \"bench_solve\": {\"repetitions\": %d, \"ep_median_us\": %.6f, \"ep_p99_us\": "
+        "%.6f, \"tp_candidates\": 16, \"tp_median_us\": %.6f, \"tp_p99_us\": %.6f, "
+        "\"tp_choice\": %d}",
+        o->bench_solve, p->ep_med, p->ep_p99, p->tp_med, p->tp_p99, p->tp_c);
+  printf("}\n");
+}
+
+static void print_text(const plan_out* p) {
+  const plan_opts* o = p->o;
+  print_problem(o, &p->prob);
+  printf("routing: R_expert %.3f, expert load max %lld min %lld (fair %.1f), rows per rank:",
+         p->rs.r_expert, (long long)p->rs.max_expert_load, (long long)p->rs.min_expert_load,
+         (double)p->rs.total_tokens * p->prob.top_k / p->prob.experts);
+  for (int32_t r = 0; r < p->prob.world_size && r < 16; r++)
+    printf(" %lld", (long long)p->rank_rows[r]);
+  printf("%s\n", p->prob.world_size > 16 ? " ..." : "");
+  printf("hardware: %s (G %d, c_max %d); combine dataflow: %s\n",
+         p->calib ? p->calib : "built-in H200", p->hw.sm_count, p->hw.c_max, p->dataflow_name);
+  for (int32_t i = 0; i < p->nr; i++) {
+    const rank_result* x = &p->res[i];
+    const tw_plan_summary* s = &x->s;
+    const int64_t real = s->rows - s->padding_rows;
+    printf(
+        "\nrank %d: rows %lld (padding %lld, %.2f%% over %lld routed), tiles %lld (%lld "
+        "remote), bands %lld, segments %lld, sends %.3f MB\n",
+        s->rank, (long long)s->rows, (long long)s->padding_rows,
+        real > 0 ? 100.0 * (double)s->padding_rows / (double)real : 0.0, (long long)real,
+        (long long)s->tiles, (long long)s->remote_tiles, (long long)s->bands,
+        (long long)s->segments, (double)s->send_bytes / 1e6);
+    printf(
+        "choice: C = %d consumer CTAs, mgb = %d%s; predicted %.2f us, sequential %.2f us, "
+        "speedup %.3fx; decided in %.3f us\n",
+        s->comm_ctas, s->coalesce,
+        (o->comm_ctas || o->coalesce) ? " (partly or fully fixed by flags)" : "", s->predicted_us,
+        s->sequential_us, s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0,
+        s->solve_us);
+    printf("schedule: %s%s; GEMM alone on all SMs %.2f us (model)\n",
+           tw__cli_schedule_name(s->schedule), o->schedule ? " (fixed by --schedule)" : "",
+           s->gemm_us);
+    printf("predicted T (us), C rows x mgb columns, * = choice:\n    C");
+    for (int j = 0; j < x->ncol; j++) printf("     mgb %-3d", x->mgbs[j]);
+    printf("\n");
+    for (int32_t c = 1; c <= p->hw.c_max; c++) {
+      printf("  %3d", c);
+      for (int j = 0; j < x->ncol; j++) {
+        int mark = c == s->comm_ctas && x->mgbs[j] == s->coalesce;
+        printf("  %10.2f%c", x->table[(size_t)(c - 1) * x->ncol + j], mark ? '*' : ' ');
+      }
+      printf("\n");
+    }
+  }
+  if (o->bench_solve > 0) {
+    printf("\nsolve time per decision, %d repetitions:\n", o->bench_solve);
+    printf("  EP model (rank %d, C 1..%d x mgb {1,2,4}): median %.3f us, p99 %.3f us\n", p->r0,
+           p->hw.c_max, p->ep_med, p->ep_p99);
+    printf(
+        "  TP model (first paper, %d candidates, L 2): median %.3f us, p99 %.3f us (C* %d; "
+        "batches of 64 calls)\n",
+        p->tp_n, p->tp_med, p->tp_p99, p->tp_c);
+  }
+}
+
 int tw_cli_plan(int argc, char** argv) {
   plan_opts o;
   int rc = parse_args(argc, argv, &o);
@@ -363,8 +400,9 @@ int tw_cli_plan(int argc, char** argv) {
   if (o.model != NULL) {
     st = tw_problem_preset(o.model, &prob);
     if (st != TW_SUCCESS)
-      return plan_bad("--model: '%s' is not a preset; tilewave plan --list-models lists them",
-                      o.model);
+      return tw__cli_usage_error(
+          "tilewave plan", "--model: '%s' is not a preset; tilewave plan --list-models lists them",
+          o.model);
   }
   if (o.hidden) prob.hidden = o.hidden;
   if (o.ffn) prob.ffn = o.ffn;
@@ -434,125 +472,15 @@ int tw_cli_plan(int argc, char** argv) {
     goto done;
   }
 
+  plan_out out = {&o, prob, hw,     calib,  rs,     rank_rows, res,  nr,
+                  r0, NULL, ep_med, ep_p99, tp_med, tp_p99,    tp_c, tp_n};
   int32_t dataflow = TW_DATAFLOW_REDUCE; /* resolved as tw_plan_create did (it succeeded) */
   tw__dataflow_resolve("tilewave plan", o.dataflow, &dataflow);
-  const char* dataflow_name = tw__dataflow_name(dataflow);
-  if (o.json) {
-    printf(
-        "{\"problem\": {\"model\": \"%s\", \"hidden\": %d, \"ffn\": %d, \"experts\": %d, "
-        "\"top_k\": %d, \"world_size\": %d, \"dataflow\": \"%s\", ",
-        o.model ? o.model : "custom", prob.hidden, prob.ffn, prob.experts, prob.top_k,
-        prob.world_size, dataflow_name);
-    /* A replayed routing has its own token counts; router and seed do not apply. */
-    if (o.routing_file)
-      printf("\"tokens_per_rank\": null, \"router\": null, \"seed\": null, ");
-    else {
-      printf("\"tokens_per_rank\": %d, \"router\": ", o.tokens);
-      json_str(o.router_name);
-      printf(", \"seed\": %llu, ", (unsigned long long)o.seed);
-    }
-    printf("\"routing_file\": ");
-    json_str(o.routing_file);
-    printf("},\n");
-    printf(
-        " \"routing\": {\"r_expert\": %.6f, \"total_tokens\": %lld, \"max_expert_load\": %lld, "
-        "\"min_expert_load\": %lld, \"rows_per_rank\": [",
-        rs.r_expert, (long long)rs.total_tokens, (long long)rs.max_expert_load,
-        (long long)rs.min_expert_load);
-    for (int32_t r = 0; r < prob.world_size; r++)
-      printf("%s%lld", r ? ", " : "", (long long)rank_rows[r]);
-    printf("]},\n \"hardware\": {\"sm_count\": %d, \"c_max\": %d, \"calibration\": ", hw.sm_count,
-           hw.c_max);
-    json_str(calib);
-    printf("},\n");
-    printf(" \"ranks\": [");
-    for (int32_t i = 0; i < nr; i++) {
-      const rank_result* x = &res[i];
-      const tw_plan_summary* s = &x->s;
-      const int64_t real = s->rows - s->padding_rows;
-      printf(
-          "%s\n  {\"rank\": %d, \"rows\": %lld, \"padding_rows\": %lld, \"padding_pct\": %.4f, "
-          "\"tiles\": %lld, \"remote_tiles\": %lld, \"bands\": %lld, \"segments\": %lld, "
-          "\"send_bytes\": %lld, \"comm_ctas\": %d, \"coalesce\": %d, \"predicted_us\": %.6f, "
-          "\"sequential_us\": %.6f, \"speedup\": %.6f, \"solve_us\": %.6f, \"schedule\": \"%s\", "
-          "\"gemm_us\": %.6f,\n   \"mgb\": [",
-          i ? "," : "", s->rank, (long long)s->rows, (long long)s->padding_rows,
-          real > 0 ? 100.0 * (double)s->padding_rows / (double)real : 0.0, (long long)s->tiles,
-          (long long)s->remote_tiles, (long long)s->bands, (long long)s->segments,
-          (long long)s->send_bytes, s->comm_ctas, s->coalesce, s->predicted_us, s->sequential_us,
-          s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0, s->solve_us,
-          tw__cli_schedule_name(s->schedule), s->gemm_us);
-      for (int j = 0; j < x->ncol; j++) printf("%s%d", j ? ", " : "", x->mgbs[j]);
-      printf("], \"predicted_us_by_c\": [");
-      for (int32_t c = 0; c < hw.c_max; c++) {
-        printf("%s[", c ? ", " : "");
-        for (int j = 0; j < x->ncol; j++)
-          printf("%s%.6f", j ? ", " : "", x->table[(size_t)c * x->ncol + j]);
-        printf("]");
-      }
-      printf("]}");
-    }
-    printf("]");
-    if (o.bench_solve > 0)
-      printf(
-          ",\n \"bench_solve\": {\"repetitions\": %d, \"ep_median_us\": %.6f, \"ep_p99_us\": "
-          "%.6f, \"tp_candidates\": 16, \"tp_median_us\": %.6f, \"tp_p99_us\": %.6f, "
-          "\"tp_choice\": %d}",
-          o.bench_solve, ep_med, ep_p99, tp_med, tp_p99, tp_c);
-    printf("}\n");
-    goto done;
-  }
-
-  print_problem(&o, &prob);
-  printf("routing: R_expert %.3f, expert load max %lld min %lld (fair %.1f), rows per rank:",
-         rs.r_expert, (long long)rs.max_expert_load, (long long)rs.min_expert_load,
-         (double)rs.total_tokens * prob.top_k / prob.experts);
-  for (int32_t r = 0; r < prob.world_size && r < 16; r++) printf(" %lld", (long long)rank_rows[r]);
-  printf("%s\n", prob.world_size > 16 ? " ..." : "");
-  printf("hardware: %s (G %d, c_max %d); combine dataflow: %s\n", calib ? calib : "built-in H200",
-         hw.sm_count, hw.c_max, dataflow_name);
-  for (int32_t i = 0; i < nr; i++) {
-    const rank_result* x = &res[i];
-    const tw_plan_summary* s = &x->s;
-    const int64_t real = s->rows - s->padding_rows;
-    printf(
-        "\nrank %d: rows %lld (padding %lld, %.2f%% over %lld routed), tiles %lld (%lld "
-        "remote), bands %lld, segments %lld, sends %.3f MB\n",
-        s->rank, (long long)s->rows, (long long)s->padding_rows,
-        real > 0 ? 100.0 * (double)s->padding_rows / (double)real : 0.0, (long long)real,
-        (long long)s->tiles, (long long)s->remote_tiles, (long long)s->bands,
-        (long long)s->segments, (double)s->send_bytes / 1e6);
-    printf(
-        "choice: C = %d consumer CTAs, mgb = %d%s; predicted %.2f us, sequential %.2f us, "
-        "speedup %.3fx; decided in %.3f us\n",
-        s->comm_ctas, s->coalesce,
-        (o.comm_ctas || o.coalesce) ? " (partly or fully fixed by flags)" : "", s->predicted_us,
-        s->sequential_us, s->predicted_us > 0 ? s->sequential_us / s->predicted_us : 0.0,
-        s->solve_us);
-    printf("schedule: %s%s; GEMM alone on all SMs %.2f us (model)\n",
-           tw__cli_schedule_name(s->schedule), o.schedule ? " (fixed by --schedule)" : "",
-           s->gemm_us);
-    printf("predicted T (us), C rows x mgb columns, * = choice:\n    C");
-    for (int j = 0; j < x->ncol; j++) printf("     mgb %-3d", x->mgbs[j]);
-    printf("\n");
-    for (int32_t c = 1; c <= hw.c_max; c++) {
-      printf("  %3d", c);
-      for (int j = 0; j < x->ncol; j++) {
-        int mark = c == s->comm_ctas && x->mgbs[j] == s->coalesce;
-        printf("  %10.2f%c", x->table[(size_t)(c - 1) * x->ncol + j], mark ? '*' : ' ');
-      }
-      printf("\n");
-    }
-  }
-  if (o.bench_solve > 0) {
-    printf("\nsolve time per decision, %d repetitions:\n", o.bench_solve);
-    printf("  EP model (rank %d, C 1..%d x mgb {1,2,4}): median %.3f us, p99 %.3f us\n", r0,
-           hw.c_max, ep_med, ep_p99);
-    printf(
-        "  TP model (first paper, %d candidates, L 2): median %.3f us, p99 %.3f us (C* %d; "
-        "batches of 64 calls)\n",
-        tp_n, tp_med, tp_p99, tp_c);
-  }
+  out.dataflow_name = tw__dataflow_name(dataflow);
+  if (o.json)
+    print_json(&out);
+  else
+    print_text(&out);
   rc = 0;
 done:
   if (res)

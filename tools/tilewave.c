@@ -20,8 +20,8 @@ static const tw_cli_command commands[] = {
     {"version", "print the library version", cmd_version},
     {"plan", "plan a rank and show the model's choice of C and mgb (no GPU)", tw_cli_plan},
     {"bench",
-     "overlapped GEMM2 + combine vs sequential, unfused and chunked baselines; `bench gemm`: "
-     "producer GEMM vs cuBLAS",
+     "overlapped GEMM2 + combine vs sequential, unfused and chunked baselines (without GPUs: "
+     "the planner's what-if); `bench gemm`: producer GEMM vs cuBLAS",
      tw_cli_bench},
     {"sweep", "every C and mgb of one point: oracle, the model's choice, regret", tw_cli_sweep},
     {"calibrate", "measure this machine's model parameters; writes a TW_CALIBRATION file",

@@ -64,6 +64,28 @@ typedef struct tw_gemm_args {
                            shape), 2..5 = TMA + wgmma with different epilogues; 1..5 for tests/benches */
 } tw_gemm_args;
 
+/* The GEMM a producer launch computes: C (rows, n) = A (rows, k) x B_e^T per expert, over tiles
+ * of tm x tn. For GEMM2 k = ffn, n = hidden, experts = the rank's local experts. */
+typedef struct tw_gemm_shape {
+  int32_t rows, k, n, experts;
+  int32_t tm, tn;
+} tw_gemm_shape;
+
+/* GEMM2's shape of a plan: its rows (padding included), K = problem.ffn, N = problem.hidden, its
+ * local experts and resolved tile. */
+tw_gemm_shape tw__gemm_shape_of_plan(const struct tw_plan* plan);
+
+/* The one builder of producer arguments: zeroes *g, then sets the operands, the shape, the tile
+ * list (device array, execution order), the persistent grid (0 = all SMs), the signal scope and
+ * the band counters (NULL for TW_SIGNAL_NONE, or set later by the caller); the epilogue is
+ * TW_EPILOGUE_STORE, the variant 0 (the library's choice), the add dataflow's fields and `zero`
+ * unset: callers set those after. Returns TW_ERR_NULL_POINTER for a NULL g or shape and
+ * TW_ERR_INVALID_SIZE for a negative rows, num_tiles or grid or a k, n, experts, tm or tn below 1;
+ * the launcher checks the rest. */
+tw_status tw__gemm_args_init(tw_gemm_args* g, const tw_gemm_shape* shape, const void* a,
+                             const void* b, void* c, const tw_tile* tiles, int32_t num_tiles,
+                             int32_t grid, tw_signal_scope scope, uint32_t* band_counters);
+
 /* Launches the producer. It only ever increments counters: after e launches (and no reset) band
  * b's counter reads e * col_tiles. In tw_moe_combine the consumer's last CTA zeroes them after
  * each call (combine.h). */

@@ -156,21 +156,10 @@ bool upload(const Problem& p, Device& d) {
 tw_gemm_args make_args(const Problem& p, const Device& d, int grid, tw_signal_scope scope,
                        int variant = 0) {
   tw_gemm_args g;
-  memset(&g, 0, sizeof g);
-  g.a = d.a;
-  g.b = d.b;
-  g.c = d.c;
-  g.rows = p.rows;
-  g.k = p.k;
-  g.n = p.n;
-  g.experts = p.experts;
-  g.tiles = d.tiles;
-  g.num_tiles = (int)p.tiles.size();
-  g.tm = p.tm;
-  g.tn = p.tn;
-  g.grid = grid;
-  g.scope = scope;
-  g.band_counters = scope == TW_SIGNAL_NONE ? nullptr : d.counters;
+  const tw_gemm_shape sh = {p.rows, p.k, p.n, p.experts, p.tm, p.tn};
+  if (tw__gemm_args_init(&g, &sh, d.a, d.b, d.c, d.tiles, (int)p.tiles.size(), grid, scope,
+                         scope == TW_SIGNAL_NONE ? nullptr : d.counters) != TW_SUCCESS)
+    fprintf(stderr, "make_args: %s\n", tw_last_error()); /* the launch then fails on it */
   g.epilogue = p.swiglu ? TW_EPILOGUE_SWIGLU : TW_EPILOGUE_STORE;
   g.variant = variant;
   return g;
