@@ -289,8 +289,8 @@ int tw__launcher_detect(tw_launcher* l) {
 tw_status tw__launcher_unique_id(const tw_launcher* l, ncclUniqueId* id, int timeout_s) {
   TW_CHECK_NULL(l);
   TW_CHECK_NULL(id);
-  const char* path = getenv("TW_UNIQUE_ID_FILE");
-  if (path == NULL || *path == '\0')
+  const char* path = tw__tunable_string(TW_TUNE_UNIQUE_ID_FILE);
+  if (path == NULL)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "an external launcher (%s) started this rank but TW_UNIQUE_ID_FILE is not set; "
                     "set it to a fresh path on a file system every rank sees",

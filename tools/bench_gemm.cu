@@ -438,10 +438,12 @@ static const char* parse_only(const char* list, void* dst) {
 extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
   BenchOpts o;
   /* The producer version the context would launch (TW_GEMM_VARIANT) unless --variant says. */
-  if (tw__env_int_in("bench gemm", "TW_GEMM_VARIANT", 0, 5, 0, &o.variant) != TW_SUCCESS) {
+  int32_t variant = 0;
+  if (tw__tunable_int("bench gemm", TW_TUNE_GEMM_VARIANT, &variant) != TW_SUCCESS) {
     fprintf(stderr, "%s\n", tw_last_error());
     return 2;
   }
+  o.variant = variant;
   int no_check = 0, even = 0;
   tw_cli_arg args[] = {
       tw__cli_int("--rows", &o.rows, 1, TW_CLI_TOKENS_MAX),

@@ -16,6 +16,7 @@
 
 #include "bench_stats.h"
 #include "cli.h"
+#include "core.h"
 #include "cli_args.h"
 #include "plan.h" /* the dataflow and schedule names, the dataflow the plans were predicted for */
 #include "tilewave.h"
@@ -417,7 +418,7 @@ int tw_cli_plan(int argc, char** argv) {
 
   /* The hardware the plans use, resolved here so that the table spans its c_max. */
   tw_hardware hw;
-  const char* calib = o.calibration ? o.calibration : getenv("TW_CALIBRATION");
+  const char* calib = o.calibration ? o.calibration : tw__tunable_string(TW_TUNE_CALIBRATION);
   if (calib != NULL && calib[0] != '\0') {
     st = tw_hardware_read(calib, &hw);
     if (st != TW_SUCCESS) return plan_fail("reading the hardware description", st);

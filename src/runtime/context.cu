@@ -147,22 +147,9 @@ static tw_status tw__warm_up(tw_context_t ctx) {
   }
   {
     tw_gemm_args g;
-    memset(&g, 0, sizeof g);
-    g.a = a;
-    g.b = b;
-    g.c = c;
-    g.rows = ctx->tm;
-    g.k = (int32_t)F;
-    g.n = ctx->tn;
-    g.experts = 1;
-    g.tiles = tile;
-    g.num_tiles = 1;
-    g.tm = ctx->tm;
-    g.tn = ctx->tn;
-    g.grid = 1;
-    g.scope = TW_SIGNAL_GPU;
-    g.band_counters = counter;
-    g.epilogue = TW_EPILOGUE_STORE;
+    const tw_gemm_shape shape = {ctx->tm, (int32_t)F, ctx->tn, 1, ctx->tm, ctx->tn};
+    st = tw__gemm_args_init(&g, &shape, a, b, c, tile, 1, 1, TW_SIGNAL_GPU, counter);
+    if (st != TW_SUCCESS) goto done;
     /* The kernel the calls will launch. */
     g.variant = ctx->dataflow == TW_DATAFLOW_ADD ? TW_GEMM_VARIANT_ADD : ctx->gemm_variant;
     st = tw__gemm_launch(&g, ctx->s_aux);
@@ -179,7 +166,8 @@ static tw_status tw__warm_up(tw_context_t ctx) {
     tw__reduce_args_init(ctx, &ra);
     ra.world = 1;
     ra.timeout_ns = 1000000;
-    st = tw__reduce_launch(&ra, 1, 1, ctx->s_aux);
+    int32_t grid = 0, cap = 0;
+    st = tw__reduce_launch(&ra, 1, 1, &grid, &cap, ctx->s_aux);
     if (st != TW_SUCCESS) goto done;
     st = tw__fill_bf16(c, 1, 0, ctx->s_aux);
     if (st != TW_SUCCESS) goto done;
@@ -396,23 +384,17 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
                     cfg.sm_budget, sm_budget, team->sm_count, team->default_budget);
   int copy = cfg.consumer_copy;
   if (copy == TW_CONSUMER_COPY_DEFAULT) {
-    const char* env = getenv("TW_CONSUMER_COPY");
-    if (env == NULL || env[0] == '\0' || strcmp(env, "bulk") == 0)
-      copy = TW_CONSUMER_COPY_BULK;
-    else if (strcmp(env, "registers") == 0)
-      copy = TW_CONSUMER_COPY_REGISTERS;
-    else
-      return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                      "tw_context_create: TW_CONSUMER_COPY='%s'; use `bulk` or `registers` (or "
-                      "unset it)",
-                      env);
+    int32_t choice = 0; /* the table's choices: bulk, registers */
+    TW_TRY(tw__tunable_choice("tw_context_create", TW_TUNE_CONSUMER_COPY, &choice));
+    copy = choice == 1 ? TW_CONSUMER_COPY_REGISTERS : TW_CONSUMER_COPY_BULK;
   }
 
   /* The producer's kernel version: a switch for side-by-side runs (sm90_gemm.cu lists them; 0:
    * the library's default). */
-  int gemm_variant = 0;
-  TW_TRY(tw__env_int_in("tw_context_create", "TW_GEMM_VARIANT", 0, 5, 0, &gemm_variant));
-  const int debug_tags = cfg.debug_tags ? cfg.debug_tags : (tw__env_int("TW_DEBUG_TAGS", 0) != 0);
+  int32_t gemm_variant = 0;
+  TW_TRY(tw__tunable_int("tw_context_create", TW_TUNE_GEMM_VARIANT, &gemm_variant));
+  const int debug_tags =
+      cfg.debug_tags ? cfg.debug_tags : (tw__tunable_int_lenient(TW_TUNE_DEBUG_TAGS, 0) != 0);
   int zero_in_producer = 0;
   if (dataflow == TW_DATAFLOW_ADD) {
     /* What the add dataflow cannot do, each with the way out. */
@@ -431,13 +413,9 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
     /* How the next output buffer is zeroed: by the producer's two idle warps (default: SM stores
      * inside the GEMM, no link traffic) or the copy engine (no SM, but NVLink bytes beside the
      * consumer's: slower over the grid, dev/NOTES.md). */
-    const char* z = getenv("TW_ADD_ZEROING");
-    if (z != NULL && z[0] != '\0' && strcmp(z, "copy") != 0 && strcmp(z, "producer") != 0)
-      return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                      "tw_context_create: TW_ADD_ZEROING='%s'; use `copy` or `producer` (or unset "
-                      "it)",
-                      z);
-    zero_in_producer = z == NULL || strcmp(z, "copy") != 0;
+    int32_t zeroing = 0; /* the table's choices: producer, copy */
+    TW_TRY(tw__tunable_choice("tw_context_create", TW_TUNE_ADD_ZEROING, &zeroing));
+    zero_in_producer = zeroing != 1;
     /* On one GPU a device-to-device copy runs on the SMs, beside kernels that wait for it. */
     if (!zero_in_producer && team->shared_gpu)
       return tw__fail(TW_ERR_UNSUPPORTED,
@@ -446,10 +424,9 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
   }
   /* The consumer's tail split (0 bands or 1 part: every band is one unit per column chunk; 0
    * parts, the default: by the band's size). */
-  int tail_bands = 0, tail_parts = 0;
-  TW_TRY(tw__env_int_in("tw_context_create", "TW_CONSUMER_TAIL_BANDS", 0, 1 << 20,
-                        TW_DEFAULT_TAIL_BANDS, &tail_bands));
-  TW_TRY(tw__env_int_in("tw_context_create", "TW_CONSUMER_TAIL_PARTS", 0, 64, 0, &tail_parts));
+  int32_t tail_bands = 0, tail_parts = 0;
+  TW_TRY(tw__tunable_int("tw_context_create", TW_TUNE_CONSUMER_TAIL_BANDS, &tail_bands));
+  TW_TRY(tw__tunable_int("tw_context_create", TW_TUNE_CONSUMER_TAIL_PARTS, &tail_parts));
   if (tail_parts == 0)
     tail_parts = tw__tail_parts_default(tw__resolve_tile_m(problem), problem->hidden);
 
@@ -484,13 +461,15 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
   ctx->gemm_variant = gemm_variant;
   /* Bulk copies move a whole band best: its rows are one contiguous run at both ends. */
   const int64_t tpu_default = copy == TW_CONSUMER_COPY_BULK ? ctx->col_tiles : 1;
-  int64_t tpu =
-      cfg.unit_tiles > 0 ? cfg.unit_tiles : tw__env_int("TW_CONSUMER_TILES_PER_UNIT", tpu_default);
+  int64_t tpu = cfg.unit_tiles > 0
+                    ? cfg.unit_tiles
+                    : tw__tunable_int_lenient(TW_TUNE_CONSUMER_TILES_PER_UNIT, tpu_default);
   ctx->tiles_per_unit = (int32_t)(tpu < 1 ? 1 : tpu > ctx->col_tiles ? ctx->col_tiles : tpu);
   ctx->unit_chunks = (int32_t)tw__ceil_div(ctx->col_tiles, ctx->tiles_per_unit);
   ctx->tail_bands = tail_bands;
   ctx->tail_parts = tail_parts;
-  int64_t tmo = cfg.timeout_ms > 0 ? cfg.timeout_ms : tw__env_int("TW_TIMEOUT_MS", 0);
+  int64_t tmo =
+      cfg.timeout_ms > 0 ? cfg.timeout_ms : tw__tunable_int_lenient(TW_TUNE_TIMEOUT_MS, 0);
   ctx->timeout_ms = (int32_t)(tmo > 0 && tmo < INT32_MAX ? tmo : TW_DEFAULT_TIMEOUT_MS);
   ctx->debug_tags = debug_tags;
   ctx->max_comm_ctas = cfg.max_comm_ctas > 0 ? cfg.max_comm_ctas : TW_MAX_COMM_CTAS;
@@ -690,6 +669,15 @@ extern "C" tw_status tw__context_timeline(tw_context_t ctx, tw_combine_timings* 
 }
 
 /* ---- internal hooks (runtime.h) ----------------------------------------------------------- */
+
+extern "C" tw_status tw__context_last_launch(tw_context_t ctx, tw__launch_record* record) {
+  TW_CHECK_NULL(ctx);
+  TW_CHECK_NULL(record);
+  if (!ctx->have_call)
+    return tw__fail(TW_ERR_STATE, "tw__context_last_launch: no call since creation or reset");
+  *record = ctx->last_launch;
+  return TW_SUCCESS;
+}
 
 extern "C" tw_status tw__context_inject_fault(tw_context_t ctx, int kind, int index) {
   TW_CHECK_NULL(ctx);

@@ -213,9 +213,8 @@ tw_status tw_team_create(int32_t world_size, int32_t device, tw_team_t* out) {
     return tw__fail(TW_ERR_CUDA, "tw_team_create: SM count of device %d: %s", device,
                     cudaGetErrorString(e));
   }
-  int tmo = 0;
-  tw_status st = tw__env_int_in("tw_team_create", "TW_TEAM_TIMEOUT_MS", 1, 1 << 30,
-                                TW_DEFAULT_TEAM_TIMEOUT_MS, &tmo);
+  int32_t tmo = 0;
+  tw_status st = tw__tunable_int("tw_team_create", TW_TUNE_TEAM_TIMEOUT_MS, &tmo);
   if (st != TW_SUCCESS) {
     free(t);
     return st;
