@@ -110,9 +110,10 @@ typedef struct tw_reduce_args {
 /* Consumer: grid CTAs (1..TW_MAX_COMM_CTAS). */
 tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream);
 /* Weighted reduction; grid chosen from the work (at least one CTA: it always returns credits),
- * at most `sms` x ctas_per_sm CTAs (ctas_per_sm 0: as many per SM as fit and pay). Not launched
+ * at most `sms` x ctas_per_sm CTAs (ctas_per_sm 0: as many per SM as fit and pay); the grid and
+ * that cap are written to grid_out and cap_out. Not launched
  * under the add dataflow (the consumer waits for the arrivals there). */
-tw_status tw__reduce_launch(const tw_reduce_args* args, int sms, int ctas_per_sm,
-                            cudaStream_t stream);
+tw_status tw__reduce_launch(const tw_reduce_args* args, int sms, int ctas_per_sm, int32_t* grid_out,
+                            int32_t* cap_out, cudaStream_t stream);
 
 #endif /* TW_COMBINE_H */

@@ -189,9 +189,11 @@ int tw__reduce_ctas_per_sm(int K) {
 
 }  // namespace
 
-tw_status tw__reduce_launch(const tw_reduce_args* args, int sms, int ctas_per_sm,
-                            cudaStream_t stream) {
+tw_status tw__reduce_launch(const tw_reduce_args* args, int sms, int ctas_per_sm, int32_t* grid_out,
+                            int32_t* cap_out, cudaStream_t stream) {
   TW_CHECK_NULL(args);
+  TW_CHECK_NULL(grid_out);
+  TW_CHECK_NULL(cap_out);
   if (args->hidden <= 0)
     return tw__fail(TW_ERR_INVALID_SIZE, "reduce: hidden %d must be positive", args->hidden);
   if (args->hidden % 8 != 0)
@@ -208,6 +210,8 @@ tw_status tw__reduce_launch(const tw_reduce_args* args, int sms, int ctas_per_sm
   const int64_t cap = (int64_t)sms * (ctas_per_sm > 0 ? ctas_per_sm : tw__reduce_ctas_per_sm(K));
   if (grid > cap) grid = cap;
   if (grid < 1) grid = 1;
+  *grid_out = (int32_t)grid;
+  *cap_out = (int32_t)cap;
   kReduceKernels[K]<<<(unsigned)grid, kReduceThreads, 0, stream>>>(*args);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)

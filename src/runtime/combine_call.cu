@@ -166,23 +166,16 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   const int timing = ctx->timing;
 
   tw_gemm_args g;
-  memset(&g, 0, sizeof g);
-  g.a = expert_in;
-  g.b = w2;
-  g.c = ctx->c;
-  g.rows = d->rows;
-  g.k = ctx->problem.ffn;
-  g.n = ctx->problem.hidden;
-  g.experts = ctx->local_experts;
-  g.tiles = d->tiles;
-  g.num_tiles = d->num_tiles;
-  g.tm = ctx->tm;
-  g.tn = ctx->tn;
-  g.grid = P;
-  g.scope = TW_SIGNAL_GPU;
-  g.band_counters = ctx->band_counters;
-  g.epilogue = TW_EPILOGUE_STORE;
+  const tw_gemm_shape shape = {d->rows, ctx->problem.ffn, ctx->problem.hidden, ctx->local_experts,
+                               ctx->tm, ctx->tn};
+  TW_TRY(tw__gemm_args_init(&g, &shape, expert_in, w2, ctx->c, d->tiles, d->num_tiles, P,
+                            TW_SIGNAL_GPU, ctx->band_counters));
   g.variant = ctx->gemm_variant;
+  ctx->last_launch.budget = budget;
+  ctx->last_launch.producer_ctas = mode == TW_COMBINE_COMM_ONLY ? 0 : P;
+  ctx->last_launch.consumer_ctas = mode == TW_COMBINE_GEMM_ONLY ? 0 : C;
+  ctx->last_launch.reduce_ctas = 0;
+  ctx->last_launch.reduce_cap = 0;
 
   if (mode == TW_COMBINE_GEMM_ONLY) {
     /* No consumer will reset band counters, so the producer must not touch them. */
@@ -299,7 +292,8 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
      * bound by device memory); under a smaller budget, or beside other ranks on one GPU, at
      * most one CTA per budgeted SM, so that it never holds SMs another kernel waits for. */
     const int whole_gpu = budget == ctx->sm_count && !ctx->team->shared_gpu;
-    TW_TRY(tw__reduce_launch(&ra, budget, whole_gpu ? 0 : 1, stream));
+    TW_TRY(tw__reduce_launch(&ra, budget, whole_gpu ? 0 : 1, &ctx->last_launch.reduce_ctas,
+                             &ctx->last_launch.reduce_cap, stream));
   }
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_red_end, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_end, stream));

@@ -83,6 +83,7 @@ struct tw_context {
   int failed;                           /* a device error was seen; calls refused until reset */
   int have_call;                        /* ev_call_done / ev_err_copied refer to a real call */
   int last_mode;
+  tw__launch_record last_launch; /* the grids of the last call (runtime.h) */
   int64_t last_tokens;
   int fault, fault_index;
 };

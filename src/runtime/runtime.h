@@ -21,6 +21,18 @@ typedef enum tw_fault {
                              as if the producer had skipped a publish */
 } tw_fault;
 
+/* The grids the last call launched, against its SM budget (tests: no launch exceeds it). */
+typedef struct tw__launch_record {
+  int32_t budget;        /* SMs the call could occupy */
+  int32_t producer_ctas; /* P (0: none) */
+  int32_t consumer_ctas; /* C (0: none), concurrent with the producer */
+  int32_t reduce_ctas;   /* the reduction's grid, after both (0: none) */
+  int32_t reduce_cap;    /* the most it could have had: budget, or budget x CTAs per SM that fit
+                            when the budget is a whole GPU of its own */
+} tw__launch_record;
+
+tw_status tw__context_last_launch(tw_context_t ctx, tw__launch_record* record);
+
 /* Injects a consumer fault (tw_fault) into this rank's next overlapped/unfused call only. */
 tw_status tw__context_inject_fault(tw_context_t ctx, int kind, int index);
 

@@ -518,11 +518,169 @@ static void test_modes_and_timings(tw_rank_env* env) {
   free(first);
 }
 
+/* One call under budget b: planned for b (so the model's C leaves the producer SMs), the
+ * launch record checked against b, the output copied to `host`. */
+static void tw_budget_call(tw_rank_env* env, tw_context_t ctx, tw_device_plan_t dp, tw_buffers* b,
+                           const tw_problem* p, tw_routing_t rt, int budget, int whole_gpu,
+                           uint16_t* host) {
+  tw_plan_config pc = TW_PLAN_CONFIG_INIT;
+  pc.sm_budget = budget;
+  tw_plan_t plan = NULL;
+  CHECK_OK(tw_plan_create(p, rt, env->rank, &pc, &plan));
+  if (plan == NULL) return;
+  tw_plan_summary sum;
+  CHECK_OK(tw_plan_summary_get(plan, &sum));
+  CHECK(sum.sm_budget == budget && sum.comm_ctas < budget);
+  tw_fill_expert_in(plan, 777, b->h_in);
+  CHECK_CUDA(
+      cudaMemcpy(b->expert_in, b->h_in, (size_t)plan->rows * p->ffn * 2, cudaMemcpyHostToDevice));
+  CHECK_OK(tw_device_plan_upload(dp, plan, rt, env->stream));
+  const size_t n_out = (size_t)p->max_tokens * p->hidden;
+  CHECK_OK(tw__fill_bf16(b->out, n_out, 0xFFFF, env->stream));
+  tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
+  opt.sm_budget = budget;
+  CHECK_OK(tw_moe_combine_ex(ctx, dp, b->expert_in, b->w2, b->out, &opt, env->stream));
+  CHECK_OK(tw_context_check(ctx));
+  tw__launch_record rec;
+  CHECK_OK(tw__context_last_launch(ctx, &rec));
+  const int moves = plan->num_remote_tiles > 0;
+  CHECKF(rec.budget == budget && rec.producer_ctas >= 1 &&
+             rec.producer_ctas + rec.consumer_ctas <= budget && rec.reduce_ctas >= 1 &&
+             rec.reduce_ctas <= rec.reduce_cap && (whole_gpu || rec.reduce_cap <= budget) &&
+             (moves || (rec.consumer_ctas == 0 && rec.producer_ctas == budget)),
+         "rank %d budget %d: producer %d + consumer %d CTAs, reduction %d (cap %d), plan C %d, "
+         "%s",
+         env->rank, budget, rec.producer_ctas, rec.consumer_ctas, rec.reduce_ctas, rec.reduce_cap,
+         sum.comm_ctas, moves ? "sends" : "sends nothing");
+  /* The producer alone runs on the same P. */
+  opt.mode = TW_COMBINE_GEMM_ONLY;
+  CHECK_OK(tw_moe_combine_ex(ctx, dp, b->expert_in, b->w2, b->out, &opt, env->stream));
+  CHECK_OK(tw__context_last_launch(ctx, &rec));
+  CHECK(rec.consumer_ctas == 0 && rec.reduce_ctas == 0 && rec.producer_ctas <= budget);
+  CHECK_OK(tw_context_check(ctx));
+  CHECK_CUDA(cudaMemcpy(host, b->out, n_out * 2, cudaMemcpyDeviceToHost));
+  tw_plan_destroy(plan);
+}
+
+/* The SM budget: no kernel of a call exceeds it (the launch record), every budget from the whole
+ * default down to 2 SMs gives the same bits, a rank with nothing to send launches no consumer,
+ * and budgets that cannot run are refused with a message naming the fix. */
+static void test_sm_budget(tw_rank_env* env) {
+  tw_problem p = tw_rank_problem(env, 1024, 256, 8, 2, 512);
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  tw_context_t ctx = NULL;
+  cc.sm_budget = 1; /* no room for a producer beside a consumer */
+  CHECK(tw_rank_context_create(env, &p, &cc, &ctx) == TW_ERR_INVALID_ARGUMENT && ctx == NULL);
+  CHECK(strstr(tw_last_error(), "sm_budget") != NULL);
+  if (env->team != NULL && env->nranks > 1) {
+    cc.sm_budget = sms; /* every rank asks for the whole GPU: cannot all be resident */
+    CHECK(tw_rank_context_create(env, &p, &cc, &ctx) == TW_ERR_UNSUPPORTED && ctx == NULL);
+    CHECK(strstr(tw_last_error(), "sm_budget") != NULL);
+  }
+  cc.sm_budget = 0;
+  CHECK_OK(tw_rank_context_create(env, &p, &cc, &ctx));
+  if (ctx == NULL) return;
+  tw_context_info info;
+  CHECK_OK(tw_context_info_get(ctx, &info));
+  CHECK(info.sm_budget == (env->team != NULL ? sms / env->nranks : sms));
+  CHECK(info.in_process == (env->team != NULL));
+  const int whole_gpu = env->team == NULL;
+  tw_device_plan_t dp = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  tw_buffers b;
+  CHECK(tw_alloc_buffers(&p, &b));
+  const int E = p.experts / p.world_size;
+  {
+    uint16_t* w2 = (uint16_t*)malloc((size_t)E * p.hidden * p.ffn * 2);
+    tw_fill_w2(&p, env->rank, 778, w2);
+    CHECK_CUDA(cudaMemcpy(b.w2, w2, (size_t)E * p.hidden * p.ffn * 2, cudaMemcpyHostToDevice));
+    free(w2);
+  }
+  const size_t n_out = (size_t)p.max_tokens * p.hidden;
+  uint16_t* first = (uint16_t*)malloc(n_out * 2);
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = p.max_tokens;
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_MODERATE_SKEW, tokens, 4711, &rt));
+  const int B = info.sm_budget;
+  const int budgets[] = {B, B * 3 / 4, B / 2, 8, 3, 2};
+  int mismatched = 0;
+  for (int i = 0; rt != NULL && dp != NULL && first != NULL && i < 6; i++) {
+    if (budgets[i] < 2 || (i > 0 && budgets[i] >= budgets[i - 1])) continue;
+    tw_budget_call(env, ctx, dp, &b, &p, rt, budgets[i], whole_gpu && budgets[i] == sms,
+                   i == 0 ? first : b.h_out);
+    if (i > 0) mismatched += memcmp(first, b.h_out, n_out * 2) != 0;
+  }
+  CHECKF(mismatched == 0, "rank %d: %d budgets gave other bits than the whole one", env->rank,
+         mismatched);
+  /* Refusals, before anything is launched (every rank refuses alike). */
+  tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
+  opt.sm_budget = 1;
+  CHECK_STATUS(tw_moe_combine_ex(ctx, dp, b.expert_in, b.w2, b.out, &opt, env->stream),
+               TW_ERR_INVALID_ARGUMENT);
+  opt.sm_budget = B + 1;
+  CHECK_STATUS(tw_moe_combine_ex(ctx, dp, b.expert_in, b.w2, b.out, &opt, env->stream),
+               TW_ERR_INVALID_ARGUMENT);
+  opt.sm_budget = 2; /* the upload above was planned for 2: C 1 fits, C 2 does not */
+  opt.comm_ctas = 2;
+  CHECK_STATUS(tw_moe_combine_ex(ctx, dp, b.expert_in, b.w2, b.out, &opt, env->stream),
+               TW_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(tw_last_error(), "sm_budget") != NULL);
+
+  /* Every token routed to its own rank's experts: nothing to send, no consumer on any rank, and
+   * the output still right (against the double reference). */
+  {
+    int32_t* ids[TW_MAX_RANKS];
+    float* ws[TW_MAX_RANKS];
+    for (int r = 0; r < env->nranks; r++) {
+      ids[r] = (int32_t*)malloc(sizeof(int32_t) * (size_t)p.max_tokens * p.top_k);
+      ws[r] = (float*)malloc(sizeof(float) * (size_t)p.max_tokens * p.top_k);
+      for (int t = 0; t < p.max_tokens; t++)
+        for (int j = 0; j < p.top_k; j++) {
+          ids[r][t * p.top_k + j] = r * E + (t + j) % E;
+          ws[r][t * p.top_k + j] = j == 0 ? 0.75f : 0.25f;
+        }
+    }
+    tw_routing_t local = NULL;
+    CHECK_OK(
+        tw_routing_create(&p, tokens, (const int32_t* const*)ids, (const float* const*)ws, &local));
+    if (local != NULL) {
+      tw_budget_call(env, ctx, dp, &b, &p, local, B, whole_gpu, b.h_out);
+      double* ref = (double*)malloc(sizeof(double) * (size_t)p.hidden);
+      double max_err = 0, max_ref = 0;
+      for (int t = 0; t < p.max_tokens; t += 37) {
+        tw_reference_token(&p, local, env->rank, t, 777, 778, ref);
+        for (int n = 0; n < p.hidden; n++) {
+          const double got = tw_bf2f(b.h_out[(size_t)t * p.hidden + n]);
+          max_err = fmax(max_err, fabs(got - ref[n]));
+          max_ref = fmax(max_ref, fabs(ref[n]));
+        }
+      }
+      CHECKF(max_err <= 8e-3 * max_ref, "rank %d, all local: error %.3e of %.3e", env->rank,
+             max_err, max_ref);
+      free(ref);
+    }
+    tw_routing_destroy(local);
+    for (int r = 0; r < env->nranks; r++) {
+      free(ids[r]);
+      free(ws[r]);
+    }
+  }
+  free(first);
+  tw_routing_destroy(rt);
+  tw_free_buffers(&b);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
 static const tw_rank_case kCases[] = {
     {"overlap_matches_unfused_and_reference", test_overlap_matches_unfused_and_reference},
     {"debug_tags_exactly_once", test_debug_tags_exactly_once},
     {"no_deadlock_any_c", test_no_deadlock_any_c},
     {"modes_and_timings", test_modes_and_timings},
+    {"sm_budget", test_sm_budget},
 };
 
 int main(int argc, char** argv) {
