@@ -517,7 +517,10 @@ typedef struct tw_combine_options {
  *                  must be NULL: the output is at tw_context_output() instead, where
  *                  out[t] = bf16(bf16(w0 row0) + bf16(w1 row1)) (each add rounded once)
  * [in]  stream:    the caller's stream; all inputs must be ready in its order, and `out` is
- *                  ready in its order when the call's work completes
+ *                  ready in its order when the call's work completes. Any stream: consecutive
+ *                  calls on a context are ordered whatever streams they come on (each call's
+ *                  work starts after the previous call's has ended; the context makes `stream`
+ *                  wait for it)
  * Launches the producer (P = budget - C CTAs) on `stream`, then the consumer (C CTAs) on an
  * internal stream, makes `stream` wait for the consumer and launches the reduction on `stream`
  * (at most budget CTAs; on a whole GPU as many per SM as fit); a plan with nothing to send or

@@ -4,7 +4,7 @@
  * destinations and receive offsets, and the receive-side map of its own tokens. The order the
  * producer computes the bands in is schedule.c's; the transfer segments are segments.c's.
  *
- * The rules (second paper, Algorithm 1, with the choices fixed in plan.h and DESIGN.md):
+ * The rules (second paper, Algorithm 1, with the choices fixed in plan.h and docs/model.md):
  *  - layout: expert e's rows are grouped by owner in the order (r+1)%W, ..., (r+W-1)%W, then r
  *    itself; each remote group but the last is padded with zero rows to a multiple of TM so that
  *    the rows every TM-row band (counted from the expert's first row) sends go to one owner; the

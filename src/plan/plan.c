@@ -114,6 +114,13 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
                                   ? config->dataflow
                                   : TW_DATAFLOW_DEFAULT,
                               &dataflow));
+  /* The add dataflow sums a token's rows in the order they land: exact for two rows only. */
+  if (dataflow == TW_DATAFLOW_ADD && p->top_k > 2)
+    return tw__fail(TW_ERR_UNSUPPORTED,
+                    "tw_plan_create: the add dataflow runs top_k 1 or 2, this problem has top_k "
+                    "%d; plan for TW_DATAFLOW_REDUCE (tw_plan_config.dataflow or "
+                    "TW_COMBINE_DATAFLOW=reduce)",
+                    p->top_k);
   int32_t tile_group = TW_TILE_GROUP_DEFAULT;
   TW_TRY(tw__tile_group_resolve(&tile_group));
   const tw_problem* rp = &routing->problem;

@@ -1,7 +1,7 @@
 /*
  * schedule.c: the order in which the producer computes a plan's bands and tiles.
  *
- * The rules (second paper, Algorithm 1, with the choices fixed in plan.h and DESIGN.md): experts
+ * The rules (second paper, Algorithm 1, with the choices fixed in plan.h and docs/model.md): experts
  * sorted by remote band count (descending, ties by index; layout.c), then either remote-first
  * (the second paper's: every remote band's column tiles, expert by expert, then every local
  * band's tiles, same expert order) or expert-major (expert by expert, each its remote bands,

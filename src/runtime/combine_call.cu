@@ -177,6 +177,11 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ctx->last_launch.reduce_ctas = 0;
   ctx->last_launch.reduce_cap = 0;
 
+  /* Calls are ordered on the context whatever stream each comes on: this one starts after the
+   * previous call's last kernel (whose stream had joined its consumer), so that its counter
+   * memset and its producer's writes to the GEMM output never overlap that call. On the same
+   * stream the wait is already implied. */
+  if (ctx->have_call) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_call_done, 0));
   if (mode == TW_COMBINE_GEMM_ONLY) {
     /* No consumer will reset band counters, so the producer must not touch them. */
     g.scope = TW_SIGNAL_NONE;

@@ -247,6 +247,54 @@ static tw_status tw__context_init(tw_context_t ctx) {
   L->hits = L->tags + tw__align((uint64_t)ctx->recv_rows_max * 4 + 4, 128);
   L->bytes = tw__align(L->hits + tw__align((uint64_t)ctx->recv_rows_max * 4 + 4, 128), 4096);
 
+  /* Before anything is sized by it, every rank must hold the same problem: a peer sizes its window
+   * and output by its own, and rows another rank sends land by offsets from its plan (max of v and
+   * of -v tells whether all ranks agree). */
+  {
+    const tw_problem* q = &ctx->problem;
+    const int64_t mine[6] = {q->hidden, q->ffn,        q->experts,
+                             q->top_k,  q->max_tokens, (int64_t)ctx->tm << 32 | ctx->tn};
+    int64_t v[12];
+    for (int i = 0; i < 6; i++) v[2 * i] = mine[i], v[2 * i + 1] = -mine[i];
+    TW_TRY(tw__team_max_i64(ctx->team, v, 12));
+    for (int i = 0; i < 6; i++)
+      if (v[2 * i] != -v[2 * i + 1]) {
+        static const char* const names[6] = {
+            "hidden", "ffn", "experts", "top_k", "max_tokens", "tile (tile_m << 32 | tile_n)"};
+        return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                        "tw_context_create: the ranks' problems differ in %s (%lld here, %lld to "
+                        "%lld over all ranks); every rank must pass the same problem",
+                        names[i], (long long)mine[i], (long long)-v[2 * i + 1],
+                        (long long)v[2 * i]);
+      }
+  }
+  /* Every rank must cut bands into the same units (the owners count them) and run the same
+   * dataflow: compare (max of v and of -v tells min and max over the ranks). */
+  {
+    int64_t v[8] = {ctx->tiles_per_unit, -ctx->tiles_per_unit, ctx->tail_bands, -ctx->tail_bands,
+                    ctx->tail_parts,     -ctx->tail_parts,     ctx->dataflow,   -ctx->dataflow};
+    int64_t mine[8];
+    memcpy(mine, v, sizeof v);
+    TW_TRY(tw__team_max_i64(ctx->team, v, 8));
+    if (v[0] != mine[0] || v[1] != mine[1])
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_context_create: ranks use different consumer unit widths (%lld here, "
+                      "%lld to %lld over all ranks); give every rank the same unit_tiles / "
+                      "TW_CONSUMER_TILES_PER_UNIT",
+                      (long long)mine[0], (long long)-v[1], (long long)v[0]);
+    if (v[2] != mine[2] || v[3] != mine[3] || v[4] != mine[4] || v[5] != mine[5])
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_context_create: ranks split their last bands differently (%lld bands in "
+                      "%lld parts here; %lld..%lld bands, %lld..%lld parts over all ranks); give "
+                      "every rank the same TW_CONSUMER_TAIL_BANDS and TW_CONSUMER_TAIL_PARTS",
+                      (long long)mine[2], (long long)mine[4], (long long)-v[3], (long long)v[2],
+                      (long long)-v[5], (long long)v[4]);
+    if (v[6] != mine[6] || v[7] != mine[7])
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_context_create: ranks run different combine dataflows (%s here); give "
+                      "every rank the same tw_context_config.dataflow / TW_COMBINE_DATAFLOW",
+                      tw__dataflow_name(ctx->dataflow));
+  }
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_comm, cudaStreamNonBlocking));
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_aux, cudaStreamNonBlocking));
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_zero, cudaStreamNonBlocking));
@@ -293,33 +341,6 @@ static tw_status tw__context_init(tw_context_t ctx) {
   TW_CUDA_TRY(cudaMemsetAsync(ctx->unit_next, 0, n_state * 4, ctx->s_aux));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
 
-  /* Every rank must cut bands into the same units (the owners count them) and run the same
-   * dataflow: compare (max of v and of -v tells min and max over the ranks). */
-  {
-    int64_t v[8] = {ctx->tiles_per_unit, -ctx->tiles_per_unit, ctx->tail_bands, -ctx->tail_bands,
-                    ctx->tail_parts,     -ctx->tail_parts,     ctx->dataflow,   -ctx->dataflow};
-    int64_t mine[8];
-    memcpy(mine, v, sizeof v);
-    TW_TRY(tw__team_max_i64(ctx->team, v, 8));
-    if (v[0] != mine[0] || v[1] != mine[1])
-      return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                      "tw_context_create: ranks use different consumer unit widths (%lld here, "
-                      "%lld to %lld over all ranks); give every rank the same unit_tiles / "
-                      "TW_CONSUMER_TILES_PER_UNIT",
-                      (long long)mine[0], (long long)-v[1], (long long)v[0]);
-    if (v[2] != mine[2] || v[3] != mine[3] || v[4] != mine[4] || v[5] != mine[5])
-      return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                      "tw_context_create: ranks split their last bands differently (%lld bands in "
-                      "%lld parts here; %lld..%lld bands, %lld..%lld parts over all ranks); give "
-                      "every rank the same TW_CONSUMER_TAIL_BANDS and TW_CONSUMER_TAIL_PARTS",
-                      (long long)mine[2], (long long)mine[4], (long long)-v[3], (long long)v[2],
-                      (long long)-v[5], (long long)v[4]);
-    if (v[6] != mine[6] || v[7] != mine[7])
-      return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                      "tw_context_create: ranks run different combine dataflows (%s here); give "
-                      "every rank the same tw_context_config.dataflow / TW_COMBINE_DATAFLOW",
-                      tw__dataflow_name(ctx->dataflow));
-  }
   /* Ranks that share a GPU must all be resident at once, or a rank's spinning consumer or
    * reduction could hold the SMs a peer's producer needs to let it finish: every call keeps
    * within its budget, so the budgets must add up to at most the GPU's SMs. */

@@ -294,7 +294,7 @@ tw_status tw__team_barrier(tw__team* t) {
 }
 
 static tw_status tw__team_reduce_i64(tw__team* t, int64_t* v, int n, int max) {
-  enum { kMax = 16 };
+  enum { kMax = 32 };
   if (n < 1 || n > kMax)
     return tw__fail(TW_ERR_INTERNAL, "team: a reduction of %d values (1..%d)", n, kMax);
   int64_t* all = (int64_t*)malloc(sizeof(int64_t) * (size_t)n * (size_t)t->world);

@@ -675,12 +675,81 @@ static void test_sm_budget(tw_rank_env* env) {
   CHECK_OK(tw_context_destroy(ctx));
 }
 
+/* Ranks whose problems differ are refused at creation on every rank (before, only unit width,
+ * tail split and dataflow were compared, and a smaller peer window was overrun later). */
+static void test_mismatched_problems_refused(tw_rank_env* env) {
+  tw_problem p = tw_rank_problem(env, 512, 256, 8, 2, env->rank == 0 ? 256 : 128);
+  tw_context_t ctx = NULL;
+  CHECK_STATUS(tw_rank_context_create(env, &p, NULL, &ctx), TW_ERR_INVALID_ARGUMENT);
+  CHECK(ctx == NULL && strstr(tw_last_error(), "max_tokens") != NULL);
+  p = tw_rank_problem(env, env->rank == 0 ? 512 : 768, 256, 8, 2, 128);
+  CHECK_STATUS(tw_rank_context_create(env, &p, NULL, &ctx), TW_ERR_INVALID_ARGUMENT);
+  CHECK(ctx == NULL && strstr(tw_last_error(), "hidden") != NULL);
+  /* The same problem again: the context is created (nothing was left behind). */
+  p = tw_rank_problem(env, 512, 256, 8, 2, 128);
+  CHECK_OK(tw_rank_context_create(env, &p, NULL, &ctx));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
+/* Calls on alternating streams with no host synchronisation are ordered by the context: the
+ * output of the last equals that of one call alone (before, a call on another stream could
+ * overwrite the GEMM output and zero the counters under the previous call's consumer). */
+static void test_calls_on_two_streams(tw_rank_env* env) {
+  tw_problem p = tw_rank_problem(env, 2048, 512, 16, 2, 1024);
+  tw_context_t ctx = NULL;
+  CHECK_OK(tw_rank_context_create(env, &p, NULL, &ctx));
+  if (ctx == NULL) return;
+  tw_device_plan_t dp = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  tw_buffers b;
+  CHECK(tw_alloc_buffers(&p, &b));
+  cudaStream_t s2 = NULL;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
+  const int E = p.experts / p.world_size;
+  uint16_t* w2 = (uint16_t*)malloc((size_t)E * p.hidden * p.ffn * 2);
+  tw_fill_w2(&p, env->rank, 91, w2);
+  CHECK_CUDA(cudaMemcpy(b.w2, w2, (size_t)E * p.hidden * p.ffn * 2, cudaMemcpyHostToDevice));
+  free(w2);
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = p.max_tokens;
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_STRESS_SKEW, tokens, 92, &rt));
+  tw_plan_t plan = NULL;
+  if (rt != NULL) CHECK_OK(tw_plan_create(&p, rt, env->rank, NULL, &plan));
+  if (plan != NULL && dp != NULL && s2 != NULL) {
+    tw_fill_expert_in(plan, 93, b.h_in);
+    CHECK_CUDA(
+        cudaMemcpy(b.expert_in, b.h_in, (size_t)plan->rows * p.ffn * 2, cudaMemcpyHostToDevice));
+    CHECK_OK(tw_device_plan_upload(dp, plan, rt, env->stream));
+    const size_t n_out = (size_t)p.max_tokens * p.hidden;
+    tw_run_mode(env, ctx, dp, &b, p.max_tokens, p.hidden, TW_COMBINE_OVERLAP, 0, b.h_out);
+    for (int i = 0; i < 12; i++) {
+      cudaStream_t s = i % 2 ? s2 : env->stream;
+      CHECK_OK(tw__fill_bf16(b.out, n_out, 0xFFFF, s)); /* each call starts from poison */
+      CHECK_OK(tw_moe_combine(ctx, dp, b.expert_in, b.w2, b.out, s));
+    }
+    CHECK_OK(tw_context_check(ctx));
+    CHECK_CUDA(cudaStreamSynchronize(s2));
+    CHECK_CUDA(cudaMemcpy(b.h_out2, b.out, n_out * 2, cudaMemcpyDeviceToHost));
+    CHECKF(memcmp(b.h_out, b.h_out2, n_out * 2) == 0,
+           "rank %d: calls on two streams gave other bits than one call", env->rank);
+  }
+  if (s2 != NULL) cudaStreamDestroy(s2);
+  tw_plan_destroy(plan);
+  tw_routing_destroy(rt);
+  tw_free_buffers(&b);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
 static const tw_rank_case kCases[] = {
     {"overlap_matches_unfused_and_reference", test_overlap_matches_unfused_and_reference},
     {"debug_tags_exactly_once", test_debug_tags_exactly_once},
     {"no_deadlock_any_c", test_no_deadlock_any_c},
     {"modes_and_timings", test_modes_and_timings},
     {"sm_budget", test_sm_budget},
+    {"mismatched_problems_refused", test_mismatched_problems_refused},
+    {"calls_on_two_streams", test_calls_on_two_streams},
 };
 
 int main(int argc, char** argv) {

@@ -385,6 +385,28 @@ static void test_env_switch(void) {
   unsetenv(name);
 }
 
+/* The add dataflow is exact for top_k 1 or 2 only: a plan for it with top_k 3 is refused at
+ * once (before, only the context refused it, after the plan had been built). */
+static void test_add_dataflow_top_k(void) {
+  tw_problem p = good_problem();
+  p.top_k = 3;
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0, 4, 1, &rt));
+  tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
+  cfg.dataflow = TW_DATAFLOW_ADD;
+  tw_plan_t pl = NULL;
+  EXPECT_FAIL(tw_plan_create(&p, rt, 0, &cfg, &pl), TW_ERR_UNSUPPORTED);
+  EXPECT_MESSAGE("TW_DATAFLOW_REDUCE");
+  CHECK(pl == NULL);
+  setenv("TW_COMBINE_DATAFLOW", "add", 1);
+  EXPECT_FAIL(tw_plan_create(&p, rt, 0, NULL, &pl), TW_ERR_UNSUPPORTED);
+  unsetenv("TW_COMBINE_DATAFLOW");
+  cfg.dataflow = TW_DATAFLOW_REDUCE;
+  CHECK_OK(tw_plan_create(&p, rt, 0, &cfg, &pl));
+  tw_plan_destroy(pl);
+  tw_routing_destroy(rt);
+}
+
 int main(void) {
   setenv("TW_DEBUG", "NONE", 0); /* expected failures would log a WARN each */
   static const tw_test_case cases[] = {
@@ -401,6 +423,7 @@ int main(void) {
       TW_TEST(test_other_ranges),
       TW_TEST(test_bad_routing_file),
       TW_TEST(test_env_switch),
+      TW_TEST(test_add_dataflow_top_k),
   };
   return tw_test_run(cases, (int)(sizeof cases / sizeof cases[0]));
 }
