@@ -86,8 +86,15 @@ typedef struct tw_rank_case {
 /* Runs the cases on this rank; a case passes only if it passed on every rank (the failure
  * counts are summed with an all-reduce). Rank 0 prints the verdicts and "N passed, N failed". */
 static inline int tw_rank_run_cases(tw_rank_env* env, const tw_rank_case* cases, int n) {
-  int passed = 0, failed = 0;
+  int passed = 0, failed = 0, skipped = 0;
+  /* TW_TEST_CASE=S runs only the cases whose name contains S (sanitizer runs at full size). */
+  const char* only = getenv("TW_TEST_CASE");
   for (int i = 0; i < n; i++) {
+    if (only != NULL && only[0] != '\0' && strstr(cases[i].name, only) == NULL) {
+      skipped++;
+      if (env->rank == 0) printf("[ SKIP ] %s (TW_TEST_CASE=%s)\n", cases[i].name, only);
+      continue;
+    }
     tw_test_failures_ = 0;
     if (env->rank == 0) printf("[ RUN  ] %s\n", cases[i].name);
     fflush(stdout);
@@ -110,8 +117,8 @@ static inline int tw_rank_run_cases(tw_rank_env* env, const tw_rank_case* cases,
     fflush(stdout);
   }
   if (env->rank == 0)
-    printf("%d passed, %d failed (%d ranks, %s)\n", passed, failed, env->nranks,
-           env->team != NULL ? "in-process team on one GPU" : "NCCL, one GPU each");
+    printf("%d passed, %d failed, %d skipped\n(%d ranks, %s)\n", passed, failed, skipped,
+           env->nranks, env->team != NULL ? "in-process team on one GPU" : "NCCL, one GPU each");
   fflush(stdout);
   return failed;
 }
