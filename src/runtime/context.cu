@@ -438,7 +438,7 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
     TW_TRY(tw__tunable_choice("tw_context_create", TW_TUNE_ADD_ZEROING, &zeroing));
     zero_in_producer = zeroing != 1;
     /* On one GPU a device-to-device copy runs on the SMs, beside kernels that wait for it. */
-    if (!zero_in_producer && team->shared_gpu)
+    if (!zero_in_producer && team->in_process)
       return tw__fail(TW_ERR_UNSUPPORTED,
                       "tw_context_create: TW_ADD_ZEROING=copy needs a copy engine between GPUs; "
                       "on an in-process team use `producer` (or unset it)");
@@ -587,7 +587,7 @@ extern "C" tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info
   info->consumer_copy = ctx->copy;
   info->dataflow = ctx->dataflow;
   info->sm_budget = ctx->sm_budget;
-  info->in_process = ctx->team->shared_gpu;
+  info->in_process = ctx->team->in_process;
   int v = 0;
   if (ncclGetVersion(&v) == ncclSuccess) info->nccl_version = v;
   return TW_SUCCESS;

@@ -52,7 +52,8 @@ struct tw__team {
   int32_t sm_count;       /* SMs of the rank's GPU */
   int32_t default_budget; /* SMs a context takes when its config does not say: the whole GPU
                              (NCCL), the GPU's SMs / W (in-process) */
-  int32_t shared_gpu;     /* 1: every rank runs on the same GPU (in-process) */
+  int32_t shared_gpu;     /* 1: several ranks run on one GPU (an in-process team of W > 1) */
+  int32_t in_process;     /* 1: an in-process team (tw_team_create) */
 };
 
 /* A view of the caller's communicator (borrowed, never destroyed). Checks the NCCL version

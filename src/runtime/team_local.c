@@ -281,7 +281,8 @@ tw_status tw__team_local_join(tw_team_t t, int32_t rank, tw__team** out) {
   v->device = t->device;
   v->sm_count = t->sm_count;
   v->default_budget = t->sm_count / t->world;
-  v->shared_gpu = 1;
+  v->shared_gpu = t->world > 1;
+  v->in_process = 1;
   *out = v;
   return TW_SUCCESS;
 }
