@@ -47,6 +47,27 @@ grep -E "^[0-9]+ passed, [0-9]+ failed" "$OUT/ctest.log" | sort | uniq -c
 
 [ "$mode" = tests ] && exit 0
 
+# One GPU: the multi-rank protocol runs in-process (ctest above ran those tests); the 2-GPU
+# benchmarks below cannot run, so the one-GPU tables instead, then the sanitizers in-process.
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$gpus" -lt 2 ]; then
+  step "one GPU: the SM budget table (dev/team/budget_table)"
+  timeout 300 "$BUILD/budget_table" 20 >"$OUT/budget-table.md" 2>"$OUT/budget-table.err"
+  echo "budget_table exit $?"; cat "$OUT/budget-table.md"
+  step "one GPU: tilewave bench --in-process 2 (8192 tokens/rank, K 2048, N 4096, 16 experts)"
+  timeout 400 "$BUILD/tilewave" bench --in-process 2 --hidden 4096 --ffn 2048 --topk 2 \
+    --tokens 8192 --iters 20 --warmup 3 >"$OUT/bench-in-process-2.md" 2>"$OUT/bench-in-process-2.err"
+  echo "bench --in-process 2 exit $?"; cat "$OUT/bench-in-process-2.md"
+  step "one GPU: compute-sanitizer on the in-process overlap test, full size"
+  for tool in memcheck racecheck; do
+    TW_TIMEOUT_MS=300000 TW_TEAM_TIMEOUT_MS=1500000 timeout 900 compute-sanitizer --tool $tool \
+      --report-api-errors no --error-exitcode 9 "$BUILD/test_overlap" --in-process 2 \
+      >"$OUT/sanitizer-overlap-in-process-$tool.txt" 2>&1
+    echo "test_overlap --in-process 2 $tool: exit $? $(grep -E 'SUMMARY' "$OUT/sanitizer-overlap-in-process-$tool.txt" | tr '\n' ' ')"
+  done
+  exit 0
+fi
+
 step "compute-sanitizer (small cases)"
 for tool in memcheck racecheck; do
   TW_GEMM_TEST_QUICK=1 timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 \

@@ -56,6 +56,8 @@ typedef struct twb_opts {
   int tile_m, tile_n; /* GEMM2 tile (0: the library's choice) */
   int add;            /* the add dataflow (--dataflow / TW_COMBINE_DATAFLOW, resolved once) */
   int what_if;        /* bench --what-if: the planner's choices for the points, no GPU */
+  int in_process;     /* bench --in-process W: W ranks as threads on GPU 0 (0: off) */
+  int sm_budget;      /* bench --in-process: --sm-budget B (0: the team's default) */
 } twb_opts;
 
 typedef struct twb_point {
@@ -257,5 +259,12 @@ int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n);
  * slowest rank's prediction, after one line saying `why`; host only. Returns the exit code: 0,
  * 1 (a failure), 2 (a problem the planner rejects). */
 int twb_what_if(const twb_opts* o, const twb_point* pts, int n, int world, const char* why);
+
+/* ---- bench_team.c ---- */
+/* `tilewave bench --in-process W`: the points with W ranks as threads on GPU 0 over an
+ * in-process team, ours' four modes only (no NCCL baselines), the overlapped output checked
+ * against the unfused one bit for bit. Must run before this process's first CUDA call. Returns
+ * the exit code: 0, or 1 (a failure or a wrong element). */
+int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints);
 
 #endif /* TW_TOOLS_BENCH_H */

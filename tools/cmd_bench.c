@@ -248,7 +248,13 @@ static void twb_usage(FILE* f, int sweep) {
             "  --phases            also time ours' phases (producer end, consumer end,\n"
             "                      reduction) with the context's events, --iters more calls\n"
             "  --what-if           plan the points on the host and show the planner's choices\n"
-            "                      (no GPU is touched; what runs without GPUs anyway)\n");
+            "                      (no GPU is touched; what runs without GPUs anyway)\n"
+            "  --in-process W      W ranks (1..8) as threads of this process on GPU 0, over an\n"
+            "                      in-process team: ours' modes only, no NCCL baselines; one\n"
+            "                      GPU's memory stands in for NVLink (not comparable with\n"
+            "                      multi-GPU numbers)\n"
+            "  --sm-budget B       with --in-process: SMs each rank's call may occupy (default\n"
+            "                      the GPU's SMs / W)\n");
   fprintf(f,
           "  --tol X             largest normwise relative error that passes (default 2e-2)\n"
           "  --ranks N           ranks to spawn (default: every visible GPU; alias --gpus)\n"
@@ -322,6 +328,8 @@ static int twb_parse(int argc, char** argv, int sweep, twb_opts* o, int* shape_g
     args[n++] = tw__cli_bool("--full", &o->full);
     args[n++] = tw__cli_bool("--phases", &o->phases);
     args[n++] = tw__cli_bool("--what-if", &o->what_if);
+    args[n++] = tw__cli_int("--in-process", &o->in_process, 1, 8);
+    args[n++] = tw__cli_int("--sm-budget", &o->sm_budget, 2, 100000);
   }
   const int rc = tw__cli_parse(cmd, argc, argv, args, n, twb_usage_cb, &sweep);
   if (rc != 0) return rc;
@@ -345,6 +353,13 @@ static int twb_check_opts(twb_opts* o, int sweep, int shape_given, const char* c
    * max regret 7.23% with 5 rounds, 4.85% with 15, same code; bench/results/2026-11-30-run8.md). */
   if (o->iters < 0) o->iters = o->oracle ? 15 : sweep ? 20 : 50;
   if (o->warmup < 0) o->warmup = o->oracle ? 2 : sweep ? 3 : 5;
+  if (o->sm_budget > 0 && o->in_process == 0)
+    return tw__cli_usage_error(cmd, "--sm-budget B runs with --in-process W (W ranks on one GPU)");
+  if (o->in_process > 0 &&
+      (o->routing_file || o->write_routing || o->phases || o->json || o->json_file || o->full))
+    return tw__cli_usage_error(cmd,
+                               "--in-process times ours' modes only: drop --routing, "
+                               "--write-routing, --phases, --json, --json-file and --full");
   if (o->versus > 0 && !o->oracle)
     return tw__cli_usage_error(cmd, "--versus-fixed needs a matrix (--oracle)");
   /* The confirmation re-times a matrix point's best cells: without --oracle there are none, and
@@ -516,6 +531,17 @@ static int twb_main(int argc, char** argv, int sweep) {
   }
   job.o = o;
 
+  /* W ranks on one GPU, threads of this process (before anything touches CUDA here). */
+  if (!sweep && o.in_process > 0 && !o.what_if) {
+    if (twb_gpus_present() < 1) {
+      fprintf(stderr, "%s --in-process: no GPU found\n", cmd);
+      free(job.points);
+      return 1;
+    }
+    rc = twb_in_process(&o, job.points, job.npoints);
+    free(job.points);
+    return rc;
+  }
   /* bench without the GPUs it needs (checked before anything forks or touches CUDA), or with
    * --what-if: the planner's choices for the same points instead. */
   int nranks = o.ranks;
