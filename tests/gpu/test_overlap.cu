@@ -623,11 +623,13 @@ static void test_sm_budget(tw_rank_env* env) {
   opt.sm_budget = B + 1;
   CHECK_STATUS(tw_moe_combine_ex(ctx, dp, b.expert_in, b.w2, b.out, &opt, env->stream),
                TW_ERR_INVALID_ARGUMENT);
-  opt.sm_budget = 2; /* the upload above was planned for 2: C 1 fits, C 2 does not */
-  opt.comm_ctas = 2;
-  CHECK_STATUS(tw_moe_combine_ex(ctx, dp, b.expert_in, b.w2, b.out, &opt, env->stream),
-               TW_ERR_INVALID_ARGUMENT);
-  CHECK(strstr(tw_last_error(), "sm_budget") != NULL);
+  if (env->nranks > 1) { /* with one rank nothing moves, and C is not launched at all */
+    opt.sm_budget = 2;   /* the upload above was planned for 2: C 1 fits, C 2 does not */
+    opt.comm_ctas = 2;
+    CHECK_STATUS(tw_moe_combine_ex(ctx, dp, b.expert_in, b.w2, b.out, &opt, env->stream),
+                 TW_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(tw_last_error(), "sm_budget") != NULL);
+  }
 
   /* Every token routed to its own rank's experts: nothing to send, no consumer on any rank, and
    * the output still right (against the double reference). */
