@@ -51,6 +51,15 @@ static void tw_free_buffers(tw_buffers* b) {
   free(b->h_out2);
 }
 
+/* This rank's w2 (seeded by salt) into b->w2. */
+static void tw_upload_w2(const tw_problem* p, int rank, uint64_t salt, tw_buffers* b) {
+  const size_t n = (size_t)(p->experts / p->world_size) * p->hidden * p->ffn;
+  uint16_t* w2 = (uint16_t*)malloc(n * 2);
+  tw_fill_w2(p, rank, salt, w2);
+  CHECK_CUDA(cudaMemcpy(b->w2, w2, n * 2, cudaMemcpyHostToDevice));
+  free(w2);
+}
+
 /* One call in `mode`, with out poisoned (NaN) first; copies out to host. */
 static void tw_run_mode(tw_rank_env* env, tw_context_t ctx, tw_device_plan_t dp, tw_buffers* b,
                         int32_t tokens, int hidden, tw_combine_mode mode, int C, uint16_t* host) {
@@ -84,13 +93,7 @@ static void tw_run_config(tw_rank_env* env, const tw_overlap_cfg* cfg, int cfg_i
   tw_buffers b;
   CHECK(tw_alloc_buffers(&p, &b));
   const uint64_t salt_w = 1000 + (uint64_t)cfg_index;
-  {
-    const int E = p.experts / p.world_size;
-    uint16_t* w2 = (uint16_t*)malloc((size_t)E * p.hidden * p.ffn * 2);
-    tw_fill_w2(&p, env->rank, salt_w, w2);
-    CHECK_CUDA(cudaMemcpy(b.w2, w2, (size_t)E * p.hidden * p.ffn * 2, cudaMemcpyHostToDevice));
-    free(w2);
-  }
+  tw_upload_w2(&p, env->rank, salt_w, &b);
   double cfg_max_rel = 0.0;
   for (int it = 0; it < cfg->iters && dp != NULL; it++) {
     int32_t tokens[TW_MAX_RANKS];
@@ -334,13 +337,7 @@ static void test_no_deadlock_any_c(tw_rank_env* env) {
   CHECK_OK(tw_device_plan_create(ctx, &dp));
   tw_buffers b;
   CHECK(tw_alloc_buffers(&p, &b));
-  {
-    const int E = p.experts / p.world_size;
-    uint16_t* w2 = (uint16_t*)malloc((size_t)E * p.hidden * p.ffn * 2);
-    tw_fill_w2(&p, env->rank, 99, w2);
-    CHECK_CUDA(cudaMemcpy(b.w2, w2, (size_t)E * p.hidden * p.ffn * 2, cudaMemcpyHostToDevice));
-    free(w2);
-  }
+  tw_upload_w2(&p, env->rank, 99, &b);
   int32_t tokens[TW_MAX_RANKS];
   for (int r = 0; r < env->nranks; r++) tokens[r] = p.max_tokens;
   tw_routing_t rt = NULL;
@@ -592,12 +589,7 @@ static void test_sm_budget(tw_rank_env* env) {
   tw_buffers b;
   CHECK(tw_alloc_buffers(&p, &b));
   const int E = p.experts / p.world_size;
-  {
-    uint16_t* w2 = (uint16_t*)malloc((size_t)E * p.hidden * p.ffn * 2);
-    tw_fill_w2(&p, env->rank, 778, w2);
-    CHECK_CUDA(cudaMemcpy(b.w2, w2, (size_t)E * p.hidden * p.ffn * 2, cudaMemcpyHostToDevice));
-    free(w2);
-  }
+  tw_upload_w2(&p, env->rank, 778, &b);
   const size_t n_out = (size_t)p.max_tokens * p.hidden;
   uint16_t* first = (uint16_t*)malloc(n_out * 2);
   int32_t tokens[TW_MAX_RANKS];
@@ -707,11 +699,7 @@ static void test_calls_on_two_streams(tw_rank_env* env) {
   CHECK(tw_alloc_buffers(&p, &b));
   cudaStream_t s2 = NULL;
   CHECK_CUDA(cudaStreamCreateWithFlags(&s2, cudaStreamNonBlocking));
-  const int E = p.experts / p.world_size;
-  uint16_t* w2 = (uint16_t*)malloc((size_t)E * p.hidden * p.ffn * 2);
-  tw_fill_w2(&p, env->rank, 91, w2);
-  CHECK_CUDA(cudaMemcpy(b.w2, w2, (size_t)E * p.hidden * p.ffn * 2, cudaMemcpyHostToDevice));
-  free(w2);
+  tw_upload_w2(&p, env->rank, 91, &b);
   int32_t tokens[TW_MAX_RANKS];
   for (int r = 0; r < env->nranks; r++) tokens[r] = p.max_tokens;
   tw_routing_t rt = NULL;
