@@ -102,16 +102,24 @@ typedef enum tw_dtype { TW_BF16 = 0, TW_FP16 = 1 } tw_dtype;
 /* One MoE layer, expert parallel: world_size ranks, one GPU each, experts/world_size local
  * experts per rank, each token routed to top_k experts. GEMM2 (the down projection) has
  * K = ffn and N = hidden. */
+/* Upper bounds of a problem (tw_problem_validate): beyond them no model is run, and the host
+ * arrays a plan allocates (tiles, rows) would grow without limit. */
+#define TW_MAX_HIDDEN 65536
+#define TW_MAX_EXPERTS 4096
+#define TW_MAX_TOP_K 64
+#define TW_MAX_TOKENS (1 << 24)
+
 typedef struct tw_problem {
   size_t size;        /* sizeof(tw_problem) */
   uint32_t magic;     /* TW_PROBLEM_MAGIC */
   uint32_t version;   /* TW_API_VERSION */
-  int32_t world_size; /* W >= 1 */
-  int32_t hidden;     /* H: model width, GEMM2 N; multiple of 8 */
-  int32_t ffn;        /* F: expert FFN width, GEMM2 K; multiple of 8 */
-  int32_t experts;    /* E_total routed experts over all ranks; multiple of world_size */
-  int32_t top_k;      /* k in 1..experts */
-  int32_t max_tokens; /* capacity: most tokens any rank holds in one call */
+  int32_t world_size; /* W in 1..1024 */
+  int32_t hidden;     /* H: model width, GEMM2 N; multiple of 8, at most TW_MAX_HIDDEN */
+  int32_t ffn;        /* F: expert FFN width, GEMM2 K; multiple of 8, at most TW_MAX_HIDDEN */
+  int32_t experts;    /* E_total routed experts over all ranks; multiple of world_size, at most
+                         TW_MAX_EXPERTS */
+  int32_t top_k;      /* k in 1..min(experts, TW_MAX_TOP_K) */
+  int32_t max_tokens; /* capacity: most tokens any rank holds in one call, 1..TW_MAX_TOKENS */
   int32_t tile_m;     /* GEMM2 tile height TM (row band height): 64 or 128; 0 = 128 */
   int32_t tile_n;     /* GEMM2 tile width TN: 64, 128 or 256; 0 = chosen from hidden */
   tw_dtype dtype;     /* activations and weights; TW_BF16 */

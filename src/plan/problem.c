@@ -64,6 +64,11 @@ tw_status tw_problem_validate(const tw_problem* problem) {
   if (p->ffn <= 0)
     return tw__fail(TW_ERR_INVALID_SIZE, "ffn (%d) must be positive; pass the expert FFN width",
                     p->ffn);
+  if (p->hidden > TW_MAX_HIDDEN || p->ffn > TW_MAX_HIDDEN)
+    return tw__fail(TW_ERR_INVALID_SIZE,
+                    "hidden (%d) and ffn (%d) must be at most %d (TW_MAX_HIDDEN); no MoE model is "
+                    "wider, and the plan's arrays grow with them",
+                    p->hidden, p->ffn, TW_MAX_HIDDEN);
   if (p->hidden % 8 != 0)
     return tw__fail(TW_ERR_ALIGNMENT,
                     "hidden (%d) is not a multiple of 8; TMA moves rows in 16-byte units, so pad "
@@ -76,19 +81,27 @@ tw_status tw_problem_validate(const tw_problem* problem) {
                     p->ffn);
   if (p->experts < 1)
     return tw__fail(TW_ERR_INVALID_SIZE, "experts (%d) must be at least 1", p->experts);
+  if (p->experts > TW_MAX_EXPERTS)
+    return tw__fail(TW_ERR_INVALID_SIZE, "experts (%d) must be at most %d (TW_MAX_EXPERTS)",
+                    p->experts, TW_MAX_EXPERTS);
   if (p->experts % p->world_size != 0)
     return tw__fail(TW_ERR_INDIVISIBLE,
                     "experts (%d) is not divisible by world_size (%d); use a world size that "
                     "divides the expert count",
                     p->experts, p->world_size);
-  if (p->top_k < 1 || p->top_k > p->experts)
-    return tw__fail(TW_ERR_TOPK_RANGE, "top_k (%d) must be in 1..experts (%d)", p->top_k,
-                    p->experts);
+  if (p->top_k < 1 || p->top_k > p->experts || p->top_k > TW_MAX_TOP_K)
+    return tw__fail(TW_ERR_TOPK_RANGE, "top_k (%d) must be in 1..experts (%d) and at most %d",
+                    p->top_k, p->experts, TW_MAX_TOP_K);
   if (p->max_tokens < 1)
     return tw__fail(TW_ERR_INVALID_SIZE,
                     "max_tokens (%d) must be at least 1; pass the most tokens any rank holds in "
                     "one call",
                     p->max_tokens);
+  if (p->max_tokens > TW_MAX_TOKENS)
+    return tw__fail(TW_ERR_INVALID_SIZE,
+                    "max_tokens (%d) must be at most %d (TW_MAX_TOKENS); split the batch into "
+                    "several calls",
+                    p->max_tokens, TW_MAX_TOKENS);
   if (p->tile_m != 0 && p->tile_m != 64 && p->tile_m != 128)
     return tw__fail(TW_ERR_INVALID_ARGUMENT, "tile_m (%d) must be 0 (default 128), 64 or 128",
                     p->tile_m);

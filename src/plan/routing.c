@@ -10,7 +10,7 @@
  * (common random numbers); this makes R_expert nearly monotone in the exponent, which the
  * TW_ROUTER_TARGET bisection relies on.
  */
-#define _POSIX_C_SOURCE 200809L /* getline */
+#define _POSIX_C_SOURCE 200809L
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -526,16 +526,45 @@ typedef struct tw__reader {
   long line;
 } tw__reader;
 
-/* Next content line in r->buf; returns 0 at end of file. */
+/* A routing line holds at most TW_MAX_TOP_K ids and weights: a longer one (or one with a NUL
+ * byte) is not a routing file, and an endless one (a device, a pipe) must not be read forever;
+ * nor may an endless run of blank or comment lines. */
+enum { TW__MAX_LINE = 1 << 16, TW__MAX_SKIPPED_LINES = 1 << 20 };
+
+/* Next content line in r->buf: 1, 0 at end of file, -1 (recorded with tw__fail) when the input
+ * is not a routing file's text. */
 static int tw__next_line(tw__reader* r) {
-  for (;;) {
-    ssize_t n = getline(&r->buf, &r->cap, r->f);
-    if (n < 0) return 0;
+  if (r->buf == NULL) {
+    r->buf = (char*)malloc(TW__MAX_LINE + 1);
+    if (r->buf == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "routing: host memory"), -1;
+    r->cap = TW__MAX_LINE + 1;
+  }
+  for (long skipped = 0; skipped < TW__MAX_SKIPPED_LINES; skipped++) {
+    size_t n = 0;
+    int c = EOF;
+    while (n < TW__MAX_LINE && (c = getc(r->f)) != EOF && c != '\n') {
+      if (c == '\0') {
+        tw__fail(TW_ERR_IO, "%s:%ld: a NUL byte; not a routing file (docs/routing-format.md)",
+                 r->path, r->line + 1);
+        return -1;
+      }
+      r->buf[n++] = (char)c;
+    }
+    if (n == TW__MAX_LINE) {
+      tw__fail(TW_ERR_IO, "%s:%ld: a line of more than %d bytes; not a routing file", r->path,
+               r->line + 1, TW__MAX_LINE);
+      return -1;
+    }
+    if (c == EOF && n == 0) return 0;
+    r->buf[n] = '\0';
     r->line++;
     char* s = r->buf;
-    while (*s == ' ' || *s == '\t' || *s == '\r' || *s == '\n') s++;
+    while (*s == ' ' || *s == '\t' || *s == '\r') s++;
     if (*s != '\0' && *s != '#') return 1;
   }
+  tw__fail(TW_ERR_IO, "%s:%ld: more than %d blank or comment lines in a row; not a routing file",
+           r->path, r->line, TW__MAX_SKIPPED_LINES);
+  return -1;
 }
 
 /* Records again the failure of a shared check (tw_last_error()), prefixed with path:line. */
@@ -604,7 +633,12 @@ tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routin
   /* Header. */
   int32_t version = 0, w = 0, e = 0, k = 0;
   char* s = NULL;
-  if (!tw__next_line(&rd)) {
+  const int got_header = tw__next_line(&rd);
+  if (got_header < 0) {
+    st = TW_ERR_IO;
+    goto done;
+  }
+  if (got_header == 0) {
     st = tw__fail(TW_ERR_IO,
                   "%s:%ld: empty file; expected the header \"tilewave-routing 1 "
                   "world_size W experts E top_k K\"",
@@ -641,7 +675,12 @@ tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routin
   int64_t mark = 0;
   for (int32_t r = 0; r < w; r++) {
     int32_t rank = -1, n = -1;
-    if (!tw__next_line(&rd)) {
+    const int got = tw__next_line(&rd);
+    if (got < 0) {
+      st = TW_ERR_IO;
+      goto done;
+    }
+    if (got == 0) {
       st = tw__fail(TW_ERR_IO, "%s:%ld: end of file; expected \"rank %d tokens N\"", path,
                     rd.line + 1, r);
       goto done;
@@ -671,7 +710,12 @@ tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routin
       }
     }
     for (int32_t t = 0; t < n; t++) {
-      if (!tw__next_line(&rd)) {
+      const int got_token = tw__next_line(&rd);
+      if (got_token < 0) {
+        st = TW_ERR_IO;
+        goto done;
+      }
+      if (got_token == 0) {
         st = tw__fail(TW_ERR_IO, "%s:%ld: end of file; rank %d declares %d tokens, found %d", path,
                       rd.line + 1, r, n, t);
         goto done;
@@ -697,8 +741,11 @@ tw_status tw_routing_read(const tw_problem* problem, const char* path, tw_routin
     }
     rt->tokens[r] = n;
   }
-  if (tw__next_line(&rd)) {
-    st = tw__fail(TW_ERR_IO, "%s:%ld: unexpected content after the last rank", path, rd.line);
+  const int after = tw__next_line(&rd);
+  if (after != 0) {
+    st = after < 0
+             ? TW_ERR_IO
+             : tw__fail(TW_ERR_IO, "%s:%ld: unexpected content after the last rank", path, rd.line);
     goto done;
   }
   *routing = rt;

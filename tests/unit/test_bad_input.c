@@ -116,6 +116,24 @@ static void test_zero_or_negative_sizes(void) {
     memcpy((char*)&p + cases[i].offset, &cases[i].value, sizeof(int32_t));
     EXPECT_FAIL(tw_problem_validate(&p), TW_ERR_INVALID_SIZE);
   }
+  /* Upper bounds (before, hidden 2^30 made tw_plan_create take 10 s and 6 GB). */
+  p = good_problem();
+  p.hidden = 1 << 30;
+  EXPECT_FAIL(tw_problem_validate(&p), TW_ERR_INVALID_SIZE);
+  EXPECT_MESSAGE("TW_MAX_HIDDEN");
+  p = good_problem();
+  p.ffn = TW_MAX_HIDDEN + 8;
+  EXPECT_FAIL(tw_problem_validate(&p), TW_ERR_INVALID_SIZE);
+  p = good_problem();
+  p.experts = TW_MAX_EXPERTS + 2;
+  EXPECT_FAIL(tw_problem_validate(&p), TW_ERR_INVALID_SIZE);
+  p = good_problem();
+  p.experts = 256, p.top_k = TW_MAX_TOP_K + 1;
+  EXPECT_FAIL(tw_problem_validate(&p), TW_ERR_TOPK_RANGE);
+  p = good_problem();
+  p.hidden = TW_MAX_HIDDEN, p.ffn = TW_MAX_HIDDEN, p.experts = TW_MAX_EXPERTS / 2 * 2;
+  p.top_k = TW_MAX_TOP_K;
+  CHECK_OK(tw_problem_validate(&p)); /* the bounds themselves are accepted */
   /* Worst-case rows beyond int32. */
   p = good_problem();
   p.world_size = 8, p.experts = 64, p.top_k = 8, p.max_tokens = 40000000;
@@ -350,6 +368,21 @@ static void test_bad_routing_file(void) {
   CHECK_OK(tw_routing_read(&p, path, &rt));
   tw_routing_destroy(rt);
   remove(path);
+  /* Input that never ends or is no text returns at once (before, /dev/zero was read forever). */
+  EXPECT_FAIL(tw_routing_read(&p, "/dev/zero", &rt), TW_ERR_IO);
+  EXPECT_MESSAGE("NUL byte");
+  {
+    FILE* f = fopen(path, "w");
+    CHECK(f != NULL);
+    if (f != NULL) {
+      fputs(head, f);
+      for (int i = 0; i < 70000; i++) fputc('1', f); /* one line beyond the limit */
+      fclose(f);
+      EXPECT_FAIL(tw_routing_read(&p, path, &rt), TW_ERR_IO);
+      EXPECT_MESSAGE(":2: a line of more than");
+      remove(path);
+    }
+  }
   /* A file that does not exist, and a directory that cannot be written. */
   EXPECT_FAIL(tw_routing_read(&p, "/nonexistent-dir/routing.txt", &rt), TW_ERR_IO);
   EXPECT_MESSAGE("/nonexistent-dir/routing.txt");
