@@ -19,7 +19,7 @@ the dynamic loader's search path.
 import ctypes
 import ctypes.util
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 __all__ = [
     "TilewaveError", "Problem", "Routing", "Plan", "Hardware", "presets", "tp_select",
@@ -226,8 +226,24 @@ def _flat(values):
     return out
 
 
+_INT32 = (-2**31, 2**31 - 1)
+
+
+def _int32(name, v):
+    """v as an int that fits a C int32_t; ctypes would silently keep only the low 32 bits."""
+    if isinstance(v, bool) or not isinstance(v, int) and not (hasattr(v, "__index__")):
+        raise TilewaveError("TW_ERR_INVALID_ARGUMENT", "%s = %r: give an integer" % (name, v))
+    v = int(v)
+    if not _INT32[0] <= v <= _INT32[1]:
+        raise TilewaveError("TW_ERR_INVALID_SIZE",
+                            "%s = %d does not fit 32 bits (%d..%d)" % (name, v, *_INT32))
+    return v
+
+
 def _c_array(ctype, values):
     flat = _flat(values)
+    if ctype is ctypes.c_int32:
+        flat = [_int32("expert id", v) for v in flat]
     return (ctype * max(len(flat), 1))(*flat), len(flat)
 
 
@@ -264,9 +280,11 @@ class Problem:
         if self.dtype not in _DTYPES:
             raise TilewaveError("TW_ERR_UNSUPPORTED",
                                 "dtype %r is not one of %s" % (self.dtype, sorted(_DTYPES)))
+        v = {f: _int32(f, getattr(self, f)) for f in ("world_size", "hidden", "ffn", "experts",
+                                                      "top_k", "max_tokens", "tile_m", "tile_n")}
         return _CProblem(ctypes.sizeof(_CProblem), _PROBLEM_MAGIC, _API_VERSION,
-                         self.world_size, self.hidden, self.ffn, self.experts, self.top_k,
-                         self.max_tokens, self.tile_m, self.tile_n, _DTYPES[self.dtype])
+                         v["world_size"], v["hidden"], v["ffn"], v["experts"], v["top_k"],
+                         v["max_tokens"], v["tile_m"], v["tile_n"], _DTYPES[self.dtype])
 
     def validate(self):
         """Raises TilewaveError naming the first violation; returns self when valid."""
@@ -341,7 +359,8 @@ class Routing(_Owned):
     _destroy = "tw_routing_destroy"
 
     def __init__(self, problem, handle):
-        self.problem = problem
+        # A copy: the C routing was sized by this problem, and a caller may change theirs later.
+        self.problem = replace(problem)
         self._h = ctypes.c_void_p(handle)
 
     @classmethod
@@ -356,7 +375,7 @@ class Routing(_Owned):
             tokens_per_rank = problem.max_tokens
         h = ctypes.c_void_p()
         _check(_load().tw_routing_generate(ctypes.byref(problem._c()), ROUTERS[router],
-                                           float(param), int(tokens_per_rank), int(seed),
+                                           float(param), _int32("tokens_per_rank", tokens_per_rank), int(seed),
                                            ctypes.byref(h)))
         return cls(problem, h.value)
 
@@ -516,7 +535,7 @@ class Plan(_Owned):
 
     def __init__(self, problem, routing, rank, comm_ctas=None, coalesce=None, use_model=True,
                  hardware=None, schedule=None, dataflow=None, sm_budget=None):
-        self.problem = problem
+        self.problem = replace(problem)  # a copy: the plan was built for this problem
         self.routing = routing  # keeps the routing alive at least as long as the plan
         self.rank = rank
         hw = hardware._c() if hardware is not None else None
@@ -527,12 +546,13 @@ class Plan(_Owned):
         if sm_budget is not None and not 2 <= int(sm_budget) <= 100000:
             raise ValueError("sm_budget %r: give the SMs a call may occupy, 2 or more" % sm_budget)
         cfg = _CPlanConfig(ctypes.sizeof(_CPlanConfig), _PLAN_CONFIG_MAGIC, _API_VERSION,
-                           int(comm_ctas or 0), int(coalesce or 0), 1 if use_model else 0,
+                           _int32("comm_ctas", comm_ctas or 0), _int32("coalesce", coalesce or 0),
+                           1 if use_model else 0,
                            ctypes.pointer(hw) if hw is not None else None,
                            SCHEDULES[schedule or "auto"], DATAFLOWS[dataflow or "default"],
-                           int(sm_budget or 0))
+                           _int32("sm_budget", sm_budget or 0))
         h = ctypes.c_void_p()
-        _check(_load().tw_plan_create(ctypes.byref(problem._c()), routing._handle(), int(rank),
+        _check(_load().tw_plan_create(ctypes.byref(problem._c()), routing._handle(), _int32("rank", rank),
                                       ctypes.byref(cfg), ctypes.byref(h)))
         self._h = h
 

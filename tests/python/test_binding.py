@@ -323,6 +323,32 @@ class TestPlanAndModel(unittest.TestCase):
         slow_t = tw.Plan(p, r, 0, comm_ctas=2, coalesce=1, hardware=slow).predict(2, 1)
         self.assertGreater(slow_t, fast_t)
 
+    def test_no_silent_truncation(self):
+        # ctypes keeps the low 32 bits of an int: 2**32 + 3 would have become expert 3, and
+        # hidden 2**40 "hidden (0)".
+        p = tw.Problem(world_size=2, hidden=256, ffn=128, experts=8, top_k=2, max_tokens=4)
+        with self.assertRaises(tw.TilewaveError) as e:
+            tw.Routing.from_arrays(p, [[0, 2**32 + 3], [1, 2]], [[0.5, 0.5], [0.5, 0.5]])
+        self.assertIn("32 bits", str(e.exception))
+        for field, value in (("hidden", 2**40), ("max_tokens", -2**33), ("experts", 2**31)):
+            with self.assertRaises(tw.TilewaveError) as e:
+                tw.Problem(**{**p.__dict__, field: value}).validate()
+            self.assertIn(field, str(e.exception))
+        with self.assertRaises(tw.TilewaveError):
+            tw.Problem(**{**p.__dict__, "hidden": 256.5}).validate()
+
+    def test_routing_keeps_its_problem(self):
+        # The routing and the plan were sized by the problem they were built from: changing the
+        # caller's problem afterwards must not change what they read (it segfaulted before).
+        p = tw.Problem(world_size=2, hidden=256, ffn=128, experts=8, top_k=2, max_tokens=16)
+        r = tw.Routing.generate(p, seed=1)
+        plan = tw.Plan(p, r, 0)
+        loads = r.expert_loads()
+        p.experts, p.top_k = 4096, 64
+        self.assertEqual(r.expert_loads(), loads)
+        self.assertEqual(len(r.rank(0)[0][0]), 2)
+        self.assertEqual(plan.problem.experts, 8)
+
     def test_tp_select(self):
         hw = tw.Hardware.default()
         rows = [self.rng.randrange(100, 2000) for _ in range(8)]
