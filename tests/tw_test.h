@@ -23,6 +23,14 @@
 #define TW_TEST_THREAD_LOCAL _Thread_local
 #endif
 static TW_TEST_THREAD_LOCAL int tw_test_failures_ = 0;
+/* A case that ran no check says so with TW_TEST_SKIP_CASE("why"): it is counted skipped, never
+ * passed. */
+static TW_TEST_THREAD_LOCAL const char* tw_test_skipped_ = NULL;
+#define TW_TEST_SKIP_CASE(why) \
+  do {                         \
+    tw_test_skipped_ = (why);  \
+    return;                    \
+  } while (0)
 
 #define CHECK(cond)                                                                \
   do {                                                                             \
@@ -76,13 +84,17 @@ typedef struct tw_test_case {
   { #name, name }
 
 static inline int tw_test_run(const tw_test_case* cases, int n) {
-  int passed = 0, failed = 0;
+  int passed = 0, failed = 0, skipped = 0;
   for (int i = 0; i < n; i++) {
     tw_test_failures_ = 0;
+    tw_test_skipped_ = NULL;
     printf("[ RUN  ] %s\n", cases[i].name);
     fflush(stdout);
     cases[i].fn();
-    if (tw_test_failures_ == 0) {
+    if (tw_test_failures_ == 0 && tw_test_skipped_ != NULL) {
+      skipped++;
+      printf("[ SKIP ] %s (%s)\n", cases[i].name, tw_test_skipped_);
+    } else if (tw_test_failures_ == 0) {
       passed++;
       printf("[  OK  ] %s\n", cases[i].name);
     } else {
@@ -91,7 +103,10 @@ static inline int tw_test_run(const tw_test_case* cases, int n) {
     }
     fflush(stdout);
   }
-  printf("%d passed, %d failed\n", passed, failed);
+  if (skipped > 0)
+    printf("%d passed, %d failed, %d skipped\n", passed, failed, skipped);
+  else
+    printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;
 }
 

@@ -332,7 +332,7 @@ void test_small_tm128(void) {
 }
 
 void test_small_tm64(void) {
-  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) return;
+  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) TW_TEST_SKIP_CASE("TW_GEMM_TEST_QUICK");
   g_rng = 0x7654321ull;
   small_shape({65, 0, 200, 64, 3}, 512, 1024, 64, 128, 0, false, {1, 0});
   small_shape({65, 0, 200, 64, 3}, 512, 1000, 64, 256, 2, false, {7});
@@ -340,7 +340,7 @@ void test_small_tm64(void) {
 }
 
 void test_small_swiglu(void) {
-  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) return;
+  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) TW_TEST_SKIP_CASE("TW_GEMM_TEST_QUICK");
   g_rng = 0xABCDEFull;
   small_shape({130, 0, 77}, 512, 512, 128, 128, 0, true, {1, 0, 4});
   small_shape({130, 0, 77}, 512, 520, 128, 128, 4, true, {5});
@@ -363,10 +363,7 @@ void large_shape(const std::vector<int>& m, int k, int n, int tn, const std::vec
 
 void test_large(void) {
   /* TW_GEMM_TEST_QUICK=1 (used under compute-sanitizer, which is ~100x slower) skips these. */
-  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) {
-    printf("  large shapes skipped (TW_GEMM_TEST_QUICK)\n");
-    return;
-  }
+  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) TW_TEST_SKIP_CASE("TW_GEMM_TEST_QUICK: large shapes");
   g_rng = 0x5151ull;
   large_shape(random_m(8, 0, 1000), 2048, 4096, 256, {0, 124});
   large_shape(random_m(4, 300, 2000), 4096, 8192, 256, {132});
@@ -439,7 +436,7 @@ void planned_case(tw_router router, int world, int experts_total, int top_k, int
 }
 
 void test_planned(void) {
-  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) return;
+  if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) TW_TEST_SKIP_CASE("TW_GEMM_TEST_QUICK");
   g_rng = 0x2468ull;
   /* Qwen1.5-MoE-like down projection (K 1408, N 2048), 2 ranks, 30 local experts, skewed. */
   planned_case(TW_ROUTER_STRESS_SKEW, 2, 60, 4, 2048, 1408, 2048, {0, 124});
