@@ -7,6 +7,9 @@
  * band.dest_offset. Consecutive bands of one (expert, owner) group whose rows are contiguous at
  * both ends merge into one transfer; the sender and the receiver run the same merge over the same
  * band list (the sender's plan), so the NCCL send and receive sequences match.
+ *
+ * Its length: both paths share the band walk, the merge and the reduction; they are kept in one
+ * file so that the two sides of every transfer stay next to each other.
  */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>

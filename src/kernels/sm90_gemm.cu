@@ -8,6 +8,9 @@
  * release reduction, so a consumer that acquires the counter and sees col_tiles x epoch may read
  * the whole band.
  *
+ * One file for the whole kernel family (its versions share the tile walk, the signals and the
+ * launcher; splitting them would scatter what a reader compares side by side), hence its length.
+ *
  * Versions (tw_gemm_args.variant; dev/gemm/NOTES.md has each one's measurements):
  *   1  simple: WMMA bf16 MMA, smem tiles from ordinary loads, st.global epilogue. Any supported
  *      shape; kept as the reference implementation and fallback.
