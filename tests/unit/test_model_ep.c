@@ -1,5 +1,6 @@
 /*
- * test_model_ep.c: the expert-parallel resource model (model*.c). A hand-built plan whose T(C,
+ * test_model_ep.c: the expert-parallel resource model (model*.c), in one file because its cases
+ * share the hand-built plans and the argmin reference. A hand-built plan whose T(C,
  * mgb) table is computed by hand below, once compute-bound and once bound by its memory traffic;
  * then real plans from the planner: the choice is the argmin of the predictions over every
  * candidate (both schedules when the model chooses the schedule), the fast evaluation equals the

@@ -1,5 +1,6 @@
 /*
- * test_plan_invariants.c: property tests of the planner over many random routings.
+ * test_plan_invariants.c: property tests of the planner over many random routings. (One file:
+ * every property is checked on the same random worlds, which are built once per world.)
  *
  * For every random world it builds the plans of all W ranks and checks, from the routing alone
  * (never from the planner's own intermediate arrays), that the layout, the schedule, the combine
