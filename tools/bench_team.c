@@ -231,11 +231,17 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
   int failed = 0;
   twt_rank ranks[8];
   pthread_t th[8];
+  const double t_begin = tw__now_seconds();
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    fprintf(stderr, "[bench --in-process %d/%d] tokens/rank %d K %d N %d E %d top-%d %s\n", i + 1,
+    const double now = tw__now_seconds();
+    char eta[64] = "";
+    if (i > 0)
+      snprintf(eta, sizeof eta, ", %.0f s so far, about %.0f s left", now - t_begin,
+               (now - t_begin) / i * (npoints - i));
+    fprintf(stderr, "[bench --in-process %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n", i + 1,
             npoints, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-            tw__cli_router_name(pt->router));
+            tw__cli_router_name(pt->router), eta);
     tw_team_t team = NULL, sums = NULL;
     tw_status st = tw_team_create(W, 0, &team);
     if (st == TW_SUCCESS) st = tw_team_create(W, 0, &sums);

@@ -103,13 +103,20 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
     acc.regret_c = acc.t_model + 6 * n;
     twb_oracle_begin(o, nranks, js);
   }
+  const double t_begin = tw__now_seconds();
   for (int i = 0; i < job->npoints && st == TW_SUCCESS && res; i++) {
     const twb_point* pt = &job->points[i];
-    if (rank == 0)
-      fprintf(stderr, "[%s %d/%d] tokens/rank %d K %d N %d E %d top-%d %s\n",
-              o->sweep ? "sweep" : "bench", i + 1, job->npoints, pt->tokens, pt->ffn, pt->hidden,
-              pt->experts, pt->topk, tw__cli_router_name(pt->router));
     const double t0 = tw__now_seconds();
+    if (rank == 0) {
+      /* Progress with an estimate of the time left: the mean time of the points done so far. */
+      char eta[64] = "";
+      if (i > 0)
+        snprintf(eta, sizeof eta, ", %.0f s so far, about %.0f s left", t0 - t_begin,
+                 (t0 - t_begin) / i * (job->npoints - i));
+      fprintf(stderr, "[%s %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n",
+              o->sweep ? "sweep" : "bench", i + 1, job->npoints, pt->tokens, pt->ffn, pt->hidden,
+              pt->experts, pt->topk, tw__cli_router_name(pt->router), eta);
+    }
     if (o->oracle) {
       if (!twb_oracle_point(&s, o, pt, i, job->npoints, &acc, js, &st)) failures++;
     } else if (o->sweep) {
