@@ -600,7 +600,11 @@ extern "C" tw_status tw_context_check(tw_context_t ctx) {
   TW_TRY(tw__sync_all(ctx));
   /* The record is complete once the context's work is (synchronised above). */
   tw_dev_error all[TW_MAX_RANKS];
-  TW_CUDA_TRY(cudaMemcpy(ctx->h_err, ctx->err, sizeof(tw_dev_error), cudaMemcpyDeviceToHost));
+  /* On the context's own stream: the legacy default stream would also wait for the caller's
+   * blocking streams, where another in-process rank's call may be waiting for this rank. */
+  TW_CUDA_TRY(cudaMemcpyAsync(ctx->h_err, ctx->err, sizeof(tw_dev_error), cudaMemcpyDeviceToHost,
+                              ctx->s_aux));
+  TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
   TW_TRY(ctx->team->ops->allgather(ctx->team, ctx->h_err, all, sizeof(tw_dev_error)));
   int failing = 0, first = -1;
   for (int r = 0; r < ctx->world; r++) {
