@@ -192,6 +192,9 @@ typedef struct twb_versus {
 /* ---- bench_rank.c ---- */
 /* ---- one rank's setup and teardown ----------------------------------------------------------- */
 void twb_rank_free(twb_rank* s);
+/* The problem of point `pt` on `world` ranks, with the command line's tile shape (not validated).
+ */
+tw_problem twb_problem_of(const twb_opts* o, const twb_point* pt, int world);
 /* Problem, routing, every rank's plan (explicit --comm-ctas/--coalesce win over the model),
  * context, this rank's device plan(s), baselines, inputs and outputs. `sweep_mgbs` (n > 0) adds one
  * plan and device plan per coalescing factor. */

@@ -57,17 +57,22 @@ void twb_rank_free(twb_rank* s) {
 /* Problem, routing, every rank's plan (explicit --comm-ctas/--coalesce win over the model),
  * context, this rank's device plan(s), baselines, inputs and outputs. `sweep_mgbs` (n > 0) adds one
  * plan and device plan per coalescing factor. */
-tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt, const int* sweep_mgbs,
-                    int n_sweep) {
+tw_problem twb_problem_of(const twb_opts* o, const twb_point* pt, int world) {
   tw_problem p = TW_PROBLEM_INIT;
-  p.world_size = s->world;
+  p.world_size = world;
   p.hidden = pt->hidden;
   p.ffn = pt->ffn;
   p.experts = pt->experts;
   p.top_k = pt->topk;
-  p.max_tokens = pt->tokens;
+  p.max_tokens = pt->tokens > 0 ? pt->tokens : 1;
   p.tile_m = o->tile_m;
   p.tile_n = o->tile_n;
+  return p;
+}
+
+tw_status twb_setup(twb_rank* s, const twb_opts* o, const twb_point* pt, const int* sweep_mgbs,
+                    int n_sweep) {
+  tw_problem p = twb_problem_of(o, pt, s->world);
   TW_TRY(tw_problem_validate(&p));
   if (o->routing_file) {
     /* Read with a generous capacity, then size the problem to the busiest rank of the file. */

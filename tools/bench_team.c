@@ -133,15 +133,7 @@ static void* twt_rank_main(void* arg) {
   }
   TWT_TRY(tw__team_local_join(r->sums, r->rank, &sums));
   {
-    tw_problem p = TW_PROBLEM_INIT;
-    p.world_size = r->world;
-    p.hidden = pt->hidden;
-    p.ffn = pt->ffn;
-    p.experts = pt->experts;
-    p.top_k = pt->topk;
-    p.max_tokens = pt->tokens > 0 ? pt->tokens : 1;
-    p.tile_m = o->tile_m;
-    p.tile_n = o->tile_n;
+    const tw_problem p = twb_problem_of(o, pt, r->world);
     tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
     cc.sm_budget = o->sm_budget;
     cc.timing = 1;
