@@ -51,8 +51,8 @@ grep -E "^[0-9]+ passed, [0-9]+ failed" "$OUT/ctest.log" | sort | uniq -c
 # benchmarks below cannot run, so the one-GPU tables instead, then the sanitizers in-process.
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
 if [ "$gpus" -lt 2 ]; then
-  step "one GPU: the SM budget table (dev/team/budget_table)"
-  timeout 300 "$BUILD/budget_table" 20 >"$OUT/budget-table.md" 2>"$OUT/budget-table.err"
+  step "one GPU: the SM budget table (bench/budget_table.sh)"
+  timeout 300 bench/budget_table.sh "$BUILD" 20 >"$OUT/budget-table.md" 2>"$OUT/budget-table.err"
   echo "budget_table exit $?"; cat "$OUT/budget-table.md"
   step "one GPU: tilewave bench --in-process 2 (8192 tokens/rank, K 2048, N 4096, 16 experts)"
   timeout 400 "$BUILD/tilewave" bench --in-process 2 --hidden 4096 --ffn 2048 --topk 2 \
