@@ -51,7 +51,7 @@ static tw_status tw__stream_write_value(cudaStream_t stream, void* addr, uint32_
  * peers may add into it in call e + 1. The stream write fences at system scope first. */
 static tw_status tw__raise_ready(tw_context_t ctx, cudaStream_t stream, int buf) {
   TW_TRY(
-      tw__stream_write_value(stream, (char*)ctx->win_buf + ctx->lay.ready, (uint32_t)ctx->epoch));
+      tw__stream_write_value(stream, (char*)ctx->win.local + ctx->lay.ready, (uint32_t)ctx->epoch));
   ctx->dirty_tokens[buf] = 0;
   return TW_SUCCESS;
 }
@@ -64,7 +64,7 @@ static tw_status tw__raise_ready(tw_context_t ctx, cudaStream_t stream, int buf)
  * producer's and consumer's SMs). A comm-only call (a timing mode: it has no producer)
  * zeroes with a memset after it has ended, so that its time is the consumer's alone. */
 static tw_status tw__zero_next_output(tw_context_t ctx, int buf, int after_call) {
-  char* dst = (char*)ctx->win_buf + tw__out_offset(ctx, buf);
+  char* dst = (char*)ctx->win.local + tw__out_offset(ctx, buf);
   const size_t bytes = (size_t)ctx->dirty_tokens[buf] * (size_t)ctx->problem.hidden * 2;
   TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_zero, after_call ? ctx->ev_call_done : ctx->ev_start, 0));
   if (after_call) {
@@ -223,7 +223,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     ca.row_token = d->row_token;
     ca.out_offset = tw__out_offset(ctx, buf);
     g.row_weight = d->row_weight;
-    g.add_out = (char*)ctx->win_buf + ca.out_offset;
+    g.add_out = (char*)ctx->win.local + ca.out_offset;
     g.row_token = d->row_token;
     g.bands = d->bands;
     g.rank = ctx->rank;
@@ -246,7 +246,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
    * started) for the next call (unless TW_ADD_ZEROING=copy); a stream write after it sets ready. */
   const int zero_in_producer = add && ctx->zero_in_producer && mode != TW_COMBINE_COMM_ONLY;
   if (zero_in_producer) {
-    g.zero = (char*)ctx->win_buf + tw__out_offset(ctx, buf ^ 1);
+    g.zero = (char*)ctx->win.local + tw__out_offset(ctx, buf ^ 1);
     g.zero_vectors = ctx->dirty_tokens[buf ^ 1] * ctx->problem.hidden * 2 / 16;
   }
   /* S: producer first (co-residency), K: consumer after `start` (or after the producer). */

@@ -67,11 +67,11 @@ tw_status tw__sync_all(tw_context_t ctx) {
  * dataflow's output buffers (a failed call may have added into either). */
 static tw_status tw__zero_state(tw_context_t ctx) {
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_zero));
-  TW_CUDA_TRY(cudaMemsetAsync((char*)ctx->win_buf + ctx->lay.arrive, 0,
+  TW_CUDA_TRY(cudaMemsetAsync((char*)ctx->win.local + ctx->lay.arrive, 0,
                               ctx->lay.bytes - ctx->lay.arrive, ctx->s_aux));
   if (ctx->lay.out_bytes > 0)
-    TW_CUDA_TRY(
-        cudaMemsetAsync((char*)ctx->win_buf + ctx->lay.out, 0, 2 * ctx->lay.out_bytes, ctx->s_aux));
+    TW_CUDA_TRY(cudaMemsetAsync((char*)ctx->win.local + ctx->lay.out, 0, 2 * ctx->lay.out_bytes,
+                                ctx->s_aux));
   ctx->out_buf = -1;
   ctx->dirty_tokens[0] = ctx->dirty_tokens[1] = 0;
   TW_CUDA_TRY(
@@ -92,7 +92,7 @@ void tw__consumer_args_init(const struct tw_context* ctx, tw_consumer_args* ca) 
   memset(ca, 0, sizeof *ca);
   ca->peers = ctx->peers;
   ca->lay = ctx->lay;
-  ca->local_win = (char*)ctx->win_buf;
+  ca->local_win = (char*)ctx->win.local;
   ca->c = ctx->c;
   ca->band_counters = ctx->band_counters;
   ca->unit_next = ctx->unit_next;
@@ -112,7 +112,7 @@ void tw__reduce_args_init(const struct tw_context* ctx, tw_reduce_args* ra) {
   memset(ra, 0, sizeof *ra);
   ra->lay = ctx->lay;
   ra->peers = ctx->peers;
-  ra->local_win = (char*)ctx->win_buf;
+  ra->local_win = (char*)ctx->win.local;
   ra->c = ctx->c;
   ra->hidden = ctx->problem.hidden;
   ra->top_k = ctx->problem.top_k;
@@ -312,7 +312,6 @@ static tw_status tw__context_init(tw_context_t ctx) {
 
   /* The window (collective; zero-filled), and its peer addresses where the kernels read them. */
   TW_TRY(ctx->team->ops->window_create(ctx->team, L->bytes, &ctx->win));
-  ctx->win_buf = ctx->win.local;
   TW_CUDA_TRY(cudaMalloc((void**)&ctx->peers, sizeof(char*) * (size_t)W));
   TW_CUDA_TRY(
       cudaMemcpy(ctx->peers, ctx->win.peers, sizeof(char*) * (size_t)W, cudaMemcpyHostToDevice));
@@ -633,7 +632,7 @@ extern "C" tw_status tw_context_output(tw_context_t ctx, void** out) {
     return tw__fail(TW_ERR_STATE,
                     "tw_context_output: no call has added an output since the context was created "
                     "or reset");
-  *out = (char*)ctx->win_buf + tw__out_offset(ctx, ctx->out_buf);
+  *out = (char*)ctx->win.local + tw__out_offset(ctx, ctx->out_buf);
   return TW_SUCCESS;
 }
 

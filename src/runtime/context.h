@@ -45,11 +45,10 @@ struct tw_context {
   int64_t slots_max;     /* max_tokens * top_k */
   int64_t recv_rows_max; /* rows other ranks can send here in one call */
 
-  /* Symmetric window: receive rows, arrivals, credits, debug tags (combine.h); win_buf is
-   * win.local, peers a device copy of win.peers for the kernels. */
+  /* Symmetric window: receive rows, arrivals, credits, debug tags (combine.h); peers is a device
+   * copy of win.peers for the kernels. */
   tw_window_layout lay;
   tw__window win;
-  void* win_buf;
   char** peers; /* (world) device */
 
   /* Local device memory. */

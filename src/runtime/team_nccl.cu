@@ -105,10 +105,6 @@ tw_status tw__nccl_window_create(tw__team* t, size_t bytes, tw__window* win) {
   return st;
 }
 
-void tw__nccl_window_destroy(tw__team* t, tw__window* win) {
-  tw__nccl_window_free(t, win);
-}
-
 void tw__nccl_release(tw__team* t) {
   if (t == NULL) return;
   tw__nccl_team* n = static_cast<tw__nccl_team*>(t->impl);
@@ -120,7 +116,7 @@ void tw__nccl_release(tw__team* t) {
   free(t);
 }
 
-const tw__team_ops kNcclOps = {tw__nccl_allgather, tw__nccl_window_create, tw__nccl_window_destroy,
+const tw__team_ops kNcclOps = {tw__nccl_allgather, tw__nccl_window_create, tw__nccl_window_free,
                                tw__nccl_release};
 
 tw_status tw__nccl_team_fill(ncclComm_t comm, tw__team* t, tw__nccl_team* n) {
