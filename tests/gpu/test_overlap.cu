@@ -432,8 +432,12 @@ static void tw_modes_and_timings(tw_rank_env* env, int copy, int unit_tiles, uin
     const tw_combine_mode modes[] = {TW_COMBINE_OVERLAP, TW_COMBINE_UNFUSED, TW_COMBINE_GEMM_ONLY,
                                      TW_COMBINE_COMM_ONLY};
     const char* names[] = {"overlap", "unfused", "gemm-only", "comm-only"};
-    enum { kReps = 15 };
-    float total[4][kReps], gemm[4][kReps], comm[4][kReps], red[4][kReps];
+    /* TW_TEST_REPS (1..15) shortens the run under a sanitizer; the medians need no more. */
+    enum { kMaxReps = 15 };
+    const char* reps_env = getenv("TW_TEST_REPS");
+    int kReps = reps_env != NULL ? atoi(reps_env) : kMaxReps;
+    if (kReps < 1 || kReps > kMaxReps) kReps = kMaxReps;
+    float total[4][kMaxReps], gemm[4][kMaxReps], comm[4][kMaxReps], red[4][kMaxReps];
     for (int rep = 0; rep < kReps; rep++) {
       for (int m = 0; m < 4; m++) {
         tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
