@@ -10,8 +10,10 @@ set -euo pipefail
 build=${1:-build}
 iters=${2:-20}
 tw="$build/tilewave"
-sms=$(nvidia-smi --query-gpu=multiprocessor_count --format=csv,noheader 2>/dev/null | head -1)
-[ -n "$sms" ] || { echo "budget_table.sh: no GPU found" >&2; exit 1; }
+# The SM count: the default budget of one in-process rank is the whole GPU.
+sms=$("$tw" bench --in-process 1 --iters 1 --warmup 0 --tokens 128 --hidden 1024 --ffn 256 \
+  --experts 2 --topk 1 2>/dev/null | awk -F'|' '/^\| [0-9]/ { gsub(/ /, "", $9); print $9; exit }' || true)
+[ -n "$sms" ] || { echo "budget_table.sh: $tw bench found no GPU" >&2; exit 1; }
 one="$sms $((sms * 116 / 132)) $((sms * 100 / 132)) $((sms / 2))"
 two="$((sms / 2)) $((sms * 50 / 132)) $((sms / 4))"
 echo "SM budget on one GPU ($sms SMs): the producer alone (P = budget - C) and the call, medians of"
