@@ -536,7 +536,17 @@ typedef struct tw_combine_options {
  * budget. Returns
  * without synchronising. Device-side failures (a wait that exceeded the timeout) surface as
  * TW_ERR_TIMEOUT from tw_context_check() or from the next call on this context once this one
- * has completed; after that every call returns TW_ERR_STATE until tw_context_reset(). */
+ * has completed; after that every call returns TW_ERR_STATE until tw_context_reset(). Ranks whose
+ * plans disagree (planned from different routings) are caught where rows arrive: a source that
+ * delivers more than the owner's plan expects fails the call with TW_ERR_INVALID_ARGUMENT.
+ * CUDA graphs (reduce dataflow, timing off): the call may be captured on `stream`; each replay
+ * is one call, with the inputs' and dplan's contents at replay time. Rules: (1) launch the graph
+ * on one stream, or order its launches after every other call on the context yourself (a
+ * captured call is ordered by its stream only); (2) between replays dplan may be re-uploaded on
+ * the graph's stream with a plan of the same sizes (rows, receive rows, bands, units, tokens;
+ * other sizes: TW_ERR_STATE, use another device plan); (3) device-side failures of replays are
+ * reported by tw_context_check(), not by the next call. Every rank captures and replays the same
+ * sequence. A capture that fails leaves the context as it was. */
 TW_API tw_status tw_moe_combine(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
                                 const void* w2, void* out, cudaStream_t stream);
 /* As tw_moe_combine, with options (NULL = defaults). */

@@ -313,6 +313,8 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   int seg = 0;
   int ready_seg = -1;    /* segment whose bands thread 0 has already seen complete */
   uint64_t credited = 0; /* owners whose credit this CTA has already waited for (W <= 64) */
+  /* This call's credit target: the call state was advanced by the call's first kernel. */
+  const uint32_t credit_target = a.state->epoch - 1u;
   for (int d = threadIdx.x; d < a.world; d += blockDim.x) {
     s_pending[d] = 0;
     s_peer[d] = a.peers[d];
@@ -378,7 +380,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
          * call is zero (combine.h). */
         const uint32_t* credit =
             add ? reinterpret_cast<const uint32_t*>(s_peer[dest] + a.lay.ready) : &credits[dest];
-        ok = tw_wait_geq(credit, a.credit_target, true, a.timeout_ns, a.err, TW_WAIT_CREDIT, dest,
+        ok = tw_wait_geq(credit, credit_target, true, a.timeout_ns, a.err, TW_WAIT_CREDIT, dest,
                          a.rank);
         credited |= 1ull << dest;
       }
@@ -441,13 +443,15 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     /* The add dataflow's end of the call: the sources' adds into this rank's output. Our own
      * units are announced above, so no peer's CTA 0 waits on anything this wait holds back. The
      * acquire makes the peers' adds (complete before their release) visible, and the stream's
-     * order after this kernel passes that on to whatever reads the output. */
+     * order after this kernel passes that on to whatever reads the output. Not exact, unlike the
+     * reduction's wait: a source may add call e + 1's rows once this rank's ready word allows it,
+     * which can be before this wait has seen call e's. */
     if (add && blockIdx.x == 0) {
       const uint32_t* arrivals = reinterpret_cast<const uint32_t*>(a.local_win + a.lay.arrive);
       bool ok = true;
       for (int s = 0; s < a.world && ok; s++)
         if (s != a.rank)
-          ok = tw_wait_geq(&arrivals[s], a.arrive_target[s], true, a.timeout_ns, a.err,
+          ok = tw_wait_geq(&arrivals[s], a.state->arrive_target[s], true, a.timeout_ns, a.err,
                            TW_WAIT_ARRIVAL, s, a.rank);
     }
   }
@@ -469,6 +473,32 @@ cudaError_t tw__consumer_enable_smem() {
 
 }  // namespace
 
+__global__ void __launch_bounds__(1024)
+    tw_call_begin_kernel(tw_call_state* state, const uint32_t* recv_units, int world,
+                         uint32_t* zero, int64_t zero_words) {
+  for (int64_t i = threadIdx.x; i < zero_words; i += blockDim.x) zero[i] = 0;
+  if (threadIdx.x == 0) {
+    state->epoch += 1u;
+    for (int s = 0; s < world; s++) state->arrive_target[s] += recv_units[s];
+  }
+}
+
+tw_status tw__call_begin_launch(tw_call_state* state, const uint32_t* recv_units, int world,
+                                uint32_t* zero, int64_t zero_words, cudaStream_t stream) {
+  TW_CHECK_NULL(state);
+  TW_CHECK_NULL(recv_units);
+  TW_CHECK_NULL(zero);
+  if (world < 1 || world > TW_MAX_RANKS || zero_words < 0)
+    return tw__fail(TW_ERR_INTERNAL, "call begin: world %d, %lld words", world,
+                    (long long)zero_words);
+  const int threads = zero_words >= 1024 ? 1024 : zero_words >= 256 ? 256 : 32;
+  tw_call_begin_kernel<<<1, threads, 0, stream>>>(state, recv_units, world, zero, zero_words);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return tw__fail(TW_ERR_CUDA, "call begin: launch failed: %s", cudaGetErrorString(e));
+  return TW_SUCCESS;
+}
+
 tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream) {
   TW_CHECK_NULL(args);
   if (grid < 1 || grid > TW_MAX_COMM_CTAS)
@@ -482,6 +512,7 @@ tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream
                     args->tiles_per_unit, args->unit_chunks, args->col_tiles);
   if (args->copy != TW_CONSUMER_COPY_REGISTERS && args->copy != TW_CONSUMER_COPY_BULK)
     return tw__fail(TW_ERR_INTERNAL, "consumer: copy mode %d", args->copy);
+  if (args->state == NULL) return tw__fail(TW_ERR_INTERNAL, "consumer: no call state");
   if (args->row_token != NULL && args->debug_tags)
     return tw__fail(TW_ERR_INTERNAL, "consumer: the add dataflow has no debug tags");
   if (args->hidden % 8 != 0 || args->tn % 8 != 0)

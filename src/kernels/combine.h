@@ -10,8 +10,12 @@
  *   arrivals[s]    in the owner's window, one per source rank s; the source's consumer adds
  *                  its sent units, batched (release .sys; per call unit_chunks per band and
  *                  tail_parts times that for the source's last tail_bands bands to this owner);
- *                  cumulative since the last reset, the host keeps the running target. The
- *                  owner's reduction waits for it (the add dataflow: the owner's consumer).
+ *                  cumulative since the last reset; the running target is in the call state
+ *                  (below). The owner's reduction waits for it and then checks that no more
+ *                  arrived: in call e no source can send units of call e + 1 before this rank's
+ *                  credit, so a count above the target is an over-delivery (ranks planned from
+ *                  different routings), reported. The add dataflow: the owner's consumer waits
+ *                  (not exact: ready lets sources start call e + 1 early).
  *   credits[d]     (reduce dataflow) in the source's window, one per owner rank d; d's
  *                  reduction adds 1 per call once it has finished reading its receive buffer
  *                  (release .sys); a source writes to d in call e (1-based) only after
@@ -24,6 +28,11 @@
  *                  source adds into d's buffer in call e only after d's ready >= e - 1 (acquire
  *                  .sys, over NVLink); the owner's own producer is ordered after the zeroing by
  *                  its stream (or an event).
+ * Call state   local (tw_call_state): the call count and the running arrival targets, kept on
+ *                the device so that a call captured in a CUDA graph replays correctly. The
+ *                call's first kernel (tw__call_begin_launch, on the caller's stream before the
+ *                producer) advances them and zeroes the band counters and unit claims; every
+ *                later kernel of the call reads them (kernel boundaries order the accesses).
  * Debug tags (TW_DEBUG_TAGS_CHECK): per receive row, tags[row] = source rank + 1 and hits[row]
  * += 1 per unit that carried the row (expected: col_tiles); the reduction checks and clears them.
  */
@@ -37,7 +46,13 @@
 #include "sync.cuh"
 
 /* Further kinds of device-side failure (tw_dev_error.where), after sync.cuh's TW_WAIT_*. */
-enum { TW_WAIT_CREDIT = 4, TW_CHECK_TAGS = 5, TW_WAIT_COPY = 6 };
+enum { TW_WAIT_CREDIT = 4, TW_CHECK_TAGS = 5, TW_WAIT_COPY = 6, TW_CHECK_ARRIVALS = 7 };
+
+/* Per-call protocol state on the device (combine.h top: call state). */
+typedef struct tw_call_state {
+  uint32_t epoch;                       /* calls with communication since the last reset */
+  uint32_t arrive_target[TW_MAX_RANKS]; /* cumulative arrivals expected from each source */
+} tw_call_state;
 
 /* Byte offsets of the regions inside every rank's symmetric window (identical on all ranks). */
 typedef struct tw_window_layout {
@@ -74,7 +89,7 @@ typedef struct tw_consumer_args {
   int32_t tail_parts;     /* row parts of each band from seg_split0 on (1: whole bands) */
   int32_t copy;           /* TW_CONSUMER_COPY_REGISTERS or _BULK (combine.cu) */
   int32_t rank, world;
-  uint32_t credit_target; /* epoch - 1 */
+  const tw_call_state* state; /* credits (or ready) awaited: state->epoch - 1 */
   int32_t debug_tags;
   /* The add dataflow (NULL: reduce): each row goes to out_offset + row_token[row] * row bytes of
    * the owner's window, added (bulk or register adds; no debug tags), after the owner's ready word
@@ -82,9 +97,8 @@ typedef struct tw_consumer_args {
   const int32_t* row_token;
   uint64_t out_offset;
   /* The add dataflow has no reduction kernel: CTA 0, after its own units, waits until every
-   * source rank's arrivals have reached arrive_target (cumulative, as the reduction would), so
-   * the consumer's end is the call's end (reduce: unused, the reduction waits instead). */
-  uint32_t arrive_target[TW_MAX_RANKS];
+   * source rank's arrivals have reached state->arrive_target (as the reduction would), so the
+   * consumer's end is the call's end (reduce: the reduction waits instead). */
   int32_t fault, fault_index;
   tw_dev_error* err;
   uint64_t timeout_ns;
@@ -102,11 +116,16 @@ typedef struct tw_reduce_args {
   int32_t debug_tags;
   uint32_t* debug_slots; /* (tokens, top_k) observed (tag << 16 | hits); debug mode only */
   uint32_t* done;        /* CTA completion counter (zero between calls) */
-  uint32_t arrive_target[TW_MAX_RANKS]; /* cumulative arrivals expected from each source */
+  const tw_call_state* state; /* arrivals awaited: state->arrive_target */
   tw_dev_error* err;
   uint64_t timeout_ns;
 } tw_reduce_args;
 
+/* The first kernel of a call (one CTA): zeroes `zero_words` words at `zero` (the unit claims
+ * and band counters), then epoch += 1 and arrive_target[s] += recv_units[s] for s < world
+ * (recv_units: device memory, the plan's units from each source per call). */
+tw_status tw__call_begin_launch(tw_call_state* state, const uint32_t* recv_units, int world,
+                                uint32_t* zero, int64_t zero_words, cudaStream_t stream);
 /* Consumer: grid CTAs (1..TW_MAX_COMM_CTAS). */
 tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream);
 /* Weighted reduction; grid chosen from the work (at least one CTA: it always returns credits),

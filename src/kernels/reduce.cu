@@ -123,8 +123,8 @@ __global__ void __launch_bounds__(kReduceThreads) tw_reduce_kernel(const tw_redu
     bool ok = true;
     for (int s = 0; s < a.world && ok; s++)
       if (s != a.rank)
-        ok = tw_wait_geq(&arrivals[s], a.arrive_target[s], true, a.timeout_ns, a.err,
-                         TW_WAIT_ARRIVAL, s, a.rank);
+        ok = tw_wait_arrivals_exact(&arrivals[s], a.state->arrive_target[s], a.timeout_ns, a.err,
+                                    s, a.rank);
     s_ok = ok;
   }
   __syncthreads();
@@ -200,6 +200,7 @@ tw_status tw__reduce_launch(const tw_reduce_args* args, int sms, int ctas_per_sm
     return tw__fail(TW_ERR_ALIGNMENT, "reduce: hidden %d must be a multiple of 8", args->hidden);
   if (args->world > TW_MAX_RANKS)
     return tw__fail(TW_ERR_UNSUPPORTED, "reduce: world size %d > %d", args->world, TW_MAX_RANKS);
+  if (args->state == NULL) return tw__fail(TW_ERR_INTERNAL, "reduce: no call state");
   if (args->top_k < 1)
     return tw__fail(TW_ERR_TOPK_RANGE, "reduce: top_k %d must be at least 1", args->top_k);
   const int K = args->top_k <= kMaxSlotsInFlight ? args->top_k : 0;

@@ -93,4 +93,20 @@ __device__ __forceinline__ bool tw_wait_geq(const uint32_t* counter, uint32_t ta
   }
 }
 
+/* An owner's wait for one source's arrivals of this call, exact: none of the source's next-call
+ * units can arrive before this rank returns its credit, so a count above the target is an
+ * over-delivery (the ranks' plans disagree), recorded as TW_ERR_INVALID_ARGUMENT at
+ * TW_CHECK_ARRIVALS (7, see combine.h) rather than passed early. The reduce dataflow only (the add
+ * dataflow's next call may start adding early). Call from one thread. */
+__device__ __forceinline__ bool tw_wait_arrivals_exact(const uint32_t* arrivals, uint32_t target,
+                                                       uint64_t timeout_ns, tw_dev_error* err,
+                                                       int32_t source, int32_t rank) {
+  if (!tw_wait_geq(arrivals, target, true, timeout_ns, err, TW_WAIT_ARRIVAL, source, rank))
+    return false;
+  const uint32_t v = tw_ld_acquire_sys(arrivals);
+  if (v == target) return true;
+  tw_report_error(err, TW_ERR_INVALID_ARGUMENT, 7, source, v, target, rank);
+  return false;
+}
+
 #endif /* TW_SYNC_CUH */

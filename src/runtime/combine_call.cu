@@ -12,6 +12,12 @@
  * and for the peers' consumers of call i. By induction over calls nothing waits in a cycle. On an
  * in-process team the ranks share one GPU: each call keeps within its SM budget and the budgets
  * add up to at most the GPU's SMs (checked at creation), so every rank's kernels find SMs.
+ *
+ * CUDA graphs: what changes from call to call (the epoch, the arrival targets) lives on the
+ * device (tw_call_state, advanced by the call's first kernel), so a captured call replays
+ * correctly. Under capture the call makes no query, no wait on an event of an earlier eager call
+ * and no copy of the error record (tw_context_check reads it), and every fork (K) joins S before
+ * the call returns. A failed capture enqueues nothing that runs: the context stays usable.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -121,11 +127,35 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   if (!d->uploaded)
     return tw__fail(TW_ERR_STATE, "tw_moe_combine: upload a plan first (tw_device_plan_upload)");
   if (ctx->failed)
+    return tw__fail(TW_ERR_STATE, ctx->failed_enqueue
+                                      ? "tw_moe_combine: an earlier call failed after part of it "
+                                        "was enqueued; call tw_context_reset() on every rank first"
+                                      : "tw_moe_combine: an earlier call failed on the device; "
+                                        "call tw_context_reset() on every rank first");
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  {
+    const cudaError_t ce = cudaStreamIsCapturing(stream, &capture);
+    if (ce != cudaSuccess)
+      return tw__fail(TW_ERR_CUDA, "tw_moe_combine: cudaStreamIsCapturing: %s",
+                      cudaGetErrorString(ce));
+  }
+  if (capture == cudaStreamCaptureStatusInvalidated)
     return tw__fail(TW_ERR_STATE,
-                    "tw_moe_combine: an earlier call failed on the device; call "
-                    "tw_context_reset() on every rank first");
-  /* A completed earlier call that failed: report it now (never blocks). */
-  if (ctx->have_call && cudaEventQuery(ctx->ev_err_copied) == cudaSuccess &&
+                    "tw_moe_combine: the stream's capture was invalidated by an earlier call; end "
+                    "it (cudaStreamEndCapture) and capture again");
+  const int capturing = capture == cudaStreamCaptureStatusActive;
+  if (capturing && add)
+    return tw__fail(TW_ERR_UNSUPPORTED,
+                    "tw_moe_combine: the add dataflow cannot be captured in a CUDA graph (its two "
+                    "output buffers alternate on the host); capture a context of the reduce "
+                    "dataflow");
+  if (capturing && ctx->timing)
+    return tw__fail(TW_ERR_UNSUPPORTED,
+                    "tw_moe_combine: a context with timing cannot be captured (its timings are "
+                    "read from eager calls' events); create it with tw_context_config.timing = 0");
+  /* A completed earlier call that failed: report it now (never blocks; not under capture, where
+   * a query is not allowed). */
+  if (!capturing && ctx->have_call && cudaEventQuery(ctx->ev_err_copied) == cudaSuccess &&
       ctx->h_err->status != 0) {
     ctx->failed = 1;
     return tw__report(ctx, ctx->h_err, "tw_moe_combine: an earlier call failed");
@@ -179,9 +209,11 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
 
   /* Calls are ordered on the context whatever stream each comes on: this one starts after the
    * previous call's last kernel (whose stream had joined its consumer), so that its counter
-   * memset and its producer's writes to the GEMM output never overlap that call. On the same
-   * stream the wait is already implied. */
-  if (ctx->have_call) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_call_done, 0));
+   * zeroing and its producer's writes to the GEMM output never overlap that call. On the same
+   * stream the wait is already implied. A captured call is ordered by the stream its graph is
+   * launched on (tilewave.h). */
+  if (ctx->have_call && !capturing)
+    TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_call_done, 0));
   if (mode == TW_COMBINE_GEMM_ONLY) {
     /* No consumer will reset band counters, so the producer must not touch them. */
     g.scope = TW_SIGNAL_NONE;
@@ -192,19 +224,19 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
       TW_CUDA_TRY(cudaEventRecord(ctx->t_gemm_end, stream));
       TW_CUDA_TRY(cudaEventRecord(ctx->t_end, stream));
     }
-    TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));
-    ctx->have_call = 1;
+    if (!capturing) {
+      TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));
+      ctx->have_call = 1;
+    }
     ctx->last_mode = mode;
     return TW_SUCCESS;
   }
 
-  /* From here on a failure leaves the ranks' counters out of step: mark the context failed. */
-  ctx->epoch++;
-  for (int s = 0; s < ctx->world; s++) {
-    ctx->arrive_target[s] += (uint32_t)tw__owner_units(d->recv_bands[s], ctx->tail_bands,
-                                                       ctx->tail_parts, ctx->unit_chunks);
-  }
-  ctx->failed = 1;
+  /* From here on a failure leaves the ranks' counters out of step: mark the context failed
+   * (under capture nothing runs until the graph is launched, and a failed capture never is). */
+  const uint64_t epoch = ctx->epoch + 1;
+  if (!capturing) ctx->epoch = epoch;
+  if (!capturing) ctx->failed = ctx->failed_enqueue = 1;
   const uint64_t timeout_ns = (uint64_t)ctx->timeout_ms * 1000000ull;
 
   tw_consumer_args ca;
@@ -215,10 +247,9 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ca.seg_split0 = d->seg_split0;
   ca.total_units = d->total_units;
   ca.wait_bands = mode != TW_COMBINE_COMM_ONLY;
-  ca.credit_target = (uint32_t)(ctx->epoch - 1);
   ca.debug_tags = ctx->debug_tags;
   /* The add dataflow: this call's output buffer (combine.h, `ready`). */
-  const int buf = (int)(ctx->epoch & 1);
+  const int buf = (int)(epoch & 1);
   if (add) {
     ca.row_token = d->row_token;
     ca.out_offset = tw__out_offset(ctx, buf);
@@ -227,17 +258,18 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     g.row_token = d->row_token;
     g.bands = d->bands;
     g.rank = ctx->rank;
-    memcpy(ca.arrive_target, ctx->arrive_target, sizeof ca.arrive_target);
   }
   ca.fault = ctx->fault;
   ca.fault_index = ctx->fault_index;
   ca.timeout_ns = timeout_ns;
   ctx->fault = TW_FAULT_NONE;
 
-  /* Every call starts from zeroed band counters and unit claims (one memset: they are adjacent):
-   * the consumer waits for this call's publishes only. The previous call's producer is done here
-   * (stream order), and so is its consumer (the join before that call's reduction). */
-  TW_CUDA_TRY(cudaMemsetAsync(ctx->unit_next, 0, (kClaimWords + (size_t)d->num_bands) * 4, stream));
+  /* The call's first kernel: zeroed band counters and unit claims (adjacent), so that the
+   * consumer waits for this call's publishes only, and the call state advanced. The previous
+   * call's producer is done here (stream order), and so is its consumer (the join before that
+   * call's reduction). */
+  TW_TRY(tw__call_begin_launch(ctx->call_state, d->recv_units, ctx->world, ctx->unit_next,
+                               (int64_t)kClaimWords + d->num_bands, stream));
   /* The add dataflow: the producer adds into this call's buffer, which the previous call zeroed
    * (on the zeroing stream, or in its producer: then ev_zeroed is older, or was never recorded,
    * and the wait is a no-op). */
@@ -291,7 +323,6 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     ra.world = ctx->world;
     ra.debug_tags = ctx->debug_tags;
     ra.debug_slots = ctx->debug_slots;
-    memcpy(ra.arrive_target, ctx->arrive_target, sizeof ra.arrive_target);
     ra.timeout_ns = timeout_ns;
     /* On a whole GPU of its own the reduction fills every SM with as many CTAs as fit (it is
      * bound by device memory); under a smaller budget, or beside other ranks on one GPU, at
@@ -302,6 +333,13 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   }
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_red_end, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_end, stream));
+  if (capturing) {
+    /* Everything forked (K) has joined S above; the graph holds no copy of the error record. */
+    d->captured = 1;
+    ctx->last_mode = mode;
+    ctx->last_tokens = d->tokens;
+    return TW_SUCCESS;
+  }
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));
   /* Error record to the host off the caller's path. */
   TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_aux, ctx->ev_call_done, 0));
@@ -319,7 +357,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ctx->have_call = 1;
   ctx->last_mode = mode;
   ctx->last_tokens = d->tokens;
-  ctx->failed = 0;
+  ctx->failed = ctx->failed_enqueue = 0;
   return TW_SUCCESS;
 }
 

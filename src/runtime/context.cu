@@ -33,12 +33,21 @@ static const char* tw__where_name(int where) {
       return "consumer wait for an owner's credit";
     case TW_CHECK_TAGS:
       return "debug-tag check of a received row";
+    case TW_CHECK_ARRIVALS:
+      return "reduction's count of a source's arrivals";
     default:
       return "device wait";
   }
 }
 
 tw_status tw__report(tw_context_t ctx, const tw_dev_error* e, const char* how) {
+  if (e->where == TW_CHECK_ARRIVALS)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: rank %d: %s: source rank %d delivered %u units where this rank's plan "
+                    "expects %u in total: the ranks planned this call from different routings or "
+                    "problems (every rank must plan from the same routing). Call "
+                    "tw_context_reset() on every rank before the next call",
+                    how, e->rank, tw__where_name(e->where), e->index, e->seen, e->target);
   tw_status s = e->status == TW_ERR_INTERNAL ? TW_ERR_INTERNAL : TW_ERR_TIMEOUT;
   if (e->where == TW_CHECK_TAGS)
     return tw__fail(s,
@@ -77,12 +86,13 @@ static tw_status tw__zero_state(tw_context_t ctx) {
   TW_CUDA_TRY(
       cudaMemsetAsync(ctx->unit_next, 0, (kClaimWords + (size_t)ctx->bands_max) * 4, ctx->s_aux));
   TW_CUDA_TRY(cudaMemsetAsync(ctx->reduce_done, 0, 4, ctx->s_aux));
+  TW_CUDA_TRY(cudaMemsetAsync(ctx->call_state, 0, sizeof(tw_call_state), ctx->s_aux));
   TW_CUDA_TRY(cudaMemsetAsync(ctx->err, 0, sizeof(tw_dev_error), ctx->s_aux));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
   memset(ctx->h_err, 0, sizeof(tw_dev_error));
   ctx->epoch = 0;
-  memset(ctx->arrive_target, 0, sizeof ctx->arrive_target);
   ctx->failed = 0;
+  ctx->failed_enqueue = 0;
   ctx->have_call = 0;
   ctx->fault = TW_FAULT_NONE;
   return TW_SUCCESS;
@@ -105,6 +115,7 @@ void tw__consumer_args_init(const struct tw_context* ctx, tw_consumer_args* ca) 
   ca->hidden = ctx->problem.hidden;
   ca->rank = ctx->rank;
   ca->world = ctx->world;
+  ca->state = ctx->call_state;
   ca->err = ctx->err;
 }
 
@@ -118,6 +129,7 @@ void tw__reduce_args_init(const struct tw_context* ctx, tw_reduce_args* ra) {
   ra->top_k = ctx->problem.top_k;
   ra->col_tiles = ctx->col_tiles;
   ra->done = ctx->reduce_done;
+  ra->state = ctx->call_state;
   ra->err = ctx->err;
 }
 
@@ -322,17 +334,19 @@ static tw_status tw__context_init(tw_context_t ctx) {
     return tw__fail(TW_ERR_OUT_OF_MEMORY,
                     "tw_context_create: GEMM output of %lld rows x %lld: %s; lower max_tokens",
                     (long long)ctx->rows_max, (long long)H, cudaGetErrorString(e));
-  /* The small state: unit claims and band counters, then (32-word aligned) the reduction's
-   * completion counter, the error record (8 words) and the debug slots. */
+  /* The small state: unit claims and band counters, then (32-word aligned) the call state, the
+   * reduction's completion counter, the error record (8 words) and the debug slots. */
   static_assert(sizeof(tw_dev_error) == 32, "tw_dev_error must stay 32 bytes (8 words)");
   const size_t state_words = tw__align(kClaimWords + (uint64_t)ctx->bands_max, 32);
-  const size_t n_state = state_words + 32 + (size_t)ctx->slots_max;
+  const size_t call_words = tw__align(sizeof(tw_call_state) / 4, 32);
+  const size_t n_state = state_words + call_words + 32 + (size_t)ctx->slots_max;
   e = cudaMalloc((void**)&ctx->unit_next, n_state * 4);
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_context_create: %zu bytes of state: %s", n_state * 4,
                     cudaGetErrorString(e));
   ctx->band_counters = ctx->unit_next + kClaimWords;
-  uint32_t* next = ctx->unit_next + state_words;
+  ctx->call_state = (tw_call_state*)(ctx->unit_next + state_words);
+  uint32_t* next = ctx->unit_next + state_words + call_words;
   ctx->reduce_done = next + 8;
   ctx->err = (tw_dev_error*)(next + 16); /* 32 bytes */
   ctx->debug_slots = next + 32;
@@ -612,7 +626,14 @@ extern "C" tw_status tw_context_check(tw_context_t ctx) {
       if (first < 0) first = r;
     }
   }
-  if (first < 0) return TW_SUCCESS;
+  if (first < 0) {
+    if (ctx->failed_enqueue)
+      return tw__fail(TW_ERR_STATE,
+                      "tw_context_check: an earlier call failed after part of it was enqueued "
+                      "(its kernels and the peers' are out of step); call tw_context_reset() on "
+                      "every rank");
+    return TW_SUCCESS;
+  }
   ctx->failed = 1;
   char how[96];
   snprintf(how, sizeof how, "tw_context_check: %d of %d ranks failed; first", failing, ctx->world);

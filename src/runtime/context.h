@@ -57,6 +57,7 @@ struct tw_context {
                               (one allocation), zeroed with the band counters */
   uint32_t* band_counters; /* (bands_max), kClaimWords after unit_next */
   uint32_t* reduce_done;   /* reduction CTA completion counter */
+  tw_call_state* call_state; /* epoch and arrival targets (combine.h), advanced on the device */
   tw_dev_error* err;       /* device error record */
   uint32_t* debug_slots;   /* (slots_max) */
   tw_dev_error* h_err;     /* pinned copy of *err after each call */
@@ -77,9 +78,10 @@ struct tw_context {
   cudaEvent_t t_start, t_gemm_end, t_comm_start, t_comm_end, t_red_start, t_red_end, t_end,
       t_zero_end;
 
-  uint64_t epoch;                       /* calls with communication since the last reset */
-  uint32_t arrive_target[TW_MAX_RANKS]; /* cumulative arrivals expected from each source */
-  int failed;                           /* a device error was seen; calls refused until reset */
+  uint64_t epoch; /* calls with communication since the last reset, enqueued eagerly (the add
+                     dataflow's buffer choice; the kernels count on the device, call_state) */
+  int failed;         /* a device error was seen, or failed_enqueue: calls refused until reset */
+  int failed_enqueue; /* a call failed after enqueueing part of its work (not under capture) */
   int have_call;                        /* ev_call_done / ev_err_copied refer to a real call */
   int last_mode;
   tw__launch_record last_launch; /* the grids of the last call (runtime.h) */
@@ -103,6 +105,9 @@ struct tw_device_plan {
   float* h_row_weight;
   int32_t* h_seg_unit0;  /* host staging of seg_unit0 */
   int32_t* h_seg_split0; /* host staging of seg_split0 (in h_seg_unit0's allocation) */
+  uint32_t* recv_units;   /* (TW_MAX_RANKS) device: units from each source per call */
+  uint32_t* h_recv_units; /* host staging of recv_units (in h_seg_unit0's allocation) */
+  int captured;           /* a captured call uses it: its sizes are fixed (tw_device_plan_upload) */
   int uploaded;
   int32_t rows, recv_rows, num_tiles, num_bands, total_units, tokens, comm_ctas;
   int32_t recv_bands[TW_MAX_RANKS];

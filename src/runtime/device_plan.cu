@@ -3,7 +3,8 @@
  * slot rows, gate weights and, under the add dataflow, each row's token and weight), sized once
  * for the worst case the context's problem allows, so that uploads never allocate. An upload
  * checks the plan against the context before any byte is copied, so that no remote or local
- * access of a later call can leave its buffer.
+ * access of a later call can leave its buffer. A device plan that a captured call uses keeps
+ * the sizes baked into the graph's kernel arguments; later uploads must match them.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -31,8 +32,9 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   const size_t nr = ctx->dataflow == TW_DATAFLOW_ADD ? (size_t)ctx->rows_max : 0;
   size_t off_tok = tw__align(off_w + ns * 4 + 4, 256);
   size_t off_rw = tw__align(off_tok + nr * 4, 256);
-  size_t bytes = off_rw + nr * 4 + 4;
-  d->h_seg_unit0 = (int32_t*)malloc((2 * nb + 1) * 4);
+  size_t off_units = tw__align(off_rw + nr * 4 + 4, 256);
+  size_t bytes = off_units + TW_MAX_RANKS * 4;
+  d->h_seg_unit0 = (int32_t*)malloc((2 * nb + 1 + TW_MAX_RANKS) * 4);
   if (nr > 0) d->h_row_token = (int32_t*)malloc(nr * 8);
   cudaError_t e = cudaMalloc(&d->mem, bytes);
   if (e != cudaSuccess || d->h_seg_unit0 == NULL || (nr > 0 && d->h_row_token == NULL)) {
@@ -50,6 +52,8 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   d->seg_unit0 = (int32_t*)(m + off_unit0);
   d->seg_split0 = d->seg_unit0 + nb + 1;
   d->h_seg_split0 = d->h_seg_unit0 + nb + 1;
+  d->recv_units = (uint32_t*)(m + off_units);
+  d->h_recv_units = (uint32_t*)(d->h_seg_split0 + nb);
   d->slot_row = (int32_t*)(m + off_slot);
   d->weights = (float*)(m + off_w);
   if (nr > 0) {
@@ -200,7 +204,22 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
     recv_from[s] = s == ctx->rank ? 0 : plan->recv_bands[s];
     if (recv_from[s] < 0)
       return tw__fail(TW_ERR_INTERNAL, "tw_device_plan_upload: recv_bands[%d] < 0", s);
+    d->h_recv_units[s] =
+        (uint32_t)tw__owner_units(recv_from[s], ctx->tail_bands, ctx->tail_parts, ctx->unit_chunks);
   }
+  /* A captured call replays with the sizes it was captured with (grids, copy lengths, loop
+   * bounds in its kernel arguments); what the kernels read from this plan's memory may change. */
+  if (d->captured &&
+      (plan->rows != d->rows || plan->recv_rows != d->recv_rows ||
+       plan->num_tiles != d->num_tiles || plan->num_bands != d->num_bands ||
+       units != d->total_units || tokens != d->tokens))
+    return tw__fail(TW_ERR_STATE,
+                    "tw_device_plan_upload: a captured call uses this device plan, and this plan's "
+                    "sizes (%d rows, %d receive rows, %d bands, %lld units, %d tokens) differ from "
+                    "the captured ones (%d, %d, %d, %d, %d); upload it into another device plan "
+                    "and capture a call with that one",
+                    plan->rows, plan->recv_rows, plan->num_bands, (long long)units, tokens,
+                    d->rows, d->recv_rows, d->num_bands, d->total_units, d->tokens);
 
   TW_DEVICE_SCOPE(ctx);
   /* Pageable copies: each returns once the source is staged, so the host plan may go away. */
@@ -225,6 +244,8 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
     TW_CUDA_TRY(
         cudaMemcpyAsync(d->weights, weights, (size_t)nslots * 4, cudaMemcpyHostToDevice, stream));
   }
+  TW_CUDA_TRY(cudaMemcpyAsync(d->recv_units, d->h_recv_units, (size_t)ctx->world * 4,
+                              cudaMemcpyHostToDevice, stream));
   if (ctx->dataflow == TW_DATAFLOW_ADD && plan->rows > 0) {
     TW_CUDA_TRY(cudaMemcpyAsync(d->row_token, d->h_row_token, (size_t)plan->rows * 4,
                                 cudaMemcpyHostToDevice, stream));

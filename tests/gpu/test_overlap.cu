@@ -740,6 +740,167 @@ static void test_calls_on_two_streams(tw_rank_env* env) {
   CHECK_OK(tw_context_destroy(ctx));
 }
 
+/* CUDA graphs: one call captured and replayed 100 times with its input changing between replays
+ * (one of two input sets copied in on the graph's stream first): every replay's output is
+ * bit-identical to an eager call's on the same input, and the replays keep the ranks' counters
+ * in step (checked every 25 replays and by an eager call after them). The captured device plan
+ * takes the same plan again and refuses one of other sizes; a capture invalidated before the
+ * call leaves the context usable (before: the capture failed in the call, the context refused
+ * every later call while tw_context_check passed). */
+static void test_graph_replays(tw_rank_env* env) {
+  tw_problem p = tw_rank_problem(env, 2048, 512, 16, 2, 1024);
+  tw_context_t ctx = NULL;
+  CHECK_OK(tw_rank_context_create(env, &p, NULL, &ctx));
+  if (ctx == NULL) return;
+  tw_device_plan_t dp = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  tw_buffers b;
+  CHECK(tw_alloc_buffers(&p, &b));
+  tw_upload_w2(&p, env->rank, 111, &b);
+  int32_t tokens[TW_MAX_RANKS], half[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) {
+    tokens[r] = p.max_tokens;
+    half[r] = p.max_tokens / 2;
+  }
+  tw_routing_t rt = NULL, rt_half = NULL;
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_MODERATE_SKEW, tokens, 112, &rt));
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_MODERATE_SKEW, half, 112, &rt_half));
+  tw_plan_t plan = NULL, plan_half = NULL;
+  if (rt != NULL) CHECK_OK(tw_plan_create(&p, rt, env->rank, NULL, &plan));
+  if (rt_half != NULL) CHECK_OK(tw_plan_create(&p, rt_half, env->rank, NULL, &plan_half));
+  void* inputs[2] = {NULL, NULL};
+  uint16_t* expect[2] = {NULL, NULL};
+  cudaGraph_t graph = NULL;
+  cudaGraphExec_t exec = NULL;
+  const size_t n_out = (size_t)p.max_tokens * p.hidden;
+  if (plan != NULL && plan_half != NULL && dp != NULL) {
+    const size_t in_bytes = (size_t)plan->rows * p.ffn * 2;
+    for (int i = 0; i < 2; i++) {
+      CHECK_CUDA(cudaMalloc(&inputs[i], in_bytes + 16));
+      tw_fill_expert_in(plan, 113 + (uint64_t)i, b.h_in);
+      CHECK_CUDA(cudaMemcpy(inputs[i], b.h_in, in_bytes, cudaMemcpyHostToDevice));
+      expect[i] = (uint16_t*)malloc(n_out * 2);
+    }
+    CHECK_OK(tw_device_plan_upload(dp, plan, rt, env->stream));
+    for (int i = 0; i < 2; i++) {
+      CHECK_CUDA(cudaMemcpyAsync(b.expert_in, inputs[i], in_bytes, cudaMemcpyDeviceToDevice,
+                                 env->stream));
+      tw_run_mode(env, ctx, dp, &b, p.max_tokens, p.hidden, TW_COMBINE_OVERLAP, 0, expect[i]);
+    }
+    /* A capture invalidated before the call: the call says so and enqueues nothing. */
+    CHECK_CUDA(cudaStreamBeginCapture(env->stream, cudaStreamCaptureModeThreadLocal));
+    CHECK(cudaStreamQuery(env->stream) != cudaSuccess); /* not allowed: invalidates the capture */
+    CHECK_STATUS(tw_moe_combine(ctx, dp, b.expert_in, b.w2, b.out, env->stream), TW_ERR_STATE);
+    CHECK(cudaStreamEndCapture(env->stream, &graph) != cudaSuccess);
+    if (graph != NULL) cudaGraphDestroy(graph);
+    graph = NULL;
+    (void)cudaGetLastError();
+    CHECK_OK(tw_context_check(ctx));
+    tw_run_mode(env, ctx, dp, &b, p.max_tokens, p.hidden, TW_COMBINE_OVERLAP, 0, b.h_out);
+    CHECKF(memcmp(b.h_out, expect[1], n_out * 2) == 0,
+           "rank %d: the call after a failed capture gave other bits", env->rank);
+
+    CHECK_CUDA(cudaStreamBeginCapture(env->stream, cudaStreamCaptureModeThreadLocal));
+    CHECK_OK(tw_moe_combine(ctx, dp, b.expert_in, b.w2, b.out, env->stream));
+    CHECK_CUDA(cudaStreamEndCapture(env->stream, &graph));
+    if (graph != NULL) CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    int wrong = 0;
+    for (int i = 0; i < 100 && exec != NULL; i++) {
+      const int set = (i * 7 / 3) % 2;
+      if (i == 50) CHECK_OK(tw_device_plan_upload(dp, plan, rt, env->stream)); /* same sizes */
+      CHECK_CUDA(cudaMemcpyAsync(b.expert_in, inputs[set], in_bytes, cudaMemcpyDeviceToDevice,
+                                 env->stream));
+      CHECK_OK(tw__fill_bf16(b.out, n_out, 0xFFFF, env->stream));
+      CHECK_CUDA(cudaGraphLaunch(exec, env->stream));
+      CHECK_CUDA(cudaMemcpyAsync(b.h_out, b.out, n_out * 2, cudaMemcpyDeviceToHost, env->stream));
+      CHECK_CUDA(cudaStreamSynchronize(env->stream));
+      wrong += memcmp(b.h_out, expect[set], n_out * 2) != 0;
+      if (i % 25 == 24) CHECK_OK(tw_context_check(ctx));
+    }
+    CHECKF(wrong == 0, "rank %d: %d of 100 replays differ from the eager call", env->rank, wrong);
+    CHECK_STATUS(tw_device_plan_upload(dp, plan_half, rt_half, env->stream), TW_ERR_STATE);
+    /* Eager calls after the replays, on the graph's stream, continue the sequence. */
+    CHECK_CUDA(cudaMemcpyAsync(b.expert_in, inputs[0], in_bytes, cudaMemcpyDeviceToDevice,
+                               env->stream));
+    tw_run_mode(env, ctx, dp, &b, p.max_tokens, p.hidden, TW_COMBINE_OVERLAP, 0, b.h_out);
+    CHECKF(memcmp(b.h_out, expect[0], n_out * 2) == 0,
+           "rank %d: the eager call after the replays gave other bits", env->rank);
+  }
+  if (exec != NULL) cudaGraphExecDestroy(exec);
+  if (graph != NULL) cudaGraphDestroy(graph);
+  for (int i = 0; i < 2; i++) {
+    cudaFree(inputs[i]);
+    free(expect[i]);
+  }
+  tw_plan_destroy(plan);
+  tw_plan_destroy(plan_half);
+  tw_routing_destroy(rt);
+  tw_routing_destroy(rt_half);
+  tw_free_buffers(&b);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
+/* Ranks that plan a call from different routings: rank 0 plans as if rank 1 held every token,
+ * the others as if it held one (all else equal), so rank 0 sends rank 1 far more units than
+ * rank 1's plan expects. Before, owners compared running totals with >= and passed, reading rows
+ * still arriving, in this call and the later ones; now the owner reports the over-delivery
+ * (TW_ERR_INVALID_ARGUMENT on every rank) by the second call at the latest (once the first
+ * call's surplus has arrived), and after a reset consistent plans work again. */
+static void test_plans_disagree(tw_rank_env* env) {
+  if (env->nranks < 2) {
+    TW_TEST_SKIP_CASE("needs two ranks or more");
+    return;
+  }
+  tw_problem p = tw_rank_problem(env, 1024, 256, 16, 2, 512);
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  cc.timeout_ms = 2000;
+  tw_context_t ctx = NULL;
+  CHECK_OK(tw_rank_context_create(env, &p, &cc, &ctx));
+  if (ctx == NULL) return;
+  tw_device_plan_t dp = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  tw_buffers b;
+  CHECK(tw_alloc_buffers(&p, &b));
+  tw_upload_w2(&p, env->rank, 121, &b);
+  int32_t full[TW_MAX_RANKS], one[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) full[r] = one[r] = p.max_tokens;
+  one[1] = 1;
+  tw_routing_t rt_full = NULL, rt_one = NULL;
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, full, 122, &rt_full));
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, one, 122, &rt_one));
+  tw_routing_t mine = env->rank == 0 ? rt_full : rt_one;
+  tw_plan_t plan = NULL, good = NULL;
+  if (mine != NULL) CHECK_OK(tw_plan_create(&p, mine, env->rank, NULL, &plan));
+  if (rt_full != NULL) CHECK_OK(tw_plan_create(&p, rt_full, env->rank, NULL, &good));
+  if (plan != NULL && good != NULL && dp != NULL) {
+    tw_fill_expert_in(plan, 123, b.h_in);
+    CHECK_CUDA(
+        cudaMemcpy(b.expert_in, b.h_in, (size_t)plan->rows * p.ffn * 2, cudaMemcpyHostToDevice));
+    CHECK_OK(tw_device_plan_upload(dp, plan, mine, env->stream));
+    tw_status st = TW_SUCCESS;
+    for (int call = 0; call < 2 && st == TW_SUCCESS; call++) {
+      CHECK_OK(tw_moe_combine(ctx, dp, b.expert_in, b.w2, b.out, env->stream));
+      st = tw_context_check(ctx);
+    }
+    CHECKF(st == TW_ERR_INVALID_ARGUMENT, "rank %d: plans that disagree gave %s (%s)", env->rank,
+           tw_status_string(st), tw_last_error());
+    CHECK_OK(tw_context_reset(ctx));
+    tw_fill_expert_in(good, 124, b.h_in);
+    CHECK_CUDA(
+        cudaMemcpy(b.expert_in, b.h_in, (size_t)good->rows * p.ffn * 2, cudaMemcpyHostToDevice));
+    CHECK_OK(tw_device_plan_upload(dp, good, rt_full, env->stream));
+    tw_run_mode(env, ctx, dp, &b, p.max_tokens, p.hidden, TW_COMBINE_OVERLAP, 0, b.h_out);
+  }
+  tw_plan_destroy(plan);
+  tw_plan_destroy(good);
+  tw_routing_destroy(rt_full);
+  tw_routing_destroy(rt_one);
+  tw_free_buffers(&b);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
 static const tw_rank_case kCases[] = {
     {"overlap_matches_unfused_and_reference", test_overlap_matches_unfused_and_reference},
     {"debug_tags_exactly_once", test_debug_tags_exactly_once},
@@ -748,6 +909,8 @@ static const tw_rank_case kCases[] = {
     {"sm_budget", test_sm_budget},
     {"mismatched_problems_refused", test_mismatched_problems_refused},
     {"calls_on_two_streams", test_calls_on_two_streams},
+    {"graph_replays", test_graph_replays},
+    {"plans_disagree", test_plans_disagree},
 };
 
 int main(int argc, char** argv) {
