@@ -269,5 +269,8 @@ int twb_what_if(const twb_opts* o, const twb_point* pts, int n, int world, const
  * against the unfused one bit for bit. Must run before this process's first CUDA call. Returns
  * the exit code: 0, or 1 (a failure or a wrong element). */
 int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints);
+/* sweep --in-process W: ours at every C from 1 to --c-max (at most the budget - 1) against the
+ * plan's choice, per point, W ranks on GPU 0 (the same setup as bench --in-process). */
+int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints);
 
 #endif /* TW_TOOLS_BENCH_H */

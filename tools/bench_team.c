@@ -7,7 +7,8 @@
  * (P = budget - C) and the consumer + reduction alone, medians of --iters calls of the slowest
  * rank after --warmup, each call after the previous has ended (tw_context_check) and
  * --delay-us of idle device; the overlapped output is checked bit for bit against the unfused one
- * on every rank (#wrong).
+ * on every rank (#wrong). `sweep --in-process W` times the overlapped call at every C from 1 to
+ * --c-max instead, each output checked against the unfused one as well.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <cuda_runtime.h>
@@ -38,6 +39,9 @@ typedef struct twt_rank {
   double us[TWT_NMODES];
   int comm_ctas, coalesce, budget;
   int64_t wrong;
+  /* sweep: us[c - 1] at C = c for c <= cmax (the overlapped call), #wrong over all of them */
+  int sweep, cmax;
+  double* sweep_us;
   tw_status st;
   char why[600];
 } twt_rank;
@@ -68,7 +72,7 @@ static tw_status twt_upload_random(void* dst, size_t n, uint64_t salt) {
 /* One mode, timed: warmup + iters calls; the slowest rank's median in us. */
 static tw_status twt_time(twt_rank* r, tw__team* sums, tw_context_t ctx, tw_device_plan_t dp,
                           const void* in, const void* w2, void* out, cudaStream_t s, int mode,
-                          double* us) {
+                          int comm_ctas, double* us) {
   static const tw_combine_mode kModes[TWT_NMODES] = {TW_COMBINE_OVERLAP, TW_COMBINE_UNFUSED,
                                                      TW_COMBINE_GEMM_ONLY, TW_COMBINE_COMM_ONLY};
   const twb_opts* o = r->o;
@@ -78,6 +82,7 @@ static tw_status twt_time(twt_rank* r, tw__team* sums, tw_context_t ctx, tw_devi
   for (int i = -o->warmup; i < o->iters && st == TW_SUCCESS; i++) {
     tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
     opt.mode = kModes[mode];
+    opt.comm_ctas = comm_ctas;
     if (o->delay_us > 0) st = tw__bench_delay(s, o->delay_us); /* idle device before the call */
     if (st == TW_SUCCESS) st = tw_moe_combine_ex(ctx, dp, in, w2, out, &opt, s);
     if (st == TW_SUCCESS) st = tw_context_check(ctx);
@@ -172,17 +177,23 @@ static void* twt_rank_main(void* arg) {
     const int add = info.dataflow == TW_DATAFLOW_ADD;
     void* call_out = add ? NULL : out;
     /* Unfused first (its output is the reference), then the modes in turn. */
-    TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_UNFUSED, &r->us[TWT_UNFUSED]));
+    TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_UNFUSED, 0, &r->us[TWT_UNFUSED]));
     TWT_TRY(twt_output(ctx, add, out, h_a, n_out));
-    TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_OVERLAP, &r->us[TWT_OVERLAP]));
-    TWT_TRY(twt_output(ctx, add, out, h_b, n_out));
-    int64_t wrong = 0;
     const size_t n_check = (size_t)pt->tokens * p.hidden;
-    for (size_t i = 0; i < n_check; i++) wrong += h_a[i] != h_b[i];
+    int64_t wrong = 0;
+    /* The plan's C first, then (sweep) every C: each output against the unfused one. */
+    for (int c = 0; c <= (r->sweep ? r->cmax : 0); c++) {
+      double* us = c == 0 ? &r->us[TWT_OVERLAP] : &r->sweep_us[c - 1];
+      TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_OVERLAP, c, us));
+      TWT_TRY(twt_output(ctx, add, out, h_b, n_out));
+      for (size_t i = 0; i < n_check; i++) wrong += h_a[i] != h_b[i];
+    }
     TWT_TRY(tw__team_sum_i64(sums, &wrong, 1));
     r->wrong = wrong;
-    TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_GEMM, &r->us[TWT_GEMM]));
-    TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_COMM, &r->us[TWT_COMM]));
+    if (!r->sweep) {
+      TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_GEMM, 0, &r->us[TWT_GEMM]));
+      TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_COMM, 0, &r->us[TWT_COMM]));
+    }
   }
 teardown:
   if (st != TW_SUCCESS) snprintf(r->why, sizeof r->why, "%s", tw_last_error());
@@ -202,16 +213,68 @@ teardown:
   return NULL;
 }
 
-int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
+/* One point's W ranks as threads, run to the end; 0 when every rank succeeded. The C sweep runs
+ * when cmax > 0 (rank r's times in ranks[r].sweep_us, which the caller allocates). */
+static int twt_run_point(const twb_opts* o, const twb_point* pt, int cmax, twt_rank* ranks) {
   const int W = o->in_process;
-  /* Every rank's streams need hardware queues of their own (tw_team_create checks); the variable
-   * counts only when set before this process's first CUDA call. */
+  const char* cmd = cmax > 0 ? "sweep" : "bench";
+  pthread_t th[8];
+  tw_team_t team = NULL, sums = NULL;
+  tw_status st = tw_team_create(W, 0, &team);
+  if (st == TW_SUCCESS) st = tw_team_create(W, 0, &sums);
+  if (st != TW_SUCCESS) {
+    fprintf(stderr, "tilewave %s: %s: %s\n", cmd, tw_status_string(st), tw_last_error());
+    tw_team_destroy(team);
+    return 1;
+  }
+  int started = 0;
+  for (int r = 0; r < W; r++) {
+    ranks[r].o = o, ranks[r].pt = pt, ranks[r].team = team, ranks[r].sums = sums;
+    ranks[r].rank = r, ranks[r].world = W;
+    ranks[r].sweep = cmax > 0, ranks[r].cmax = cmax;
+    if (pthread_create(&th[r], NULL, twt_rank_main, &ranks[r]) != 0) break;
+    started++;
+  }
+  for (int r = 0; r < started; r++) pthread_join(th[r], NULL);
+  tw_team_destroy(team);
+  tw_team_destroy(sums);
+  int bad = started < W;
+  for (int r = 0; r < started; r++)
+    if (ranks[r].st != TW_SUCCESS) {
+      fprintf(stderr, "tilewave %s: rank %d: %s: %s\n", cmd, r, tw_status_string(ranks[r].st),
+              ranks[r].why);
+      bad = 1;
+    }
+  return bad;
+}
+
+static void twt_progress(const char* cmd, int i, int npoints, const twb_point* pt,
+                         double t_begin) {
+  const double now = tw__now_seconds();
+  char eta[64] = "";
+  if (i > 0)
+    snprintf(eta, sizeof eta, ", %.0f s so far, about %.0f s left", now - t_begin,
+             (now - t_begin) / i * (npoints - i));
+  fprintf(stderr, "[%s --in-process %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n", cmd,
+          i + 1, npoints, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
+          tw__cli_router_name(pt->router), eta);
+}
+
+/* Every rank's streams need hardware queues of their own (tw_team_create checks); the variable
+ * counts only when set before this process's first CUDA call. */
+static void twt_banner(int W, const char* what) {
   setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   printf(
       "in-process team: %d rank(s) as threads of one process on GPU 0; one GPU's memory stands in "
-      "for NVLink, so these numbers do not compare with multi-GPU ones; the cuBLAS + NCCL and "
-      "copy-engine baselines are not run (they need NCCL or two GPUs)\n\n",
-      W);
+      "for NVLink, so these numbers do not compare with multi-GPU ones; %s\n\n",
+      W, what);
+}
+
+int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
+  const int W = o->in_process;
+  twt_banner(W,
+             "the cuBLAS + NCCL and copy-engine baselines are not run (they need NCCL or two "
+             "GPUs)");
   printf(
       "| tokens/rank | K | N | E | top-k | router | ranks | budget | C | mgb | ours us | unfused "
       "us "
@@ -222,45 +285,12 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
   fflush(stdout);
   int failed = 0;
   twt_rank ranks[8];
-  pthread_t th[8];
   const double t_begin = tw__now_seconds();
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    const double now = tw__now_seconds();
-    char eta[64] = "";
-    if (i > 0)
-      snprintf(eta, sizeof eta, ", %.0f s so far, about %.0f s left", now - t_begin,
-               (now - t_begin) / i * (npoints - i));
-    fprintf(stderr, "[bench --in-process %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n", i + 1,
-            npoints, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-            tw__cli_router_name(pt->router), eta);
-    tw_team_t team = NULL, sums = NULL;
-    tw_status st = tw_team_create(W, 0, &team);
-    if (st == TW_SUCCESS) st = tw_team_create(W, 0, &sums);
-    if (st != TW_SUCCESS) {
-      fprintf(stderr, "tilewave bench: %s: %s\n", tw_status_string(st), tw_last_error());
-      tw_team_destroy(team);
-      return 1;
-    }
+    twt_progress("bench", i, npoints, pt, t_begin);
     memset(ranks, 0, sizeof ranks);
-    int started = 0;
-    for (int r = 0; r < W; r++) {
-      ranks[r].o = o, ranks[r].pt = pt, ranks[r].team = team, ranks[r].sums = sums;
-      ranks[r].rank = r, ranks[r].world = W;
-      if (pthread_create(&th[r], NULL, twt_rank_main, &ranks[r]) != 0) break;
-      started++;
-    }
-    for (int r = 0; r < started; r++) pthread_join(th[r], NULL);
-    tw_team_destroy(team);
-    tw_team_destroy(sums);
-    int bad = started < W;
-    for (int r = 0; r < started; r++)
-      if (ranks[r].st != TW_SUCCESS) {
-        fprintf(stderr, "tilewave bench: rank %d: %s: %s\n", r, tw_status_string(ranks[r].st),
-                ranks[r].why);
-        bad = 1;
-      }
-    if (bad) {
+    if (twt_run_point(o, pt, 0, ranks) != 0) {
       failed++;
       continue;
     }
@@ -279,6 +309,68 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
   }
   if (failed)
     fprintf(stderr, "tilewave bench --in-process: %d point(s) failed (an error or #wrong > 0)\n",
+            failed);
+  return failed ? 1 : 0;
+}
+
+int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints) {
+  const int W = o->in_process;
+  setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0); /* before this process's first CUDA call */
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) != cudaSuccess) sms = 0;
+  const int budget = o->sm_budget > 0 ? o->sm_budget : sms / W;
+  /* C leaves the producer at least one SM of the budget. */
+  const int cmax = o->c_max < budget - 1 ? o->c_max : budget - 1;
+  if (sms < 1) {
+    fprintf(stderr, "tilewave sweep --in-process: GPU 0 cannot be used\n");
+    return 1;
+  }
+  if (cmax < 1) {
+    fprintf(stderr, "tilewave sweep --in-process: a budget of %d SMs leaves no C to sweep\n",
+            budget);
+    return 1;
+  }
+  twt_banner(W, "ours' overlapped call at every C, against the plan's choice");
+  printf("| tokens/rank | K | N | E | top-k | router | ranks | budget | plan's C | plan's C us | "
+         "best C | best us | regret | #wrong |\n");
+  printf("| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | "
+         "---: | ---: |\n");
+  fflush(stdout);
+  int failed = 0;
+  twt_rank ranks[8];
+  const double t_begin = tw__now_seconds();
+  for (int i = 0; i < npoints; i++) {
+    const twb_point* pt = &pts[i];
+    twt_progress("sweep", i, npoints, pt, t_begin);
+    memset(ranks, 0, sizeof ranks);
+    int bad = 0;
+    for (int r = 0; r < W && !bad; r++) {
+      ranks[r].sweep_us = (double*)calloc((size_t)cmax, sizeof(double));
+      bad = ranks[r].sweep_us == NULL;
+    }
+    if (!bad) bad = twt_run_point(o, pt, cmax, ranks);
+    if (!bad) {
+      /* The times are the slowest rank's (every rank holds the same): rank 0's are printed. */
+      const twt_rank* r0 = &ranks[0];
+      int best = 1;
+      for (int c = 2; c <= cmax; c++)
+        if (r0->sweep_us[c - 1] < r0->sweep_us[best - 1]) best = c;
+      const double t_plan = r0->us[TWT_OVERLAP], t_best = r0->sweep_us[best - 1];
+      printf("| %d | %d | %d | %d | %d | %s | %d | %d | %d | %.1f | %d | %.1f | %.2f%% | %lld |\n",
+             pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
+             tw__cli_router_name(pt->router), W, r0->budget, r0->comm_ctas, t_plan, best, t_best,
+             100.0 * (t_plan / t_best - 1.0), (long long)r0->wrong);
+      printf("\nC:");
+      for (int c = 1; c <= cmax; c++) printf(" %d=%.1f", c, r0->sweep_us[c - 1]);
+      printf(" (us)\n\n");
+      fflush(stdout);
+      if (r0->wrong != 0) bad = 1;
+    }
+    for (int r = 0; r < W; r++) free(ranks[r].sweep_us);
+    failed += bad;
+  }
+  if (failed)
+    fprintf(stderr, "tilewave sweep --in-process: %d point(s) failed (an error or #wrong > 0)\n",
             failed);
   return failed ? 1 : 0;
 }

@@ -255,13 +255,14 @@ static void twb_usage(FILE* f, int sweep) {
             "  --phases            also time ours' phases (producer end, consumer end,\n"
             "                      reduction) with the context's events, --iters more calls\n"
             "  --what-if           plan the points on the host and show the planner's choices\n"
-            "                      (no GPU is touched; what runs without GPUs anyway)\n"
-            "  --in-process W      W ranks (1..8) as threads of this process on GPU 0, over an\n"
-            "                      in-process team: ours' modes only, no NCCL baselines; one\n"
-            "                      GPU's memory stands in for NVLink (not comparable with\n"
-            "                      multi-GPU numbers)\n"
-            "  --sm-budget B       with --in-process: SMs each rank's call may occupy (default\n"
-            "                      the GPU's SMs / W)\n");
+            "                      (no GPU is touched; what runs without GPUs anyway)\n");
+  fprintf(f,
+          "  --in-process W      W ranks (1..8) as threads of this process on GPU 0, over an\n"
+          "                      in-process team: %s; one GPU's memory\n"
+          "                      stands in for NVLink (not comparable with multi-GPU numbers)\n"
+          "  --sm-budget B       with --in-process: SMs each rank's call may occupy (default\n"
+          "                      the GPU's SMs / W)\n",
+          sweep ? "one point's C sweep, no oracle" : "ours' modes only, no NCCL baselines");
   fprintf(f,
           "  --tol X             largest normwise relative error that passes (default 2e-2)\n"
           "  --ranks N           ranks to spawn (default: every visible GPU; alias --gpus)\n"
@@ -335,9 +336,9 @@ static int twb_parse(int argc, char** argv, int sweep, twb_opts* o, int* shape_g
     args[n++] = tw__cli_bool("--full", &o->full);
     args[n++] = tw__cli_bool("--phases", &o->phases);
     args[n++] = tw__cli_bool("--what-if", &o->what_if);
-    args[n++] = tw__cli_int("--in-process", &o->in_process, 1, 8);
-    args[n++] = tw__cli_int("--sm-budget", &o->sm_budget, 2, 100000);
   }
+  args[n++] = tw__cli_int("--in-process", &o->in_process, 1, 8);
+  args[n++] = tw__cli_int("--sm-budget", &o->sm_budget, 2, 100000);
   const int rc = tw__cli_parse(cmd, argc, argv, args, n, twb_usage_cb, &sweep);
   if (rc != 0) return rc;
   *shape_given = 0;
@@ -367,6 +368,10 @@ static int twb_check_opts(twb_opts* o, int sweep, int shape_given, const char* c
     return tw__cli_usage_error(cmd,
                                "--in-process times ours' modes only: drop --routing, "
                                "--write-routing, --phases, --json, --json-file and --full");
+  if (sweep && o->in_process > 0 && o->oracle)
+    return tw__cli_usage_error(cmd,
+                               "sweep --in-process times one point's C sweep; the oracle matrix "
+                               "(--oracle, --matrix, --points, --list) runs on one GPU per rank");
   if (o->versus > 0 && !o->oracle)
     return tw__cli_usage_error(cmd, "--versus-fixed needs a matrix (--oracle)");
   /* The confirmation re-times a matrix point's best cells: without --oracle there are none, and
@@ -539,13 +544,14 @@ static int twb_main(int argc, char** argv, int sweep) {
   job.o = o;
 
   /* W ranks on one GPU, threads of this process (before anything touches CUDA here). */
-  if (!sweep && o.in_process > 0 && !o.what_if) {
+  if (o.in_process > 0 && !o.what_if) {
     if (twb_gpus_present() < 1) {
       fprintf(stderr, "%s --in-process: no GPU found\n", cmd);
       free(job.points);
       return 1;
     }
-    rc = twb_in_process(&o, job.points, job.npoints);
+    rc = sweep ? twb_in_process_sweep(&o, job.points, job.npoints)
+               : twb_in_process(&o, job.points, job.npoints);
     free(job.points);
     return rc;
   }
