@@ -33,6 +33,15 @@ typedef struct tw__launch_record {
 
 tw_status tw__context_last_launch(tw_context_t ctx, tw__launch_record* record);
 
+/* The device's call state (after the context's work so far and `stream`'s have completed): calls
+ * with communication since the last reset, and per source rank the running arrival target and
+ * the arrivals counted in this rank's window (world entries each). */
+tw_status tw__context_call_state(tw_context_t ctx, cudaStream_t stream, uint32_t* epoch,
+                                 uint32_t* targets, uint32_t* arrivals);
+/* This rank's device error record, raw (status, where, index, seen, target): tests that need
+ * every rank's and not only the first failing one's. Waits as tw__context_call_state. */
+tw_status tw__context_error_record(tw_context_t ctx, cudaStream_t stream, int32_t* record5);
+
 /* Injects a consumer fault (tw_fault) into this rank's next overlapped/unfused call only. */
 tw_status tw__context_inject_fault(tw_context_t ctx, int kind, int index);
 

@@ -803,7 +803,16 @@ static void test_graph_replays(tw_rank_env* env) {
     CHECK_CUDA(cudaStreamBeginCapture(env->stream, cudaStreamCaptureModeThreadLocal));
     CHECK_OK(tw_moe_combine(ctx, dp, b.expert_in, b.w2, b.out, env->stream));
     CHECK_CUDA(cudaStreamEndCapture(env->stream, &graph));
-    if (graph != NULL) CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    size_t nodes = 0;
+    if (graph != NULL) {
+      CHECK_CUDA(cudaGraphGetNodes(graph, NULL, &nodes));
+      CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    }
+    /* Three eager calls so far; capturing ran nothing. The device counts every call. */
+    uint32_t epoch0 = 0, epoch = 0, target[TW_MAX_RANKS], arrived[TW_MAX_RANKS];
+    CHECK_OK(tw__context_call_state(ctx, env->stream, &epoch0, target, arrived));
+    CHECKF(epoch0 == 3, "rank %d: %u calls on the device after 3 eager ones and a capture",
+           env->rank, epoch0);
     int wrong = 0;
     for (int i = 0; i < 100 && exec != NULL; i++) {
       const int set = (i * 7 / 3) % 2;
@@ -818,6 +827,13 @@ static void test_graph_replays(tw_rank_env* env) {
       if (i % 25 == 24) CHECK_OK(tw_context_check(ctx));
     }
     CHECKF(wrong == 0, "rank %d: %d of 100 replays differ from the eager call", env->rank, wrong);
+    CHECK_OK(tw__context_call_state(ctx, env->stream, &epoch, target, arrived));
+    CHECKF(epoch == epoch0 + 100, "rank %d: %u calls on the device after 100 replays (graph of %zu "
+           "nodes), expected %u", env->rank, epoch, nodes, epoch0 + 100);
+    for (int s = 0; s < env->nranks; s++)
+      CHECKF(s == env->rank || target[s] == arrived[s],
+             "rank %d: from rank %d %u units arrived, %u expected", env->rank, s, arrived[s],
+             target[s]);
     CHECK_STATUS(tw_device_plan_upload(dp, plan_half, rt_half, env->stream), TW_ERR_STATE);
     /* Eager calls after the replays, on the graph's stream, continue the sequence. */
     CHECK_CUDA(cudaMemcpyAsync(b.expert_in, inputs[0], in_bytes, cudaMemcpyDeviceToDevice,
