@@ -72,7 +72,13 @@ extern "C" tw_status tw_device_plan_destroy(tw_device_plan_t d) {
     tw__device_guard guard(d->ctx->device);
     /* A call may still read the arrays. */
     tw__sync_all(d->ctx);
-    cudaFree(d->mem);
+    /* A free would wait for a team collective abandoned on the device (team.h): leave it. */
+    if (d->ctx->team->ops->device_busy(d->ctx->team))
+      TW_WARN(
+          "tw_device_plan_destroy: the team has a collective stuck on the device; the plan's "
+          "device arrays are not freed");
+    else
+      cudaFree(d->mem);
   }
   free(d->h_seg_unit0);
   free(d->h_row_token);

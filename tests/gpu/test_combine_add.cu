@@ -411,8 +411,7 @@ static void test_capacity_of_every_owner(tw_rank_env* env) {
       CHECKF(strstr(tw_last_error(), "max_tokens") != NULL, "rank %d: %s", env->rank,
              tw_last_error());
       /* Nothing was launched: the next call finds no plan. */
-      CHECK_STATUS(tw_moe_combine(ctx, dp, (void*)16, (void*)16, NULL, env->stream),
-                   TW_ERR_STATE);
+      CHECK_STATUS(tw_moe_combine(ctx, dp, (void*)16, (void*)16, NULL, env->stream), TW_ERR_STATE);
     }
     tw_plan_destroy(plan);
     if (dp != NULL) CHECK_OK(tw_device_plan_destroy(dp));
