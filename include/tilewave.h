@@ -564,7 +564,8 @@ TW_API tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t dplan, con
  * rank with a detail (tw_last_error) naming the rank, the wait (band / arrival / credit), the
  * index and the counter value seen against the target. Bounded: the context's kernels end within
  * timeout_ms, and a rank that does not join the check within TW_TEAM_TIMEOUT_MS fails it on
- * every rank that did with TW_ERR_TIMEOUT naming that rank (the team is then broken: see
+ * every rank that did with TW_ERR_TIMEOUT naming that rank (over NCCL with more than two ranks:
+ * naming the wait, NCCL cannot tell which rank is missing); the team is then broken (see
  * tw_context_abort); after tw_context_abort on any rank it returns TW_ERR_ABORTED. */
 TW_API tw_status tw_context_check(tw_context_t ctx);
 /* Makes a context usable again after a device-side failure. COLLECTIVE and blocking: waits for
@@ -585,10 +586,11 @@ TW_API tw_status tw_context_reset(tw_context_t ctx);
  *    every peer's window over NVLink, which the peers' collectives poll.
  * tilewave never aborts, revokes or destroys the caller's communicator, and after a team is
  * broken it makes no further NCCL call for the context (not even in tw_context_destroy, which
- * then leaves the window's registration to the communicator). When a rank is lost, NCCL's own
- * kernels of an abandoned collective wait until the caller aborts the communicator
- * (ncclCommAbort, on every surviving rank): until then tw_context_destroy frees no device memory
- * (any free would wait for those kernels) and returns at once. Idempotent; NULL is a no-op. */
+ * then leaves the window registered and allocated). When a rank is lost, NCCL's own kernels of an
+ * abandoned collective wait until the caller aborts the communicator (ncclCommAbort, on every
+ * surviving rank, before or after tw_context_destroy once the team is broken): until then
+ * tw_context_destroy frees no device memory (any free would wait for those kernels) and returns
+ * at once. Idempotent; NULL is a no-op. */
 TW_API tw_status tw_context_abort(tw_context_t ctx);
 
 /* Phase times of the last call in ms, from CUDA events (needs config.timing = 1; blocks until

@@ -236,13 +236,18 @@ tw_status tw__nccl_allgather(tw__team* t, const void* mine, void* all, size_t by
       next_word = now + 1e-3;
     }
     if (now >= deadline) {
+      /* With two ranks the missing one is known; with more NCCL does not say which. */
+      char whom[64];
+      if (t->world == 2)
+        snprintf(whom, sizeof whom, "rank %d", 1 - t->rank);
+      else
+        snprintf(whom, sizeof whom, "one or more of the other %d ranks", t->world - 1);
       snprintf(why, sizeof why,
                "NCCL team: rank %d waited %d ms in a host collective (an all-gather of %zu bytes) "
-               "for the other %d ranks; a rank stopped calling the library, died, or runs far "
-               "behind (TW_TEAM_TIMEOUT_MS). The team is broken: destroy the context on every "
-               "rank and abort the communicator (ncclCommAbort), whose all-gather stays pending "
-               "until then",
-               t->rank, t->timeout_ms, bytes, t->world - 1);
+               "for %s; a rank stopped calling the library, died, or runs far behind "
+               "(TW_TEAM_TIMEOUT_MS). The team is broken: destroy the context on every rank and "
+               "abort the communicator (ncclCommAbort), whose all-gather stays pending until then",
+               t->rank, t->timeout_ms, bytes, whom);
       n->pending = 1;
       tw__nccl_tell_peers(t, kBrokeTimeout);
       return tw__nccl_break(n, TW_ERR_TIMEOUT, why);
@@ -272,8 +277,8 @@ void tw__nccl_window_free(tw__team* t, tw__window* win) {
   if (n->broken) {
     if (win->local != NULL)
       TW_WARN(
-          "NCCL team: rank %d: the team is broken; the window (%zu bytes) stays registered with "
-          "the communicator, which frees it when it is aborted or destroyed",
+          "NCCL team: rank %d: the team is broken; the window (%zu bytes) is not freed and stays "
+          "registered with the communicator until it is aborted or destroyed",
           t->rank, win->bytes);
   } else {
     if (w != NULL) {
