@@ -197,8 +197,10 @@ static int tw_case_team_open(tw_rank_env* env, int team_timeout_ms, tw_rank_env*
 static void tw_case_team_close(tw_rank_env* env, tw_rank_env* team_env) {
   if (env->team != NULL) {
     CHECK_OK(tw__team_barrier(env->verdict));
-    if (env->rank == 0 && g_case_team != NULL) CHECK_OK(tw_team_destroy(g_case_team));
-    g_case_team = NULL;
+    if (env->rank == 0) { /* the only writer of g_case_team */
+      if (g_case_team != NULL) CHECK_OK(tw_team_destroy(g_case_team));
+      g_case_team = NULL;
+    }
     CHECK_OK(tw__team_barrier(env->verdict));
     return;
   }
