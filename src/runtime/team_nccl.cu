@@ -330,7 +330,8 @@ tw_status tw__nccl_window_fill(tw__team* t, size_t bytes, tw__window* win, tw__n
   tw_abort_word_kernel<<<1, 64, 0, n->watch>>>(n->targets, 0, t->rank, 0);
   TW_CUDA_TRY(cudaGetLastError());
   TW_CUDA_TRY(cudaStreamSynchronize(n->watch));
-  n->d_word = n->targets.word[t->rank];
+  /* This rank reads its own word through its own allocation (the peers write it through theirs). */
+  n->d_word = (uint32_t*)((char*)win->local + word_at);
   win->bytes = bytes;
   return TW_SUCCESS;
 }
