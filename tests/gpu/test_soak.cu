@@ -1,13 +1,17 @@
 /*
  * test_soak.cu: many GEMM2 + combine calls in a row, with no host synchronisation between them,
  * checked every 100 calls. Per rank, per dataflow (reduce, then add, each on a context of its
- * own), a set of plans is built and uploaded once before the first call (so that no device plan
- * is ever re-uploaded while a call may still read it): generated routings (balanced, moderate and
+ * own), a set of plans is built and each uploaded once into a device plan of its own before the
+ * first call: generated routings (balanced, moderate and
  * stress skew; full, partial and odd token counts) and hand-made ones (no tokens anywhere, one
  * token per rank, one rank empty, one hot expert, every token on its own rank's experts, every
  * token on other ranks' experts). Every call picks, as a pure function of its index (the same on
  * every rank), the plan, the stream (one of two), the mode (mostly overlapped, one in eight
- * unfused) and, per rank, the consumer CTA count C in 1..max_comm_ctas.
+ * unfused) and, per rank, the consumer CTA count C in 1..max_comm_ctas. One more device plan
+ * rotates: every 17 calls it is uploaded again with another plan between calls, with no host
+ * synchronisation (on the stream of the last call, the other stream waiting for the upload with
+ * an event: the upload rules of tilewave.h), and a quarter of the calls use it with whatever plan
+ * it holds; no other device plan is ever uploaded while a call may still read it.
  *
  * Every 100th call (and the last) is a check: its output (poisoned with NaN first under the reduce
  * dataflow) is compared
@@ -52,6 +56,7 @@ typedef struct tw_soak_plan {
 
 typedef struct tw_soak_stats {
   long calls, checks, compared_tokens;
+  long rotations, rotating_calls; /* uploads of the rotating device plan, calls that used it */
   double wall_s, max_rel;
 } tw_soak_stats;
 
@@ -192,11 +197,15 @@ static void tw_soak_teardown(tw_soak_plan* sp, int n) {
   }
 }
 
-/* The choices of call i: the same plan, stream and mode on every rank; C per rank. */
+/* The choices of call i: the same plan, stream and mode on every rank; C per rank. rotating: the
+ * call uses the rotating device plan (whatever plan it holds now) instead of the plan's own. */
 typedef struct tw_soak_choice {
-  int plan, stream, C;
+  int plan, stream, C, rotating;
   tw_combine_mode mode;
 } tw_soak_choice;
+
+/* Every kRotateEvery calls the rotating device plan is uploaded again, with another plan. */
+enum { kRotateEvery = 17 };
 
 static tw_soak_choice tw_soak_choose(long i, int nplans, int rank, int max_c) {
   const uint64_t h = tw_mix64(0x50a4c0deull ^ (uint64_t)i * 0x9e3779b97f4a7c15ull);
@@ -205,6 +214,7 @@ static tw_soak_choice tw_soak_choose(long i, int nplans, int rank, int max_c) {
   c.stream = (int)(h >> 17 & 1);
   c.mode = (h >> 33) % 8 == 0 ? TW_COMBINE_UNFUSED : TW_COMBINE_OVERLAP;
   c.C = 1 + (int)(tw_mix64(h ^ (uint64_t)(rank + 1) * 0x5851f42d4c957f2dull) % (uint64_t)max_c);
+  c.rotating = (h >> 40) % 4 == 0;
   return c;
 }
 
@@ -220,8 +230,9 @@ static void tw_soak_output(tw_context_t ctx, int dataflow, void* out, int32_t to
 }
 
 /* One call; under the reduce dataflow `poison` first fills the stream's output with NaN. */
-static tw_status tw_soak_call(tw_context_t ctx, const tw_soak_plan* sp, const void* w2, void* out,
-                              int dataflow, const tw_soak_choice* c, cudaStream_t s, int poison) {
+static tw_status tw_soak_call(tw_context_t ctx, const tw_soak_plan* sp, tw_device_plan_t dp,
+                              const void* w2, void* out, int dataflow, const tw_soak_choice* c,
+                              cudaStream_t s, int poison) {
   if (poison && dataflow == TW_DATAFLOW_REDUCE && sp->tokens > 0) {
     const tw_status st = tw__fill_bf16(out, (size_t)sp->tokens * kHidden, 0xFFFF, s);
     if (st != TW_SUCCESS) return st;
@@ -229,22 +240,22 @@ static tw_status tw_soak_call(tw_context_t ctx, const tw_soak_plan* sp, const vo
   tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
   opt.mode = c->mode;
   opt.comm_ctas = c->C;
-  return tw_moe_combine_ex(ctx, sp->dp, sp->expert_in, w2, dataflow == TW_DATAFLOW_ADD ? NULL : out,
+  return tw_moe_combine_ex(ctx, dp, sp->expert_in, w2, dataflow == TW_DATAFLOW_ADD ? NULL : out,
                            &opt, s);
 }
 
 /* The check after call i: returns this rank's failed checks. */
 static int tw_soak_verify(tw_rank_env* env, const tw_problem* p, tw_context_t ctx, int dataflow,
-                          tw_soak_plan* sp, const void* w2, void* out, const tw_soak_choice* c,
-                          cudaStream_t s, uint64_t salt_w, long i, uint16_t* h_a, uint16_t* h_b,
-                          tw_soak_stats* stats) {
+                          tw_soak_plan* sp, tw_device_plan_t dp, const void* w2, void* out,
+                          const tw_soak_choice* c, cudaStream_t s, uint64_t salt_w, long i,
+                          uint16_t* h_a, uint16_t* h_b, tw_soak_stats* stats) {
   const int before = tw_test_failures_;
   CHECK_OK(tw_context_check(ctx));
   tw_soak_output(ctx, dataflow, out, sp->tokens, s, h_a);
   /* The same plan unfused, same C and stream: the same bits. */
   tw_soak_choice u = *c;
   u.mode = TW_COMBINE_UNFUSED;
-  CHECK_OK(tw_soak_call(ctx, sp, w2, out, dataflow, &u, s, 1));
+  CHECK_OK(tw_soak_call(ctx, sp, dp, w2, out, dataflow, &u, s, 1));
   CHECK_OK(tw_context_check(ctx));
   tw_soak_output(ctx, dataflow, out, sp->tokens, s, h_b);
   stats->calls++;
@@ -329,31 +340,59 @@ static void tw_soak_dataflow(tw_rank_env* env, int dataflow, tw_soak_stats* stat
   tw_soak_plan sp[kMaxPlans];
   const int nplans = tw_soak_setup(env, &p, ctx, dataflow, sp);
   CHECK(nplans >= 10);
+  /* The rotating device plan: uploaded again every kRotateEvery calls with another plan, with no
+   * host synchronisation, on the stream of the last call (every earlier call has ended before that
+   * one started: the context orders calls), and the other stream made to wait for the upload
+   * (tw_device_plan_upload: calls on another stream must be ordered after it by the caller). */
+  tw_device_plan_t rot = NULL;
+  int rot_plan = 0, last_stream = 0;
+  cudaEvent_t ev_upload = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &rot));
+  CHECK_CUDA(cudaEventCreateWithFlags(&ev_upload, cudaEventDisableTiming));
+  if (rot != NULL && nplans > 0) {
+    CHECK_OK(tw_device_plan_upload(rot, sp[0].plan, sp[0].rt, env->stream));
+    CHECK_CUDA(cudaStreamSynchronize(env->stream));
+  }
   const long calls = tw_soak_calls();
   const long progress_every = calls / 20 > 500 ? calls / 20 : 500;
   int go = nplans > 0 && streams[1] != NULL && w2 != NULL && h_a != NULL && h_b != NULL &&
+           rot != NULL && ev_upload != NULL &&
            (dataflow == TW_DATAFLOW_ADD || (outs[0] != NULL && outs[1] != NULL));
   /* Every rank must start together (the verdict is collective). */
   go = tw_rank_sum(env, go ? 0 : 1) == 0;
   const double t0 = tw__now_seconds();
   int halted = 0; /* a call failed here: no more launches until the next check */
   for (long i = 0; go && i < calls; i++) {
-    const tw_soak_choice c = tw_soak_choose(i, nplans, env->rank, max_c);
+    tw_soak_choice c = tw_soak_choose(i, nplans, env->rank, max_c);
     const int check = (i + 1) % kCheckEvery == 0 || i + 1 == calls;
+    if (!halted && i % kRotateEvery == kRotateEvery - 1) {
+      const int k = (int)(tw_mix64((uint64_t)i * 31 + 17) % (uint64_t)nplans);
+      cudaStream_t up = streams[last_stream];
+      CHECK_OK(tw_device_plan_upload(rot, sp[k].plan, sp[k].rt, up));
+      CHECK_CUDA(cudaEventRecord(ev_upload, up));
+      CHECK_CUDA(cudaStreamWaitEvent(streams[1 - last_stream], ev_upload, 0));
+      rot_plan = k;
+      stats->rotations++;
+    }
+    if (c.rotating) c.plan = rot_plan; /* the same on every rank */
+    tw_device_plan_t dp = c.rotating ? rot : sp[c.plan].dp;
     cudaStream_t s = streams[c.stream];
     if (!halted) {
       const tw_status st =
-          tw_soak_call(ctx, &sp[c.plan], w2, outs[c.stream], dataflow, &c, s, check);
-      CHECKF(st == TW_SUCCESS, "rank %d call %ld (%s, C %d): %s (%s)", env->rank, i,
-             sp[c.plan].name, c.C, tw_status_string(st), tw_last_error());
+          tw_soak_call(ctx, &sp[c.plan], dp, w2, outs[c.stream], dataflow, &c, s, check);
+      CHECKF(st == TW_SUCCESS, "rank %d call %ld (%s%s, C %d): %s (%s)", env->rank, i,
+             sp[c.plan].name, c.rotating ? ", rotating device plan" : "", c.C, tw_status_string(st),
+             tw_last_error());
       halted = st != TW_SUCCESS;
       stats->calls++;
+      stats->rotating_calls += c.rotating;
+      last_stream = c.stream;
     }
     if (check) {
       int bad = halted;
       if (!halted)
-        bad = tw_soak_verify(env, &p, ctx, dataflow, &sp[c.plan], w2, outs[c.stream], &c, s, salt_w,
-                             i, h_a, h_b, stats) != 0;
+        bad = tw_soak_verify(env, &p, ctx, dataflow, &sp[c.plan], dp, w2, outs[c.stream], &c, s,
+                             salt_w, i, h_a, h_b, stats) != 0;
       else /* the same collectives as a verifying rank: two checks */
         for (int k = 0; k < 2; k++) CHECK(tw_context_check(ctx) == TW_SUCCESS);
       /* Go on only if every rank is fine. */
@@ -374,10 +413,15 @@ static void tw_soak_dataflow(tw_rank_env* env, int dataflow, tw_soak_stats* stat
         df, env->nranks, nplans, stats->calls, stats->checks, stats->compared_tokens,
         stats->max_rel, stats->wall_s,
         stats->wall_s > 0 ? (double)stats->calls / stats->wall_s : 0.0);
+  if (env->rank == 0)
+    printf("  rotating device plan: %ld uploads between calls, %ld calls\n", stats->rotations,
+           stats->rotating_calls);
   for (int k = 0; k < nplans && env->rank == 0; k++)
     printf("  plan %2d %-26s tokens %4d rows %5d checks %d\n", k, sp[k].name, sp[k].tokens,
            sp[k].plan->rows, sp[k].checks);
   fflush(stdout);
+  CHECK_OK(tw_device_plan_destroy(rot));
+  if (ev_upload != NULL) cudaEventDestroy(ev_upload);
   tw_soak_teardown(sp, nplans);
   free(h_a);
   free(h_b);
