@@ -49,29 +49,30 @@ extern "C" {
 /* -------------------------------------------------------------------------------------------- */
 
 /* X(name, value, message). One table gives both the enum and the strings. */
-#define TW_STATUS_TABLE(X)                                                            \
-  X(TW_SUCCESS, 0, "success")                                                         \
-  X(TW_ERR_NULL_POINTER, 1, "a required pointer argument is NULL")                    \
-  X(TW_ERR_INVALID_SIZE, 2, "a size or count is zero, negative or too large")         \
-  X(TW_ERR_INVALID_ARGUMENT, 3, "an argument is out of its documented range")         \
-  X(TW_ERR_CONFIG_VERSION, 4, "a config struct has the wrong size, magic or version") \
-  X(TW_ERR_INDIVISIBLE, 5, "the expert count is not divisible by the world size")     \
-  X(TW_ERR_TOPK_RANGE, 6, "top-k is outside 1..experts")                              \
-  X(TW_ERR_EXPERT_ID, 7, "an expert id is outside 0..experts-1")                      \
-  X(TW_ERR_DUPLICATE_EXPERT, 8, "a token names the same expert twice")                \
-  X(TW_ERR_NONFINITE_WEIGHT, 9, "a gate weight is NaN or infinite")                   \
-  X(TW_ERR_CAPACITY, 10, "more tokens than the declared capacity")                    \
-  X(TW_ERR_ALIGNMENT, 11, "a dimension is not a multiple of what the kernels need")   \
-  X(TW_ERR_UNSUPPORTED, 12, "the requested feature or data type is not supported")    \
-  X(TW_ERR_OUT_OF_MEMORY, 13, "host or device memory allocation failed")              \
-  X(TW_ERR_IO, 14, "a file could not be read, written or parsed")                     \
-  X(TW_ERR_NO_DEVICE, 15, "no usable CUDA device")                                    \
-  X(TW_ERR_CUDA, 16, "a CUDA runtime or driver call failed")                          \
-  X(TW_ERR_CUBLAS, 17, "a cuBLAS call failed")                                        \
-  X(TW_ERR_NCCL, 18, "an NCCL call failed or the NCCL version does not match")        \
-  X(TW_ERR_TIMEOUT, 19, "a device-side wait exceeded its timeout (TW_TIMEOUT_MS)")    \
-  X(TW_ERR_STATE, 20, "the object is in the wrong state for this call")               \
-  X(TW_ERR_INTERNAL, 21, "internal error (a bug in tilewave; please report it)")
+#define TW_STATUS_TABLE(X)                                                               \
+  X(TW_SUCCESS, 0, "success")                                                            \
+  X(TW_ERR_NULL_POINTER, 1, "a required pointer argument is NULL")                       \
+  X(TW_ERR_INVALID_SIZE, 2, "a size or count is zero, negative or too large")            \
+  X(TW_ERR_INVALID_ARGUMENT, 3, "an argument is out of its documented range")            \
+  X(TW_ERR_CONFIG_VERSION, 4, "a config struct has the wrong size, magic or version")    \
+  X(TW_ERR_INDIVISIBLE, 5, "the expert count is not divisible by the world size")        \
+  X(TW_ERR_TOPK_RANGE, 6, "top-k is outside 1..experts")                                 \
+  X(TW_ERR_EXPERT_ID, 7, "an expert id is outside 0..experts-1")                         \
+  X(TW_ERR_DUPLICATE_EXPERT, 8, "a token names the same expert twice")                   \
+  X(TW_ERR_NONFINITE_WEIGHT, 9, "a gate weight is NaN or infinite")                      \
+  X(TW_ERR_CAPACITY, 10, "more tokens than the declared capacity")                       \
+  X(TW_ERR_ALIGNMENT, 11, "a dimension is not a multiple of what the kernels need")      \
+  X(TW_ERR_UNSUPPORTED, 12, "the requested feature or data type is not supported")       \
+  X(TW_ERR_OUT_OF_MEMORY, 13, "host or device memory allocation failed")                 \
+  X(TW_ERR_IO, 14, "a file could not be read, written or parsed")                        \
+  X(TW_ERR_NO_DEVICE, 15, "no usable CUDA device")                                       \
+  X(TW_ERR_CUDA, 16, "a CUDA runtime or driver call failed")                             \
+  X(TW_ERR_CUBLAS, 17, "a cuBLAS call failed")                                           \
+  X(TW_ERR_NCCL, 18, "an NCCL call failed or the NCCL version does not match")           \
+  X(TW_ERR_TIMEOUT, 19, "a wait exceeded its bound (TW_TIMEOUT_MS, TW_TEAM_TIMEOUT_MS)") \
+  X(TW_ERR_STATE, 20, "the object is in the wrong state for this call")                  \
+  X(TW_ERR_INTERNAL, 21, "internal error (a bug in tilewave; please report it)")         \
+  X(TW_ERR_ABORTED, 22, "a rank aborted the context (tw_context_abort); destroy it")
 
 typedef enum tw_status {
 #define TW__STATUS_ENUM(name, value, msg) name = value,
@@ -449,7 +450,9 @@ TW_API tw_status tw_context_create(const tw_problem* problem, ncclComm_t comm,
  * The kernels and the planner are the same as on an NCCL team. */
 typedef struct tw_team* tw_team_t;
 
-#define TW_DEFAULT_TEAM_TIMEOUT_MS 60000 /* bound on every host-side collective of a team */
+/* Bound on every host-side collective of a team (in-process and NCCL; env TW_TEAM_TIMEOUT_MS):
+ * after it the team is broken and every rank's collectives fail with TW_ERR_TIMEOUT. */
+#define TW_DEFAULT_TEAM_TIMEOUT_MS 60000
 
 /* Creates an in-process team of world_size ranks on CUDA device `device`. Not collective.
  * Every rank drives four streams (the caller's and the context's three) and each needs a
@@ -465,16 +468,18 @@ TW_API tw_status tw_team_destroy(tw_team_t team);
  * calling thread. The ranks' persistent kernels must all be resident at once: the budgets of all
  * ranks must fit in the GPU's SMs (TW_ERR_UNSUPPORTED with the numbers otherwise); the default
  * budget is SMs / W. */
-TW_API tw_status tw_context_create_on_team(const tw_problem* problem, tw_team_t team,
-                                           int32_t rank, const tw_context_config* config,
-                                           tw_context_t* ctx);
+TW_API tw_status tw_context_create_on_team(const tw_problem* problem, tw_team_t team, int32_t rank,
+                                           const tw_context_config* config, tw_context_t* ctx);
 /* The add dataflow's output of the last call on this context: (tokens of this rank, hidden)
  * device bf16 inside the context's window, ready in the order of that call's stream. It stays
  * valid until the next call on the context starts (the call after that zeroes it); copy it out
  * or consume it before then. TW_ERR_STATE under the reduce dataflow or before the first call. */
 TW_API tw_status tw_context_output(tw_context_t ctx, void** out);
 /* Frees everything the context allocated. COLLECTIVE (deregisters the window); waits for the
- * context's work to finish first. NULL is a no-op. */
+ * context's work to finish first (bounded: every device wait is). When a peer does not join
+ * within TW_TEAM_TIMEOUT_MS, or the team is broken (tw_context_abort), it frees what this rank
+ * can free alone and returns: see tw_context_abort for what stays behind on an NCCL team. NULL
+ * is a no-op. */
 TW_API tw_status tw_context_destroy(tw_context_t ctx);
 
 /* Device copy of one rank's plan plus its gate weights: tiles, bands, segments, slot_row and
@@ -557,12 +562,36 @@ TW_API tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t dplan, con
 /* Waits for this rank's last call and agrees with every rank on whether any device-side wait
  * failed. COLLECTIVE and blocking. Returns TW_SUCCESS on every rank, or TW_ERR_TIMEOUT on every
  * rank with a detail (tw_last_error) naming the rank, the wait (band / arrival / credit), the
- * index and the counter value seen against the target. */
+ * index and the counter value seen against the target. Bounded: the context's kernels end within
+ * timeout_ms, and a rank that does not join the check within TW_TEAM_TIMEOUT_MS fails it on
+ * every rank that did with TW_ERR_TIMEOUT naming that rank (over NCCL with more than two ranks:
+ * naming the wait, NCCL cannot tell which rank is missing); the team is then broken (see
+ * tw_context_abort); after tw_context_abort on any rank it returns TW_ERR_ABORTED. */
 TW_API tw_status tw_context_check(tw_context_t ctx);
-/* Makes a context usable again after a failure. COLLECTIVE and blocking: waits for the
- * context's kernels to exit (every wait is bounded, so they do), zeroes counters, credits and
- * the error record on every rank, and restarts the call sequence. */
+/* Makes a context usable again after a device-side failure. COLLECTIVE and blocking: waits for
+ * the context's kernels to exit (every wait is bounded, so they do), zeroes counters, credits and
+ * the error record on every rank, and restarts the call sequence. A broken team (a host-side
+ * collective timed out, or a rank aborted) cannot be reset: TW_ERR_TIMEOUT or TW_ERR_ABORTED,
+ * within TW_TEAM_TIMEOUT_MS. */
 TW_API tw_status tw_context_reset(tw_context_t ctx);
+/* Gives up on a context whose ranks can no longer work together (a peer is gone, a check timed
+ * out, the caller is shutting down after an error). NOT collective, never waits for a peer:
+ *  - this context refuses every later call but tw_context_destroy (and tw_context_info_get):
+ *    tw_context_check and tw_context_reset return TW_ERR_ABORTED at once, tw_moe_combine
+ *    TW_ERR_STATE;
+ *  - the team is broken for every rank: the peers' pending and later host-side collectives of
+ *    this context (tw_context_check, tw_context_reset, destroy's barrier) fail at once with
+ *    TW_ERR_ABORTED naming this rank; their device-side waits for this rank end by their timeout.
+ *    In-process the team's shared state says so; over NCCL this rank writes an abort word into
+ *    every peer's window over NVLink, which the peers' collectives poll.
+ * tilewave never aborts, revokes or destroys the caller's communicator, and after a team is
+ * broken it makes no further NCCL call for the context (not even in tw_context_destroy, which
+ * then leaves the window registered and allocated). When a rank is lost, NCCL's own kernels of an
+ * abandoned collective wait until the caller aborts the communicator (ncclCommAbort, on every
+ * surviving rank, before or after tw_context_destroy once the team is broken): until then
+ * tw_context_destroy frees no device memory (any free would wait for those kernels) and returns
+ * at once. Idempotent; NULL is a no-op. */
+TW_API tw_status tw_context_abort(tw_context_t ctx);
 
 /* Phase times of the last call in ms, from CUDA events (needs config.timing = 1; blocks until
  * the call has completed). Phases run concurrently in TW_COMBINE_OVERLAP, so they do not add up

@@ -80,10 +80,10 @@ static const tw_tunable tw__table[TW_TUNE_COUNT] = {
                                 TW_TUNABLE_SAY_USE, NULL, NULL,
                                 "under an external launcher, the file through which the ranks "
                                 "share the NCCL unique id (default unset)"},
-    [TW_TUNE_TEAM_TIMEOUT_MS] = {"TW_TEAM_TIMEOUT_MS", TW_TUNABLE_INT, TW_DEFAULT_TEAM_TIMEOUT_MS, 1,
-                                 1 << 30, NULL, 0, TW_TUNABLE_SAY_USE, NULL, NULL,
-                                 "bound in ms of every host-side collective of an in-process "
-                                 "team (default 60000); after it every rank's fail"},
+    [TW_TUNE_TEAM_TIMEOUT_MS] = {"TW_TEAM_TIMEOUT_MS", TW_TUNABLE_INT, TW_DEFAULT_TEAM_TIMEOUT_MS,
+                                 1, 1 << 30, NULL, 0, TW_TUNABLE_SAY_USE, NULL, NULL,
+                                 "bound in ms of every host-side collective of a team, "
+                                 "in-process or NCCL (default 60000); after it every rank's fail"},
 };
 
 const tw_tunable* tw__tunable_table(void) {

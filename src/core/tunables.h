@@ -39,7 +39,7 @@ typedef enum tw_tunable_id {
   TW_TUNE_ADD_ZEROING,             /* choice: how the add dataflow zeroes its next output */
   TW_TUNE_DEBUG_TAGS,              /* integer, lenient: debug tags on forwarded rows */
   TW_TUNE_UNIQUE_ID_FILE,          /* string: NCCL unique id file under an external launcher */
-  TW_TUNE_TEAM_TIMEOUT_MS,         /* integer: bound of an in-process team's host collectives */
+  TW_TUNE_TEAM_TIMEOUT_MS,         /* integer: bound of a team's host collectives */
   TW_TUNE_COUNT
 } tw_tunable_id;
 

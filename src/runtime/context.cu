@@ -198,17 +198,30 @@ done:
   return st;
 }
 
-/* Releases whatever exists; collective when the window exists. */
+/* Releases whatever exists; collective when the window exists (bounded: a broken team's window
+ * is left to its backend, team.h). While the team has a collective it gave up on still on the
+ * device (an NCCL all-gather waiting for a lost rank), device memory is not freed: any free
+ * would wait for it. Streams and events are destroyed either way (neither waits). */
 static void tw__context_free(tw_context_t ctx) {
   if (ctx == NULL) return;
+  int busy = 0;
   if (ctx->team != NULL) {
     if (ctx->win.local != NULL) ctx->team->ops->window_destroy(ctx->team, &ctx->win);
+    busy = ctx->team->ops->device_busy(ctx->team);
+    if (busy)
+      TW_WARN(
+          "tw_context_destroy: rank %d: a host collective of the %s team that gave up on a lost "
+          "rank is still on the device; the context's device memory is not freed (abort the "
+          "communicator before destroying the context to free it)",
+          ctx->rank, ctx->team->kind);
     ctx->team->ops->release(ctx->team);
   }
-  cudaFree(ctx->c);
-  cudaFree(ctx->unit_next);
-  cudaFree(ctx->peers);
-  cudaFreeHost(ctx->h_err);
+  if (!busy) {
+    cudaFree(ctx->c);
+    cudaFree(ctx->unit_next);
+    cudaFree(ctx->peers);
+    cudaFreeHost(ctx->h_err);
+  }
   cudaEvent_t* evs[] = {&ctx->ev_start,     &ctx->ev_gemm_done,  &ctx->ev_comm_done,
                         &ctx->ev_call_done, &ctx->ev_err_copied, &ctx->ev_zeroed,
                         &ctx->t_start,      &ctx->t_gemm_end,    &ctx->t_comm_start,
@@ -606,10 +619,47 @@ extern "C" tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info
   return TW_SUCCESS;
 }
 
+/* A context whose team is broken (or that this rank aborted) refuses collectives at once, and
+ * its calls too (ctx->failed; reset then says why). */
+static tw_status tw__team_usable(tw_context_t ctx, const char* how) {
+  if (ctx->team->aborted) {
+    ctx->failed = 1;
+    return tw__fail(TW_ERR_ABORTED,
+                    "%s: this rank aborted the context (tw_context_abort); destroy it on every "
+                    "rank",
+                    how);
+  }
+  const tw_status st = ctx->team->ops->state(ctx->team);
+  if (st != TW_SUCCESS) ctx->failed = 1;
+  return st;
+}
+
+/* A team collective of the context; a failure marks the context failed (the team is broken). */
+static tw_status tw__team_collective(tw_context_t ctx, tw_status st) {
+  if (st != TW_SUCCESS) ctx->failed = 1;
+  return st;
+}
+
+extern "C" tw_status tw_context_abort(tw_context_t ctx) {
+  tw__clear_error();
+  if (ctx == NULL) return TW_SUCCESS;
+  if (ctx->team->aborted) return TW_SUCCESS;
+  TW_DEVICE_SCOPE(ctx); /* an NCCL team writes the peers' abort words from this device */
+  ctx->team->aborted = 1;
+  ctx->failed = 1;
+  char why[160];
+  snprintf(why, sizeof why, "rank %d of %d aborted the context (tw_context_abort)", ctx->rank,
+           ctx->world);
+  ctx->team->ops->abort(ctx->team, why);
+  TW_INFO("context: %s", why);
+  return TW_SUCCESS;
+}
+
 extern "C" tw_status tw_context_check(tw_context_t ctx) {
   tw__clear_error();
   TW_CHECK_NULL(ctx);
   TW_DEVICE_SCOPE(ctx);
+  TW_TRY(tw__team_usable(ctx, "tw_context_check"));
   TW_TRY(tw__sync_all(ctx));
   /* The record is complete once the context's work is (synchronised above). */
   tw_dev_error all[TW_MAX_RANKS];
@@ -618,7 +668,8 @@ extern "C" tw_status tw_context_check(tw_context_t ctx) {
   TW_CUDA_TRY(cudaMemcpyAsync(ctx->h_err, ctx->err, sizeof(tw_dev_error), cudaMemcpyDeviceToHost,
                               ctx->s_aux));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
-  TW_TRY(ctx->team->ops->allgather(ctx->team, ctx->h_err, all, sizeof(tw_dev_error)));
+  TW_TRY(tw__team_collective(
+      ctx, ctx->team->ops->allgather(ctx->team, ctx->h_err, all, sizeof(tw_dev_error))));
   int failing = 0, first = -1;
   for (int r = 0; r < ctx->world; r++) {
     if (all[r].status != 0) {
@@ -663,10 +714,11 @@ extern "C" tw_status tw_context_reset(tw_context_t ctx) {
   TW_DEVICE_SCOPE(ctx);
   /* Every wait is bounded, so every kernel of every rank ends; after the first barrier none is
    * left running anywhere, after the second every rank has zeroed its state. */
+  TW_TRY(tw__team_usable(ctx, "tw_context_reset"));
   TW_TRY(tw__sync_all(ctx));
-  TW_TRY(tw__team_barrier(ctx->team));
+  TW_TRY(tw__team_collective(ctx, tw__team_barrier(ctx->team)));
   TW_TRY(tw__zero_state(ctx));
-  TW_TRY(tw__team_barrier(ctx->team));
+  TW_TRY(tw__team_collective(ctx, tw__team_barrier(ctx->team)));
   return TW_SUCCESS;
 }
 

@@ -72,7 +72,13 @@ extern "C" tw_status tw_device_plan_destroy(tw_device_plan_t d) {
     tw__device_guard guard(d->ctx->device);
     /* A call may still read the arrays. */
     tw__sync_all(d->ctx);
-    cudaFree(d->mem);
+    /* A free would wait for a team collective abandoned on the device (team.h): leave it. */
+    if (d->ctx->team->ops->device_busy(d->ctx->team))
+      TW_WARN(
+          "tw_device_plan_destroy: the team has a collective stuck on the device; the plan's "
+          "device arrays are not freed");
+    else
+      cudaFree(d->mem);
   }
   free(d->h_seg_unit0);
   free(d->h_row_token);
@@ -117,6 +123,22 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
                     "tw_device_plan_upload: %d tokens on rank %d, the context holds at most %d "
                     "(problem max_tokens)",
                     tokens, ctx->rank, p->max_tokens);
+  /* Every owner's tokens must fit too, not only this rank's: under the add dataflow this rank's
+   * consumer adds rows into out[token] of the owners' windows, whose output buffers hold
+   * max_tokens rows (the same on every rank, compared at creation), and a plan made for a larger
+   * problem would run past them. Every rank refuses such a routing alike, so none calls alone. */
+  for (int32_t r = 0; r < ctx->world; r++) {
+    int32_t n = 0;
+    const int32_t* ids_r = NULL;
+    const float* w_r = NULL;
+    TW_TRY(tw_routing_rank(routing, r, &n, &ids_r, &w_r));
+    if (n > p->max_tokens)
+      return tw__fail(TW_ERR_CAPACITY,
+                      "tw_device_plan_upload: the routing gives rank %d %d tokens, but every "
+                      "context holds at most %d (problem max_tokens); route at most max_tokens "
+                      "tokens per rank, or create the contexts with a larger max_tokens",
+                      r, n, p->max_tokens);
+  }
   if (plan->rows > ctx->rows_max || plan->num_bands > ctx->bands_max ||
       plan->num_segments > ctx->bands_max || plan->recv_rows > ctx->recv_rows_max ||
       (int64_t)plan->num_tiles != (int64_t)plan->num_bands * ctx->col_tiles)

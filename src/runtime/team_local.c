@@ -9,7 +9,9 @@
  *
  * Every wait is bounded (TW_TEAM_TIMEOUT_MS). A rank that gives up marks the team broken: the
  * ranks still waiting and every later collective fail with TW_ERR_TIMEOUT and the same message,
- * so no rank is left behind in a collective the others have abandoned.
+ * so no rank is left behind in a collective the others have abandoned. tw_context_abort breaks it
+ * the same way with TW_ERR_ABORTED (the waiting ranks are woken at once). The collectives use no
+ * CUDA call: tests run them on a machine without a GPU (tw__team_local_create).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <cuda_runtime.h>
@@ -39,11 +41,19 @@ struct tw_team {
   int32_t views; /* ranks joined and not yet released */
   int32_t joined[TW_MAX_RANKS];
   int broken;
+  tw_status broken_status; /* TW_ERR_TIMEOUT or TW_ERR_ABORTED */
   char broken_why[512];
 };
 
 static tw_status tw__local_broken(const struct tw_team* t) {
-  return tw__fail(TW_ERR_TIMEOUT, "%s", t->broken_why);
+  return tw__fail(t->broken_status, "%s", t->broken_why);
+}
+
+/* Marks the team broken (under t->mu) and wakes every waiting rank. The first reason stays. */
+static void tw__local_break(struct tw_team* t, tw_status status) {
+  t->broken = 1;
+  t->broken_status = status;
+  pthread_cond_broadcast(&t->cv);
 }
 
 static void tw__deadline(struct timespec* ts, int32_t ms) {
@@ -81,13 +91,12 @@ static tw_status tw__local_allgather(tw__team* view, const void* mine, void* all
     }
   } else if (t->op_bytes != bytes) {
     /* Ranks in different collectives: nothing any of them receives would mean anything. */
-    t->broken = 1;
     snprintf(t->broken_why, sizeof t->broken_why,
              "in-process team: rank %d entered collective %llu with %zu bytes, another rank with "
              "%zu; the ranks call the library in different orders. The team is broken: destroy "
              "its contexts and the team",
              r, (unsigned long long)g, bytes, t->op_bytes);
-    pthread_cond_broadcast(&t->cv);
+    tw__local_break(t, TW_ERR_TIMEOUT);
     st = tw__local_broken(t);
     goto out;
   }
@@ -107,13 +116,12 @@ static tw_status tw__local_allgather(tw__team* view, const void* mine, void* all
         int missing = -1;
         for (int32_t q = 0; q < t->world && missing < 0; q++)
           if (!(t->arrived_mask[q / 64] >> (q % 64) & 1)) missing = q;
-        t->broken = 1;
         snprintf(t->broken_why, sizeof t->broken_why,
                  "in-process team: rank %d waited %d ms in collective %llu for rank %d (%d of %d "
                  "arrived); a rank stopped calling the library or runs far behind "
                  "(TW_TEAM_TIMEOUT_MS). The team is broken: destroy its contexts and the team",
                  r, t->timeout_ms, (unsigned long long)g, missing, t->arrived, t->world);
-        pthread_cond_broadcast(&t->cv);
+        tw__local_break(t, TW_ERR_TIMEOUT);
       }
     }
     if (t->generation == g) {
@@ -174,8 +182,60 @@ static void tw__local_release(tw__team* view) {
   free(view);
 }
 
-static const tw__team_ops kLocalOps = {tw__local_allgather, tw__local_window_create,
-                                       tw__local_window_destroy, tw__local_release};
+static void tw__local_abort(tw__team* view, const char* why) {
+  struct tw_team* t = (struct tw_team*)view->impl;
+  pthread_mutex_lock(&t->mu);
+  if (!t->broken) {
+    snprintf(t->broken_why, sizeof t->broken_why,
+             "in-process team: %s. The team is broken: destroy its contexts and the team", why);
+    tw__local_break(t, TW_ERR_ABORTED);
+  }
+  pthread_mutex_unlock(&t->mu);
+}
+
+static tw_status tw__local_state(tw__team* view) {
+  struct tw_team* t = (struct tw_team*)view->impl;
+  tw_status st = TW_SUCCESS;
+  pthread_mutex_lock(&t->mu);
+  if (t->broken) st = tw__local_broken(t);
+  pthread_mutex_unlock(&t->mu);
+  return st;
+}
+
+/* Nothing of the team's runs on the device: its collectives meet in host memory. */
+static int tw__local_device_busy(tw__team* view) {
+  (void)view;
+  return 0;
+}
+
+static const tw__team_ops kLocalOps = {
+    tw__local_allgather, tw__local_window_create, tw__local_window_destroy, tw__local_release,
+    tw__local_abort,     tw__local_state,         tw__local_device_busy};
+
+tw_status tw__team_local_create(int32_t world_size, int32_t device, int32_t sm_count,
+                                int32_t timeout_ms, tw_team_t* out) {
+  TW_CHECK_NULL(out);
+  *out = NULL;
+  if (world_size < 1 || world_size > TW_MAX_RANKS || timeout_ms < 1 || timeout_ms > (1 << 30) ||
+      sm_count < 1)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "in-process team: world_size %d (1..%d), timeout %d ms (1..2^30), %d SMs",
+                    world_size, TW_MAX_RANKS, timeout_ms, sm_count);
+  struct tw_team* t = (struct tw_team*)calloc(1, sizeof *t);
+  if (t == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_team_create: host memory");
+  t->world = world_size;
+  t->device = device;
+  t->sm_count = sm_count;
+  t->timeout_ms = timeout_ms;
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_mutex_init(&t->mu, NULL);
+  pthread_cond_init(&t->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  *out = t;
+  return TW_SUCCESS;
+}
 
 tw_status tw_team_create(int32_t world_size, int32_t device, tw_team_t* out) {
   tw__clear_error();
@@ -205,31 +265,14 @@ tw_status tw_team_create(int32_t world_size, int32_t device, tw_team_t* out) {
                     "first CUDA call, or use at most %d ranks",
                     world_size, world_size * kStreamsPerRank, connections,
                     conn != NULL ? "" : " unset: 8", connections / kStreamsPerRank);
-  struct tw_team* t = (struct tw_team*)calloc(1, sizeof *t);
-  if (t == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_team_create: host memory");
-  e = cudaDeviceGetAttribute(&t->sm_count, cudaDevAttrMultiProcessorCount, device);
-  if (e != cudaSuccess) {
-    free(t);
+  int sms = 0;
+  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "tw_team_create: SM count of device %d: %s", device,
                     cudaGetErrorString(e));
-  }
   int32_t tmo = 0;
-  tw_status st = tw__tunable_int("tw_team_create", TW_TUNE_TEAM_TIMEOUT_MS, &tmo);
-  if (st != TW_SUCCESS) {
-    free(t);
-    return st;
-  }
-  t->world = world_size;
-  t->device = device;
-  t->timeout_ms = tmo;
-  pthread_condattr_t ca;
-  pthread_condattr_init(&ca);
-  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-  pthread_mutex_init(&t->mu, NULL);
-  pthread_cond_init(&t->cv, &ca);
-  pthread_condattr_destroy(&ca);
-  *out = t;
-  return TW_SUCCESS;
+  TW_TRY(tw__tunable_int("tw_team_create", TW_TUNE_TEAM_TIMEOUT_MS, &tmo));
+  return tw__team_local_create(world_size, device, sms, tmo, out);
 }
 
 tw_status tw_team_destroy(tw_team_t t) {
@@ -283,6 +326,7 @@ tw_status tw__team_local_join(tw_team_t t, int32_t rank, tw__team** out) {
   v->default_budget = t->sm_count / t->world;
   v->shared_gpu = t->world > 1;
   v->in_process = 1;
+  v->timeout_ms = t->timeout_ms;
   *out = v;
   return TW_SUCCESS;
 }

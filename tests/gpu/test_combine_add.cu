@@ -16,6 +16,7 @@
  *    order rows land in), within 8e-3 of a double reference built from the same bf16 inputs;
  *  - what the dataflow cannot do fails at once with a status naming the fix;
  *  - a consumer fault times out on every rank, and after tw_context_reset the next call is exact.
+ *  - a routing that gives any rank more tokens than max_tokens is refused by every upload.
  * Exits 77 with fewer than 2 GPUs.
  */
 #include "overlap_common.h"
@@ -377,11 +378,54 @@ static void test_timeout_and_reset(tw_rank_env* env) {
   tw_add_teardown(&fx);
 }
 
+/* A routing whose other ranks hold more tokens than the contexts' max_tokens (the plan was made
+ * for a larger problem) is refused by every rank's upload with TW_ERR_CAPACITY, under both
+ * dataflows. Before, only the uploading rank's own token count was checked: a rank within its
+ * capacity uploaded, and under the add dataflow its consumer then added rows into out[token] of
+ * an owner's window past that owner's max_tokens-row output buffer. */
+static void test_capacity_of_every_owner(tw_rank_env* env) {
+  if (env->nranks < 2) return; /* needs a rank beside this one */
+  const tw_problem p = tw_rank_problem(env, 512, 128, 8, 2, 64);
+  tw_problem big = p;
+  big.max_tokens = 2 * p.max_tokens;
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = p.max_tokens;
+  tokens[env->nranks - 1] = p.max_tokens + 37; /* only the last rank is over */
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_make_routing(&big, TW_ROUTER_BALANCED, tokens, 4242, &rt));
+  const int dataflows[2] = {TW_DATAFLOW_ADD, TW_DATAFLOW_REDUCE};
+  for (int i = 0; i < 2 && rt != NULL; i++) {
+    tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+    cc.dataflow = dataflows[i];
+    tw_context_t ctx = NULL;
+    CHECK_OK(tw_rank_context_create(env, &p, &cc, &ctx));
+    if (ctx == NULL) break;
+    tw_device_plan_t dp = NULL;
+    CHECK_OK(tw_device_plan_create(ctx, &dp));
+    tw_plan_config pc = TW_PLAN_CONFIG_INIT;
+    pc.dataflow = dataflows[i];
+    tw_plan_t plan = NULL;
+    CHECK_OK(tw_plan_create(&big, rt, env->rank, &pc, &plan));
+    if (dp != NULL && plan != NULL) {
+      CHECK_STATUS(tw_device_plan_upload(dp, plan, rt, env->stream), TW_ERR_CAPACITY);
+      CHECKF(strstr(tw_last_error(), "max_tokens") != NULL, "rank %d: %s", env->rank,
+             tw_last_error());
+      /* Nothing was launched: the next call finds no plan. */
+      CHECK_STATUS(tw_moe_combine(ctx, dp, (void*)16, (void*)16, NULL, env->stream), TW_ERR_STATE);
+    }
+    tw_plan_destroy(plan);
+    if (dp != NULL) CHECK_OK(tw_device_plan_destroy(dp));
+    CHECK_OK(tw_context_destroy(ctx));
+  }
+  tw_routing_destroy(rt);
+}
+
 static const tw_rank_case kCases[] = {
     {"exactly_once_bit_exact", test_exactly_once_bit_exact},
     {"random_matches_unfused_and_reference", test_random_matches_unfused_and_reference},
     {"refusals", test_refusals},
     {"timeout_and_reset", test_timeout_and_reset},
+    {"capacity_of_every_owner", test_capacity_of_every_owner},
 };
 
 int main(int argc, char** argv) {

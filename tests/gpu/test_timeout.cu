@@ -10,8 +10,17 @@
  * After each fault: tw_context_check() returns TW_ERR_TIMEOUT on both ranks within a few
  * timeouts, the next call is refused with TW_ERR_STATE, and after tw_context_reset() the output
  * is bit-identical to the one from before the fault. Every case runs with both ways the
- * consumer copies (bulk and registers). Exits 77 with fewer than 2 GPUs (or, with
- * --in-process W, without a GPU).
+ * consumer copies (bulk and registers).
+ *
+ * Host-side failures, each on a team of its own (an in-process team made for the case, or an NCCL
+ * communicator split off the run's, aborted at the end) with a short team timeout:
+ *  - a rank stops calling (a dead peer): the others' tw_context_check returns TW_ERR_TIMEOUT
+ *    naming it within the device and team timeouts, their reset fails at once, the late rank's
+ *    check fails at once too, calls are refused, and every destroy returns promptly;
+ *  - a rank calls tw_context_abort while the others wait in tw_context_check: they fail with
+ *    TW_ERR_ABORTED at once (the team timeout is 30 s), the aborting rank's check and reset
+ *    return TW_ERR_ABORTED without waiting, and every destroy returns promptly.
+ * Exits 77 with fewer than 2 GPUs (or, with --in-process W, without a GPU).
  */
 #include "overlap_common.h"
 
@@ -155,9 +164,157 @@ static void test_missing_band_publish_times_out_everywhere(tw_rank_env* env) {
   }
 }
 
+/* ---- host-side failures, on a team of the case's own ---------------------------------------- */
+
+/* The case's team: in-process, one created by rank 0 and shared through a static (the verdict
+ * team's barrier orders the hand-over); over NCCL, a communicator split off the run's, with the
+ * team timeout from the environment (one process per rank: setenv is safe here). */
+static tw_team_t g_case_team = NULL;
+
+static int tw_case_team_open(tw_rank_env* env, int team_timeout_ms, tw_rank_env* out) {
+  *out = *env;
+  if (env->team != NULL) {
+    if (env->rank == 0) {
+      int sms = 0;
+      CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+      g_case_team = NULL;
+      CHECK_OK(tw__team_local_create(env->nranks, 0, sms, team_timeout_ms, &g_case_team));
+    }
+    CHECK_OK(tw__team_barrier(env->verdict));
+    out->team = g_case_team;
+    return out->team != NULL;
+  }
+  char v[32];
+  snprintf(v, sizeof v, "%d", team_timeout_ms);
+  setenv("TW_TEAM_TIMEOUT_MS", v, 1);
+  out->comm = NULL;
+  CHECK(ncclCommSplit(env->comm, 0, env->rank, &out->comm, NULL) == ncclSuccess);
+  return out->comm != NULL;
+}
+
+/* After every context on it is destroyed: the in-process team is freed, the communicator aborted
+ * (ncclCommAbort ends the all-gathers a timed-out rank left on its device). */
+static void tw_case_team_close(tw_rank_env* env, tw_rank_env* team_env) {
+  if (env->team != NULL) {
+    CHECK_OK(tw__team_barrier(env->verdict));
+    if (env->rank == 0) { /* the only writer of g_case_team */
+      if (g_case_team != NULL) CHECK_OK(tw_team_destroy(g_case_team));
+      g_case_team = NULL;
+    }
+    CHECK_OK(tw__team_barrier(env->verdict));
+    return;
+  }
+  if (team_env->comm != NULL) CHECK(ncclCommAbort(team_env->comm) == ncclSuccess);
+  unsetenv("TW_TEAM_TIMEOUT_MS");
+}
+
+#define TW_TEST_TEAM_TIMEOUT_MS 1500
+
+/* A rank that stops calling: every other rank learns it within the timeouts, nothing hangs. */
+static void test_dead_peer_fails_check_and_destroy_returns(tw_rank_env* env) {
+  tw_rank_env tenv;
+  if (!tw_case_team_open(env, TW_TEST_TEAM_TIMEOUT_MS, &tenv)) {
+    tw_case_team_close(env, &tenv);
+    return;
+  }
+  const int victim = env->nranks - 1;
+  tw_fixture fx;
+  if (tw_fixture_init(&tenv, &fx, TW_CONSUMER_COPY_BULK)) {
+    tw_clean_call(&tenv, &fx, fx.good);
+    double t0 = tw__now_seconds();
+    if (env->rank != victim) {
+      /* One more call, which the victim does not join: its waits time out on the device, then
+       * the check's collective times out on the host. */
+      CHECK_OK(tw_moe_combine(fx.ctx, fx.dp, fx.expert_in, fx.w2, fx.out, env->stream));
+      CHECK_STATUS(tw_context_check(fx.ctx), TW_ERR_TIMEOUT);
+      const double waited = tw__now_seconds() - t0;
+      char expect[32];
+      snprintf(expect, sizeof expect, "rank %d", victim);
+      CHECKF(strstr(tw_last_error(), expect) != NULL &&
+                 strstr(tw_last_error(), "TW_TEAM_TIMEOUT_MS") != NULL,
+             "rank %d: the detail names neither the missing rank nor the variable: %s", env->rank,
+             tw_last_error());
+      if (env->rank == 0)
+        printf("  dead rank %d: check failed after %.2f s: %s\n", victim, waited, tw_last_error());
+      CHECKF(waited < 3.0 * TW_TEST_TIMEOUT_MS / 1000.0 + TW_TEST_TEAM_TIMEOUT_MS / 1000.0 + 2.0,
+             "rank %d: the check took %.2f s", env->rank, waited);
+      t0 = tw__now_seconds();
+      CHECK_STATUS(tw_context_reset(fx.ctx), TW_ERR_TIMEOUT);
+      CHECKF(tw__now_seconds() - t0 < 0.5, "rank %d: reset on a broken team took %.2f s", env->rank,
+             tw__now_seconds() - t0);
+    } else {
+      /* The dead rank comes back late: the team is broken and says so at once. */
+      usleep((useconds_t)(3 * TW_TEST_TIMEOUT_MS + TW_TEST_TEAM_TIMEOUT_MS + 1500) * 1000u);
+      t0 = tw__now_seconds();
+      CHECK_STATUS(tw_context_check(fx.ctx), TW_ERR_TIMEOUT);
+      CHECKF(tw__now_seconds() - t0 < 0.5, "late rank: check took %.2f s", tw__now_seconds() - t0);
+      CHECK_STATUS(tw_context_reset(fx.ctx), TW_ERR_TIMEOUT);
+    }
+    /* Calls are refused on every rank. */
+    CHECK_STATUS(tw_moe_combine(fx.ctx, fx.dp, fx.expert_in, fx.w2, fx.out, env->stream),
+                 TW_ERR_STATE);
+  }
+  const double t1 = tw__now_seconds();
+  tw_fixture_free(&fx);
+  CHECKF(tw__now_seconds() - t1 < 3.0 * TW_TEST_TIMEOUT_MS / 1000.0 + 2.0,
+         "rank %d: destroy took %.2f s", env->rank, tw__now_seconds() - t1);
+  tw_case_team_close(env, &tenv);
+}
+
+/* tw_context_abort on one rank: the others fail fast, nobody waits out a timeout. */
+static void test_abort_fails_peers_fast(tw_rank_env* env) {
+  const int team_timeout_ms = 30000;
+  tw_rank_env tenv;
+  if (!tw_case_team_open(env, team_timeout_ms, &tenv)) {
+    tw_case_team_close(env, &tenv);
+    return;
+  }
+  tw_fixture fx;
+  if (tw_fixture_init(&tenv, &fx, TW_CONSUMER_COPY_REGISTERS)) {
+    tw_clean_call(&tenv, &fx, fx.good);
+    if (env->rank == 0) {
+      usleep(300 * 1000); /* the others are in their check by now */
+      CHECK_OK(tw_context_abort(fx.ctx));
+      CHECK_OK(tw_context_abort(fx.ctx)); /* idempotent */
+      double t0 = tw__now_seconds();
+      CHECK_STATUS(tw_context_check(fx.ctx), TW_ERR_ABORTED);
+      CHECK_STATUS(tw_context_reset(fx.ctx), TW_ERR_ABORTED);
+      CHECKF(tw__now_seconds() - t0 < 0.2, "aborted rank: check and reset took %.2f s",
+             tw__now_seconds() - t0);
+    } else {
+      const double t0 = tw__now_seconds();
+      CHECK_OK(tw_moe_combine(fx.ctx, fx.dp, fx.expert_in, fx.w2, fx.out, env->stream));
+      CHECK_STATUS(tw_context_check(fx.ctx), TW_ERR_ABORTED);
+      const double waited = tw__now_seconds() - t0;
+      CHECKF(strstr(tw_last_error(), "rank 0") != NULL &&
+                 strstr(tw_last_error(), "tw_context_abort") != NULL,
+             "rank %d: the detail does not name the aborting rank: %s", env->rank, tw_last_error());
+      if (env->rank == 1)
+        printf("  abort on rank 0: rank 1's check failed after %.2f s: %s\n", waited,
+               tw_last_error());
+      /* The call's device waits for rank 0 end by their timeout; the host side at once. */
+      CHECKF(waited < 3.0 * TW_TEST_TIMEOUT_MS / 1000.0 + 2.0, "rank %d: check took %.2f s",
+             env->rank, waited);
+      const double t1 = tw__now_seconds();
+      CHECK_STATUS(tw_context_reset(fx.ctx), TW_ERR_ABORTED);
+      CHECKF(tw__now_seconds() - t1 < 0.5, "rank %d: reset took %.2f s", env->rank,
+             tw__now_seconds() - t1);
+    }
+    CHECK_STATUS(tw_moe_combine(fx.ctx, fx.dp, fx.expert_in, fx.w2, fx.out, env->stream),
+                 TW_ERR_STATE);
+  }
+  const double t1 = tw__now_seconds();
+  tw_fixture_free(&fx);
+  CHECKF(tw__now_seconds() - t1 < 3.0 * TW_TEST_TIMEOUT_MS / 1000.0 + 2.0,
+         "rank %d: destroy took %.2f s", env->rank, tw__now_seconds() - t1);
+  tw_case_team_close(env, &tenv);
+}
+
 static const tw_rank_case kCases[] = {
     {"missing_arrival_times_out_everywhere", test_missing_arrival_times_out_everywhere},
     {"missing_band_publish_times_out_everywhere", test_missing_band_publish_times_out_everywhere},
+    {"dead_peer_fails_check_and_destroy_returns", test_dead_peer_fails_check_and_destroy_returns},
+    {"abort_fails_peers_fast", test_abort_fails_peers_fast},
 };
 
 int main(int argc, char** argv) {
