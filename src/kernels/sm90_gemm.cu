@@ -30,16 +30,26 @@
  *      consumers from registers, masked, as in 3. The default for tn = 128, where it is faster;
  *      at tn = 256 the tile's compute already hides v4's row copies and v5 was slower, so 4
  *      stays (measurements: dev/gemm/NOTES.md v9).
+ *
+ * GEMM1 + SwiGLU (tw__gemm1_swiglu_launch, kernels.h) is the same family with SWIGLU = true: B is
+ * w13 (experts, 2F, H); a stage holds A's 128 rows and 256 B rows, the gate rows of the tile's 128
+ * output columns and their up rows (two TMA boxes), each consumer one m64n256k16 accumulator of
+ * 64 rows x (128 gate | 128 up) columns, and the epilogue writes silu(gate) * up for 128 columns.
+ * Variants 2..5 give identical bits (one mainloop, one epilogue expression); 5 is the default.
+ * tw__gemm_f32_launch (kEpiF32) is the unfused path's GEMM: the fp32 accumulators stored as they
+ * are, for the bit-equality test of the fused epilogue.
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "core.h"
 #include "kernels.h"
 #include "bulk.cuh"
+#include "swiglu.cuh"
 #include "sync.cuh"
 
 namespace {
@@ -64,10 +74,6 @@ struct V1Smem {
   __nv_bfloat16 b[kV1BN][kV1BK + kV1Pad]; /* (128, 32) B rows (output columns), K slice */
   float stage[kV1Threads / 32][16][16];   /* per-warp accumulator fragment on its way out */
 };
-
-__device__ __forceinline__ float tw__silu(float x) {
-  return x / (1.0f + __expf(-x));
-}
 
 /* Loads a (128, 32) bf16 slice: row r of the slice is global row (row0 + r) of a row-major
  * (nrows, k) matrix, or zeros where row0 + r >= row_hi. */
@@ -386,8 +392,10 @@ __device__ __forceinline__ void tw__wgmma(float* d, uint64_t da, uint64_t db) {
   if constexpr (N == 256) tw__wgmma_m64n256k16(d, da, db);
 }
 
-/* Epilogue modes of the wgmma kernel (variants 2, 3, 4, 5). */
-enum { kEpiDirect = 0, kEpiSignalWarp = 1, kEpiStaged = 2, kEpiTma = 3 };
+/* Epilogue modes of the wgmma kernel (variants 2, 3, 4, 5), and kEpiF32: kEpiDirect's stores of
+ * the fp32 accumulators unrounded (c is float (rows, n)), no signals; the first half of the unfused
+ * GEMM1 (tw__gemm_f32_launch), which the fused one must match bit for bit. */
+enum { kEpiDirect = 0, kEpiSignalWarp = 1, kEpiStaged = 2, kEpiTma = 3, kEpiF32 = 4 };
 
 template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
 struct V2Config {
@@ -654,11 +662,18 @@ __global__ void __launch_bounds__(384, 1)
           const int col = lc0 + j * 8;
           float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
           if (SWIGLU) { /* the up value of the same element sits kOutChunks chunks later */
-            v0 = tw__silu(v0) * acc[(j + kOutChunks) * 4 + h * 2];
-            v1 = tw__silu(v1) * acc[(j + kOutChunks) * 4 + h * 2 + 1];
+            v0 = tw__swiglu(v0, acc[(j + kOutChunks) * 4 + h * 2]);
+            v1 = tw__swiglu(v1, acc[(j + kOutChunks) * 4 + h * 2 + 1]);
           }
           v0 *= w; /* the add dataflow's gate weight, before the one rounding to bf16 */
           v1 *= w;
+          if (EPI == kEpiF32) { /* the accumulators themselves, masked as kEpiDirect's */
+            if (tile.col0 + col < args.n)
+              *reinterpret_cast<float2*>(static_cast<float*>(args.c) +
+                                         ((int64_t)tile.row0 + r) * args.n + tile.col0 + col) =
+                  make_float2(v0, v1);
+            continue;
+          }
           const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
           if (EPI == kEpiStaged) /* every row and column; the bulk writes mask them */
             *reinterpret_cast<__nv_bfloat162*>(staging + r * Cfg::kStagePitch + col * 2) = v;
@@ -798,7 +813,9 @@ tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream)
 template <int EPI>
 struct EpiStages {
   static constexpr bool kStaged = EPI == kEpiStaged || EPI == kEpiTma;
-  static constexpr int kSwiglu = kStaged ? 3 : 4; /* 128 x 128, gate and up rows */
+  /* 128 x 128 output, gate and up rows (B 256 rows, 48 KiB a stage): kEpiTma's staging tile is
+   * 32 KiB (4 stages: 224 KiB + barriers), kEpiStaged's padded one 80 bytes too large for 4. */
+  static constexpr int kSwiglu = EPI == kEpiStaged ? 3 : 4;
   static constexpr int k128x256 = kStaged ? 3 : 4;
   static constexpr int k128x128 = kStaged ? 5 : 6;
   static constexpr int k64x256 = kStaged ? 4 : 5;
@@ -986,4 +1003,121 @@ extern "C" tw_status tw__gemm_occupancy(int32_t tm, int32_t tn, int32_t variant,
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "tw__gemm_occupancy: %s", cudaGetErrorString(e));
   return TW_SUCCESS;
+}
+
+/* ---- GEMM1 + SwiGLU and the unfused path's fp32 GEMM ------------------------------------------ */
+
+namespace {
+
+/* The persistent grid: `requested` CTAs, 0 = one per SM, never more than the tiles. */
+tw_status tw__resolve_grid(const char* who, int requested, int num_tiles, int* grid) {
+  int g = requested;
+  if (g == 0) {
+    const int e = tw__sm_count(&g);
+    if (e != 0)
+      return tw__fail(TW_ERR_CUDA, "%s: cannot query the SM count: %s", who,
+                      cudaGetErrorString((cudaError_t)e));
+  }
+  *grid = g < num_tiles ? g : num_tiles;
+  return TW_SUCCESS;
+}
+
+}  // namespace
+
+extern "C" tw_status tw__gemm1_swiglu_launch(const tw_gemm1_args* args, cudaStream_t stream) {
+  static const char* who = "tw__gemm1_swiglu_launch";
+  TW_CHECK_NULL(args);
+  if (args->num_tiles < 0)
+    return tw__fail(TW_ERR_INVALID_SIZE, "%s: num_tiles = %d; must be >= 0", who,
+                    args->num_tiles);
+  if (args->num_tiles == 0) return TW_SUCCESS;
+  TW_CHECK_NULL(args->a);
+  TW_CHECK_NULL(args->w13);
+  TW_CHECK_NULL(args->h);
+  TW_CHECK_NULL(args->tiles);
+  if (args->rows <= 0 || args->hidden <= 0 || args->ffn <= 0 || args->experts <= 0)
+    return tw__fail(TW_ERR_INVALID_SIZE,
+                    "%s: rows = %d, hidden = %d, ffn = %d, experts = %d; all must be > 0", who,
+                    args->rows, args->hidden, args->ffn, args->experts);
+  if (args->hidden % 64 != 0)
+    return tw__fail(TW_ERR_ALIGNMENT,
+                    "%s: hidden = %d; GEMM1's K must be a multiple of 64 (the kernels' K slice); "
+                    "pad the hidden dimension of a and w13 with zeros",
+                    who, args->hidden);
+  if (args->ffn % 8 != 0)
+    return tw__fail(TW_ERR_ALIGNMENT,
+                    "%s: ffn = %d; must be a multiple of 8 (16-byte rows of h; any multiple of 8 "
+                    "works, %d or not)",
+                    who, args->ffn, TW_GEMM1_TN);
+  if ((int64_t)args->experts * 2 * args->ffn > INT32_MAX)
+    return tw__fail(TW_ERR_INVALID_SIZE,
+                    "%s: %d experts x 2 x ffn %d weight rows exceed the tensor map's 2^31 - 1", who,
+                    args->experts, args->ffn);
+  if (args->tm != 64 && args->tm != 128)
+    return tw__fail(TW_ERR_UNSUPPORTED, "%s: tm = %d; supported: 64, 128", who, args->tm);
+  if (args->grid < 0)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: grid = %d; pass 0 (all SMs) or a positive CTA count", who, args->grid);
+  if (args->variant < 0 || args->variant > 5)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "%s: variant = %d; use 0 to 5", who, args->variant);
+  if (((uintptr_t)args->a | (uintptr_t)args->w13 | (uintptr_t)args->h) % 16 != 0)
+    return tw__fail(TW_ERR_ALIGNMENT,
+                    "%s: a, w13 and h must be 16-byte aligned (cudaMalloc'd buffers)", who);
+  /* The producer's arguments: B = w13 (2 ffn rows per expert), n = ffn output columns, 128 x 128
+   * output tiles whatever the band height (tile.rows masks a 64-row band), no signals. Every
+   * check of tw__gemm_launch has been made above in GEMM1's terms. */
+  tw_gemm_args g;
+  memset(&g, 0, sizeof g);
+  g.a = args->a;
+  g.b = args->w13;
+  g.c = args->h;
+  g.rows = args->rows;
+  g.k = args->hidden;
+  g.n = args->ffn;
+  g.experts = args->experts;
+  g.tiles = args->tiles;
+  g.num_tiles = args->num_tiles;
+  g.tm = 128;
+  g.tn = TW_GEMM1_TN;
+  g.grid = args->grid;
+  g.scope = TW_SIGNAL_NONE;
+  g.epilogue = TW_EPILOGUE_SWIGLU;
+  g.variant = args->variant;
+  return tw__gemm_launch(&g, stream);
+}
+
+extern "C" tw_status tw__gemm_f32_launch(const tw_gemm_args* args, cudaStream_t stream) {
+  static const char* who = "tw__gemm_f32_launch";
+  TW_CHECK_NULL(args);
+  if (args->num_tiles < 0)
+    return tw__fail(TW_ERR_INVALID_SIZE, "%s: num_tiles = %d; must be >= 0", who,
+                    args->num_tiles);
+  if (args->num_tiles == 0) return TW_SUCCESS;
+  TW_CHECK_NULL(args->a);
+  TW_CHECK_NULL(args->b);
+  TW_CHECK_NULL(args->c);
+  TW_CHECK_NULL(args->tiles);
+  if (args->rows <= 0 || args->k <= 0 || args->n <= 0 || args->experts <= 0)
+    return tw__fail(TW_ERR_INVALID_SIZE,
+                    "%s: rows = %d, k = %d, n = %d, experts = %d; all must be > 0", who, args->rows,
+                    args->k, args->n, args->experts);
+  if (args->k % 64 != 0 || args->n % 8 != 0)
+    return tw__fail(TW_ERR_ALIGNMENT, "%s: k = %d, n = %d; k must be a multiple of 64, n of 8",
+                    who, args->k, args->n);
+  if (args->tm != 128 || args->tn != 256)
+    return tw__fail(TW_ERR_UNSUPPORTED, "%s: tile %d x %d; only 128 x 256", who, args->tm,
+                    args->tn);
+  if (args->epilogue != TW_EPILOGUE_STORE || args->scope != TW_SIGNAL_NONE ||
+      args->add_out != NULL || args->row_weight != NULL || args->zero != NULL)
+    return tw__fail(TW_ERR_UNSUPPORTED,
+                    "%s: plain stores only (no SwiGLU, signals, add dataflow or zeroing)", who);
+  if (args->grid < 0)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: grid = %d; pass 0 (all SMs) or a positive CTA count", who, args->grid);
+  if (((uintptr_t)args->a | (uintptr_t)args->b | (uintptr_t)args->c) % 16 != 0)
+    return tw__fail(TW_ERR_ALIGNMENT, "%s: a, b and c must be 16-byte aligned", who);
+  int grid = 0;
+  TW_TRY(tw__resolve_grid(who, args->grid, args->num_tiles, &grid));
+  /* 4 stages, as kEpiDirect's 128 x 256 kernel (no staging tile). */
+  return tw__launch_v2<128, 256, 4, false, kEpiF32>(args, grid, stream);
 }
