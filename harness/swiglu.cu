@@ -72,11 +72,11 @@ extern "C" tw_status tw__swiglu_launch(const void* gu, int gu_f32, void* h, int6
   const int64_t vecs = rows * (ffn / 8);
   const int64_t blocks = (vecs + 255) / 256 < 132 * 16 ? (vecs + 255) / 256 : 132 * 16;
   if (gu_f32)
-    tw__swiglu_kernel<true><<<(unsigned)blocks, 256, 0, stream>>>(gu, static_cast<uint4*>(h), rows,
-                                                                  ffn);
+    tw__swiglu_kernel<true>
+        <<<(unsigned)blocks, 256, 0, stream>>>(gu, static_cast<uint4*>(h), rows, ffn);
   else
-    tw__swiglu_kernel<false><<<(unsigned)blocks, 256, 0, stream>>>(gu, static_cast<uint4*>(h),
-                                                                   rows, ffn);
+    tw__swiglu_kernel<false>
+        <<<(unsigned)blocks, 256, 0, stream>>>(gu, static_cast<uint4*>(h), rows, ffn);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "tw__swiglu_launch: launch failed: %s", cudaGetErrorString(e));

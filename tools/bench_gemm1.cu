@@ -239,12 +239,11 @@ int bench_shape(const Gemm1Shape& sh, const Gemm1Opts& o, cublasHandle_t hd, cud
     if (m[e]) hp.push_back(GU + (size_t)row0[e] * F2);
   G1_CUDA(cudaMemcpy(ptrs, hp.data(), hp.size() * sizeof(void*), cudaMemcpyHostToDevice));
   auto grouped = [&]() -> int {
-    if (cublasGemmGroupedBatchedEx(hd, ta.data(), tb.data(), gm.data(), gn.data(), gk.data(),
-                                   alphas.data(), (const void* const*)ptrs, CUDA_R_16BF,
-                                   lda.data(), (const void* const*)(ptrs + groups), CUDA_R_16BF,
-                                   ldb.data(), betas.data(), (void* const*)(ptrs + 2 * groups),
-                                   CUDA_R_16BF, ldc.data(), groups, gsize.data(),
-                                   CUBLAS_COMPUTE_32F) != CUBLAS_STATUS_SUCCESS)
+    if (cublasGemmGroupedBatchedEx(
+            hd, ta.data(), tb.data(), gm.data(), gn.data(), gk.data(), alphas.data(),
+            (const void* const*)ptrs, CUDA_R_16BF, lda.data(), (const void* const*)(ptrs + groups),
+            CUDA_R_16BF, ldb.data(), betas.data(), (void* const*)(ptrs + 2 * groups), CUDA_R_16BF,
+            ldc.data(), groups, gsize.data(), CUBLAS_COMPUTE_32F) != CUBLAS_STATUS_SUCCESS)
       return -1;
     return swiglu(Hout);
   };
@@ -288,10 +287,11 @@ int bench_shape(const Gemm1Shape& sh, const Gemm1Opts& o, cublasHandle_t hd, cud
   const double best_cublas = std::min(us[kLoop], us[kGrouped]);
   char wrong_s[24];
   snprintf(wrong_s, sizeof wrong_s, o.check ? "%llu" : "-", nwrong);
-  printf("| %s | %5d | %4d | %5d | %3d | %s | %s | %s | %s | %s | %7.1f %s | %4.2f | %4.2f | %s |\n",
-         sh.model, sh.rows, H, F, E, cell[kOurs], cell[kOursUnfused], cell[kLoop], cell[kGrouped],
-         cell[kConcat], roof, t_flop >= t_mem ? "flop" : "mem", roof / us[kOurs],
-         best_cublas / us[kOurs], wrong_s);
+  printf(
+      "| %s | %5d | %4d | %5d | %3d | %s | %s | %s | %s | %s | %7.1f %s | %4.2f | %4.2f | %s |\n",
+      sh.model, sh.rows, H, F, E, cell[kOurs], cell[kOursUnfused], cell[kLoop], cell[kGrouped],
+      cell[kConcat], roof, t_flop >= t_mem ? "flop" : "mem", roof / us[kOurs],
+      best_cublas / us[kOurs], wrong_s);
   fflush(stdout);
   cudaFree(A);
   cudaFree(W);
@@ -367,7 +367,8 @@ extern "C" int tw_cli_bench_gemm1(int argc, char** argv) {
   } else {
     for (const Gemm1Model& md : kModels) {
       if (o.model != nullptr && strcmp(o.model, md.name) != 0) continue;
-      for (int rows : md.rows) shapes.push_back({md.name, rows, md.hidden, md.ffn, md.local_experts});
+      for (int rows : md.rows)
+        shapes.push_back({md.name, rows, md.hidden, md.ffn, md.local_experts});
     }
     if (shapes.empty())
       return tw__cli_usage_error("tilewave bench gemm1",

@@ -1005,7 +1005,7 @@ extern "C" tw_status tw__gemm_occupancy(int32_t tm, int32_t tn, int32_t variant,
   return TW_SUCCESS;
 }
 
-/* ---- GEMM1 + SwiGLU and the unfused path's fp32 GEMM ------------------------------------------ */
+/* ---- GEMM1 + SwiGLU and the unfused path's fp32 GEMM ---------------------------------------- */
 
 namespace {
 
@@ -1028,8 +1028,7 @@ extern "C" tw_status tw__gemm1_swiglu_launch(const tw_gemm1_args* args, cudaStre
   static const char* who = "tw__gemm1_swiglu_launch";
   TW_CHECK_NULL(args);
   if (args->num_tiles < 0)
-    return tw__fail(TW_ERR_INVALID_SIZE, "%s: num_tiles = %d; must be >= 0", who,
-                    args->num_tiles);
+    return tw__fail(TW_ERR_INVALID_SIZE, "%s: num_tiles = %d; must be >= 0", who, args->num_tiles);
   if (args->num_tiles == 0) return TW_SUCCESS;
   TW_CHECK_NULL(args->a);
   TW_CHECK_NULL(args->w13);
@@ -1090,8 +1089,7 @@ extern "C" tw_status tw__gemm_f32_launch(const tw_gemm_args* args, cudaStream_t 
   static const char* who = "tw__gemm_f32_launch";
   TW_CHECK_NULL(args);
   if (args->num_tiles < 0)
-    return tw__fail(TW_ERR_INVALID_SIZE, "%s: num_tiles = %d; must be >= 0", who,
-                    args->num_tiles);
+    return tw__fail(TW_ERR_INVALID_SIZE, "%s: num_tiles = %d; must be >= 0", who, args->num_tiles);
   if (args->num_tiles == 0) return TW_SUCCESS;
   TW_CHECK_NULL(args->a);
   TW_CHECK_NULL(args->b);
@@ -1102,8 +1100,8 @@ extern "C" tw_status tw__gemm_f32_launch(const tw_gemm_args* args, cudaStream_t 
                     "%s: rows = %d, k = %d, n = %d, experts = %d; all must be > 0", who, args->rows,
                     args->k, args->n, args->experts);
   if (args->k % 64 != 0 || args->n % 8 != 0)
-    return tw__fail(TW_ERR_ALIGNMENT, "%s: k = %d, n = %d; k must be a multiple of 64, n of 8",
-                    who, args->k, args->n);
+    return tw__fail(TW_ERR_ALIGNMENT, "%s: k = %d, n = %d; k must be a multiple of 64, n of 8", who,
+                    args->k, args->n);
   if (args->tm != 128 || args->tn != 256)
     return tw__fail(TW_ERR_UNSUPPORTED, "%s: tile %d x %d; only 128 x 256", who, args->tm,
                     args->tn);

@@ -61,10 +61,10 @@ enum RowKind : char { kGap = 0, kData = 1, kPad = 2 };
 struct Problem {
   int experts = 0, hidden = 0, ffn = 0, tm = 128, rows = 0;
   std::vector<int> m, row0;
-  std::vector<char> kind;      /* (rows) RowKind */
-  std::vector<tw_band> bands;  /* in layout order */
-  std::vector<tw_tile> tiles;  /* fused: TW_GEMM1_TN output columns each */
-  std::vector<tw_tile> tiles2; /* unfused: 256 of the 2F GEMM columns each */
+  std::vector<char> kind;       /* (rows) RowKind */
+  std::vector<tw_band> bands;   /* in layout order */
+  std::vector<tw_tile> tiles;   /* fused: TW_GEMM1_TN output columns each */
+  std::vector<tw_tile> tiles2;  /* unfused: 256 of the 2F GEMM columns each */
   std::vector<uint16_t> a, w13; /* (rows, H) with padding and gap rows zero, (E, 2F, H) */
   std::string what;
 };
@@ -151,7 +151,8 @@ bool build_from_plan(Problem& p, const struct tw_plan* pl) {
   p.tiles.resize(n > 0 ? n : 1);
   CHECK_OK(tw__gemm1_tiles_of_plan(pl, p.tiles.data(), n, &n));
   p.tiles.resize(n);
-  if (n > 0) CHECK_STATUS(tw__gemm1_tiles_of_plan(pl, p.tiles.data(), n - 1, &n), TW_ERR_INVALID_SIZE);
+  if (n > 0)
+    CHECK_STATUS(tw__gemm1_tiles_of_plan(pl, p.tiles.data(), n - 1, &n), TW_ERR_INVALID_SIZE);
   /* Every band's columns exactly once. */
   std::vector<int> seen((size_t)pl->num_bands, 0);
   for (const tw_tile& t : p.tiles) {
@@ -302,8 +303,7 @@ bool cublas_reference(const Problem& p, Device& d, Reference& ref, int samples) 
       const size_t i = (size_t)r * p.ffn + c;
       if (!(fabs((double)ref.want[i] - h[c]) <= ref.tol[i])) {
         if (bad++ < 5)
-          fprintf(stderr, "  cuBLAS reference (%d, %d) = %g, double %g\n", r, c, ref.want[i],
-                  h[c]);
+          fprintf(stderr, "  cuBLAS reference (%d, %d) = %g, double %g\n", r, c, ref.want[i], h[c]);
       }
     }
   }
@@ -361,8 +361,7 @@ void run_and_check(const Problem& p, Device& d, const Reference& ref,
   const size_t elems = (size_t)p.rows * p.ffn;
   std::vector<uint16_t> out(elems), unfused(elems);
   const bool have_unfused = run_unfused(p, d);
-  if (have_unfused)
-    CHECK_CUDA(cudaMemcpy(unfused.data(), d.h2, elems * 2, cudaMemcpyDeviceToHost));
+  if (have_unfused) CHECK_CUDA(cudaMemcpy(unfused.data(), d.h2, elems * 2, cudaMemcpyDeviceToHost));
   for (int grid : grids)
     for (int variant : kVariants) {
       char what[256];
@@ -385,8 +384,7 @@ void run_and_check(const Problem& p, Device& d, const Reference& ref,
                       (long long)r, c, out[i], unfused[i]);
           }
         }
-        CHECKF(diff == 0, "%s: %lld elements differ from the unfused path", what,
-               (long long)diff);
+        CHECKF(diff == 0, "%s: %lld elements differ from the unfused path", what, (long long)diff);
       }
       printf("  checked %s: %lld elements%s\n", what, (long long)elems,
              variant != 1 && have_unfused ? ", bit-equal to unfused" : "");
@@ -453,13 +451,13 @@ void test_large(void) {
 
 /* ---- the planner's layout and tw__gemm1_tiles_of_plan --------------------------------------- */
 
-void planned_case(tw_router router, int world, int experts_total, int top_k, int tokens,
-                  int hidden, int ffn) {
+void planned_case(tw_router router, int world, int experts_total, int top_k, int tokens, int hidden,
+                  int ffn) {
   tw_problem prob = tw_test_problem(world, hidden, ffn, experts_total, top_k, tokens, 0, 0);
   tw_routing_t rt = nullptr;
   CHECK_OK(tw_routing_generate(&prob, router, 0.0, tokens, next_u64(), &rt));
   if (rt == nullptr) return;
-  for (int rank = 0; rank < world; rank += world - 1 > 0 ? world - 1 : 1) {
+  for (int rank = 0; rank<world; rank += world - 1> 0 ? world - 1 : 1) {
     tw_plan_t pl = nullptr;
     CHECK_OK(tw_plan_create(&prob, rt, rank, nullptr, &pl));
     if (pl == nullptr) break;
@@ -489,7 +487,8 @@ void test_planned(void) {
   planned_case(TW_ROUTER_MODERATE_SKEW, 4, 32, 8, 256, 7168, 2048);
 }
 
-/* ---- refused arguments ------------------------------------------------------------------------ */
+/* ---- refused arguments ------------------------------------------------------------------------
+ */
 
 void test_validation(void) {
   g_rng = 0x5EED0004ull;
@@ -550,7 +549,7 @@ void test_validation(void) {
 
 int main(void) {
   tw_test_require_gpus(1);
-  static const tw_test_case cases[] = {
-      TW_TEST(test_validation), TW_TEST(test_small), TW_TEST(test_large), TW_TEST(test_planned)};
+  static const tw_test_case cases[] = {TW_TEST(test_validation), TW_TEST(test_small),
+                                       TW_TEST(test_large), TW_TEST(test_planned)};
   return tw_test_run(cases, (int)(sizeof cases / sizeof cases[0]));
 }
