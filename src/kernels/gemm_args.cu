@@ -71,32 +71,3 @@ extern "C" tw_status tw__gemm1_args_init(tw_gemm1_args* g, const void* a, const 
   g->tm = tm;
   return TW_SUCCESS;
 }
-
-extern "C" tw_status tw__gemm1_tiles_of_plan(const struct tw_plan* plan, tw_tile* tiles,
-                                             int32_t capacity, int32_t* num_tiles) {
-  TW_CHECK_NULL(plan);
-  TW_CHECK_NULL(num_tiles);
-  *num_tiles = 0;
-  const int32_t ffn = plan->problem.ffn;
-  if (ffn < 1 || plan->num_bands < 0)
-    return tw__fail(TW_ERR_INVALID_SIZE, "tw__gemm1_tiles_of_plan: ffn %d, %d bands", ffn,
-                    plan->num_bands);
-  const int32_t cols = (ffn + TW_GEMM1_TN - 1) / TW_GEMM1_TN;
-  const int64_t n = (int64_t)plan->num_bands * cols;
-  if (n > INT32_MAX)
-    return tw__fail(TW_ERR_INVALID_SIZE, "tw__gemm1_tiles_of_plan: %lld tiles (%d bands x %d)",
-                    (long long)n, plan->num_bands, cols);
-  if (tiles != NULL && capacity < n)
-    return tw__fail(TW_ERR_INVALID_SIZE,
-                    "tw__gemm1_tiles_of_plan: room for %d tiles, the plan has %lld (%d bands x %d "
-                    "column tiles); call with tiles NULL for the count",
-                    capacity, (long long)n, plan->num_bands, cols);
-  *num_tiles = (int32_t)n;
-  if (tiles == NULL || n == 0) return TW_SUCCESS;
-  /* Layout order: expert by expert, so each expert's weights stream from memory once; span_end
-   * nb - 1 lets a group take bands of any destination (GEMM1 publishes nothing). */
-  const tw_band* bands = plan->layout_bands != NULL ? plan->layout_bands : plan->bands;
-  tw__tiles_from_bands(bands, plan->num_bands, cols, TW_GEMM1_TN, plan->tile_group,
-                       plan->num_bands - 1, tiles);
-  return TW_SUCCESS;
-}

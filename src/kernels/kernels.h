@@ -126,7 +126,7 @@ typedef struct tw_gemm1_args {
   int32_t rows, hidden, ffn, experts;
   const tw_tile* tiles; /* (num_tiles) device array, execution order: row0, rows (<= tm) and
                            expert of a band, col0 a multiple of TW_GEMM1_TN below ffn
-                           (tw__gemm1_tiles_of_plan); band is not read */
+                           (tw__plan_gemm1_tiles); band is not read */
   int32_t num_tiles;
   int32_t tm;      /* band height of the layout: 64 or 128 (a 64-row band runs in a 128-row tile,
                       its lower half computed and not stored) */
@@ -141,13 +141,7 @@ tw_status tw__gemm1_args_init(tw_gemm1_args* g, const void* a, const void* w13, 
                               int32_t rows, int32_t hidden, int32_t ffn, int32_t experts,
                               const tw_tile* tiles, int32_t num_tiles, int32_t tm);
 
-/* GEMM1's tile list for a plan's layout: its bands in layout order (each expert's rows in one
- * pass over its weights; plan->bands when the plan has no layout_bands), ceil(ffn /
- * TW_GEMM1_TN) column tiles each, in groups of plan->tile_group bands of one expert taken column
- * by column (tw__tiles_from_bands; destinations may mix, there are no signals). With tiles NULL
- * only *num_tiles is set; otherwise capacity must hold them (TW_ERR_INVALID_SIZE). Host only. */
-tw_status tw__gemm1_tiles_of_plan(const struct tw_plan* plan, tw_tile* tiles, int32_t capacity,
-                                  int32_t* num_tiles);
+/* GEMM1's tile list for a plan: tw__plan_gemm1_tiles(plan, TW_GEMM1_TN, ...) (plan.h). */
 
 /* Launches GEMM1 + SwiGLU on stream (no synchronisation). Refuses, naming the fix: hidden not a
  * multiple of 64 (the K slice) or ffn not a multiple of 8 (TW_ERR_ALIGNMENT), tm other than 64 or

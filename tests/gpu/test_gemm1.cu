@@ -131,7 +131,7 @@ void build(Problem& p, const std::vector<int>& real, int hidden, int ffn, int tm
 }
 
 /* The planner's layout (padding rows included) and GEMM1's tile list of the plan
- * (tw__gemm1_tiles_of_plan). */
+ * (tw__plan_gemm1_tiles). */
 bool build_from_plan(Problem& p, const struct tw_plan* pl) {
   p.experts = pl->local_experts;
   p.hidden = pl->problem.hidden;
@@ -145,14 +145,15 @@ bool build_from_plan(Problem& p, const struct tw_plan* pl) {
   const tw_band* lb = pl->layout_bands != nullptr ? pl->layout_bands : pl->bands;
   p.bands.assign(lb, lb + pl->num_bands);
   fill_inputs(p);
-  int n = 0;
-  CHECK_OK(tw__gemm1_tiles_of_plan(pl, nullptr, 0, &n));
+  int n = 0, n_short = 0;
+  CHECK_OK(tw__plan_gemm1_tiles(pl, TW_GEMM1_TN, nullptr, 0, &n));
   CHECKF(n == pl->num_bands * ((p.ffn + TW_GEMM1_TN - 1) / TW_GEMM1_TN), "%d tiles", n);
   p.tiles.resize(n > 0 ? n : 1);
-  CHECK_OK(tw__gemm1_tiles_of_plan(pl, p.tiles.data(), n, &n));
+  CHECK_OK(tw__plan_gemm1_tiles(pl, TW_GEMM1_TN, p.tiles.data(), n, &n));
   p.tiles.resize(n);
   if (n > 0)
-    CHECK_STATUS(tw__gemm1_tiles_of_plan(pl, p.tiles.data(), n - 1, &n), TW_ERR_INVALID_SIZE);
+    CHECK_STATUS(tw__plan_gemm1_tiles(pl, TW_GEMM1_TN, p.tiles.data(), n - 1, &n_short),
+                 TW_ERR_INVALID_SIZE);
   /* Every band's columns exactly once. */
   std::vector<int> seen((size_t)pl->num_bands, 0);
   for (const tw_tile& t : p.tiles) {
@@ -449,7 +450,7 @@ void test_large(void) {
   large_shape(random_m(4, 1, 700), 7168, 768, {0, 66});
 }
 
-/* ---- the planner's layout and tw__gemm1_tiles_of_plan --------------------------------------- */
+/* ---- the planner's layout and tw__plan_gemm1_tiles ------------------------------------------ */
 
 void planned_case(tw_router router, int world, int experts_total, int top_k, int tokens, int hidden,
                   int ffn) {
