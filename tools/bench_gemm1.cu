@@ -54,7 +54,7 @@ struct Gemm1Shape {
   int rows, hidden, ffn, experts;
 };
 
-/* Models of the brief with their expert widths (hidden, F, routed experts, top-k) and the local
+/* The target models with their expert widths (hidden, F, routed experts, top-k) and the local
  * experts of one rank at the usual expert-parallel width; rows = tokens x top-k / ranks at two
  * batch sizes. `tilewave plan --model` knows qwen1.5-moe-a2.7b (src/plan/problem.c); the other
  * two are the published configs (Mixtral-8x7B: 4096 / 14336 / 8 / top-2; DeepSeek-V3: 7168 /

@@ -445,7 +445,7 @@ void large_shape(const std::vector<int>& real, int hidden, int ffn, const std::v
 void test_large(void) {
   if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) TW_TEST_SKIP_CASE("TW_GEMM_TEST_QUICK: large shapes");
   g_rng = 0x5EED0002ull;
-  /* The three hidden sizes and the three F of the brief's models (Qwen, Mixtral-like H 4096 with
+  /* The three hidden sizes and the three F of the target models (Qwen, Mixtral-like H 4096 with
    * a DeepSeek-like F, DeepSeek-V3), expert counts 1 to 64 with uneven rows. */
   large_shape(random_m(30, 0, 300), 2048, 1408, {0, 7});
   large_shape(random_m(64, 0, 150), 2048, 768, {0});
