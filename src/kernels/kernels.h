@@ -106,7 +106,7 @@ tw_status tw__consumer_occupancy(int copy, int* ctas_per_sm);
 /* ---- GEMM1 + SwiGLU: the producer family with the gate and up projections fused ------------
  *
  * h (rows, ffn) = silu(a w_gate^T) * (a w_up^T) per expert over a tile list, fp32 accumulation,
- * silu(x) = x / (1 + exp(-x)) in fp32, one rounding to bf16 at the end. A tile is up to 128 rows
+ * silu(x) = x / (1 + exp(-x)) in fp32, one rounding to bf16 at the end. A tile is up to tm rows
  * of one expert by TW_GEMM1_TN output columns; its accumulator holds 2 TW_GEMM1_TN columns, the
  * gate rows [col0, col0 + TW_GEMM1_TN) and the up rows [ffn + col0, ...) of w13, loaded as two
  * TMA boxes per stage into one B tile (no weight re-layout), and the epilogue pairs column j with
@@ -128,8 +128,7 @@ typedef struct tw_gemm1_args {
                            expert of a band, col0 a multiple of TW_GEMM1_TN below ffn
                            (tw__plan_gemm1_tiles); band is not read */
   int32_t num_tiles;
-  int32_t tm;      /* band height of the layout: 64 or 128 (a 64-row band runs in a 128-row tile,
-                      its lower half computed and not stored) */
+  int32_t tm;      /* band height of the layout: 128 (128 x 128 tiles) or 64 (64 x 128 tiles) */
   int32_t grid;    /* P: persistent CTAs (CTA j takes tiles j, j+P, ...); 0 = all SMs */
   int32_t variant; /* 0 = default (5), 1 = simple (WMMA), 2..5 the wgmma epilogues of
                       tw_gemm_args.variant; all give the same bits but 1 */

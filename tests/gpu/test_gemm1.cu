@@ -416,7 +416,7 @@ void test_small(void) {
   g_rng = 0x5EED0001ull;
   if (tw__env_int("TW_GEMM_TEST_QUICK", 0)) { /* two shapes, one grid: enough for the sanitizers */
     small_shape({130, 0, 77, 1}, 256, 384, 128, 0, true, 8, false, {0});
-    small_shape({200, 0, 64}, 128, 200, 128, 3, true, 1, true, {3});
+    small_shape({200, 0, 64}, 128, 200, 64, 3, true, 1, true, {3}); /* the 64-row kernel */
     return;
   }
   /* Zero-row experts, partial last bands, a 1-row expert, back to back; padding rows. */
@@ -425,16 +425,17 @@ void test_small(void) {
   small_shape({200, 0, 129, 64}, 256, 200, 128, 3, true, 1, true, {3, 0});
   /* F below one tile. */
   small_shape({50, 140}, 128, 64, 128, 2, false, 2, false, {0});
-  /* 64-row bands (tm 64) in 128-row tiles. */
+  /* 64-row bands (tm 64): the 64 x 128 tiles, F tail too. */
   small_shape({65, 3, 140, 0, 64}, 512, 256, 64, 0, true, 4, false, {2, 0});
+  small_shape({130, 1, 70}, 256, 328, 64, 2, false, 1, true, {0});
 }
 
 /* ---- large shapes against cuBLAS, and the CPU on sampled rows ------------------------------- */
 
 void large_shape(const std::vector<int>& real, int hidden, int ffn, const std::vector<int>& grids,
-                 int group = 8) {
+                 int group = 8, int tm = 128) {
   Problem p;
-  build(p, real, hidden, ffn, 128, 0, true, group, false);
+  build(p, real, hidden, ffn, tm, 0, true, group, false);
   Device d;
   if (!upload(p, d)) return;
   Reference ref;
@@ -453,6 +454,7 @@ void test_large(void) {
   large_shape(random_m(8, 0, 600), 7168, 2048, {0}, 1);
   large_shape(random_m(1, 3000, 3000), 4096, 2048, {132});
   large_shape(random_m(4, 1, 700), 7168, 768, {0, 66});
+  large_shape(random_m(16, 0, 300), 4096, 1408, {0, 5}, 8, 64); /* 64-row bands */
 }
 
 /* ---- the planner's layout and tw__plan_gemm1_tiles ------------------------------------------ */
