@@ -43,6 +43,7 @@ enum Call { kOurs, kOursUnfused, kLoop, kGrouped, kConcat, kNumCalls };
 struct Gemm1Opts {
   int rows = 0, hidden = 0, ffn = 0, experts = 0; /* one shape; 0 = the model grid */
   const char* model = nullptr;
+  int tm = 128; /* band height: 128 or 64 (GEMM1's 64 x 128 tiles) */
   int grid = 0, variant = 0;
   int reps = 20, warmup = 3, delay_us = 0, check = 1;
   double dense_tflops = 793.0; /* HARDWARE.md: cuBLAS bf16 8192^3 on one H200 */
@@ -61,12 +62,13 @@ struct Gemm1Shape {
  * 2048 / 256 routed / top-8). */
 struct Gemm1Model {
   const char* name;
-  int hidden, ffn, local_experts, rows[2];
+  int hidden, ffn, local_experts, rows[3]; /* 0: none */
 };
 const Gemm1Model kModels[] = {
-    {"qwen1.5-moe-a2.7b", 2048, 1408, 30, {8192, 32768}}, /* EP 2: 60 experts, top-4 */
-    {"mixtral-8x7b", 4096, 14336, 4, {4096, 16384}},      /* EP 2: 8 experts, top-2 */
-    {"deepseek-v3", 7168, 2048, 32, {4096, 16384}},       /* EP 8: 256 experts, top-8 */
+    {"qwen1.5-moe-a2.7b", 2048, 1408, 30, {8192, 32768, 0}}, /* EP 2: 60 experts, top-4 */
+    {"mixtral-8x7b", 4096, 14336, 4, {4096, 16384, 0}},      /* EP 2: 8 experts, top-2 */
+    /* EP 8: 256 experts, top-8; 512 rows: 16 an expert, decode-like, weight-bound */
+    {"deepseek-v3", 7168, 2048, 32, {512, 4096, 16384}},
 };
 
 #define G1_CUDA(expr)                                                                 \
@@ -133,12 +135,12 @@ int bench_shape(const Gemm1Shape& sh, const Gemm1Opts& o, cublasHandle_t hd, cud
     m[e] = sh.rows / E + (e < sh.rows % E);
     row0[e] = r;
     r += m[e];
-    for (int i = 0; i < m[e]; i += 128) {
+    for (int i = 0; i < m[e]; i += o.tm) {
       tw_band b;
       memset(&b, 0, sizeof b);
       b.expert = e;
       b.row0 = row0[e] + i;
-      b.rows = std::min(128, m[e] - i);
+      b.rows = std::min(o.tm, m[e] - i);
       bands.push_back(b);
     }
   }
@@ -181,7 +183,7 @@ int bench_shape(const Gemm1Shape& sh, const Gemm1Opts& o, cublasHandle_t hd, cud
   }
 
   tw_gemm1_args g;
-  tw__gemm1_args_init(&g, A, W, Hout, sh.rows, H, F, E, dtiles, (int)tiles.size(), 128);
+  tw__gemm1_args_init(&g, A, W, Hout, sh.rows, H, F, E, dtiles, (int)tiles.size(), o.tm);
   g.grid = o.grid;
   g.variant = o.variant;
   tw_gemm_args g2;
@@ -308,19 +310,20 @@ int bench_shape(const Gemm1Shape& sh, const Gemm1Opts& o, cublasHandle_t hd, cud
 void usage(FILE* f) {
   fprintf(f,
           "usage: tilewave bench gemm1 [--model NAME | --rows R --hidden H --ffn F --experts E]\n"
-          "                            [--grid P] [--variant V] [--iters 20] [--warmup 3]\n"
-          "                            [--delay-us 0] [--no-check] [--dense-tflops 793]\n"
-          "                            [--hbm-gbps 4100]\n"
+          "                            [--tile-m 128] [--grid P] [--variant V] [--iters 20]\n"
+          "                            [--warmup 3] [--delay-us 0] [--no-check]\n"
+          "                            [--dense-tflops 793] [--hbm-gbps 4100]\n"
           "GEMM1 + SwiGLU of R rows: h (R, F) = silu(a w_gate^T) * (a w_up^T), w13 (E, 2F, H)\n"
-          "gate rows first; the rows split evenly over the E experts. Without a shape, the\n"
-          "models qwen1.5-moe-a2.7b (H 2048, F 1408, 30 local experts; rows 8192, 32768),\n"
-          "mixtral-8x7b (4096, 14336, 4; 4096, 16384) and deepseek-v3 (7168, 2048, 32; 4096,\n"
-          "16384); --model NAME runs one of them. Columns: ours fused; ours unfused (our GEMM\n"
-          "N = 2F to bf16, then the SwiGLU kernel); cuBLAS per-expert loop, grouped, and one\n"
-          "GEMM over all rows against one expert's weights (the envelope), each + SwiGLU;\n"
-          "roofline = max(FLOPs / dense rate, E x 2F x H x 2 weight bytes / HBM rate) and which\n"
-          "bound it is; roofline / ours; the faster of cuBLAS loop and grouped / ours; #wrong\n"
-          "(ours vs cuBLAS loop + SwiGLU). --variant V: producer version (0: the library's).\n");
+          "gate rows first; the rows split evenly over the E experts, in bands of --tile-m\n"
+          "rows (64: the 64 x 128 tiles). Without a shape, the models qwen1.5-moe-a2.7b\n"
+          "(H 2048, F 1408, 30 local experts; rows 8192, 32768), mixtral-8x7b (4096, 14336, 4;\n"
+          "4096, 16384) and deepseek-v3 (7168, 2048, 32; 512, 4096, 16384); --model NAME runs\n"
+          "one of them. Columns: ours fused; ours unfused (our GEMM N = 2F to bf16, then the\n"
+          "SwiGLU kernel); cuBLAS per-expert loop, grouped, and one GEMM over all rows against\n"
+          "one expert's weights (the envelope), each + SwiGLU; roofline = max(FLOPs / dense\n"
+          "rate, E x 2F x H x 2 weight bytes / HBM rate) and which bound it is; roofline / ours;\n"
+          "the faster of cuBLAS loop and grouped / ours; #wrong (ours vs cuBLAS loop + SwiGLU).\n"
+          "--variant V: producer version (default env TW_GEMM_VARIANT, else 0, the library's).\n");
 }
 
 void usage_cb(FILE* f, void*) {
@@ -345,6 +348,7 @@ extern "C" int tw_cli_bench_gemm1(int argc, char** argv) {
       tw__cli_experts(&o.experts),
       tw__cli_string("--model", &o.model),
       tw__cli_int("--grid", &o.grid, 0, 1 << 16),
+      tw__cli_alias(tw__cli_tile_m(&o.tm), "--tm"),
       tw__cli_int("--variant", &o.variant, 0, 5),
       tw__cli_alias(tw__cli_iters(&o.reps), "--reps"),
       tw__cli_warmup(&o.warmup),
@@ -357,6 +361,8 @@ extern "C" int tw_cli_bench_gemm1(int argc, char** argv) {
                                     (int)(sizeof args / sizeof args[0]), usage_cb, nullptr);
   if (rc_args != 0) return rc_args == 1 ? 0 : rc_args;
   if (no_check) o.check = 0;
+  if (o.tm != 64 && o.tm != 128)
+    return tw__cli_usage_error("tilewave bench gemm1", "--tile-m must be 64 or 128");
   std::vector<Gemm1Shape> shapes;
   if (o.rows || o.hidden || o.ffn || o.experts) {
     if (o.rows <= 0 || o.hidden <= 0 || o.ffn <= 0 || o.experts <= 0 || o.model != nullptr)
@@ -368,7 +374,7 @@ extern "C" int tw_cli_bench_gemm1(int argc, char** argv) {
     for (const Gemm1Model& md : kModels) {
       if (o.model != nullptr && strcmp(o.model, md.name) != 0) continue;
       for (int rows : md.rows)
-        shapes.push_back({md.name, rows, md.hidden, md.ffn, md.local_experts});
+        if (rows > 0) shapes.push_back({md.name, rows, md.hidden, md.ffn, md.local_experts});
     }
     if (shapes.empty())
       return tw__cli_usage_error("tilewave bench gemm1",
@@ -389,10 +395,10 @@ extern "C" int tw_cli_bench_gemm1(int argc, char** argv) {
   }
   cublasSetStream(hd, s);
   printf(
-      "# bench gemm1 on %s (%d SMs), grid %d, variant %d, even layout, median of %d reps, %d us "
-      "idle before each call; roofline at %.0f TFLOP/s and %.0f GB/s\n",
-      prop.name, prop.multiProcessorCount, o.grid, o.variant, o.reps, o.delay_us, o.dense_tflops,
-      o.hbm_gbps);
+      "# bench gemm1 on %s (%d SMs), grid %d, variant %d, tm %d, even layout, median of %d reps, "
+      "%d us idle before each call; roofline at %.0f TFLOP/s and %.0f GB/s\n",
+      prop.name, prop.multiProcessorCount, o.grid, o.variant, o.tm, o.reps, o.delay_us,
+      o.dense_tflops, o.hbm_gbps);
   printf(
       "| model | rows | H | F | E | ours us TF/s | ours unfused us TF/s | cuBLAS loop+SwiGLU us "
       "TF/s | cuBLAS grouped+SwiGLU us TF/s | cuBLAS concat+SwiGLU us TF/s | roofline us, bound | "
