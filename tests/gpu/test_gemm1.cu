@@ -388,7 +388,7 @@ void run_and_check(const Problem& p, Device& d, const Reference& ref,
         CHECKF(diff == 0, "%s: %lld elements differ from the unfused path", what, (long long)diff);
       }
       printf("  checked %s: %lld elements%s\n", what, (long long)elems,
-             variant != 1 && have_unfused ? ", bit-equal to unfused" : "");
+             variant != 1 && have_unfused ? ", and against the unfused path" : "");
     }
 }
 
