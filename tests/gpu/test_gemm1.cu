@@ -7,9 +7,10 @@
  * zero, rows no tile covers (gaps between experts) still the poison. References: the double CPU
  * reference (src/reference) on small shapes and on sampled rows of the large ones; cuBLAS (fp32
  * output, N = 2F per expert) with SwiGLU in double on the host for every element of the large
- * ones. And bit for bit: the fused kernel (variants 2..5) against the unfused path through the same
- * kernel family, the fp32 GEMM with N = 2F (tw__gemm_f32_launch) followed by the SwiGLU kernel
- * (harness/swiglu.cu), which share the fused epilogue's arithmetic (src/kernels/swiglu.cuh).
+ * ones. And bit for bit: the wgmma variants 3..5 against 2 (one mainloop, one epilogue
+ * expression), and all of them against the unfused path through the same kernel family, the fp32
+ * GEMM with N = 2F (tw__gemm_f32_launch) followed by the SwiGLU kernel (harness/swiglu.cu), which
+ * share the fused epilogue's arithmetic (src/kernels/swiglu.cuh).
  * Inputs are fresh seeded random bf16 values in [-1, 1).
  */
 #include <cublas_v2.h>
@@ -355,14 +356,34 @@ bool run_unfused(const Problem& p, Device& d) {
 
 const int kVariants[] = {1, 2, 3, 4, 5, 0};
 
+/* Counts the covered elements where x and y differ in any bit (prints the first few). */
+int64_t count_diff(const Problem& p, const std::vector<uint16_t>& x, const std::vector<uint16_t>& y,
+                   const char* what, const char* other) {
+  int64_t diff = 0;
+  for (int64_t r = 0; r < p.rows; r++) {
+    if (p.kind[r] == kGap) continue;
+    for (int c = 0; c < p.ffn; c++) {
+      const size_t i = (size_t)r * p.ffn + c;
+      if (x[i] != y[i] && diff++ < 5)
+        fprintf(stderr, "  %s: h[%lld][%d] = 0x%04x, %s 0x%04x\n", what, (long long)r, c, x[i],
+                other, y[i]);
+    }
+  }
+  return diff;
+}
+
 /* Every variant on every grid: poisoned h, launch, every element against the reference; the
- * wgmma variants (and the default) also bit for bit against the unfused path on data rows. */
+ * wgmma variants (and the default) also bit for bit against variant 2 (the same mainloop and
+ * epilogue arithmetic: a difference is a bug of one epilogue) and against the unfused path (the
+ * fp32 GEMM's tensor-core sums of the same products in the same K order, its columns elsewhere in
+ * a wider tile). */
 void run_and_check(const Problem& p, Device& d, const Reference& ref,
                    const std::vector<int>& grids) {
   const size_t elems = (size_t)p.rows * p.ffn;
   std::vector<uint16_t> out(elems), unfused(elems);
   const bool have_unfused = run_unfused(p, d);
   if (have_unfused) CHECK_CUDA(cudaMemcpy(unfused.data(), d.h2, elems * 2, cudaMemcpyDeviceToHost));
+  std::vector<uint16_t> v2(elems);
   for (int grid : grids)
     for (int variant : kVariants) {
       char what[256];
@@ -374,17 +395,13 @@ void run_and_check(const Problem& p, Device& d, const Reference& ref,
       CHECK_CUDA(cudaMemcpy(out.data(), d.h, elems * 2, cudaMemcpyDeviceToHost));
       const int64_t bad = check_output(p, out, ref, what);
       CHECKF(bad == 0, "%s: %lld wrong elements", what, (long long)bad);
+      if (variant == 2) v2 = out;
+      if (variant != 1 && variant != 2) {
+        const int64_t diff = count_diff(p, out, v2, what, "variant 2");
+        CHECKF(diff == 0, "%s: %lld elements differ from variant 2", what, (long long)diff);
+      }
       if (variant != 1 && have_unfused) {
-        int64_t diff = 0;
-        for (int64_t r = 0; r < p.rows; r++) {
-          if (p.kind[r] == kGap) continue;
-          for (int c = 0; c < p.ffn; c++) {
-            const size_t i = (size_t)r * p.ffn + c;
-            if (out[i] != unfused[i] && diff++ < 5)
-              fprintf(stderr, "  %s: fused h[%lld][%d] = 0x%04x, unfused 0x%04x\n", what,
-                      (long long)r, c, out[i], unfused[i]);
-          }
-        }
+        const int64_t diff = count_diff(p, out, unfused, what, "unfused");
         CHECKF(diff == 0, "%s: %lld elements differ from the unfused path", what, (long long)diff);
       }
       printf("  checked %s: %lld elements%s\n", what, (long long)elems,
