@@ -73,6 +73,9 @@ for tool in memcheck racecheck; do
   TW_GEMM_TEST_QUICK=1 timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 \
     "$BUILD/test_gemm" >"$OUT/sanitizer-gemm-$tool.txt" 2>&1
   echo "test_gemm $tool: exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-gemm-$tool.txt" | tr '\n' ' ')"
+  TW_GEMM_TEST_QUICK=1 timeout 120 compute-sanitizer --tool $tool --error-exitcode 9 \
+    "$BUILD/test_gemm1" >"$OUT/sanitizer-gemm1-$tool.txt" 2>&1
+  echo "test_gemm1 $tool: exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer-gemm1-$tool.txt" | tr '\n' ' ')"
 done
 # NCCL probes kernel images at communicator setup; those API errors are not ours.
 TW_TEST_QUICK=1 TW_TIMEOUT_MS=60000 timeout 200 compute-sanitizer --tool memcheck --report-api-errors no \

@@ -11,6 +11,8 @@
 #   bench-gemm.md                tilewave bench gemm: producer GEMM vs cuBLAS (calls back to back)
 #   bench-gemm-idle.md           the same with 300 us of idle device before each call, as in
 #                                tilewave bench (cuBLAS measured 17% faster that way at one point)
+#   bench-gemm1.md               tilewave bench gemm1: GEMM1 + SwiGLU vs cuBLAS + SwiGLU, roofline
+#   bench-gemm1-tm64.md          the same in 64-row bands (the 64 x 128 SwiGLU tiles)
 #   sweep.md / sweep.json        tilewave sweep: every C x mgb of one point, oracle, model, regret
 #   oracle.md / oracle.json      tilewave sweep --oracle: the model's regret over a workload matrix
 #                                (ORACLE_MATRIX, default quick) and the best fixed (C, mgb);
@@ -87,6 +89,13 @@ elif "$TW" bench gemm --help >/dev/null 2>&1; then
   step "tilewave bench gemm --delay-us 300 (each call after 300 us of idle device)"
   timeout 90 "$TW" bench gemm --delay-us 300 | tee "$OUT/bench-gemm-idle.md"
   note "tilewave bench gemm --delay-us 300" $?
+  if "$TW" bench gemm1 --help >/dev/null 2>&1; then
+    step "tilewave bench gemm1 (GEMM1 + SwiGLU)"
+    timeout 120 "$TW" bench gemm1 | tee "$OUT/bench-gemm1.md"
+    note "tilewave bench gemm1" $?
+    timeout 120 "$TW" bench gemm1 --tile-m 64 | tee "$OUT/bench-gemm1-tm64.md"
+    note "tilewave bench gemm1 --tile-m 64" $?
+  fi
 else
   echo "this build has no GEMM benchmark"
 fi

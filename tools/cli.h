@@ -16,6 +16,8 @@ extern "C" {
 #endif
 /* `tilewave bench gemm`: the producer GEMM against cuBLAS (tools/bench_gemm.cu). */
 int tw_cli_bench_gemm(int argc, char** argv);
+/* `tilewave bench gemm1`: GEMM1 + SwiGLU against cuBLAS + SwiGLU (tools/bench_gemm1.cu). */
+int tw_cli_bench_gemm1(int argc, char** argv);
 /* `tilewave plan`: planner and resource model, no GPU needed (tools/cmd_plan.c). */
 int tw_cli_plan(int argc, char** argv);
 /* `tilewave bench` (overlap vs the baselines; `bench gemm` forwards to tw_cli_bench_gemm) and

@@ -218,7 +218,8 @@ static void twb_usage(FILE* f, int sweep) {
         "balanced):\n");
   else
     fprintf(f,
-            "`tilewave bench gemm ...` runs the GEMM benchmark (tools/bench_gemm.cu).\n"
+            "`tilewave bench gemm ...` runs the GEMM benchmark (tools/bench_gemm.cu);\n"
+            "`tilewave bench gemm1 ...` GEMM1 + SwiGLU against cuBLAS (tools/bench_gemm1.cu).\n"
             "Without GPUs (or fewer than 2, or than --ranks), or with --what-if, shows what the\n"
             "planner would pick at every point instead (C, mgb, schedule, predicted and\n"
             "sequential us; tilewave plan's choice for rank 0) and exits 0.\n\n"
@@ -601,6 +602,9 @@ static int twb_main(int argc, char** argv, int sweep) {
 int tw_cli_bench(int argc, char** argv) {
   if (argc > 1 && strcmp(argv[1], "gemm") == 0) {
     return tw_cli_bench_gemm(argc - 1, argv + 1); /* tools/bench_gemm.cu */
+  }
+  if (argc > 1 && strcmp(argv[1], "gemm1") == 0) {
+    return tw_cli_bench_gemm1(argc - 1, argv + 1); /* tools/bench_gemm1.cu */
   }
   return twb_main(argc, argv, 0);
 }

@@ -21,7 +21,8 @@ static const tw_cli_command commands[] = {
     {"plan", "plan a rank and show the model's choice of C and mgb (no GPU)", tw_cli_plan},
     {"bench",
      "overlapped GEMM2 + combine vs sequential, unfused and chunked baselines (without GPUs: "
-     "the planner's what-if); `bench gemm`: producer GEMM vs cuBLAS",
+     "the planner's what-if); `bench gemm`: producer GEMM vs cuBLAS; `bench gemm1`: GEMM1 + "
+     "SwiGLU vs cuBLAS",
      tw_cli_bench},
     {"sweep", "every C and mgb of one point: oracle, the model's choice, regret", tw_cli_sweep},
     {"calibrate", "measure this machine's model parameters; writes a TW_CALIBRATION file",

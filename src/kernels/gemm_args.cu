@@ -53,3 +53,21 @@ extern "C" tw_status tw__gemm_args_init(tw_gemm_args* g, const tw_gemm_shape* sh
   g->variant = 0;
   return TW_SUCCESS;
 }
+
+extern "C" tw_status tw__gemm1_args_init(tw_gemm1_args* g, const void* a, const void* w13, void* h,
+                                         int32_t rows, int32_t hidden, int32_t ffn, int32_t experts,
+                                         const tw_tile* tiles, int32_t num_tiles, int32_t tm) {
+  if (g == NULL) return tw__fail(TW_ERR_NULL_POINTER, "tw__gemm1_args_init: NULL args");
+  memset(g, 0, sizeof *g);
+  g->a = a;
+  g->w13 = w13;
+  g->h = h;
+  g->rows = rows;
+  g->hidden = hidden;
+  g->ffn = ffn;
+  g->experts = experts;
+  g->tiles = tiles;
+  g->num_tiles = num_tiles;
+  g->tm = tm;
+  return TW_SUCCESS;
+}

@@ -103,6 +103,58 @@ tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stream);
 tw_status tw__gemm_occupancy(int32_t tm, int32_t tn, int32_t variant, int* ctas_per_sm);
 tw_status tw__consumer_occupancy(int copy, int* ctas_per_sm);
 
+/* ---- GEMM1 + SwiGLU: the producer family with the gate and up projections fused ------------
+ *
+ * h (rows, ffn) = silu(a w_gate^T) * (a w_up^T) per expert over a tile list, fp32 accumulation,
+ * silu(x) = x / (1 + exp(-x)) in fp32, one rounding to bf16 at the end. A tile is up to tm rows
+ * of one expert by TW_GEMM1_TN output columns; its accumulator holds 2 TW_GEMM1_TN columns, the
+ * gate rows [col0, col0 + TW_GEMM1_TN) and the up rows [ffn + col0, ...) of w13, loaded as two
+ * TMA boxes per stage into one B tile (no weight re-layout), and the epilogue pairs column j with
+ * j + TW_GEMM1_TN. An ffn that is not a multiple of TW_GEMM1_TN is fine: the last column tile's
+ * extra accumulator columns read other weight rows (or TMA's zero fill) and are never stored. No
+ * tile signals (GEMM1 has no consumer). Zero input rows (the layout's padding) give zero output
+ * rows: silu(0) * 0 = 0. */
+
+/* Output columns of one GEMM1 tile (256 accumulator columns: the gate and the up half). */
+#define TW_GEMM1_TN 128
+
+typedef struct tw_gemm1_args {
+  const void* a;   /* (rows, hidden) bf16 row-major: the layout's rows, padding rows zero */
+  const void* w13; /* (experts, 2 ffn, hidden) bf16, the vLLM/SGLang fused-MoE layout: expert e's
+                      gate projection in rows [0, ffn), its up projection in rows [ffn, 2 ffn) */
+  void* h;         /* (rows, ffn) bf16 row-major: the SwiGLU output, GEMM2's input */
+  int32_t rows, hidden, ffn, experts;
+  const tw_tile* tiles; /* (num_tiles) device array, execution order: row0, rows (<= tm) and
+                           expert of a band, col0 a multiple of TW_GEMM1_TN below ffn
+                           (tw__plan_gemm1_tiles); band is not read */
+  int32_t num_tiles;
+  int32_t tm;      /* band height of the layout: 128 (128 x 128 tiles) or 64 (64 x 128 tiles) */
+  int32_t grid;    /* P: persistent CTAs (CTA j takes tiles j, j+P, ...); 0 = all SMs */
+  int32_t variant; /* 0 = default (5), 1 = simple (WMMA), 2..5 the wgmma epilogues of
+                      tw_gemm_args.variant; all give the same bits but 1 */
+} tw_gemm1_args;
+
+/* Sets *g from the operands and the shape (zeroing the rest: grid 0, variant 0). Returns
+ * TW_ERR_NULL_POINTER for a NULL g; the launcher checks the values. */
+tw_status tw__gemm1_args_init(tw_gemm1_args* g, const void* a, const void* w13, void* h,
+                              int32_t rows, int32_t hidden, int32_t ffn, int32_t experts,
+                              const tw_tile* tiles, int32_t num_tiles, int32_t tm);
+
+/* GEMM1's tile list for a plan: tw__plan_gemm1_tiles(plan, TW_GEMM1_TN, ...) (plan.h). */
+
+/* Launches GEMM1 + SwiGLU on stream (no synchronisation). Refuses, naming the fix: hidden not a
+ * multiple of 64 (the K slice) or ffn not a multiple of 8 (TW_ERR_ALIGNMENT), tm other than 64 or
+ * 128, a variant outside 0..5 (TW_ERR_UNSUPPORTED / TW_ERR_INVALID_ARGUMENT), operands not 16-byte
+ * aligned, more than 2^31 - 1 weight rows. */
+tw_status tw__gemm1_swiglu_launch(const tw_gemm1_args* args, cudaStream_t stream);
+
+/* The unfused GEMM1's first half through the same kernel family: c (rows, n) fp32 = A B_e^T, the
+ * accumulators unrounded (the wgmma kernel of 128 x 256 tiles with direct stores; args->c is a
+ * float array). Only tm 128, tn 256, TW_EPILOGUE_STORE, no signals, no add dataflow and no
+ * zeroing. With n = 2 ffn, B = w13 and tw__swiglu_launch (harness) after it, it gives the fused
+ * kernel's bits (tests/gpu/test_gemm1.cu). */
+tw_status tw__gemm_f32_launch(const tw_gemm_args* args, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif

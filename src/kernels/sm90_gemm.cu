@@ -30,16 +30,28 @@
  *      consumers from registers, masked, as in 3. The default for tn = 128, where it is faster;
  *      at tn = 256 the tile's compute already hides v4's row copies and v5 was slower, so 4
  *      stays (measurements: dev/gemm/NOTES.md v9).
+ *
+ * GEMM1 + SwiGLU (tw__gemm1_swiglu_launch, kernels.h) is the same family with SWIGLU = true: B is
+ * w13 (experts, 2F, H); a stage holds A's 128 rows and 256 B rows, the gate rows of the tile's 128
+ * output columns and their up rows (two TMA boxes), each consumer one m64n256k16 accumulator of
+ * 64 rows x (128 gate | 128 up) columns, and the epilogue writes silu(gate) * up for 128 columns.
+ * For 64-row bands (tm 64) a 64 x 128 tile: the consumers split the columns, each one m64n128k16
+ * accumulator of 64 rows x (64 gate | 64 up), from four 64-row boxes a stage. Variants 2..5 give
+ * identical bits (one mainloop, one epilogue expression); 5 is the default.
+ * tw__gemm_f32_launch (kEpiF32) is the unfused path's GEMM: the fp32 accumulators stored as they
+ * are, for the bit-equality test of the fused epilogue.
  */
 #include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "core.h"
 #include "kernels.h"
 #include "bulk.cuh"
+#include "swiglu.cuh"
 #include "sync.cuh"
 
 namespace {
@@ -64,10 +76,6 @@ struct V1Smem {
   __nv_bfloat16 b[kV1BN][kV1BK + kV1Pad]; /* (128, 32) B rows (output columns), K slice */
   float stage[kV1Threads / 32][16][16];   /* per-warp accumulator fragment on its way out */
 };
-
-__device__ __forceinline__ float tw__silu(float x) {
-  return x / (1.0f + __expf(-x));
-}
 
 /* Loads a (128, 32) bf16 slice: row r of the slice is global row (row0 + r) of a row-major
  * (nrows, k) matrix, or zeros where row0 + r >= row_hi. */
@@ -323,7 +331,8 @@ __device__ __forceinline__ void tw__wgmma_m64n256k16(float* d, uint64_t desc_a, 
  * then the staging tile (kEpiStaged: BM rows x kStagePitch bytes; kEpiTma: BN / 64 boxes of BM
  * rows x 128 bytes, 1024-byte aligned as the stages are), then 2 * STAGES + 2
  * mbarriers (8 bytes each): full[0..STAGES), empty[0..STAGES), epi_ready, epi_done.
- * B_ROWS = BN, or 2 * BN for SwiGLU (gate rows, then up rows).
+ * B_ROWS = BN, or 2 * BN for SwiGLU (gate rows, then up rows; at BM = 64 interleaved by column
+ * half, V2Config::kBBoxRows).
  */
 
 /* 2D TMA load of one box at (x = inner K offset, y = row) into shared memory, completing
@@ -386,14 +395,24 @@ __device__ __forceinline__ void tw__wgmma(float* d, uint64_t da, uint64_t db) {
   if constexpr (N == 256) tw__wgmma_m64n256k16(d, da, db);
 }
 
-/* Epilogue modes of the wgmma kernel (variants 2, 3, 4, 5). */
-enum { kEpiDirect = 0, kEpiSignalWarp = 1, kEpiStaged = 2, kEpiTma = 3 };
+/* Epilogue modes of the wgmma kernel (variants 2, 3, 4, 5), and kEpiF32: kEpiDirect's stores of
+ * the fp32 accumulators unrounded (c is float (rows, n)), no signals; the first half of the unfused
+ * GEMM1 (tw__gemm_f32_launch), which the fused one must match bit for bit. */
+enum { kEpiDirect = 0, kEpiSignalWarp = 1, kEpiStaged = 2, kEpiTma = 3, kEpiF32 = 4 };
 
 template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
 struct V2Config {
   static constexpr int kBRows = SWIGLU ? 2 * BN : BN;          /* B rows loaded per stage */
   static constexpr int kWgN = BM == 128 ? kBRows : kBRows / 2; /* wgmma N of one consumer */
   static constexpr int kAcc = kWgN / 2;                        /* fp32 accumulators per thread */
+  /* SwiGLU at BM = 64 splits the columns between the consumers, so each must hold the gate and
+   * the up rows of its own half: the stage's B rows are [gate 0..BN/2 | up 0..BN/2 | gate
+   * BN/2..BN | up BN/2..BN) of the tile's columns, four TMA boxes of BN/2 rows, and consumer cw
+   * reads kWgN = BN contiguous rows for output columns cw * BN/2... Otherwise B boxes are BN rows
+   * (SwiGLU at BM = 128: gate rows, then up rows, two boxes). */
+  static constexpr int kBBoxRows = SWIGLU && BM == 64 ? BN / 2 : BN;
+  /* Output columns of one consumer (BM = 64: its share of the tile's). */
+  static constexpr int kOutCols = SWIGLU ? kWgN / 2 : kWgN;
   static constexpr int kABytes = BM * 128;
   static constexpr int kBBytes = kBRows * 128;
   static constexpr int kStageBytes = kABytes + kBBytes;
@@ -414,7 +433,7 @@ struct V2Config {
   static constexpr int kSmemBytes = kBarOffset + (2 * STAGES + 2) * 8 + 1024; /* + align */
   static constexpr int kThreads = 384;
   static_assert(BM == 64 || BM == 128, "BM");
-  static_assert(!SWIGLU || BM == 128, "SwiGLU needs BM = 128");
+  static_assert(!SWIGLU || BN == 128, "SwiGLU tiles are 128 output columns");
   static_assert(kWgN == 64 || kWgN == 128 || kWgN == 256, "wgmma N");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
@@ -562,7 +581,15 @@ __global__ void __launch_bounds__(384, 1)
           uint8_t* sb = sa + Cfg::kABytes;
           tw__mbar_expect_tx(&full[stage], Cfg::kStageBytes);
           tw__tma_load_2d(sa, &map_a, &full[stage], kb * 64, tile.row0);
-          if (SWIGLU) {
+          if (SWIGLU && BM == 64) { /* gate, up of columns 0..BN/2, then of BN/2..BN */
+            constexpr int kHalf = BN / 2;
+            for (int q = 0; q < 2; q++) {
+              tw__tma_load_2d(sb + 2 * q * kHalf * 128, &map_b, &full[stage], kb * 64,
+                              brow + q * kHalf);
+              tw__tma_load_2d(sb + (2 * q + 1) * kHalf * 128, &map_b, &full[stage], kb * 64,
+                              brow + args.n + q * kHalf);
+            }
+          } else if (SWIGLU) {
             tw__tma_load_2d(sb, &map_b, &full[stage], kb * 64, brow);
             tw__tma_load_2d(sb + BN * 128, &map_b, &full[stage], kb * 64, brow + args.n);
           } else {
@@ -584,11 +611,12 @@ __global__ void __launch_bounds__(384, 1)
   const int warp = (threadIdx.x / 32) % 4; /* warp within the warpgroup */
   const int lane = threadIdx.x % 32;
   /* This consumer's part of the tile: BM = 128: rows cw*64.., all columns; BM = 64: all 64
-   * rows, columns cw*kWgN... */
+   * rows, output columns cw*kOutCols.. (B rows cw*kWgN..: kOutCols = kWgN, or for SwiGLU the
+   * gate and up rows of kWgN / 2 columns). */
   const int a_off = BM == 128 ? cw * 64 * 128 : 0;
   const int b_off = BM == 128 ? 0 : cw * Cfg::kWgN * 128;
   const int row_base = BM == 128 ? cw * 64 : 0;
-  const int col_base = BM == 128 ? 0 : cw * Cfg::kWgN;
+  const int col_base = BM == 128 ? 0 : cw * Cfg::kOutCols;
   __nv_bfloat16* C = static_cast<__nv_bfloat16*>(args.c);
   int stage = 0;
   uint32_t phase = 0;
@@ -654,11 +682,18 @@ __global__ void __launch_bounds__(384, 1)
           const int col = lc0 + j * 8;
           float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
           if (SWIGLU) { /* the up value of the same element sits kOutChunks chunks later */
-            v0 = tw__silu(v0) * acc[(j + kOutChunks) * 4 + h * 2];
-            v1 = tw__silu(v1) * acc[(j + kOutChunks) * 4 + h * 2 + 1];
+            v0 = tw__swiglu(v0, acc[(j + kOutChunks) * 4 + h * 2]);
+            v1 = tw__swiglu(v1, acc[(j + kOutChunks) * 4 + h * 2 + 1]);
           }
           v0 *= w; /* the add dataflow's gate weight, before the one rounding to bf16 */
           v1 *= w;
+          if (EPI == kEpiF32) { /* the accumulators themselves, masked as kEpiDirect's */
+            if (tile.col0 + col < args.n)
+              *reinterpret_cast<float2*>(static_cast<float*>(args.c) +
+                                         ((int64_t)tile.row0 + r) * args.n + tile.col0 + col) =
+                  make_float2(v0, v1);
+            continue;
+          }
           const __nv_bfloat162 v = __floats2bfloat162_rn(v0, v1);
           if (EPI == kEpiStaged) /* every row and column; the bulk writes mask them */
             *reinterpret_cast<__nv_bfloat162*>(staging + r * Cfg::kStagePitch + col * 2) = v;
@@ -781,7 +816,7 @@ tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream)
   const int64_t n_b = SWIGLU ? 2 * (int64_t)args->n : args->n;
   TW_TRY(tw__make_map(&map_a, args->a, args->rows, args->k, BM));
   /* B boxes are BN rows; SwiGLU loads the gate rows and the up rows as two boxes per stage. */
-  TW_TRY(tw__make_map(&map_b, args->b, (int64_t)args->experts * n_b, args->k, BN));
+  TW_TRY(tw__make_map(&map_b, args->b, (int64_t)args->experts * n_b, args->k, Cfg::kBBoxRows));
   /* kEpiTma: C as (rows, n) in boxes of 64 columns x BM rows, 128-byte swizzle (the staging
    * tile's layout); the other epilogues do not read it. */
   CUtensorMap map_c = map_a;
@@ -798,7 +833,11 @@ tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream)
 template <int EPI>
 struct EpiStages {
   static constexpr bool kStaged = EPI == kEpiStaged || EPI == kEpiTma;
-  static constexpr int kSwiglu = kStaged ? 3 : 4; /* 128 x 128, gate and up rows */
+  /* 128 x 128 output, gate and up rows (B 256 rows, 48 KiB a stage): kEpiTma's staging tile is
+   * 32 KiB (4 stages: 224 KiB + barriers), kEpiStaged's padded one 80 bytes too large for 4. */
+  static constexpr int kSwiglu = EPI == kEpiStaged ? 3 : 4;
+  /* 64 x 128 output (A 8 KiB + B 32 KiB a stage): 5 beside any staging tile (16-17 KiB). */
+  static constexpr int kSwiglu64 = 5;
   static constexpr int k128x256 = kStaged ? 3 : 4;
   static constexpr int k128x128 = kStaged ? 5 : 6;
   static constexpr int k64x256 = kStaged ? 4 : 5;
@@ -810,6 +849,7 @@ struct EpiStages {
 template <int EPI, class Op>
 tw_status tw__with_v2_kernel(int tm, int tn, bool swiglu, const Op& op) {
   using S = EpiStages<EPI>;
+  if (swiglu && tm == 64) return op.template run<64, 128, S::kSwiglu64, true, EPI>();
   if (swiglu) return op.template run<128, 128, S::kSwiglu, true, EPI>();
   if (tm == 128 && tn == 256) return op.template run<128, 256, S::k128x256, false, EPI>();
   if (tm == 128) return op.template run<128, 128, S::k128x128, false, EPI>();
@@ -921,8 +961,8 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
   }
   if (grid > args->num_tiles) grid = args->num_tiles;
   const bool swiglu = args->epilogue == TW_EPILOGUE_SWIGLU;
-  /* v2 covers every shape except SwiGLU with tm != 128 or tn != 128. */
-  const bool v2_ok = !swiglu || (args->tm == 128 && args->tn == 128);
+  /* v2 covers every shape except SwiGLU with tn != 128. */
+  const bool v2_ok = !swiglu || args->tn == 128;
   int variant = args->variant;
   const bool adds = args->add_out != NULL || args->row_weight != NULL;
   if (adds) {
@@ -949,8 +989,8 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
   if (variant >= 2 && variant <= 5) {
     if (!v2_ok)
       return tw__fail(TW_ERR_UNSUPPORTED,
-                      "tw__gemm_launch: the wgmma kernels run SwiGLU only with tm = tn = 128 "
-                      "(got %d x %d); use variant 0 or 1",
+                      "tw__gemm_launch: the wgmma kernels run SwiGLU only with tn = 128 (got "
+                      "%d x %d); use variant 0 or 1",
                       args->tm, args->tn);
     return tw__with_variant(variant, args->tm, args->tn, swiglu, tw__v2_launch{args, grid, stream});
   }
@@ -986,4 +1026,119 @@ extern "C" tw_status tw__gemm_occupancy(int32_t tm, int32_t tn, int32_t variant,
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "tw__gemm_occupancy: %s", cudaGetErrorString(e));
   return TW_SUCCESS;
+}
+
+/* ---- GEMM1 + SwiGLU and the unfused path's fp32 GEMM ---------------------------------------- */
+
+namespace {
+
+/* The persistent grid: `requested` CTAs, 0 = one per SM, never more than the tiles. */
+tw_status tw__resolve_grid(const char* who, int requested, int num_tiles, int* grid) {
+  int g = requested;
+  if (g == 0) {
+    const int e = tw__sm_count(&g);
+    if (e != 0)
+      return tw__fail(TW_ERR_CUDA, "%s: cannot query the SM count: %s", who,
+                      cudaGetErrorString((cudaError_t)e));
+  }
+  *grid = g < num_tiles ? g : num_tiles;
+  return TW_SUCCESS;
+}
+
+}  // namespace
+
+extern "C" tw_status tw__gemm1_swiglu_launch(const tw_gemm1_args* args, cudaStream_t stream) {
+  static const char* who = "tw__gemm1_swiglu_launch";
+  TW_CHECK_NULL(args);
+  if (args->num_tiles < 0)
+    return tw__fail(TW_ERR_INVALID_SIZE, "%s: num_tiles = %d; must be >= 0", who, args->num_tiles);
+  if (args->num_tiles == 0) return TW_SUCCESS;
+  TW_CHECK_NULL(args->a);
+  TW_CHECK_NULL(args->w13);
+  TW_CHECK_NULL(args->h);
+  TW_CHECK_NULL(args->tiles);
+  if (args->rows <= 0 || args->hidden <= 0 || args->ffn <= 0 || args->experts <= 0)
+    return tw__fail(TW_ERR_INVALID_SIZE,
+                    "%s: rows = %d, hidden = %d, ffn = %d, experts = %d; all must be > 0", who,
+                    args->rows, args->hidden, args->ffn, args->experts);
+  if (args->hidden % 64 != 0)
+    return tw__fail(TW_ERR_ALIGNMENT,
+                    "%s: hidden = %d; GEMM1's K must be a multiple of 64 (the kernels' K slice); "
+                    "pad the hidden dimension of a and w13 with zeros",
+                    who, args->hidden);
+  if (args->ffn % 8 != 0)
+    return tw__fail(TW_ERR_ALIGNMENT,
+                    "%s: ffn = %d; must be a multiple of 8 (16-byte rows of h; any multiple of 8 "
+                    "works, %d or not)",
+                    who, args->ffn, TW_GEMM1_TN);
+  if ((int64_t)args->experts * 2 * args->ffn > INT32_MAX)
+    return tw__fail(TW_ERR_INVALID_SIZE,
+                    "%s: %d experts x 2 x ffn %d weight rows exceed the tensor map's 2^31 - 1", who,
+                    args->experts, args->ffn);
+  if (args->tm != 64 && args->tm != 128)
+    return tw__fail(TW_ERR_UNSUPPORTED, "%s: tm = %d; supported: 64, 128", who, args->tm);
+  if (args->grid < 0)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: grid = %d; pass 0 (all SMs) or a positive CTA count", who, args->grid);
+  if (args->variant < 0 || args->variant > 5)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "%s: variant = %d; use 0 to 5", who, args->variant);
+  if (((uintptr_t)args->a | (uintptr_t)args->w13 | (uintptr_t)args->h) % 16 != 0)
+    return tw__fail(TW_ERR_ALIGNMENT,
+                    "%s: a, w13 and h must be 16-byte aligned (cudaMalloc'd buffers)", who);
+  /* The producer's arguments: B = w13 (2 ffn rows per expert), n = ffn output columns, tm x 128
+   * output tiles, no signals. Every check of tw__gemm_launch has been made above in GEMM1's
+   * terms. */
+  tw_gemm_args g;
+  memset(&g, 0, sizeof g);
+  g.a = args->a;
+  g.b = args->w13;
+  g.c = args->h;
+  g.rows = args->rows;
+  g.k = args->hidden;
+  g.n = args->ffn;
+  g.experts = args->experts;
+  g.tiles = args->tiles;
+  g.num_tiles = args->num_tiles;
+  g.tm = args->tm;
+  g.tn = TW_GEMM1_TN;
+  g.grid = args->grid;
+  g.scope = TW_SIGNAL_NONE;
+  g.epilogue = TW_EPILOGUE_SWIGLU;
+  g.variant = args->variant;
+  return tw__gemm_launch(&g, stream);
+}
+
+extern "C" tw_status tw__gemm_f32_launch(const tw_gemm_args* args, cudaStream_t stream) {
+  static const char* who = "tw__gemm_f32_launch";
+  TW_CHECK_NULL(args);
+  if (args->num_tiles < 0)
+    return tw__fail(TW_ERR_INVALID_SIZE, "%s: num_tiles = %d; must be >= 0", who, args->num_tiles);
+  if (args->num_tiles == 0) return TW_SUCCESS;
+  TW_CHECK_NULL(args->a);
+  TW_CHECK_NULL(args->b);
+  TW_CHECK_NULL(args->c);
+  TW_CHECK_NULL(args->tiles);
+  if (args->rows <= 0 || args->k <= 0 || args->n <= 0 || args->experts <= 0)
+    return tw__fail(TW_ERR_INVALID_SIZE,
+                    "%s: rows = %d, k = %d, n = %d, experts = %d; all must be > 0", who, args->rows,
+                    args->k, args->n, args->experts);
+  if (args->k % 64 != 0 || args->n % 8 != 0)
+    return tw__fail(TW_ERR_ALIGNMENT, "%s: k = %d, n = %d; k must be a multiple of 64, n of 8", who,
+                    args->k, args->n);
+  if (args->tm != 128 || args->tn != 256)
+    return tw__fail(TW_ERR_UNSUPPORTED, "%s: tile %d x %d; only 128 x 256", who, args->tm,
+                    args->tn);
+  if (args->epilogue != TW_EPILOGUE_STORE || args->scope != TW_SIGNAL_NONE ||
+      args->add_out != NULL || args->row_weight != NULL || args->zero != NULL)
+    return tw__fail(TW_ERR_UNSUPPORTED,
+                    "%s: plain stores only (no SwiGLU, signals, add dataflow or zeroing)", who);
+  if (args->grid < 0)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: grid = %d; pass 0 (all SMs) or a positive CTA count", who, args->grid);
+  if (((uintptr_t)args->a | (uintptr_t)args->b | (uintptr_t)args->c) % 16 != 0)
+    return tw__fail(TW_ERR_ALIGNMENT, "%s: a, b and c must be 16-byte aligned", who);
+  int grid = 0;
+  TW_TRY(tw__resolve_grid(who, args->grid, args->num_tiles, &grid));
+  /* 4 stages, as kEpiDirect's 128 x 256 kernel (no staging tile). */
+  return tw__launch_v2<128, 256, 4, false, kEpiF32>(args, grid, stream);
 }

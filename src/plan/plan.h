@@ -188,6 +188,15 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule);
  * tile_group 1: band by band, columns ascending. */
 void tw__tiles_from_bands(const tw_band* bands, int32_t nb, int32_t cols, int32_t tn,
                           int32_t tile_group, int32_t span_end, tw_tile* tiles);
+/* GEMM1's tile list for a plan's layout (GEMM1 + SwiGLU over the same rows, F output columns):
+ * the bands in layout order (each expert's rows in one pass over its weights; plan->bands when
+ * the plan has no layout_bands), ceil(ffn / tn) column tiles of tn output columns each, in groups
+ * of plan->tile_group bands of one expert taken column by column (tw__tiles_from_bands; groups may
+ * mix destinations, GEMM1 publishes nothing); a tile's band indexes that band array. With tiles
+ * NULL only *num_tiles is set; otherwise capacity must hold them (TW_ERR_INVALID_SIZE). The
+ * launcher's tn is TW_GEMM1_TN (kernels.h). */
+tw_status tw__plan_gemm1_tiles(const struct tw_plan* plan, int32_t tn, tw_tile* tiles,
+                               int32_t capacity, int32_t* num_tiles);
 /* Bands whose tiles the producer walks column by column together (tw__plan_set_schedule): G CTAs
  * with adjacent indices then read one weight column tile while it is in L2, which made the
  * producer about 5% faster over the grid, and 8 was the best group measured (docs/model.md; the

@@ -129,3 +129,30 @@ tw_status tw__plan_set_schedule(struct tw_plan* plan, int32_t schedule) {
   plan->schedule = schedule;
   return TW_SUCCESS;
 }
+
+tw_status tw__plan_gemm1_tiles(const struct tw_plan* plan, int32_t tn, tw_tile* tiles,
+                               int32_t capacity, int32_t* num_tiles) {
+  TW_CHECK_NULL(plan);
+  TW_CHECK_NULL(num_tiles);
+  *num_tiles = 0;
+  const int32_t ffn = plan->problem.ffn, nb = plan->num_bands;
+  if (ffn < 1 || nb < 0 || tn < 1)
+    return tw__fail(TW_ERR_INVALID_SIZE, "GEMM1 tiles: ffn %d, %d bands, tile width %d", ffn, nb,
+                    tn);
+  const int32_t cols = (ffn + tn - 1) / tn;
+  const int64_t n = (int64_t)nb * cols;
+  if (n > INT32_MAX)
+    return tw__fail(TW_ERR_INVALID_SIZE, "GEMM1 tiles: %lld (%d bands x %d columns)",
+                    (long long)n, nb, cols);
+  if (tiles != NULL && capacity < n)
+    return tw__fail(TW_ERR_INVALID_SIZE,
+                    "GEMM1 tiles: room for %d, the plan has %lld (%d bands x %d column tiles); "
+                    "pass tiles NULL for the count",
+                    capacity, (long long)n, nb, cols);
+  *num_tiles = (int32_t)n;
+  if (tiles == NULL || n == 0) return TW_SUCCESS;
+  const tw_band* bands = plan->layout_bands != NULL ? plan->layout_bands : plan->bands;
+  TW_CHECK_NULL(bands);
+  tw__tiles_from_bands(bands, nb, cols, tn, plan->tile_group, nb - 1, tiles);
+  return TW_SUCCESS;
+}

@@ -101,6 +101,37 @@ void tw__ref_expert_gemm1(int32_t hidden, int32_t ffn, const float* x, const flo
   }
 }
 
+void tw__ref_gemm1_swiglu_bf16(int32_t hidden, int32_t ffn, int32_t rows, const uint16_t* a,
+                               const uint16_t* w13, double* h, double* gate, double* up) {
+  double* x = (double*)malloc((size_t)hidden * sizeof(double)); /* (hidden) one row of a */
+  double* w = (double*)malloc((size_t)hidden * sizeof(double)); /* (hidden) one row of w13 */
+  if (x == NULL || w == NULL) {
+    free(x);
+    free(w);
+    return; /* test-only code: the caller's comparison fails on the unwritten output */
+  }
+  /* Row by row: each weight row converted once per token row (slow, obviously right). */
+  for (int32_t r = 0; r < rows; r++) {
+    for (int32_t d = 0; d < hidden; d++) x[d] = tw__ref_bf16_to_f32(a[(size_t)r * hidden + d]);
+    for (int32_t f = 0; f < ffn; f++) {
+      double proj[2];
+      for (int32_t half = 0; half < 2; half++) {
+        const uint16_t* wr = w13 + ((size_t)half * ffn + f) * hidden;
+        for (int32_t d = 0; d < hidden; d++) w[d] = tw__ref_bf16_to_f32(wr[d]);
+        double acc = 0.0;
+        for (int32_t d = 0; d < hidden; d++) acc += x[d] * w[d];
+        proj[half] = acc;
+      }
+      const size_t o = (size_t)r * ffn + f;
+      h[o] = tw__ref_silu(proj[0]) * proj[1];
+      if (gate != NULL) gate[o] = proj[0];
+      if (up != NULL) up[o] = proj[1];
+    }
+  }
+  free(x);
+  free(w);
+}
+
 void tw__ref_expert_gemm2(int32_t hidden, int32_t ffn, const double* h, const float* w2,
                           double* out) {
   for (int32_t n = 0; n < hidden; n++) {

@@ -56,6 +56,16 @@ tw_status tw__ref_route(int32_t hidden, int32_t experts, int32_t top_k, int32_t 
  * [out] h  (ffn) silu(x . gate^T) * (x . up^T) */
 void tw__ref_expert_gemm1(int32_t hidden, int32_t ffn, const float* x, const float* w1, double* h);
 
+/* GEMM1 -> SwiGLU of `rows` consecutive rows of one expert from bf16 operands (the kernels'
+ * inputs, as raw bf16 bits), in double: gate = a . w13[f]^T, up = a . w13[ffn + f]^T,
+ * h = silu(gate) * up. Any hidden, ffn >= 1.
+ * [in]  a    (rows, hidden) bf16: the expert's rows of the layout
+ * [in]  w13  (2 ffn, hidden) bf16 of this expert: gate rows [0, ffn), up rows [ffn, 2 ffn)
+ * [out] h    (rows, ffn)
+ * [out] gate, up (rows, ffn) the two projections (each may be NULL), e.g. for error bounds */
+void tw__ref_gemm1_swiglu_bf16(int32_t hidden, int32_t ffn, int32_t rows, const uint16_t* a,
+                               const uint16_t* w13, double* h, double* gate, double* up);
+
 /* GEMM2 of one row in double: out[n] = sum_f h[f] w2[n][f].
  * [in] h (ffn), w2 (hidden, ffn) of this expert; [out] out (hidden) */
 void tw__ref_expert_gemm2(int32_t hidden, int32_t ffn, const double* h, const float* w2,
