@@ -189,8 +189,7 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
 }
 
 tw_status tw__plan_create_from_counts(const tw_problem* problem, const int32_t* counts,
-                                      int32_t rank, const tw_plan_config* config,
-                                      tw_plan_t* plan) {
+                                      int32_t rank, const tw_plan_config* config, tw_plan_t* plan) {
   tw__clear_error();
   TW_CHECK_NULL(plan);
   *plan = NULL;
@@ -218,8 +217,8 @@ tw_status tw__plan_create_from_counts(const tw_problem* problem, const int32_t* 
     }
     if (slots % p->top_k != 0)
       return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                      "plan from counts: rank %d routes %lld slots, not a multiple of top_k %d",
-                      o, (long long)slots, p->top_k);
+                      "plan from counts: rank %d routes %lld slots, not a multiple of top_k %d", o,
+                      (long long)slots, p->top_k);
     const int64_t tokens = slots / p->top_k;
     if (tokens > p->max_tokens)
       return tw__fail(TW_ERR_CAPACITY,
