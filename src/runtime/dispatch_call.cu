@@ -189,6 +189,8 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
                       "tw_moe_dispatch: plan_config.dataflow is %s, the context runs %s; leave it "
                       "TW_DATAFLOW_DEFAULT",
                       tw__dataflow_name(given->dataflow), tw__dataflow_name(ctx->dataflow));
+  } else {
+    pc.sm_budget = ctx->sm_budget; /* the budget of the combine calls that follow */
   }
   pc.dataflow = ctx->dataflow;
 
