@@ -565,7 +565,8 @@ typedef struct tw_dispatch_options {
   uint32_t magic;
   uint32_t version;
   /* How the plan is made (C, mgb, schedule, hardware, sm_budget of the combine that follows);
-   * NULL = defaults. Its dataflow must be DEFAULT or the context's. */
+   * NULL = defaults, planned for the context's sm_budget. Its dataflow must be DEFAULT or the
+   * context's. */
   const tw_plan_config* plan_config;
   /* SMs the dispatch's kernels may occupy, 2..the context's sm_budget; 0 = the context's. */
   int32_t sm_budget;

@@ -1,12 +1,12 @@
 /*
  * dispatch.cu: the dispatch kernels (dispatch.h): the two passes of the stable scan over a rank's
  * (token, slot) expert ids and the offsets between them, the copy of every token row to its
- * experts' ranks, and the credits and arrivals around it.
+ * experts' ranks with its arrivals, the credits before it and the wait for the peers' rows.
  *
  * The scan keeps one running count per global expert per warp in shared memory (experts x 4
  * bytes a warp), so a CTA holds as many warps as fit in 48 KB, at most 8. Nothing in the scan
  * waits for anything; only the copy kernel (thread 0 of each CTA, for the destinations' credits)
- * and the one-CTA signal kernel (for the sources' arrivals) spin, each bounded by the timeout,
+ * and the one-CTA wait kernel (for the sources' arrivals) spin, each bounded by the timeout,
  * recording in the context's error word and returning (never trapping).
  *
  * NOTES: ordering.
@@ -14,11 +14,12 @@
  *    source's thread 0 acquires it (.sys) before its CTA's barrier and the CTA's stores, so no
  *    row lands before the destination's earlier reads of its buffer (previous kernels on its
  *    stream) are done.
- *  - Arrivals: the signal kernel runs after the copy kernel in stream order; its threads fence at
- *    system scope (fence.sc.sys) and then release-add on each destination's arrival counter, so
- *    the rows the copy kernel stored are visible to whoever acquires the count. The destination's
- *    waiting thread acquires (.sys) and then fences the async proxy (the GEMM reads the rows with
- *    TMA) before the kernel ends; the GEMM starts after it in stream order.
+ *  - Arrivals (as the reduction's credits, reduce.cu): each copy CTA's stores -> barrier ->
+ *    thread 0's fence.sc.sys -> the CTA completion counter; the last CTA fences again and then
+ *    release-adds (.sys) on every destination's arrival counter, cumulative over every CTA's
+ *    stores ordered before it. The destination's wait kernel acquires (.sys) and then fences
+ *    the async proxy (the GEMM reads the rows with TMA) before it ends; the GEMM starts after it
+ *    in stream order.
  */
 #include "dispatch.h"
 
@@ -127,47 +128,59 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
     s_ok = ok;
   }
   __syncthreads();
-  if (!s_ok) return;
   const int lane = threadIdx.x % 32;
   const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = (int64_t)gridDim.x * blockDim.x / 32;
   const int vpr = a.hidden / 8; /* 16-byte vectors per row */
   const size_t row_bytes = (size_t)a.hidden * 2;
-  /* One warp per (token, slot): its token row to the slot's row at the expert's rank. x is not
-   * written while the kernel runs (read-only path); the k reads of a row mostly hit L2. */
-  for (int64_t i = warp; i < a.slots; i += warps) {
-    const int32_t g = (int32_t)tw__load_id(a.ids, a.id64, i);
-    const int4* src = reinterpret_cast<const int4*>(a.x + (i / a.top_k) * (int64_t)a.hidden);
-    int4* dst = reinterpret_cast<int4*>(a.peers[g / a.local_experts] + a.lay.rows +
-                                        (size_t)a.send_row[i] * row_bytes);
-    for (int v = lane; v < vpr; v += 32) dst[v] = __ldg(src + v);
+  if (s_ok) {
+    /* One warp per (token, slot): its token row to the slot's row at the expert's rank. x is
+     * not written while the kernel runs (read-only path); the k reads of a row mostly hit L2. */
+    for (int64_t i = warp; i < a.slots; i += warps) {
+      const int32_t g = (int32_t)tw__load_id(a.ids, a.id64, i);
+      const int4* src = reinterpret_cast<const int4*>(a.x + (i / a.top_k) * (int64_t)a.hidden);
+      int4* dst = reinterpret_cast<int4*>(a.peers[g / a.local_experts] + a.lay.rows +
+                                          (size_t)a.send_row[i] * row_bytes);
+      for (int v = lane; v < vpr; v += 32) dst[v] = __ldg(src + v);
+    }
+    /* This rank's own padding rows, zero (computed by the GEMM, never sent). */
+    const int n = a.pads[0];
+    char* own = a.peers[a.rank] + a.lay.rows;
+    for (int r = 0; r < n; r++) {
+      const int32_t row0 = a.pads[1 + 2 * r], rows = a.pads[2 + 2 * r];
+      for (int64_t w = warp; w < rows; w += warps) {
+        int4* dst = reinterpret_cast<int4*>(own + (size_t)(row0 + w) * row_bytes);
+        for (int v = lane; v < vpr; v += 32) dst[v] = make_int4(0, 0, 0, 0);
+      }
+    }
   }
-  /* This rank's own padding rows, zero (computed by the GEMM, never sent). */
-  const int n = a.pads[0];
-  char* own = a.peers[a.rank] + a.lay.rows;
-  for (int r = 0; r < n; r++) {
-    const int32_t row0 = a.pads[1 + 2 * r], rows = a.pads[2 + 2 * r];
-    for (int64_t w = warp; w < rows; w += warps) {
-      int4* dst = reinterpret_cast<int4*>(own + (size_t)(row0 + w) * row_bytes);
-      for (int v = lane; v < vpr; v += 32) dst[v] = make_int4(0, 0, 0, 0);
+  /* Arrivals: every CTA counts itself done after its stores (see NOTES); the last one
+   * announces this rank's rows to every rank, unless the call has failed (its peers then time
+   * out instead of reading partial rows). Every CTA counts, failed or not, so that the counter
+   * is back at zero after every launch. */
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    s_last = atomicAdd(a.done, 1u) == gridDim.x - 1;
+    if (s_last) {
+      __threadfence_system();
+      *a.done = 0;
+      if (*(volatile int32_t*)&a.err->status == 0)
+        for (int d = 0; d < a.world; d++)
+          tw_red_release_sys(reinterpret_cast<uint32_t*>(a.peers[d] + a.lay.arrive) + a.rank, 1u);
     }
   }
 }
 
-__global__ void tw_dispatch_signal_kernel(const tw_dispatch_signal_args a) {
-  __shared__ int s_ok;
-  const int t = threadIdx.x;
-  if (t == 0) s_ok = *(volatile int32_t*)&a.err->status == 0;
-  __syncthreads();
-  /* A failed call announces nothing: its peers time out instead of reading partial rows. */
-  if (s_ok && t < a.world) {
-    __threadfence_system();
-    tw_red_release_sys(reinterpret_cast<uint32_t*>(a.peers[t] + a.lay.arrive) + a.rank, 1u);
-  }
-  if (t < a.world) {
+/* Waits (one thread per source) until every rank's rows for this call have arrived. */
+__global__ void tw_dispatch_wait_kernel(const tw_dispatch_signal_args a) {
+  const int s = threadIdx.x;
+  if (s < a.world) {
     const uint32_t* arrivals = reinterpret_cast<const uint32_t*>(a.peers[a.rank] + a.lay.arrive);
-    if (tw_wait_geq(&arrivals[t], a.arrive_target, true, a.timeout_ns, a.err,
-                    TW_WAIT_DISPATCH_ARRIVAL, t, a.rank))
+    /* The GEMM after this kernel reads the rows with TMA (the async proxy). */
+    if (tw_wait_geq(&arrivals[s], a.arrive_target, true, a.timeout_ns, a.err,
+                    TW_WAIT_DISPATCH_ARRIVAL, s, a.rank))
       asm volatile("fence.proxy.async.global;" ::: "memory");
   }
 }
@@ -240,6 +253,9 @@ tw_status tw__dispatch_credit_launch(const tw_dispatch_signal_args* a, cudaStrea
 
 tw_status tw__dispatch_copy_launch(const tw_dispatch_copy_args* a, int sms, cudaStream_t stream) {
   TW_CHECK_NULL(a);
+  TW_CHECK_NULL(a->pads);
+  TW_CHECK_NULL(a->done);
+  TW_CHECK_NULL(a->err);
   if (a->hidden < 8 || a->hidden % 8 != 0 || a->slots < 0 || a->top_k < 1 || a->local_experts < 1 ||
       a->world < 0 || a->world > TW_MAX_RANKS || sms < 1 || ((uintptr_t)a->x & 15) != 0)
     return tw__fail(TW_ERR_INTERNAL, "dispatch: copy of %d slots, hidden %d, %d ranks, %d SMs",
@@ -254,10 +270,10 @@ tw_status tw__dispatch_copy_launch(const tw_dispatch_copy_args* a, int sms, cuda
   return tw__check_launch("copy", (unsigned)grid);
 }
 
-tw_status tw__dispatch_signal_launch(const tw_dispatch_signal_args* a, cudaStream_t stream) {
+tw_status tw__dispatch_wait_launch(const tw_dispatch_signal_args* a, cudaStream_t stream) {
   TW_CHECK_NULL(a);
   if (a->world < 0 || a->world > TW_MAX_RANKS)
-    return tw__fail(TW_ERR_INTERNAL, "dispatch: signals for %d ranks", a->world);
-  tw_dispatch_signal_kernel<<<1, TW_MAX_RANKS, 0, stream>>>(*a);
-  return tw__check_launch("signal", 1);
+    return tw__fail(TW_ERR_INTERNAL, "dispatch: arrival wait for %d ranks", a->world);
+  tw_dispatch_wait_kernel<<<1, TW_MAX_RANKS, 0, stream>>>(*a);
+  return tw__check_launch("arrival wait", 1);
 }

@@ -22,10 +22,10 @@
  *                each dispatch call (release .sys), after its earlier calls (the GEMM that read
  *                its expert-input rows) are done in stream order; a source writes rows into d in
  *                call e only after credits[d] >= e (acquire .sys).
- *   arrivals[s]  in the destination's window, one per source rank s; s adds 1 once all its rows
- *                for the call are written (after a system-scope fence); the destination's call
- *                ends with a wait for arrivals[s] >= e from every s, so the GEMM that follows it
- *                in stream order sees every row.
+ *   arrivals[s]  in the destination's window, one per source rank s; s's copy kernel adds 1 once
+ *                all its CTAs have written their rows for the call (its last CTA, after
+ *                system-scope fences); the destination's call ends with a wait for arrivals[s]
+ *                >= e from every s, so the GEMM that follows it in stream order sees every row.
  */
 #ifndef TW_DISPATCH_H
 #define TW_DISPATCH_H
@@ -82,8 +82,9 @@ typedef struct tw_dispatch_copy_args {
   int64_t pad_rows;        /* sum of the ranges' rows (sizes the grid only) */
   int32_t slots, top_k, hidden;
   int32_t local_experts; /* E: global expert g lives on rank g / E */
-  int32_t rank, world;   /* world 0: no credit wait (the context's warm-up) */
+  int32_t rank, world;   /* world 0: no credit wait, no arrivals (the context's warm-up) */
   uint32_t credit_target;
+  uint32_t* done; /* CTA completion counter, zero between launches */
   tw_dev_error* err;
   uint64_t timeout_ns;
 } tw_dispatch_copy_args;
@@ -107,9 +108,10 @@ tw_status tw__dispatch_place_launch(const tw_dispatch_scan_args* args, int sms,
                                     cudaStream_t stream);
 /* Raises this rank's credit in every rank's window (one CTA). */
 tw_status tw__dispatch_credit_launch(const tw_dispatch_signal_args* args, cudaStream_t stream);
-/* The rows (and this rank's padding rows), on at most `sms` CTAs. */
+/* The rows (and this rank's padding rows), then this rank's arrivals at every rank, on at
+ * most `sms` CTAs. */
 tw_status tw__dispatch_copy_launch(const tw_dispatch_copy_args* args, int sms, cudaStream_t stream);
-/* Announces this rank's rows to every rank, then waits for every rank's (one CTA). */
-tw_status tw__dispatch_signal_launch(const tw_dispatch_signal_args* args, cudaStream_t stream);
+/* Waits until every rank's rows for this call have arrived (one CTA). */
+tw_status tw__dispatch_wait_launch(const tw_dispatch_signal_args* args, cudaStream_t stream);
 
 #endif /* TW_DISPATCH_H */

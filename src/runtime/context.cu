@@ -44,6 +44,12 @@ static const char* tw__where_name(int where) {
 
 tw_status tw__report(tw_context_t ctx, const tw_dev_error* e, const char* how) {
   tw_status s = e->status == TW_ERR_INTERNAL ? TW_ERR_INTERNAL : TW_ERR_TIMEOUT;
+  if (e->where == TW_CHECK_ID)
+    return tw__fail(s,
+                    "%s: rank %d: the dispatch's place pass met expert id %u at slot %d, outside "
+                    "0..%u, after its count pass had accepted every id; a bug (or topk_ids "
+                    "changed during the call). Call tw_context_reset() before the next call",
+                    how, e->rank, e->seen, e->index, e->target - 1);
   if (e->where == TW_CHECK_TAGS)
     return tw__fail(s,
                     "%s: rank %d: %s: (token, slot) %d: row arrived %u times per column tile's "
@@ -76,9 +82,11 @@ static tw_status tw__zero_state(tw_context_t ctx) {
   if (ctx->lay.out_bytes > 0)
     TW_CUDA_TRY(cudaMemsetAsync((char*)ctx->win.local + ctx->lay.out, 0, 2 * ctx->lay.out_bytes,
                                 ctx->s_aux));
-  if (ctx->dispatch)
+  if (ctx->dispatch) {
     TW_CUDA_TRY(cudaMemsetAsync((char*)ctx->dwin.local + ctx->dlay.credit, 0,
                                 ctx->dlay.bytes - ctx->dlay.credit, ctx->s_aux));
+    TW_CUDA_TRY(cudaMemsetAsync(ctx->d_done, 0, 4, ctx->s_aux));
+  }
   ctx->disp_credit_epoch = ctx->disp_arrive_epoch = 0;
   ctx->out_buf = -1;
   ctx->dirty_tokens[0] = ctx->dirty_tokens[1] = 0;
@@ -210,7 +218,7 @@ static tw_status tw__warm_up(tw_context_t ctx) {
       sg.lay = ctx->dlay;
       sg.err = ctx->err;
       st = tw__dispatch_credit_launch(&sg, ctx->s_aux);
-      if (st == TW_SUCCESS) st = tw__dispatch_signal_launch(&sg, ctx->s_aux);
+      if (st == TW_SUCCESS) st = tw__dispatch_wait_launch(&sg, ctx->s_aux);
       if (st != TW_SUCCESS) goto done;
       tw_dispatch_copy_args cp;
       memset(&cp, 0, sizeof cp);
@@ -223,6 +231,7 @@ static tw_status tw__warm_up(tw_context_t ctx) {
       cp.top_k = 1;
       cp.hidden = 8;
       cp.local_experts = 1;
+      cp.done = ctx->d_done;
       cp.err = ctx->err;
       st = tw__dispatch_copy_launch(&cp, 1, ctx->s_aux);
       if (st != TW_SUCCESS) goto done;
@@ -405,6 +414,7 @@ static tw_status tw__context_init(tw_context_t ctx) {
     ctx->d_counts = (uint32_t*)(m + hist_bytes);
     ctx->d_verr = (tw_dev_error*)(m + hist_bytes + counts_bytes); /* 32 bytes */
     ctx->d_zero = (int32_t*)(m + hist_bytes + counts_bytes + 32);
+    ctx->d_done = (uint32_t*)(m + hist_bytes + counts_bytes + 36);
     TW_CUDA_TRY(cudaMemset(m, 0, hist_bytes + counts_bytes + 64));
     TW_CUDA_TRY(cudaHostAlloc((void**)&ctx->h_row, (kGatherHead + ET) * 4, cudaHostAllocDefault));
     /* The rows of every rank, then the count matrix (W, experts) taken out of them. */

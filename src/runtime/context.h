@@ -91,6 +91,7 @@ struct tw_context {
   tw_dev_error* d_verr;  /* the count pass's record of bad ids (not the context's: a bad id
                             fails one call on every rank, the context stays usable) */
   int32_t* d_zero;       /* one int 0: an empty padding list (warm-up) */
+  uint32_t* d_done;      /* the copy kernel's CTA completion counter (zero between launches) */
   int32_t* h_row;        /* pinned: this rank's row of the all-gather (kGatherHead + experts) */
   int32_t* h_all;        /* (world, kGatherHead + experts) host rows, then the count matrix
                             (world, experts) */

@@ -7,12 +7,12 @@
  *   S: [wait for the previous call] -> credit (1 CTA) -> count + offsets -> counts to the host
  *   host: wait for the counts, all-gather them (team), plan from the count matrix, upload the
  *         plan's arrays, agree with every rank that planning worked (team)
- *   S: place (slot_row, weights, destination rows) -> copy (rows to peers, padding zero)
- *      -> signal (1 CTA: announce, then wait for every source's rows) -> done
+ *   S: place (slot_row, weights, destination rows) -> copy (rows to peers, padding zero, then
+ *      arrivals) -> wait (1 CTA: every source's rows) -> done
  * Every grid is at most the call's SM budget. Deadlock freedom: the only waits on the device are
  * the copy kernel's for the destinations' credits, raised before their counts reached their
- * hosts (so before the all-gather every rank has passed), and the signal kernel's for the
- * sources' arrivals, which every source raises after a copy that waits for nothing else; on an
+ * hosts (so before the all-gather every rank has passed), and the wait kernel's for the sources'
+ * arrivals, which every source's copy raises after waiting for nothing but those credits; on an
  * in-process team each rank's kernels keep within its budget and the budgets fit the GPU.
  *
  * Failures: an id out of range or repeated within a token, a token count out of range or a bad
@@ -308,7 +308,7 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
                     tw_status_string((tw_status)worst));
   }
 
-  /* Place, copy, signal. */
+  /* Place, copy (and arrivals), wait for the peers' rows. */
   sa.slot_base = d->slot_base;
   sa.send_row0 = d->send_row0;
   sa.weights_in = topk_weights;
@@ -337,9 +337,10 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
   cp.credit_target = ctx->disp_credit_epoch;
   cp.err = ctx->err;
   cp.timeout_ns = timeout_ns;
+  cp.done = ctx->d_done;
   TW_TRY(tw__dispatch_copy_launch(&cp, budget, stream));
   sg.arrive_target = ctx->disp_arrive_epoch;
-  TW_TRY(tw__dispatch_signal_launch(&sg, stream));
+  TW_TRY(tw__dispatch_wait_launch(&sg, stream));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));
   /* Error record to the host off the caller's path (the next call looks at it). */
   TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_aux, ctx->ev_call_done, 0));

@@ -57,7 +57,8 @@ static void compare_plans(const struct tw_plan* a, const struct tw_plan* b, cons
              a->tn == b->tn && a->col_tiles == b->col_tiles && a->rows == b->rows,
          "%s: shape fields differ (rows %d / %d)", what, a->rows, b->rows);
   if (a->rows != b->rows || a->local_experts != b->local_experts) return;
-  CHECKF(same_i32(a->expert_row0, b->expert_row0, E) && same_i32(a->expert_rows, b->expert_rows, E) &&
+  CHECKF(same_i32(a->expert_row0, b->expert_row0, E) &&
+             same_i32(a->expert_rows, b->expert_rows, E) &&
              same_i32(a->expert_real_rows, b->expert_real_rows, E) &&
              same_i32(a->expert_order, b->expert_order, E) &&
              same_i32(a->expert_band0, b->expert_band0, E + 1) &&
@@ -67,8 +68,8 @@ static void compare_plans(const struct tw_plan* a, const struct tw_plan* b, cons
   for (int32_t r = 0; r < a->rows; r++)
     bad_rows += a->row_src[r].owner != b->row_src[r].owner || b->row_src[r].token != -1 ||
                 b->row_src[r].slot != -1;
-  CHECKF(bad_rows == 0, "%s: %d rows with another owner (or a token) in the plan from counts",
-         what, bad_rows);
+  CHECKF(bad_rows == 0, "%s: %d rows with another owner (or a token) in the plan from counts", what,
+         bad_rows);
   CHECKF(a->schedule == b->schedule && a->schedule_request == b->schedule_request &&
              a->dataflow == b->dataflow && a->tile_group == b->tile_group &&
              a->num_tiles == b->num_tiles && a->num_remote_tiles == b->num_remote_tiles &&
@@ -87,7 +88,8 @@ static void compare_plans(const struct tw_plan* a, const struct tw_plan* b, cons
   CHECKF(a->num_segments == 0 ||
              memcmp(a->segments, b->segments, (size_t)a->num_segments * sizeof(tw_segment)) == 0,
          "%s: segments differ", what);
-  CHECKF(same_i32(a->recv_bands, b->recv_bands, W) && same_i32(a->stream_first, b->stream_first, W) &&
+  CHECKF(same_i32(a->recv_bands, b->recv_bands, W) &&
+             same_i32(a->stream_first, b->stream_first, W) &&
              same_i32(a->stream_last, b->stream_last, W),
          "%s: per-rank arrays differ", what);
   CHECKF(same_i32(a->slot_base, b->slot_base, ET) && same_i32(a->send_row0, b->send_row0, ET),
@@ -194,11 +196,21 @@ static void test_counts_plan_equals_routing_plan(void) {
     tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
     cfg.dataflow = TW_DATAFLOW_REDUCE;
     switch (it % 5) {
-      case 1: cfg.schedule = TW_SCHEDULE_EXPERT_MAJOR; break;
-      case 2: cfg.comm_ctas = rnd_in(1, 16); cfg.coalesce = rnd_in(1, 4); break;
-      case 3: cfg.sm_budget = rnd_in(8, 132); break;
-      case 4: cfg.dataflow = K <= 2 ? TW_DATAFLOW_ADD : TW_DATAFLOW_REDUCE; break;
-      default: break;
+      case 1:
+        cfg.schedule = TW_SCHEDULE_EXPERT_MAJOR;
+        break;
+      case 2:
+        cfg.comm_ctas = rnd_in(1, 16);
+        cfg.coalesce = rnd_in(1, 4);
+        break;
+      case 3:
+        cfg.sm_budget = rnd_in(8, 132);
+        break;
+      case 4:
+        cfg.dataflow = K <= 2 ? TW_DATAFLOW_ADD : TW_DATAFLOW_REDUCE;
+        break;
+      default:
+        break;
     }
     tw_plan_t* a = calloc((size_t)W, sizeof *a);
     int all = 1;
