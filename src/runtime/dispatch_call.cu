@@ -31,7 +31,7 @@
 static_assert(sizeof(tw_dev_error) == kGatherHead * 4, "the all-gather's head is a tw_dev_error");
 
 /* Local checks whose failure every rank learns through the all-gather (tw_dev_error.where). */
-enum { kLocalTokens = -1, kLocalPointer = -2, kLocalAlignment = -3 };
+enum { kLocalTokens = -1, kLocalPointer = -2, kLocalAlignment = -3, kLocalFailed = -4 };
 
 /* The count plan's device part beyond tw__device_plan_copy's: the scan's tables (slot_base,
  * send_row0) and this rank's padding ranges, after checks that keep every write in bounds:
@@ -110,6 +110,11 @@ static tw_status tw__dispatch_refusal(tw_context_t ctx, int32_t failing, int32_t
                     lead, first, row[2]);
   if (where == kLocalAlignment)
     return tw__fail(st, "%s: rank %d's x is not 16-byte aligned; nothing was sent", lead, first);
+  if (where == kLocalFailed)
+    return tw__fail(st,
+                    "%s: rank %d: an earlier call failed on the device (%s); call "
+                    "tw_context_reset() on every rank first",
+                    lead, first, tw_status_string(st));
   if (st == TW_ERR_DUPLICATE_EXPERT)
     return tw__fail(st,
                     "%s: rank %d: token %d names expert %d in slots %d and %d "
@@ -153,15 +158,12 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_moe_dispatch: id_type %d; give TW_INDEX_INT32 or TW_INDEX_INT64",
                     (int)id_type);
-  if (ctx->failed)
-    return tw__fail(TW_ERR_STATE,
-                    "tw_moe_dispatch: an earlier call failed on the device; call "
-                    "tw_context_reset() on every rank first");
-  if (ctx->have_call && cudaEventQuery(ctx->ev_err_copied) == cudaSuccess &&
-      ctx->h_err->status != 0) {
-    ctx->failed = 1;
-    return tw__report(ctx, ctx->h_err, "tw_moe_dispatch: an earlier call failed");
-  }
+  /* A failed context refuses the call, but through the all-gather below: the ranks may learn
+   * of a failure at different times, and a rank that left early would leave the others
+   * waiting in the collective. */
+  const int earlier = !ctx->failed && ctx->have_call &&
+                      cudaEventQuery(ctx->ev_err_copied) == cudaSuccess && ctx->h_err->status != 0;
+  const int was_failed = ctx->failed || earlier;
   const int32_t budget = opt.sm_budget > 0 ? opt.sm_budget : ctx->sm_budget;
   if (opt.sm_budget < 0 || budget < 2 || budget > ctx->sm_budget)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
@@ -198,7 +200,10 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
   const tw_problem* p = &ctx->problem;
   const int32_t K = p->top_k, ET = p->experts, W = ctx->world, rank = ctx->rank;
   int32_t local = TW_SUCCESS, local_where = 0;
-  if (tokens < 0 || tokens > p->max_tokens) {
+  if (was_failed) {
+    local = earlier ? ctx->h_err->status : TW_ERR_STATE;
+    local_where = kLocalFailed;
+  } else if (tokens < 0 || tokens > p->max_tokens) {
     local = tokens < 0 ? TW_ERR_INVALID_SIZE : TW_ERR_CAPACITY;
     local_where = kLocalTokens;
   } else if (tokens > 0 && (x == NULL || topk_ids == NULL || topk_weights == NULL)) {
@@ -271,7 +276,14 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
       if (first < 0) first = r;
     }
   if (first >= 0) {
-    ctx->failed = 0;
+    /* A failed context is the refusal to report: every rank must reset, whatever else. */
+    int any_failed = 0;
+    for (int32_t r = W - 1; r >= 0; r--)
+      if (all[(size_t)r * row_words + 1] == kLocalFailed) {
+        any_failed = 1;
+        first = r;
+      }
+    ctx->failed = any_failed; /* alike on every rank */
     return tw__dispatch_refusal(ctx, failing, first, all + (size_t)first * row_words);
   }
   int32_t* counts = all + (size_t)W * row_words; /* (W, ET), after the rows */

@@ -18,7 +18,9 @@
  *    TW_ERR_DUPLICATE_EXPERT / TW_ERR_CAPACITY naming that rank, never hang, and leave the
  *    context usable: the next dispatch is right;
  *  - a context without dispatch refuses the call, and dispatch with the add dataflow is refused
- *    at creation.
+ *    at creation;
+ *  - after a combine that timed out, the next dispatch is refused on every rank alike and, after
+ *    tw_context_reset, dispatch and combine are right again (W >= 2).
  * Exits 77 without the GPUs it needs.
  */
 #include "context.h"
@@ -509,10 +511,99 @@ static void test_dispatch_needs_its_context(tw_rank_env* env) {
   }
 }
 
+/* A combine that times out (a consumer fault on rank 0) fails the context on every rank: the
+ * next dispatch is refused alike on every rank (no rank left waiting in its collective), and
+ * after tw_context_reset the dispatch and the combine are right again. */
+static void test_reset_after_failure(tw_rank_env* env) {
+  if (env->nranks < 2) return; /* one rank sends nothing: no consumer to fault */
+  tw_problem p = tw_rank_problem(env, 256, 256, 8, 2, 128);
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  cc.dispatch = 1;
+  cc.dataflow = TW_DATAFLOW_REDUCE;
+  cc.timeout_ms = 400;
+  tw_context_t ctx = NULL;
+  CHECK_OK(tw_rank_context_create(env, &p, &cc, &ctx));
+  if (ctx == NULL) return;
+  tw_context_info info;
+  CHECK_OK(tw_context_info_get(ctx, &info));
+  void* dbuf = NULL;
+  int64_t rows_max = 0;
+  CHECK_OK(tw_context_dispatch_buffer(ctx, &dbuf, &rows_max));
+  tw_device_plan_t dp = NULL, dp2 = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  CHECK_OK(tw_device_plan_create(ctx, &dp2));
+  tw_dbuf b;
+  CHECK(tw_dbuf_alloc(&p, rows_max, &b));
+  const int H = p.hidden, E = p.experts / p.world_size, T = p.max_tokens;
+  {
+    uint16_t* w2 = (uint16_t*)malloc((size_t)E * H * H * 2);
+    tw_fill_w2(&p, env->rank, 21, w2);
+    CHECK_CUDA(cudaMemcpy(b.w2, w2, (size_t)E * H * H * 2, cudaMemcpyHostToDevice));
+    free(w2);
+  }
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = T;
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, tokens, 2024, &rt));
+  tw_plan_config pc = TW_PLAN_CONFIG_INIT;
+  pc.dataflow = TW_DATAFLOW_REDUCE;
+  pc.sm_budget = info.sm_budget;
+  pc.comm_ctas = 4;
+  tw_plan_t plan = NULL;
+  if (rt != NULL) CHECK_OK(tw_plan_create(&p, rt, env->rank, &pc, &plan));
+  tw_dispatch_options opt = TW_DISPATCH_OPTIONS_INIT;
+  opt.plan_config = &pc;
+  if (plan != NULL && dp != NULL && dp2 != NULL) {
+    tw_upload_inputs(env, &p, rt, 22, 0, &b);
+    void* expert_in = NULL;
+    CHECK_OK(tw_moe_dispatch_ex(ctx, dp, b.x, b.ids, TW_INDEX_INT32, (const float*)b.w, T,
+                                &expert_in, &opt, env->stream));
+    CHECK_OK(tw_context_check(ctx));
+    if (env->rank == 0) CHECK_OK(tw__context_inject_fault(ctx, TW_FAULT_SKIP_UNIT, 0));
+    CHECK_OK(tw_moe_combine(ctx, dp, expert_in, b.w2, b.out, env->stream));
+    CHECK_STATUS(tw_context_check(ctx), TW_ERR_TIMEOUT);
+    /* Refused on every rank, before anything is sent. */
+    CHECK_STATUS(tw_moe_dispatch_ex(ctx, dp, b.x, b.ids, TW_INDEX_INT32, (const float*)b.w, T,
+                                    &expert_in, &opt, env->stream),
+                 TW_ERR_STATE);
+    CHECK(strstr(tw_last_error(), "tw_context_reset") != NULL);
+    CHECK_OK(tw_context_reset(ctx));
+    /* Clean again: the buffer and the combine as the host plans them. */
+    CHECK_OK(tw__fill_bf16(dbuf, (size_t)rows_max * H, 0xFFFF, env->stream));
+    CHECK_OK(tw_moe_dispatch_ex(ctx, dp, b.x, b.ids, TW_INDEX_INT32, (const float*)b.w, T,
+                                &expert_in, &opt, env->stream));
+    CHECK_OK(tw_context_check(ctx));
+    tw_compare_device_plan(env, dp, plan, rt, "after the reset");
+    tw_expected_in(plan, 22, b.h_in);
+    const size_t in_elems = (size_t)plan->rows * H;
+    CHECK_CUDA(cudaMemcpy(b.h_got, dbuf, in_elems * 2, cudaMemcpyDeviceToHost));
+    CHECKF(memcmp(b.h_got, b.h_in, in_elems * 2) == 0,
+           "rank %d: the dispatch after the reset wrote other rows", env->rank);
+    CHECK_CUDA(cudaMemcpy(b.host_in, b.h_in, in_elems * 2, cudaMemcpyHostToDevice));
+    CHECK_OK(tw_device_plan_upload(dp2, plan, rt, env->stream));
+    CHECK_OK(tw_moe_combine(ctx, dp, expert_in, b.w2, b.out, env->stream));
+    CHECK_OK(tw_context_check(ctx));
+    CHECK_OK(tw_moe_combine(ctx, dp2, b.host_in, b.w2, b.out2, env->stream));
+    CHECK_OK(tw_context_check(ctx));
+    CHECK_CUDA(cudaMemcpy(b.h_out, b.out, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(b.h_out2, b.out2, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
+    CHECKF(memcmp(b.h_out, b.h_out2, (size_t)T * H * 2) == 0,
+           "rank %d: dispatch + combine after the reset differs from host-planned combine",
+           env->rank);
+  }
+  tw_plan_destroy(plan);
+  tw_routing_destroy(rt);
+  tw_dbuf_free(&b);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_device_plan_destroy(dp2));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
 static const tw_rank_case kCases[] = {
     {"dispatch_matches_host", test_dispatch_matches_host},
     {"bad_ids_refused", test_bad_ids_refused},
     {"dispatch_needs_its_context", test_dispatch_needs_its_context},
+    {"reset_after_failure", test_reset_after_failure},
 };
 
 int main(int argc, char** argv) {
