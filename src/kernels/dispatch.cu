@@ -113,17 +113,20 @@ __global__ void tw_dispatch_credit_kernel(const tw_dispatch_signal_args a) {
   const int d = threadIdx.x;
   if (d < a.world)
     tw_red_release_sys(reinterpret_cast<uint32_t*>(a.peers[d] + a.lay.credit) + a.rank, 1u);
+  /* This call's credit target; the kernels after this one in stream order read it. */
+  if (d == 0 && a.epochs != NULL) a.epochs[0] += 1u;
 }
 
 __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
   __shared__ int s_ok;
   if (threadIdx.x == 0) {
     bool ok = true;
-    if (a.slots > 0) { /* nothing leaves this rank otherwise */
+    if (a.slots > 0 && a.epochs != NULL) { /* nothing leaves this rank otherwise */
+      const uint32_t target = a.epochs[0];
       const uint32_t* credits = reinterpret_cast<const uint32_t*>(a.peers[a.rank] + a.lay.credit);
       for (int d = 0; d < a.world && ok; d++)
-        ok = tw_wait_geq(&credits[d], a.credit_target, true, a.timeout_ns, a.err,
-                         TW_WAIT_DISPATCH_CREDIT, d, a.rank);
+        ok = tw_wait_geq(&credits[d], target, true, a.timeout_ns, a.err, TW_WAIT_DISPATCH_CREDIT, d,
+                         a.rank);
     }
     s_ok = ok;
   }
@@ -158,14 +161,13 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
    * announces this rank's rows to every rank, unless the call has failed (its peers then time
    * out instead of reading partial rows). Every CTA counts, failed or not, so that the counter
    * is back at zero after every launch. */
-  __shared__ int s_last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
-    s_last = atomicAdd(a.done, 1u) == gridDim.x - 1;
-    if (s_last) {
+    if (atomicAdd(a.done, 1u) == gridDim.x - 1) {
       __threadfence_system();
       *a.done = 0;
+      if (a.epochs != NULL) a.epochs[1] += 1u; /* the wait kernel's target, failed call or not */
       if (*(volatile int32_t*)&a.err->status == 0)
         for (int d = 0; d < a.world; d++)
           tw_red_release_sys(reinterpret_cast<uint32_t*>(a.peers[d] + a.lay.arrive) + a.rank, 1u);
@@ -176,11 +178,12 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
 /* Waits (one thread per source) until every rank's rows for this call have arrived. */
 __global__ void tw_dispatch_wait_kernel(const tw_dispatch_signal_args a) {
   const int s = threadIdx.x;
-  if (s < a.world) {
+  if (s < a.world && a.epochs != NULL) {
+    const uint32_t target = a.epochs[1];
     const uint32_t* arrivals = reinterpret_cast<const uint32_t*>(a.peers[a.rank] + a.lay.arrive);
     /* The GEMM after this kernel reads the rows with TMA (the async proxy). */
-    if (tw_wait_geq(&arrivals[s], a.arrive_target, true, a.timeout_ns, a.err,
-                    TW_WAIT_DISPATCH_ARRIVAL, s, a.rank))
+    if (tw_wait_geq(&arrivals[s], target, true, a.timeout_ns, a.err, TW_WAIT_DISPATCH_ARRIVAL, s,
+                    a.rank))
       asm volatile("fence.proxy.async.global;" ::: "memory");
   }
 }

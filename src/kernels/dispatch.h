@@ -17,7 +17,8 @@
  * rules, tests/gpu/test_dispatch.cu the kernels).
  *
  * Counters of the dispatch window (every rank's, same layout; all 32-bit, cumulative since the
- * last reset, targets kept by the host):
+ * last reset; their targets are two epochs in the rank's device memory, advanced by the kernels
+ * themselves, so that no per-call host value is a kernel argument):
  *   credits[d]   in the source's window, one per destination rank d; d adds 1 at the start of
  *                each dispatch call (release .sys), after its earlier calls (the GEMM that read
  *                its expert-input rows) are done in stream order; a source writes rows into d in
@@ -83,8 +84,10 @@ typedef struct tw_dispatch_copy_args {
   int32_t slots, top_k, hidden;
   int32_t local_experts; /* E: global expert g lives on rank g / E */
   int32_t rank, world;   /* world 0: no credit wait, no arrivals (the context's warm-up) */
-  uint32_t credit_target;
-  uint32_t* done; /* CTA completion counter, zero between launches */
+  uint32_t* epochs;      /* (2) device: [0] the calls that raised credits, the credit target;
+                            [1] the calls that sent rows, advanced by the last CTA (NULL in the
+                            warm-up) */
+  uint32_t* done;        /* CTA completion counter, zero between launches */
   tw_dev_error* err;
   uint64_t timeout_ns;
 } tw_dispatch_copy_args;
@@ -93,7 +96,8 @@ typedef struct tw_dispatch_signal_args {
   char* const* peers;
   tw_dispatch_layout lay;
   int32_t rank, world; /* world 0: nothing (warm-up) */
-  uint32_t arrive_target;
+  uint32_t* epochs;    /* (2) as in the copy: the credit kernel advances [0], the wait kernel
+                          waits for [1] arrivals from every rank; NULL in the warm-up */
   tw_dev_error* err;
   uint64_t timeout_ns;
 } tw_dispatch_signal_args;

@@ -86,8 +86,8 @@ static tw_status tw__zero_state(tw_context_t ctx) {
     TW_CUDA_TRY(cudaMemsetAsync((char*)ctx->dwin.local + ctx->dlay.credit, 0,
                                 ctx->dlay.bytes - ctx->dlay.credit, ctx->s_aux));
     TW_CUDA_TRY(cudaMemsetAsync(ctx->d_done, 0, 4, ctx->s_aux));
+    TW_CUDA_TRY(cudaMemsetAsync(ctx->d_epochs, 0, 8, ctx->s_aux));
   }
-  ctx->disp_credit_epoch = ctx->disp_arrive_epoch = 0;
   ctx->out_buf = -1;
   ctx->dirty_tokens[0] = ctx->dirty_tokens[1] = 0;
   TW_CUDA_TRY(
@@ -415,6 +415,7 @@ static tw_status tw__context_init(tw_context_t ctx) {
     ctx->d_verr = (tw_dev_error*)(m + hist_bytes + counts_bytes); /* 32 bytes */
     ctx->d_zero = (int32_t*)(m + hist_bytes + counts_bytes + 32);
     ctx->d_done = (uint32_t*)(m + hist_bytes + counts_bytes + 36);
+    ctx->d_epochs = (uint32_t*)(m + hist_bytes + counts_bytes + 40); /* 8 bytes */
     TW_CUDA_TRY(cudaMemset(m, 0, hist_bytes + counts_bytes + 64));
     TW_CUDA_TRY(cudaHostAlloc((void**)&ctx->h_row, (kGatherHead + ET) * 4, cudaHostAllocDefault));
     /* The rows of every rank, then the count matrix (W, experts) taken out of them. */

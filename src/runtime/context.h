@@ -96,8 +96,7 @@ struct tw_context {
   int32_t* h_all;        /* (world, kGatherHead + experts) host rows, then the count matrix
                             (world, experts) */
   cudaEvent_t ev_counts; /* the counts and the record copied to h_row */
-  uint32_t disp_credit_epoch; /* dispatch calls that raised credits since the last reset */
-  uint32_t disp_arrive_epoch; /* dispatch calls that sent rows since the last reset */
+  uint32_t* d_epochs;    /* (2) the dispatch's targets (dispatch.h), zero after a reset */
 
   uint64_t epoch;                       /* calls with communication since the last reset */
   uint32_t arrive_target[TW_MAX_RANKS]; /* cumulative arrivals expected from each source */

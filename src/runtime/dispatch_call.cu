@@ -223,13 +223,13 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
    * until the refusals below, which every rank takes alike. */
   if (ctx->have_call) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_call_done, 0));
   ctx->failed = 1;
-  ctx->disp_credit_epoch++;
   tw_dispatch_signal_args sg;
   memset(&sg, 0, sizeof sg);
   sg.peers = ctx->dpeers;
   sg.lay = ctx->dlay;
   sg.rank = rank;
   sg.world = W;
+  sg.epochs = ctx->d_epochs;
   sg.err = ctx->err;
   sg.timeout_ns = timeout_ns;
   TW_TRY(tw__dispatch_credit_launch(&sg, stream));
@@ -329,7 +329,6 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
   sa.send_row = d->send_row;
   sa.err = ctx->err;
   TW_TRY(tw__dispatch_place_launch(&sa, budget, stream));
-  ctx->disp_arrive_epoch++;
   tw_dispatch_copy_args cp;
   memset(&cp, 0, sizeof cp);
   cp.peers = ctx->dpeers;
@@ -346,12 +345,11 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
   cp.local_experts = ctx->local_experts;
   cp.rank = rank;
   cp.world = W;
-  cp.credit_target = ctx->disp_credit_epoch;
+  cp.epochs = ctx->d_epochs;
   cp.err = ctx->err;
   cp.timeout_ns = timeout_ns;
   cp.done = ctx->d_done;
   TW_TRY(tw__dispatch_copy_launch(&cp, budget, stream));
-  sg.arrive_target = ctx->disp_arrive_epoch;
   TW_TRY(tw__dispatch_wait_launch(&sg, stream));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));
   /* Error record to the host off the caller's path (the next call looks at it). */
