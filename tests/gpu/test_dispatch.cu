@@ -129,16 +129,18 @@ static void tw_dispatch_reference(const tw_problem* p, tw_routing_t rt, int rank
   const float* ws = NULL;
   tw_routing_rank(rt, rank, &n_tok, &ids, &ws);
   const int H = p->hidden, K = p->top_k;
+  double* xr = (double*)malloc(sizeof(double) * (size_t)H);
+  for (int f = 0; f < H; f++) xr[f] = tw_x_value(salt_x, rank, t, f);
   for (int n = 0; n < H; n++) out[n] = 0.0;
   for (int j = 0; j < K; j++) {
     const int g = ids[(size_t)t * K + j];
     for (int n = 0; n < H; n++) {
       double acc = 0.0;
-      for (int f = 0; f < H; f++)
-        acc += (double)tw_x_value(salt_x, rank, t, f) * (double)tw_w2_value(salt_w, g, n, f);
+      for (int f = 0; f < H; f++) acc += xr[f] * (double)tw_w2_value(salt_w, g, n, f);
       out[n] += (double)ws[(size_t)t * K + j] * (double)tw_bf2f(tw_f2bf((float)acc));
     }
   }
+  free(xr);
 }
 
 /* Device array (n elements of `elem` bytes) equals host array. */
