@@ -17,7 +17,8 @@
  *
  * Failures: an id out of range or repeated within a token, a token count out of range or a bad
  * pointer on any rank fails the call on every rank, before anything is sent, with the context
- * still usable (each rank's counters advanced alike). A plan or upload that fails on one rank
+ * still usable (each rank's counters advanced alike); a context that has failed on any rank is
+ * refused the same way and stays failed on every rank. A plan or upload that fails on one rank
  * fails the call on every rank after the second agreement, also before anything is sent. A
  * failure past that point (a CUDA error, a wait past the timeout) leaves the context failed
  * until tw_context_reset(), as a failed combine does.
