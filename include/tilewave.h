@@ -410,6 +410,11 @@ typedef struct tw_context_config {
    * lower it (tw_combine_options.sm_budget). Appended after `dataflow`: a config that ends
    * before it takes the default. */
   int32_t sm_budget;
+  /* 1: the context can dispatch (tw_moe_dispatch): it allocates a second window holding the
+   * expert-input rows peers write (tw_context_dispatch_buffer: as many rows as a plan of the
+   * problem can have, of hidden bf16) and its counters; 0 (default): no dispatch. The same on
+   * every rank; the reduce dataflow only. Appended after `sm_budget`. */
+  int32_t dispatch;
 } tw_context_config;
 
 /* How the consumer moves rows to a peer. */
@@ -423,7 +428,7 @@ typedef enum tw_consumer_copy {
 } tw_consumer_copy;
 
 #define TW_CONTEXT_CONFIG_INIT \
-  { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0 }
+  { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
 
 /* Creates a context for one rank. COLLECTIVE over `comm`: every rank calls it with the same
  * problem (problem->world_size must equal the communicator's size) and the same config.
@@ -494,6 +499,10 @@ TW_API tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* dplan
 TW_API tw_status tw_device_plan_upload(tw_device_plan_t dplan, tw_plan_t plan, tw_routing_t routing,
                                        cudaStream_t stream);
 TW_API tw_status tw_device_plan_destroy(tw_device_plan_t dplan);
+/* The summary (tw_plan_summary) of the plan last uploaded to dplan, by tw_device_plan_upload or
+ * by tw_moe_dispatch (which plans on the host from the all-gathered counts). TW_ERR_STATE before
+ * the first upload. Not collective; does not touch the device. */
+TW_API tw_status tw_device_plan_summary_get(tw_device_plan_t dplan, tw_plan_summary* summary);
 
 typedef enum tw_combine_mode {
   TW_COMBINE_OVERLAP = 0,   /* producer and consumer run concurrently, tile-level signals */
@@ -558,6 +567,74 @@ TW_API tw_status tw_moe_combine(tw_context_t ctx, tw_device_plan_t dplan, const 
 TW_API tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
                                    const void* w2, void* out, const tw_combine_options* options,
                                    cudaStream_t stream);
+
+/* ---- Dispatch: from the engine's top-k on the GPU to the expert-input rows --------------- */
+
+/* The integer type of topk_ids. */
+typedef enum tw_index_type { TW_INDEX_INT32 = 0, TW_INDEX_INT64 = 1 } tw_index_type;
+
+#define TW_DISPATCH_OPTIONS_MAGIC 0x74774470u /* "twDp" */
+
+typedef struct tw_dispatch_options {
+  size_t size;
+  uint32_t magic;
+  uint32_t version;
+  /* How the plan is made (C, mgb, schedule, hardware, sm_budget of the combine that follows);
+   * NULL = defaults, planned for the context's sm_budget. Its dataflow must be DEFAULT or the
+   * context's. */
+  const tw_plan_config* plan_config;
+  /* SMs the dispatch's kernels may occupy, 2..the context's sm_budget; 0 = the context's. */
+  int32_t sm_budget;
+} tw_dispatch_options;
+
+#define TW_DISPATCH_OPTIONS_INIT \
+  { sizeof(tw_dispatch_options), TW_DISPATCH_OPTIONS_MAGIC, TW_API_VERSION, NULL, 0 }
+
+/* The context's expert-input buffer, which tw_moe_dispatch fills: (rows_max, hidden) device
+ * bf16 inside the dispatch window (tw_context_config.dispatch = 1; TW_ERR_STATE otherwise).
+ * A dispatch writes the first `rows` (tw_device_plan_summary_get) in the plan's row layout.
+ * Either pointer may be NULL. */
+TW_API tw_status tw_context_dispatch_buffer(tw_context_t ctx, void** rows, int64_t* rows_max);
+
+/* Dispatch of one MoE layer, eager mode. COLLECTIVE: every rank calls it, in the same order as
+ * its other calls on the context, with its own tokens. From this rank's top-k on the GPU:
+ *  1. counts its slots per global expert on the device, checking every id (a bad or repeated id
+ *     fails the call on every rank with TW_ERR_EXPERT_ID / TW_ERR_DUPLICATE_EXPERT naming the
+ *     rank and slot; nothing is sent and the context stays usable);
+ *  2. copies the counts to the host (the call waits for `stream` here), all-gathers them over
+ *     the team and builds this rank's plan from the count matrix (the plan tw_plan_create would
+ *     make from the same routing), which it uploads to dplan;
+ *  3. places every (token, slot) by a device-side scan (no per-token data on the host: the
+ *     reduction's slot rows and gate weights are written into dplan on the device), then writes
+ *     each token row x[t] once per slot into the expert-input buffer of the expert's rank at its
+ *     row of the aligned layout (peer stores), zero-fills this rank's padding rows, and waits
+ *     until every rank's rows for it have arrived.
+ * [in]  dplan:        this rank's device plan (tw_device_plan_create on ctx); replaced
+ * [in]  x:            (tokens, hidden) device bf16, 16-byte aligned
+ * [in]  topk_ids:     (tokens, top_k) device int32 or int64 (id_type) global expert ids
+ * [in]  topk_weights: (tokens, top_k) device fp32 gate weights
+ * [in]  tokens:       0..max_tokens tokens of this rank (another count fails the call on every
+ *                     rank)
+ * [out] expert_in:    the context's expert-input buffer (tw_context_dispatch_buffer), ready in
+ *                     the order of `stream`: (rows, hidden) bf16 in the plan's layout, padding
+ *                     rows zero. GEMM1 reads it; with hidden == ffn it is a valid GEMM2 input
+ *                     for tw_moe_combine(ctx, dplan, expert_in, ...). May be NULL.
+ * [in]  stream:       the caller's stream; inputs ready in its order. The call blocks the host
+ *                     until the counts are on it. Peers write into this rank's buffer during
+ *                     its next dispatch call: every read of the buffer must be ordered before
+ *                     that call (the context orders its own calls).
+ * x, topk_ids and topk_weights must not change until the call's work completes. Device-side
+ * failures (a wait past the timeout) surface as for tw_moe_combine. Needs the reduce dataflow
+ * and tw_context_config.dispatch = 1. */
+TW_API tw_status tw_moe_dispatch(tw_context_t ctx, tw_device_plan_t dplan, const void* x,
+                                 const void* topk_ids, tw_index_type id_type,
+                                 const float* topk_weights, int32_t tokens, void** expert_in,
+                                 cudaStream_t stream);
+/* As tw_moe_dispatch, with options (NULL = defaults). */
+TW_API tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t dplan, const void* x,
+                                    const void* topk_ids, tw_index_type id_type,
+                                    const float* topk_weights, int32_t tokens, void** expert_in,
+                                    const tw_dispatch_options* options, cudaStream_t stream);
 
 /* Waits for this rank's last call and agrees with every rank on whether any device-side wait
  * failed. COLLECTIVE and blocking. Returns TW_SUCCESS on every rank, or TW_ERR_TIMEOUT on every

@@ -22,6 +22,16 @@
  *    from the same routing, so no metadata exchange is needed.
  * Everything is O(routed rows + W * experts) and allocates once per plan. The passes over every
  * routed row divide nothing and branch on nothing that depends on the routing (see tw__scratch).
+ *
+ * Two entry points share one core. The core (tw__layout_core) needs only the count matrix
+ * hist[o][g] (how many of rank o's token slots route to global expert g): group sizes, rows,
+ * bands, destinations, receive offsets, the owner of every row and the two per-expert bases of
+ * the per-token maps (slot_base, send_row0) are functions of it. tw__plan_layout (a routing)
+ * counts the matrix on the host, runs the core, then fills the per-token parts: the (token,
+ * slot) of every row and slot_row. tw__plan_layout_counts (a count matrix, e.g. all-gathered
+ * from the ranks' GPUs) runs the core alone; the per-token parts then come from a device-side
+ * scan (src/kernels/dispatch.cu), which places slot i of expert g at slot_base[g] + its position
+ * among this rank's slots of g in (token, slot) order, as the host fill below does.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -80,8 +90,7 @@ static void tw__scratch_free(tw__scratch* s) {
 
 /* The scratch arrays and the plan's per-expert and per-rank arrays (sizes known before the
  * layout). */
-static tw_status tw__layout_alloc(struct tw_plan* pl, const struct tw_routing* rt,
-                                  tw__scratch* sc) {
+static tw_status tw__layout_alloc(struct tw_plan* pl, tw__scratch* sc) {
   const int32_t W = pl->problem.world_size, ET = pl->problem.experts;
   const int32_t E = ET / W;
   const size_t ew = (size_t)E * (size_t)W;
@@ -103,35 +112,51 @@ static tw_status tw__layout_alloc(struct tw_plan* pl, const struct tw_routing* r
   pl->recv_bands = tw__alloc((size_t)W, sizeof(int32_t));
   pl->stream_first = tw__alloc((size_t)W, sizeof(int32_t));
   pl->stream_last = tw__alloc((size_t)W, sizeof(int32_t));
-  pl->slot_row =
-      tw__alloc((size_t)rt->tokens[pl->rank] * (size_t)pl->problem.top_k, sizeof(int32_t));
+  pl->slot_base = tw__alloc((size_t)ET, sizeof(int32_t));
+  pl->send_row0 = tw__alloc((size_t)ET, sizeof(int32_t));
   if (!sc->hist || !sc->cnt || !sc->grp_row0 || !sc->dest_row || !sc->before || !sc->cursor ||
       !sc->step || !sc->slot_cur || !sc->keys || !pl->expert_row0 || !pl->expert_rows ||
       !pl->expert_real_rows || !pl->expert_order || !pl->expert_band0 || !pl->expert_local_band0 ||
-      !pl->recv_bands || !pl->stream_first || !pl->stream_last || !pl->slot_row)
+      !pl->recv_bands || !pl->stream_first || !pl->stream_last || !pl->slot_base || !pl->send_row0)
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "plan: out of host memory");
   return TW_SUCCESS;
 }
 
-/* Pass 1 over every routed (owner, token, slot): a histogram per owner over global experts.
- * Global expert g lives on rank g / E as its local expert g % E, so the histograms give the
- * group sizes of this rank's experts, the rows lower-numbered senders put ahead of ours in each
- * owner's receive buffer, and this rank's own per-expert counts (hist row `rank`). */
-static void tw__count_groups(const struct tw_plan* pl, const struct tw_routing* rt,
-                             tw__scratch* sc) {
+/* Pass 1 over every routed (owner, token, slot): a histogram per owner over global experts
+ * (the count matrix hist[o][g]). */
+static void tw__hist_from_routing(const struct tw_plan* pl, const struct tw_routing* rt,
+                                  tw__scratch* sc) {
   const int32_t W = pl->problem.world_size, K = pl->problem.top_k, ET = pl->problem.experts;
-  const int32_t E = ET / W, rank = pl->rank;
   for (int32_t o = 0; o < W; o++) {
     const int32_t* ids = rt->expert_ids[o];
     int32_t* h = sc->hist + (size_t)o * ET;
     size_t n = (size_t)rt->tokens[o] * (size_t)K;
     for (size_t i = 0; i < n; i++) h[ids[i]]++;
+  }
+}
+
+/* From the count matrix: global expert g lives on rank g / E as its local expert g % E, so the
+ * histograms give the group sizes of this rank's experts, the rows lower-numbered senders put
+ * ahead of ours in each owner's receive buffer, and this rank's own per-expert counts (hist row
+ * `rank`). */
+static void tw__count_groups(const struct tw_plan* pl, tw__scratch* sc) {
+  const int32_t W = pl->problem.world_size, ET = pl->problem.experts;
+  const int32_t E = ET / W, rank = pl->rank;
+  for (int32_t o = 0; o < W; o++) {
+    const int32_t* h = sc->hist + (size_t)o * ET;
     for (int32_t e = 0; e < E; e++) sc->cnt[(size_t)e * W + o] = h[(size_t)rank * E + e];
     for (int32_t s = 0; s < rank; s++) {
       if (s == o) continue;
       for (int32_t e = 0; e < E; e++) sc->before[o] += h[(size_t)s * E + e];
     }
   }
+}
+
+/* Rows group q of an expert (owner (r+q) % W, q = 1..W) takes in the layout: its rows, padded
+ * to whole bands for every remote group but the last (q < W - 1). The one rule both the layout
+ * and the senders' view of other ranks' layouts (tw__send_rows) follow. */
+static inline int64_t tw__group_span(int32_t q, int32_t W, int32_t c, int32_t TM) {
+  return q >= W - 1 ? c : tw__ceil_div(c, TM) * TM;
 }
 
 /* Layout: groups of each expert in owner order r+1, ..., r+W-1, r; every remote group but the
@@ -149,7 +174,7 @@ static tw_status tw__place_groups(struct tw_plan* pl, tw__scratch* sc, int32_t* 
       int32_t c = sc->cnt[(size_t)e * W + o];
       sc->grp_row0[(size_t)e * W + o] = (int32_t)row;
       int32_t nb = (int32_t)tw__ceil_div(c, TM);
-      row += q >= W - 1 ? c : (int64_t)nb * TM;
+      row += tw__group_span(q, W, c, TM);
       e_real += c;
       if (o != rank) remote_bands += nb;
       if (q < W - 1) nb_total += nb;
@@ -184,21 +209,29 @@ static tw_status tw__layout_alloc_bands(struct tw_plan* pl, int32_t num_bands) {
   return TW_SUCCESS;
 }
 
-/* Row sources: padding rows (the tail of each padded remote group), then pass 2 places every
- * routed row in (token, slot) order within its group (owners ascending, tokens ascending, slots
- * ascending). Every row is written exactly once. */
-static void tw__place_rows(struct tw_plan* pl, const struct tw_routing* rt, tw__scratch* sc) {
-  const int32_t W = pl->problem.world_size, K = pl->problem.top_k, ET = pl->problem.experts;
-  const int32_t E = pl->local_experts, TM = pl->tm, rank = pl->rank;
+/* Row owners (a function of the counts): each group's rows belong to its owner, with token and
+ * slot -1 until tw__place_tokens fills them; the tail of each padded remote group is padding
+ * (owner -1). Every row is written exactly once. */
+static void tw__place_owners(struct tw_plan* pl, const tw__scratch* sc) {
+  const int32_t W = pl->problem.world_size, E = pl->local_experts, TM = pl->tm, rank = pl->rank;
   for (int32_t e = 0; e < E; e++) {
-    for (int32_t q = 1; q < W - 1; q++) { /* the padded groups */
-      const size_t gi = (size_t)e * W + (rank + q) % W;
-      const int32_t c = sc->cnt[gi];
-      const int32_t end = sc->grp_row0[gi] + (int32_t)tw__ceil_div(c, TM) * TM;
-      for (int32_t r = sc->grp_row0[gi] + c; r < end; r++)
-        pl->row_src[r] = (tw_row_src){-1, -1, -1};
+    for (int32_t q = 1; q <= W; q++) {
+      const int32_t o = (rank + q) % W;
+      const size_t gi = (size_t)e * W + o;
+      const int32_t c = sc->cnt[gi], g0 = sc->grp_row0[gi];
+      const int32_t end = g0 + (int32_t)tw__group_span(q, W, c, TM);
+      for (int32_t r = g0; r < g0 + c; r++) pl->row_src[r] = (tw_row_src){o, -1, -1};
+      for (int32_t r = g0 + c; r < end; r++) pl->row_src[r] = (tw_row_src){-1, -1, -1};
     }
   }
+}
+
+/* Row sources of the routed rows: pass 2 places every routed row in (token, slot) order within
+ * its group (owners ascending, tokens ascending, slots ascending); padding rows keep what
+ * tw__place_owners wrote. */
+static void tw__place_tokens(struct tw_plan* pl, const struct tw_routing* rt, tw__scratch* sc) {
+  const int32_t W = pl->problem.world_size, K = pl->problem.top_k, ET = pl->problem.experts;
+  const int32_t E = pl->local_experts, rank = pl->rank;
   /* Other ranks' experts write to `sink` and do not advance; ours advance through their group.
    * The stores are unconditional so that the loop has no data-dependent branch. */
   tw_row_src sink;
@@ -292,11 +325,11 @@ static tw_status tw__layout_bands(struct tw_plan* pl, const tw__scratch* sc, int
 }
 
 /* Receive side: rows others return here, ordered by source rank then its expert index, which
- * is ascending global expert id with our own experts skipped. slot_cur[g] starts at the first
+ * is ascending global expert id with our own experts skipped. slot_base[g] is the first
  * slot_row value of our rows of expert g: a receive row for another rank's expert, recv_rows
  * plus the local group's first row for ours. */
-static void tw__receive_side(struct tw_plan* pl, const struct tw_routing* rt, tw__scratch* sc) {
-  const int32_t W = pl->problem.world_size, K = pl->problem.top_k, ET = pl->problem.experts;
+static void tw__receive_side(struct tw_plan* pl, const tw__scratch* sc) {
+  const int32_t W = pl->problem.world_size, ET = pl->problem.experts;
   const int32_t E = pl->local_experts, TM = pl->tm, rank = pl->rank;
   const int32_t* own = sc->hist + (size_t)rank * ET; /* this rank's assignments per global expert */
   int64_t recv = 0;
@@ -305,36 +338,88 @@ static void tw__receive_side(struct tw_plan* pl, const struct tw_routing* rt, tw
     if (s == rank) continue;
     for (int32_t e = 0; e < E; e++) {
       int32_t g = s * E + e;
-      sc->slot_cur[g] = (int32_t)recv;
+      pl->slot_base[g] = (int32_t)recv;
       recv += own[g];
       pl->recv_bands[s] += (int32_t)tw__ceil_div(own[g], TM);
     }
   }
   pl->recv_rows = (int32_t)recv;
   for (int32_t e = 0; e < E; e++)
-    sc->slot_cur[(size_t)rank * E + e] = pl->recv_rows + sc->grp_row0[(size_t)e * W + rank];
-  const int32_t* ids = rt->expert_ids[rank];
-  size_t n = (size_t)rt->tokens[rank] * (size_t)K;
-  for (size_t i = 0; i < n; i++) pl->slot_row[i] = sc->slot_cur[ids[i]]++;
+    pl->slot_base[(size_t)rank * E + e] = pl->recv_rows + sc->grp_row0[(size_t)e * W + rank];
+}
+
+/* Where this rank's rows of global expert g start in the layout of g's rank d = g / E (group
+ * (g % E, rank) there): d's layout walked by the same rule as tw__place_groups, from the counts
+ * alone. -1 where the row does not fit int32 (d's own plan then fails). O(W * E_total). */
+static void tw__send_rows(struct tw_plan* pl, const tw__scratch* sc) {
+  const int32_t W = pl->problem.world_size, ET = pl->problem.experts;
+  const int32_t E = pl->local_experts, TM = pl->tm, me = pl->rank;
+  for (int32_t d = 0; d < W; d++) {
+    int64_t row = 0;
+    for (int32_t e = 0; e < E; e++) {
+      const int32_t g = d * E + e;
+      for (int32_t q = 1; q <= W; q++) {
+        const int32_t o = (d + q) % W;
+        if (o == me) pl->send_row0[g] = row <= INT32_MAX ? (int32_t)row : -1;
+        row += tw__group_span(q, W, sc->hist[(size_t)o * ET + g], TM);
+      }
+    }
+  }
+}
+
+/* Everything the count matrix in sc->hist decides (see the file comment). */
+static tw_status tw__layout_core(struct tw_plan* pl, tw__scratch* sc) {
+  int32_t num_bands = 0;
+  tw__count_groups(pl, sc);
+  tw_status st = tw__place_groups(pl, sc, &num_bands);
+  if (st == TW_SUCCESS) st = tw__layout_alloc_bands(pl, num_bands);
+  if (st == TW_SUCCESS) {
+    tw__place_owners(pl, sc);
+    tw__dest_rows(pl, sc);
+    st = tw__layout_bands(pl, sc, num_bands);
+  }
+  if (st == TW_SUCCESS) {
+    tw__receive_side(pl, sc);
+    tw__send_rows(pl, sc);
+  }
+  /* The bands' order is tw__plan_set_schedule's; the segments are built by the model
+   * (tw__model_choose), once per candidate mgb. */
+  return st;
 }
 
 tw_status tw__plan_layout(struct tw_plan* pl, const struct tw_routing* rt) {
   tw__scratch sc = {0};
-  int32_t num_bands = 0;
-  tw_status st = tw__layout_alloc(pl, rt, &sc);
+  const int32_t K = pl->problem.top_k, ET = pl->problem.experts, rank = pl->rank;
+  tw_status st = tw__layout_alloc(pl, &sc);
   if (st == TW_SUCCESS) {
-    tw__count_groups(pl, rt, &sc);
-    st = tw__place_groups(pl, &sc, &num_bands);
+    pl->slot_row = tw__alloc((size_t)rt->tokens[rank] * (size_t)K, sizeof(int32_t));
+    if (pl->slot_row == NULL) st = tw__fail(TW_ERR_OUT_OF_MEMORY, "plan: out of host memory");
   }
-  if (st == TW_SUCCESS) st = tw__layout_alloc_bands(pl, num_bands);
   if (st == TW_SUCCESS) {
-    tw__place_rows(pl, rt, &sc);
-    tw__dest_rows(pl, &sc);
-    st = tw__layout_bands(pl, &sc, num_bands);
+    tw__hist_from_routing(pl, rt, &sc);
+    st = tw__layout_core(pl, &sc);
   }
-  if (st == TW_SUCCESS) tw__receive_side(pl, rt, &sc);
-  /* The bands' order is tw__plan_set_schedule's; the segments are built by the model
-   * (tw__model_choose), once per candidate mgb. */
+  if (st == TW_SUCCESS) {
+    /* The per-token parts: every routed row's (token, slot), and where each of our (token,
+     * slot) rows lands (slot_row), by one cursor per global expert from slot_base. */
+    tw__place_tokens(pl, rt, &sc);
+    memcpy(sc.slot_cur, pl->slot_base, (size_t)ET * sizeof(int32_t));
+    const int32_t* ids = rt->expert_ids[rank];
+    const size_t n = (size_t)rt->tokens[rank] * (size_t)K;
+    for (size_t i = 0; i < n; i++) pl->slot_row[i] = sc.slot_cur[ids[i]]++;
+  }
+  tw__scratch_free(&sc);
+  return st;
+}
+
+tw_status tw__plan_layout_counts(struct tw_plan* pl, const int32_t* counts) {
+  tw__scratch sc = {0};
+  const int32_t W = pl->problem.world_size, ET = pl->problem.experts;
+  tw_status st = tw__layout_alloc(pl, &sc);
+  if (st == TW_SUCCESS) {
+    memcpy(sc.hist, counts, (size_t)W * (size_t)ET * sizeof(int32_t));
+    st = tw__layout_core(pl, &sc);
+  }
   tw__scratch_free(&sc);
   return st;
 }

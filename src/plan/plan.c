@@ -1,10 +1,11 @@
 /*
- * plan.c: tw_plan_create and the plan's lifetime: checks the arguments, resolves the schedule,
- * dataflow and tile group the plan is built for, then builds it in three steps, each in its own
- * file and none calling back into this one:
+ * plan.c: tw_plan_create (from a routing), tw__plan_create_from_counts (from the count matrix)
+ * and the plan's lifetime: checks the arguments, resolves the schedule, dataflow and tile group
+ * the plan is built for, then builds it in three steps, each in its own file and none calling
+ * back into this one:
  *
  *   layout.c     the row layout of the rank's local experts, its bands in layout order and the
- *                receive side (tw__plan_layout);
+ *                receive side (tw__plan_layout, tw__plan_layout_counts);
  *   schedule.c   the bands and tiles in the order of a schedule (tw__plan_set_schedule);
  *   model*.c     the partition (C, mgb) and, for TW_SCHEDULE_AUTO, the schedule, which reorders
  *                the plan (schedule.c) and builds its segments (segments.c) as it goes
@@ -37,6 +38,8 @@ static void tw__plan_free(struct tw_plan* plan) {
   free(plan->recv_bands);
   free(plan->stream_first);
   free(plan->stream_last);
+  free(plan->slot_base);
+  free(plan->send_row0);
   free(plan);
 }
 
@@ -82,14 +85,11 @@ tw_status tw__tile_group_resolve(int32_t* tile_group) {
                             tile_group);
 }
 
-tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_t rank,
-                         const tw_plan_config* config, tw_plan_t* plan) {
-  tw__clear_error();
-  TW_CHECK_NULL(plan);
-  *plan = NULL;
-  TW_TRY(tw_problem_validate(problem));
-  TW_CHECK_NULL(routing);
-  const tw_problem* p = problem;
+/* What tw_plan_create resolves from the config before it looks at the routing: the config's
+ * header, the schedule, the dataflow (and whether the problem can run it) and the tile group. */
+static tw_status tw__plan_config_resolve(const tw_problem* p, const tw_plan_config* config,
+                                         int32_t* schedule, int32_t* dataflow,
+                                         int32_t* tile_group) {
   /* The config's values are checked by the model (tw__model_choose), against the hardware, and
    * the schedule by tw__schedule_resolve. A config of the size before `schedule` was appended
    * (same magic and version) is a caller built against the earlier tilewave.h: it is read up to
@@ -106,23 +106,70 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
     TW_TRY(tw__check_header("tw_plan_config", config->size, known, config->magic,
                             TW_PLAN_CONFIG_MAGIC, config->version));
   }
-  int32_t schedule = TW_SCHEDULE_AUTO;
-  TW_TRY(tw__schedule_resolve(config, &schedule));
-  int32_t dataflow = TW_DATAFLOW_REDUCE;
+  *schedule = TW_SCHEDULE_AUTO;
+  TW_TRY(tw__schedule_resolve(config, schedule));
+  *dataflow = TW_DATAFLOW_REDUCE;
   TW_TRY(tw__dataflow_resolve("tw_plan_create",
                               config != NULL && config->size > offsetof(tw_plan_config, dataflow)
                                   ? config->dataflow
                                   : TW_DATAFLOW_DEFAULT,
-                              &dataflow));
+                              dataflow));
   /* The add dataflow sums a token's rows in the order they land: exact for two rows only. */
-  if (dataflow == TW_DATAFLOW_ADD && p->top_k > 2)
+  if (*dataflow == TW_DATAFLOW_ADD && p->top_k > 2)
     return tw__fail(TW_ERR_UNSUPPORTED,
                     "tw_plan_create: the add dataflow runs top_k 1 or 2, this problem has top_k "
                     "%d; plan for TW_DATAFLOW_REDUCE (tw_plan_config.dataflow or "
                     "TW_COMBINE_DATAFLOW=reduce)",
                     p->top_k);
+  *tile_group = TW_TILE_GROUP_DEFAULT;
+  TW_TRY(tw__tile_group_resolve(tile_group));
+  return TW_SUCCESS;
+}
+
+/* Builds the plan once the inputs are checked: the layout from the routing, or from the count
+ * matrix when routing is NULL, then the schedule and the model's partition. */
+static tw_status tw__plan_build(const tw_problem* p, const struct tw_routing* routing,
+                                const int32_t* counts, int32_t rank, const tw_plan_config* config,
+                                int32_t schedule, int32_t dataflow, int32_t tile_group,
+                                tw_plan_t* plan) {
+  struct tw_plan* pl = calloc(1, sizeof *pl);
+  if (pl == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "plan: out of host memory");
+  pl->problem = *p;
+  pl->rank = rank;
+  pl->local_experts = p->experts / p->world_size;
+  pl->tm = tw__resolve_tile_m(p);
+  pl->tn = tw__resolve_tile_n(p);
+  pl->col_tiles = (int32_t)tw__ceil_div(p->hidden, pl->tn);
+  pl->schedule_request = schedule;
+  pl->dataflow = dataflow;
+  pl->tile_group = tile_group;
+  tw_status st =
+      routing != NULL ? tw__plan_layout(pl, routing) : tw__plan_layout_counts(pl, counts);
+  /* The model tabulates an AUTO plan in remote-first order first (tw__model_choose). */
+  if (st == TW_SUCCESS)
+    st = tw__plan_set_schedule(pl, pl->schedule_request == TW_SCHEDULE_EXPERT_MAJOR
+                                       ? TW_SCHEDULE_EXPERT_MAJOR
+                                       : TW_SCHEDULE_REMOTE_FIRST);
+  if (st == TW_SUCCESS) st = tw__model_choose(pl, config);
+  if (st != TW_SUCCESS) {
+    tw__plan_free(pl);
+    return st;
+  }
+  *plan = pl;
+  return TW_SUCCESS;
+}
+
+tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_t rank,
+                         const tw_plan_config* config, tw_plan_t* plan) {
+  tw__clear_error();
+  TW_CHECK_NULL(plan);
+  *plan = NULL;
+  TW_TRY(tw_problem_validate(problem));
+  TW_CHECK_NULL(routing);
+  const tw_problem* p = problem;
+  int32_t schedule = TW_SCHEDULE_AUTO, dataflow = TW_DATAFLOW_REDUCE;
   int32_t tile_group = TW_TILE_GROUP_DEFAULT;
-  TW_TRY(tw__tile_group_resolve(&tile_group));
+  TW_TRY(tw__plan_config_resolve(p, config, &schedule, &dataflow, &tile_group));
   const tw_problem* rp = &routing->problem;
   if (rp->world_size != p->world_size || rp->experts != p->experts || rp->top_k != p->top_k)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
@@ -138,31 +185,56 @@ tw_status tw_plan_create(const tw_problem* problem, tw_routing_t routing, int32_
   if (rank < 0 || rank >= p->world_size)
     return tw__fail(TW_ERR_INVALID_ARGUMENT, "rank %d is outside 0..%d (world_size %d)", rank,
                     p->world_size - 1, p->world_size);
+  return tw__plan_build(p, routing, NULL, rank, config, schedule, dataflow, tile_group, plan);
+}
 
-  struct tw_plan* pl = calloc(1, sizeof *pl);
-  if (pl == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "plan: out of host memory");
-  pl->problem = *p;
-  pl->rank = rank;
-  pl->local_experts = p->experts / p->world_size;
-  pl->tm = tw__resolve_tile_m(p);
-  pl->tn = tw__resolve_tile_n(p);
-  pl->col_tiles = (int32_t)tw__ceil_div(p->hidden, pl->tn);
-  pl->schedule_request = schedule;
-  pl->dataflow = dataflow;
-  pl->tile_group = tile_group;
-  tw_status st = tw__plan_layout(pl, routing);
-  /* The model tabulates an AUTO plan in remote-first order first (tw__model_choose). */
-  if (st == TW_SUCCESS)
-    st = tw__plan_set_schedule(pl, pl->schedule_request == TW_SCHEDULE_EXPERT_MAJOR
-                                       ? TW_SCHEDULE_EXPERT_MAJOR
-                                       : TW_SCHEDULE_REMOTE_FIRST);
-  if (st == TW_SUCCESS) st = tw__model_choose(pl, config);
-  if (st != TW_SUCCESS) {
-    tw__plan_free(pl);
-    return st;
+tw_status tw__plan_create_from_counts(const tw_problem* problem, const int32_t* counts,
+                                      int32_t rank, const tw_plan_config* config, tw_plan_t* plan) {
+  tw__clear_error();
+  TW_CHECK_NULL(plan);
+  *plan = NULL;
+  TW_TRY(tw_problem_validate(problem));
+  TW_CHECK_NULL(counts);
+  const tw_problem* p = problem;
+  int32_t schedule = TW_SCHEDULE_AUTO, dataflow = TW_DATAFLOW_REDUCE;
+  int32_t tile_group = TW_TILE_GROUP_DEFAULT;
+  TW_TRY(tw__plan_config_resolve(p, config, &schedule, &dataflow, &tile_group));
+  /* What a routing guarantees by construction: each rank's slots are whole tokens, at most
+   * max_tokens of them, and a token names an expert at most once. */
+  const int32_t ET = p->experts;
+  for (int32_t o = 0; o < p->world_size; o++) {
+    const int32_t* row = counts + (size_t)o * (size_t)ET;
+    int64_t slots = 0;
+    int32_t top = 0;
+    for (int32_t g = 0; g < ET; g++) {
+      if (row[g] < 0)
+        return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                        "plan from counts: rank %d routes %d slots to expert %d; counts must be "
+                        ">= 0",
+                        o, row[g], g);
+      slots += row[g];
+      if (row[g] > top) top = row[g];
+    }
+    if (slots % p->top_k != 0)
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "plan from counts: rank %d routes %lld slots, not a multiple of top_k %d", o,
+                      (long long)slots, p->top_k);
+    const int64_t tokens = slots / p->top_k;
+    if (tokens > p->max_tokens)
+      return tw__fail(TW_ERR_CAPACITY,
+                      "plan from counts: rank %d holds %lld tokens, more than the problem's "
+                      "max_tokens (%d); raise max_tokens",
+                      o, (long long)tokens, p->max_tokens);
+    if (top > tokens)
+      return tw__fail(TW_ERR_DUPLICATE_EXPERT,
+                      "plan from counts: rank %d routes %d of its %lld tokens to one expert; a "
+                      "token names each expert at most once",
+                      o, top, (long long)tokens);
   }
-  *plan = pl;
-  return TW_SUCCESS;
+  if (rank < 0 || rank >= p->world_size)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "rank %d is outside 0..%d (world_size %d)", rank,
+                    p->world_size - 1, p->world_size);
+  return tw__plan_build(p, NULL, counts, rank, config, schedule, dataflow, tile_group, plan);
 }
 
 tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary) {

@@ -127,13 +127,19 @@ struct tw_plan {
   int32_t recv_rows;     /* rows other ranks send here */
   int32_t* slot_row;     /* (tokens[rank], top_k) row index: < recv_rows is the receive
                             buffer, >= recv_rows is row (value - recv_rows) of the
-                            local layout */
+                            local layout; NULL in a plan from counts (the device scans) */
   int32_t* recv_bands;   /* (W) bands this rank receives from each source per call (0
                             for itself) */
   int32_t* stream_first; /* (W) schedule index of the first remote band bound for each
                             rank, -1 if none (segment building) */
   int32_t* stream_last;  /* (W) schedule index of the last remote band bound for each
                             rank, -1 if none */
+  /* The bases of the per-token maps, functions of the count matrix (layout.c): slot i of this
+   * rank's tokens that names global expert g has slot_row[i] = slot_base[g] + p, and its row
+   * goes to row send_row0[g] + p of the GEMM input of g's rank (g / E), where p is the slot's
+   * position among this rank's slots of g in (token, slot) order. */
+  int32_t* slot_base; /* (E_total) */
+  int32_t* send_row0; /* (E_total) -1 where it would not fit int32 */
 
   /* Partition decision. */
   int32_t comm_ctas;
@@ -170,6 +176,18 @@ int32_t tw__resolve_tile_m(const tw_problem* p);
  * tiles and segments for the worst case; the bands' order is left to tw__plan_set_schedule. The
  * plan holds problem, rank, local_experts, tm, tn and col_tiles; on failure the caller frees it. */
 tw_status tw__plan_layout(struct tw_plan* plan, const struct tw_routing* routing);
+/* The same from the count matrix alone (layout.c): counts (W, E_total) row-major, counts[o][g]
+ * = rank o's token slots routed to global expert g. Everything as tw__plan_layout, with every
+ * row_src's token and slot -1 (owners and padding set) and no slot_row: those are per-token. */
+tw_status tw__plan_layout_counts(struct tw_plan* plan, const int32_t* counts);
+/* tw_plan_create from the count matrix instead of a routing (plan.c): the same checks of problem,
+ * config and rank, then the same layout, schedule, segments and partition, so that the plan
+ * equals tw_plan_create's for any routing with these counts but in the per-token fields (row_src
+ * token and slot -1, slot_row NULL). Checks the counts: non-negative, each rank's row sum a
+ * multiple of top_k giving at most max_tokens tokens, no count above the rank's tokens (a token
+ * names an expert once). */
+tw_status tw__plan_create_from_counts(const tw_problem* problem, const int32_t* counts,
+                                      int32_t rank, const tw_plan_config* config, tw_plan_t* plan);
 /* Builds plan->segments for a coalescing factor (replaces any previous ones; the array is sized
  * for the worst case at plan creation, so rebuilding never allocates). Planner (segments.c). */
 tw_status tw__plan_build_segments(struct tw_plan* plan, int32_t coalesce);

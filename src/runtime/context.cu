@@ -35,6 +35,10 @@ static const char* tw__where_name(int where) {
       return "debug-tag check of a received row";
     case TW_CHECK_ARRIVALS:
       return "reduction's count of a source's arrivals";
+    case TW_WAIT_DISPATCH_CREDIT:
+      return "dispatch wait for a destination's credit";
+    case TW_WAIT_DISPATCH_ARRIVAL:
+      return "dispatch wait for a source's rows";
     default:
       return "device wait";
   }
@@ -49,6 +53,12 @@ tw_status tw__report(tw_context_t ctx, const tw_dev_error* e, const char* how) {
                     "tw_context_reset() on every rank before the next call",
                     how, e->rank, tw__where_name(e->where), e->index, e->seen, e->target);
   tw_status s = e->status == TW_ERR_INTERNAL ? TW_ERR_INTERNAL : TW_ERR_TIMEOUT;
+  if (e->where == TW_CHECK_ID)
+    return tw__fail(s,
+                    "%s: rank %d: the dispatch's place pass met expert id %u at slot %d, outside "
+                    "0..%u, after its count pass had accepted every id; a bug (or topk_ids "
+                    "changed during the call). Call tw_context_reset() before the next call",
+                    how, e->rank, e->seen, e->index, e->target - 1);
   if (e->where == TW_CHECK_TAGS)
     return tw__fail(s,
                     "%s: rank %d: %s: (token, slot) %d: row arrived %u times per column tile's "
@@ -81,6 +91,12 @@ static tw_status tw__zero_state(tw_context_t ctx) {
   if (ctx->lay.out_bytes > 0)
     TW_CUDA_TRY(cudaMemsetAsync((char*)ctx->win.local + ctx->lay.out, 0, 2 * ctx->lay.out_bytes,
                                 ctx->s_aux));
+  if (ctx->dispatch) {
+    TW_CUDA_TRY(cudaMemsetAsync((char*)ctx->dwin.local + ctx->dlay.credit, 0,
+                                ctx->dlay.bytes - ctx->dlay.credit, ctx->s_aux));
+    TW_CUDA_TRY(cudaMemsetAsync(ctx->d_done, 0, 4, ctx->s_aux));
+    TW_CUDA_TRY(cudaMemsetAsync(ctx->d_epochs, 0, 8, ctx->s_aux));
+  }
   ctx->out_buf = -1;
   ctx->dirty_tokens[0] = ctx->dirty_tokens[1] = 0;
   TW_CUDA_TRY(
@@ -183,6 +199,55 @@ static tw_status tw__warm_up(tw_context_t ctx) {
     if (st != TW_SUCCESS) goto done;
     st = tw__fill_bf16(c, 1, 0, ctx->s_aux);
     if (st != TW_SUCCESS) goto done;
+    if (ctx->dispatch) {
+      /* 32 slots of expert 0, one per token (a is zero), outputs into c; no waits, no signals
+       * (world 0). */
+      tw_dispatch_scan_args sa;
+      memset(&sa, 0, sizeof sa);
+      sa.ids = a;
+      sa.slots = 32;
+      sa.top_k = 1;
+      sa.experts = ctx->problem.experts;
+      sa.chunks = 1;
+      sa.chunk_slots = 32;
+      sa.chunk_hist = ctx->d_chunk_hist;
+      sa.counts = ctx->d_counts;
+      sa.err = ctx->d_verr;
+      st = tw__dispatch_count_launch(&sa, 1, ctx->s_aux);
+      if (st != TW_SUCCESS) goto done;
+      int32_t* out = (int32_t*)c;
+      sa.slot_base = (const int32_t*)a;
+      sa.send_row0 = (const int32_t*)a;
+      sa.weights_in = (const float*)a;
+      sa.slot_row = out;
+      sa.send_row = out + 32;
+      sa.weights_out = (float*)(out + 64);
+      st = tw__dispatch_place_launch(&sa, 1, ctx->s_aux);
+      if (st != TW_SUCCESS) goto done;
+      tw_dispatch_signal_args sg;
+      memset(&sg, 0, sizeof sg);
+      sg.peers = ctx->dpeers;
+      sg.lay = ctx->dlay;
+      sg.err = ctx->err;
+      st = tw__dispatch_credit_launch(&sg, ctx->s_aux);
+      if (st == TW_SUCCESS) st = tw__dispatch_wait_launch(&sg, ctx->s_aux);
+      if (st != TW_SUCCESS) goto done;
+      tw_dispatch_copy_args cp;
+      memset(&cp, 0, sizeof cp);
+      cp.peers = ctx->dpeers;
+      cp.lay = ctx->dlay;
+      cp.x = (const uint16_t*)a;
+      cp.ids = a;
+      cp.send_row = out;
+      cp.pads = ctx->d_zero;
+      cp.top_k = 1;
+      cp.hidden = 8;
+      cp.local_experts = 1;
+      cp.done = ctx->d_done;
+      cp.err = ctx->err;
+      st = tw__dispatch_copy_launch(&cp, 1, ctx->s_aux);
+      if (st != TW_SUCCESS) goto done;
+    }
   }
   e = cudaStreamSynchronize(ctx->s_aux);
   if (e != cudaSuccess)
@@ -206,6 +271,7 @@ static void tw__context_free(tw_context_t ctx) {
   if (ctx == NULL) return;
   int busy = 0;
   if (ctx->team != NULL) {
+    if (ctx->dwin.local != NULL) ctx->team->ops->window_destroy(ctx->team, &ctx->dwin);
     if (ctx->win.local != NULL) ctx->team->ops->window_destroy(ctx->team, &ctx->win);
     busy = ctx->team->ops->device_busy(ctx->team);
     if (busy)
@@ -220,8 +286,13 @@ static void tw__context_free(tw_context_t ctx) {
     cudaFree(ctx->c);
     cudaFree(ctx->unit_next);
     cudaFree(ctx->peers);
+    cudaFree(ctx->dpeers);
+    cudaFree(ctx->d_chunk_hist);
     cudaFreeHost(ctx->h_err);
+    cudaFreeHost(ctx->h_row);
   }
+  free(ctx->h_all);
+  if (ctx->ev_counts) cudaEventDestroy(ctx->ev_counts);
   cudaEvent_t* evs[] = {&ctx->ev_start,     &ctx->ev_gemm_done,  &ctx->ev_comm_done,
                         &ctx->ev_call_done, &ctx->ev_err_copied, &ctx->ev_zeroed,
                         &ctx->t_start,      &ctx->t_gemm_end,    &ctx->t_comm_start,
@@ -296,11 +367,12 @@ static tw_status tw__context_init(tw_context_t ctx) {
   /* Every rank must cut bands into the same units (the owners count them) and run the same
    * dataflow: compare (max of v and of -v tells min and max over the ranks). */
   {
-    int64_t v[8] = {ctx->tiles_per_unit, -ctx->tiles_per_unit, ctx->tail_bands, -ctx->tail_bands,
-                    ctx->tail_parts,     -ctx->tail_parts,     ctx->dataflow,   -ctx->dataflow};
-    int64_t mine[8];
+    int64_t v[10] = {ctx->tiles_per_unit, -ctx->tiles_per_unit, ctx->tail_bands, -ctx->tail_bands,
+                     ctx->tail_parts,     -ctx->tail_parts,     ctx->dataflow,   -ctx->dataflow,
+                     ctx->dispatch,       -ctx->dispatch};
+    int64_t mine[10];
     memcpy(mine, v, sizeof v);
-    TW_TRY(tw__team_max_i64(ctx->team, v, 8));
+    TW_TRY(tw__team_max_i64(ctx->team, v, 10));
     if (v[0] != mine[0] || v[1] != mine[1])
       return tw__fail(TW_ERR_INVALID_ARGUMENT,
                       "tw_context_create: ranks use different consumer unit widths (%lld here, "
@@ -319,6 +391,11 @@ static tw_status tw__context_init(tw_context_t ctx) {
                       "tw_context_create: ranks run different combine dataflows (%s here); give "
                       "every rank the same tw_context_config.dataflow / TW_COMBINE_DATAFLOW",
                       tw__dataflow_name(ctx->dataflow));
+    if (v[8] != mine[8] || v[9] != mine[9])
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_context_create: tw_context_config.dispatch is %d here but differs on "
+                      "another rank; give every rank the same",
+                      ctx->dispatch);
   }
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_comm, cudaStreamNonBlocking));
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_aux, cudaStreamNonBlocking));
@@ -340,6 +417,38 @@ static tw_status tw__context_init(tw_context_t ctx) {
   TW_CUDA_TRY(cudaMalloc((void**)&ctx->peers, sizeof(char*) * (size_t)W));
   TW_CUDA_TRY(
       cudaMemcpy(ctx->peers, ctx->win.peers, sizeof(char*) * (size_t)W, cudaMemcpyHostToDevice));
+
+  /* Dispatch: the expert-input rows peers write (every row a plan can have) and the counters
+   * (dispatch.h), in a window of their own; the scan's state; the all-gather's rows. */
+  if (ctx->dispatch) {
+    tw_dispatch_layout* D = &ctx->dlay;
+    D->rows = 0;
+    D->credit = tw__align((uint64_t)ctx->rows_max * H * 2, 4096);
+    D->arrive = D->credit + tw__align((uint64_t)W * 4, 128);
+    D->bytes = tw__align(D->arrive + tw__align((uint64_t)W * 4, 128), 4096);
+    TW_TRY(ctx->team->ops->window_create(ctx->team, D->bytes, &ctx->dwin));
+    TW_CUDA_TRY(cudaMalloc((void**)&ctx->dpeers, sizeof(char*) * (size_t)W));
+    TW_CUDA_TRY(cudaMemcpy(ctx->dpeers, ctx->dwin.peers, sizeof(char*) * (size_t)W,
+                           cudaMemcpyHostToDevice));
+    const size_t ET = (size_t)p->experts;
+    const size_t hist_bytes = tw__align((uint64_t)TW_DISPATCH_MAX_CHUNKS * ET * 4, 256);
+    const size_t counts_bytes = tw__align(ET * 4, 256);
+    char* m = NULL;
+    TW_CUDA_TRY(cudaMalloc((void**)&m, hist_bytes + counts_bytes + 64));
+    ctx->d_chunk_hist = (int32_t*)m;
+    ctx->d_counts = (uint32_t*)(m + hist_bytes);
+    ctx->d_verr = (tw_dev_error*)(m + hist_bytes + counts_bytes); /* 32 bytes */
+    ctx->d_zero = (int32_t*)(m + hist_bytes + counts_bytes + 32);
+    ctx->d_done = (uint32_t*)(m + hist_bytes + counts_bytes + 36);
+    ctx->d_epochs = (uint32_t*)(m + hist_bytes + counts_bytes + 40); /* 8 bytes */
+    TW_CUDA_TRY(cudaMemset(m, 0, hist_bytes + counts_bytes + 64));
+    TW_CUDA_TRY(cudaHostAlloc((void**)&ctx->h_row, (kGatherHead + ET) * 4, cudaHostAllocDefault));
+    /* The rows of every rank, then the count matrix (W, experts) taken out of them. */
+    ctx->h_all = (int32_t*)malloc((size_t)W * (kGatherHead + 2 * ET) * 4);
+    if (ctx->h_all == NULL)
+      return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_context_create: dispatch host buffers");
+    TW_CUDA_TRY(cudaEventCreateWithFlags(&ctx->ev_counts, cudaEventDisableTiming));
+  }
 
   /* Local buffers: GEMM output, then one block of small state. */
   cudaError_t e = cudaMalloc((void**)&ctx->c, (size_t)ctx->rows_max * H * 2);
@@ -399,15 +508,17 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
   TW_TRY(tw_problem_validate(problem));
   tw_context_config cfg = TW_CONTEXT_CONFIG_INIT;
   if (config != NULL) {
-    /* A config that ends before `dataflow` or `sm_budget` (built against an earlier
-     * tilewave.h) is read up to there; the rest keeps its defaults. */
+    /* A config that ends before `dataflow`, `sm_budget` or `dispatch` (built against an
+     * earlier tilewave.h) is read up to there; the rest keeps its defaults. */
     const size_t v1_size = offsetof(tw_context_config, dataflow);
     const size_t v2_size = offsetof(tw_context_config, sm_budget);
-    TW_TRY(tw__check_header("tw_context_config", config->size,
-                            config->size == v1_size || config->size == v2_size
-                                ? config->size
-                                : sizeof(tw_context_config),
-                            config->magic, TW_CONTEXT_CONFIG_MAGIC, config->version));
+    const size_t v3_size = offsetof(tw_context_config, dispatch);
+    TW_TRY(tw__check_header(
+        "tw_context_config", config->size,
+        config->size == v1_size || config->size == v2_size || config->size == v3_size
+            ? config->size
+            : sizeof(tw_context_config),
+        config->magic, TW_CONTEXT_CONFIG_MAGIC, config->version));
     memcpy(&cfg, config, config->size);
     cfg.size = sizeof cfg;
   }
@@ -416,13 +527,13 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
   if (cfg.timeout_ms < 0 || cfg.debug_tags < 0 || cfg.debug_tags > 1 || cfg.max_comm_ctas < 0 ||
       cfg.max_comm_ctas > TW_MAX_COMM_CTAS || (cfg.timing != 0 && cfg.timing != 1) ||
       cfg.unit_tiles < 0 || cfg.consumer_copy < TW_CONSUMER_COPY_DEFAULT ||
-      cfg.consumer_copy > TW_CONSUMER_COPY_BULK)
+      cfg.consumer_copy > TW_CONSUMER_COPY_BULK || (cfg.dispatch != 0 && cfg.dispatch != 1))
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_context_create: config timeout_ms %d (>= 0), debug_tags %d (0 or 1), "
                     "max_comm_ctas %d (0..%d), timing %d (0 or 1), unit_tiles %d (>= 0), "
-                    "consumer_copy %d (0..2): one is out of range",
+                    "consumer_copy %d (0..2), dispatch %d (0 or 1): one is out of range",
                     cfg.timeout_ms, cfg.debug_tags, cfg.max_comm_ctas, TW_MAX_COMM_CTAS, cfg.timing,
-                    cfg.unit_tiles, cfg.consumer_copy);
+                    cfg.unit_tiles, cfg.consumer_copy, cfg.dispatch);
   const int32_t sm_budget = cfg.sm_budget > 0 ? cfg.sm_budget : team->default_budget;
   if (cfg.sm_budget < 0 || sm_budget < 2 || sm_budget > team->sm_count)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
@@ -454,6 +565,10 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
         : gemm_variant != 0 && gemm_variant != TW_GEMM_VARIANT_ADD
             ? "it adds rows in the producer's variant 4 epilogue; use TW_GEMM_VARIANT 0 or 4"
             : NULL;
+    if (why == NULL && cfg.dispatch)
+      why =
+          "tw_moe_dispatch builds plans for the reduce dataflow only so far; use "
+          "TW_DATAFLOW_REDUCE with dispatch = 1";
     if (why != NULL)
       return tw__fail(TW_ERR_UNSUPPORTED,
                       "tw_context_create: the add dataflow does not run here: %s", why);
@@ -526,6 +641,7 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
   if (ctx->max_comm_ctas >= sm_budget) ctx->max_comm_ctas = sm_budget - 1;
   ctx->dataflow = dataflow;
   ctx->zero_in_producer = zero_in_producer;
+  ctx->dispatch = cfg.dispatch;
   tw_status st = tw__context_init(ctx);
   if (st != TW_SUCCESS) {
     tw__context_free(ctx); /* releases the team view too */
@@ -835,5 +951,19 @@ extern "C" tw_status tw__context_debug_slots(tw_context_t ctx, uint32_t* host, i
   TW_TRY(tw__sync_all(ctx));
   if (count > 0)
     TW_CUDA_TRY(cudaMemcpy(host, ctx->debug_slots, (size_t)count * 4, cudaMemcpyDeviceToHost));
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw_context_dispatch_buffer(tw_context_t ctx, void** rows, int64_t* rows_max) {
+  tw__clear_error();
+  TW_CHECK_NULL(ctx);
+  if (rows != NULL) *rows = NULL;
+  if (rows_max != NULL) *rows_max = 0;
+  if (!ctx->dispatch)
+    return tw__fail(TW_ERR_STATE,
+                    "tw_context_dispatch_buffer: the context was created without dispatch; set "
+                    "tw_context_config.dispatch = 1");
+  if (rows != NULL) *rows = (char*)ctx->dwin.local + ctx->dlay.rows;
+  if (rows_max != NULL) *rows_max = ctx->rows_max;
   return TW_SUCCESS;
 }

@@ -1,7 +1,8 @@
 /*
- * context.h: a context's state and the helpers its three files share (internal; CUDA C++
- * translation units of src/runtime only): context.cu (life cycle, checks, reset),
- * device_plan.cu (device copies of plans) and combine_call.cu (the launch sequence of one call).
+ * context.h: a context's state and the helpers its files share (internal; CUDA C++ translation
+ * units of src/runtime only): context.cu (life cycle, checks, reset), device_plan.cu (device
+ * copies of plans), combine_call.cu (the launch sequence of one combine call) and
+ * dispatch_call.cu (that of one dispatch call).
  */
 #ifndef TW_CONTEXT_H
 #define TW_CONTEXT_H
@@ -14,6 +15,7 @@
 #include "checks.h"
 #include "combine.h"
 #include "core.h"
+#include "dispatch.h"
 #include "kernels.h"
 #include "plan.h"
 #include "runtime.h"
@@ -78,6 +80,25 @@ struct tw_context {
   cudaEvent_t t_start, t_gemm_end, t_comm_start, t_comm_end, t_red_start, t_red_end, t_end,
       t_zero_end;
 
+  /* Dispatch (tw_context_config.dispatch = 1; zero / NULL otherwise): a second window holding
+   * the expert-input rows peers write and the dispatch counters (dispatch.h), and the scan's
+   * state. */
+  int32_t dispatch;
+  tw_dispatch_layout dlay;
+  tw__window dwin;
+  char** dpeers;         /* (world) device copy of dwin.peers */
+  int32_t* d_chunk_hist; /* (TW_DISPATCH_MAX_CHUNKS, experts) the scan's histograms */
+  uint32_t* d_counts;    /* (experts) this rank's slots per global expert */
+  tw_dev_error* d_verr;  /* the count pass's record of bad ids (not the context's: a bad id
+                            fails one call on every rank, the context stays usable) */
+  int32_t* d_zero;       /* one int 0: an empty padding list (warm-up) */
+  uint32_t* d_done;      /* the copy kernel's CTA completion counter (zero between launches) */
+  int32_t* h_row;        /* pinned: this rank's row of the all-gather (kGatherHead + experts) */
+  int32_t* h_all;        /* (world, kGatherHead + experts) host rows, then the count matrix
+                            (world, experts) */
+  cudaEvent_t ev_counts; /* the counts and the record copied to h_row */
+  uint32_t* d_epochs;    /* (2) the dispatch's targets (dispatch.h), zero after a reset */
+
   uint64_t epoch; /* calls with communication since the last reset, enqueued eagerly (the add
                      dataflow's buffer choice; the kernels count on the device, call_state) */
   int failed;         /* a device error was seen, or failed_enqueue: calls refused until reset */
@@ -111,7 +132,21 @@ struct tw_device_plan {
   int uploaded;
   int32_t rows, recv_rows, num_tiles, num_bands, total_units, tokens, comm_ctas;
   int32_t recv_bands[TW_MAX_RANKS];
+  tw_plan_summary summary; /* of the plan last uploaded */
+  /* Dispatch (contexts with dispatch only; NULL otherwise): the count-plan's tables and the
+   * scan's per-slot destination rows. */
+  int32_t* slot_base; /* (experts) */
+  int32_t* send_row0; /* (experts) */
+  int32_t* pads;      /* (1 + 2 E W) count, then (first row, rows) padding ranges */
+  int32_t* send_row;  /* (slots_max) */
+  int32_t* h_pads;    /* host staging of pads */
+  int64_t pad_rows;   /* rows in those ranges */
 };
+
+/* Words ahead of the counts in a rank's row of the dispatch all-gather: the count pass's
+ * tw_dev_error (status, where, index, seen, target, rank), with the rank's tokens in word 6 and
+ * a local refusal (dispatch_call.cu) in place of the record's first three words. */
+enum { kGatherHead = 8 };
 
 /* Makes the context's device current for the scope of a call and restores the caller's. */
 struct tw__device_guard {
@@ -150,5 +185,14 @@ tw_status tw__report(tw_context_t ctx, const tw_dev_error* e, const char* how);
  * shape, error word); callers add the plan's part and the timeout. */
 void tw__consumer_args_init(const struct tw_context* ctx, tw_consumer_args* ca);
 void tw__reduce_args_init(const struct tw_context* ctx, tw_reduce_args* ra);
+/* Checks a plan against the context and the device plan's capacity (rank, problem, dataflow,
+ * tokens, sizes, every band and segment in bounds) and cuts its segments into consumer units
+ * (d->h_seg_unit0 / h_seg_split0); *units = their count. `what` leads the messages. */
+tw_status tw__device_plan_check(tw_device_plan_t d, const struct tw_plan* plan, int32_t tokens,
+                                int64_t* units, const char* what);
+/* After tw__device_plan_check: copies tiles, bands, segments and units on `stream` and sets the
+ * device plan's sizes, receive counts and summary. The per-token arrays are the caller's. */
+tw_status tw__device_plan_copy(tw_device_plan_t d, const struct tw_plan* plan, int32_t tokens,
+                               int64_t units, cudaStream_t stream);
 
 #endif /* TW_CONTEXT_H */

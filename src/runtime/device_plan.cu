@@ -32,14 +32,26 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   const size_t nr = ctx->dataflow == TW_DATAFLOW_ADD ? (size_t)ctx->rows_max : 0;
   size_t off_tok = tw__align(off_w + ns * 4 + 4, 256);
   size_t off_rw = tw__align(off_tok + nr * 4, 256);
-  size_t off_units = tw__align(off_rw + nr * 4 + 4, 256);
+  /* Dispatch: the count plan's tables and the per-slot destination rows. */
+  const size_t ne = ctx->dispatch ? (size_t)ctx->problem.experts : 0;
+  const size_t np = ctx->dispatch ? 1 + 2 * (size_t)ctx->local_experts * ctx->world : 0;
+  const size_t nsr = ctx->dispatch ? ns : 0;
+  size_t off_sb = tw__align(off_rw + nr * 4 + 4, 256);
+  size_t off_sr0 = tw__align(off_sb + ne * 4, 256);
+  size_t off_pads = tw__align(off_sr0 + ne * 4, 256);
+  size_t off_srow = tw__align(off_pads + np * 4, 256);
+  /* The units each source sends here per call (the call begin adds them to the targets). */
+  size_t off_units = tw__align(off_srow + nsr * 4 + 4, 256);
   size_t bytes = off_units + TW_MAX_RANKS * 4;
   d->h_seg_unit0 = (int32_t*)malloc((2 * nb + 1 + TW_MAX_RANKS) * 4);
   if (nr > 0) d->h_row_token = (int32_t*)malloc(nr * 8);
+  if (np > 0) d->h_pads = (int32_t*)malloc(np * 4);
   cudaError_t e = cudaMalloc(&d->mem, bytes);
-  if (e != cudaSuccess || d->h_seg_unit0 == NULL || (nr > 0 && d->h_row_token == NULL)) {
+  if (e != cudaSuccess || d->h_seg_unit0 == NULL || (nr > 0 && d->h_row_token == NULL) ||
+      (np > 0 && d->h_pads == NULL)) {
     free(d->h_seg_unit0);
     free(d->h_row_token);
+    free(d->h_pads);
     if (e == cudaSuccess) cudaFree(d->mem);
     free(d);
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_device_plan_create: %zu bytes: %s", bytes,
@@ -61,6 +73,12 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
     d->row_weight = (float*)(m + off_rw);
     d->h_row_weight = (float*)(d->h_row_token + nr);
   }
+  if (ctx->dispatch) {
+    d->slot_base = (int32_t*)(m + off_sb);
+    d->send_row0 = (int32_t*)(m + off_sr0);
+    d->pads = (int32_t*)(m + off_pads);
+    d->send_row = (int32_t*)(m + off_srow);
+  }
   *out = d;
   return TW_SUCCESS;
 }
@@ -72,17 +90,138 @@ extern "C" tw_status tw_device_plan_destroy(tw_device_plan_t d) {
     tw__device_guard guard(d->ctx->device);
     /* A call may still read the arrays. */
     tw__sync_all(d->ctx);
-    /* A free would wait for a team collective abandoned on the device (team.h): leave it. */
-    if (d->ctx->team->ops->device_busy(d->ctx->team))
-      TW_WARN(
-          "tw_device_plan_destroy: the team has a collective stuck on the device; the plan's "
-          "device arrays are not freed");
-    else
-      cudaFree(d->mem);
+    cudaFree(d->mem);
   }
   free(d->h_seg_unit0);
   free(d->h_row_token);
+  free(d->h_pads);
   free(d);
+  return TW_SUCCESS;
+}
+
+tw_status tw__device_plan_check(tw_device_plan_t d, const struct tw_plan* plan, int32_t tokens,
+                                int64_t* units_out, const char* what) {
+  tw_context_t ctx = d->ctx;
+  const tw_problem* p = &ctx->problem;
+  const tw_problem* q = &plan->problem;
+  if (plan->rank != ctx->rank)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: plan is for rank %d, the context is rank %d; upload this rank's plan",
+                    what, plan->rank, ctx->rank);
+  if (q->world_size != p->world_size || q->hidden != p->hidden || q->ffn != p->ffn ||
+      q->experts != p->experts || q->top_k != p->top_k || plan->tm != ctx->tm ||
+      plan->tn != ctx->tn)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: plan problem (W %d, H %d, F %d, E %d, k %d, tile %dx%d) "
+                    "differs from the context's (W %d, H %d, F %d, E %d, k %d, tile %dx%d)",
+                    what, q->world_size, q->hidden, q->ffn, q->experts, q->top_k, plan->tm,
+                    plan->tn, p->world_size, p->hidden, p->ffn, p->experts, p->top_k, ctx->tm,
+                    ctx->tn);
+  if (plan->dataflow != ctx->dataflow)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: the plan was predicted for the %s dataflow, the "
+                    "context runs %s; set tw_plan_config.dataflow to the context's",
+                    what, tw__dataflow_name(plan->dataflow), tw__dataflow_name(ctx->dataflow));
+  if (tokens > p->max_tokens)
+    return tw__fail(TW_ERR_CAPACITY,
+                    "%s: %d tokens on rank %d, the context holds at most %d "
+                    "(problem max_tokens)",
+                    what, tokens, ctx->rank, p->max_tokens);
+  if (plan->rows > ctx->rows_max || plan->num_bands > ctx->bands_max ||
+      plan->num_segments > ctx->bands_max || plan->recv_rows > ctx->recv_rows_max ||
+      (int64_t)plan->num_tiles != (int64_t)plan->num_bands * ctx->col_tiles)
+    return tw__fail(TW_ERR_CAPACITY,
+                    "%s: plan has %d rows, %d bands, %d segments, %d tiles, %d "
+                    "receive rows; the context holds %lld rows, %lld bands, %lld receive rows",
+                    what, plan->rows, plan->num_bands, plan->num_segments, plan->num_tiles,
+                    plan->recv_rows, (long long)ctx->rows_max, (long long)ctx->bands_max,
+                    (long long)ctx->recv_rows_max);
+  /* Consistency checks that keep every remote and local access in bounds. */
+  const int64_t row_bytes = (int64_t)p->hidden * 2;
+  const int64_t recv_cap = ctx->recv_rows_max * row_bytes;
+  for (int32_t i = 0; i < plan->num_bands; i++) {
+    const tw_band* b = &plan->bands[i];
+    if (b->row0 < 0 || b->valid_rows < 0 || b->valid_rows > b->rows ||
+        b->row0 + b->rows > plan->rows || b->dest < 0 || b->dest >= ctx->world ||
+        (b->dest != ctx->rank && ctx->dataflow == TW_DATAFLOW_REDUCE &&
+         (b->dest_offset < 0 || b->dest_offset % row_bytes != 0 ||
+          b->dest_offset + (int64_t)b->valid_rows * row_bytes > recv_cap)))
+      return tw__fail(TW_ERR_INTERNAL,
+                      "%s: band %d (rows %d+%d, valid %d, dest %d, offset %lld) "
+                      "is out of bounds",
+                      what, i, b->row0, b->rows, b->valid_rows, b->dest, (long long)b->dest_offset);
+  }
+  for (int32_t s = 0; s < plan->num_segments; s++) {
+    const tw_segment* sg = &plan->segments[s];
+    if (sg->band0 < 0 || sg->nbands < 1 || sg->band0 + sg->nbands > plan->num_bands ||
+        sg->dest < 0 || sg->dest >= ctx->world || sg->dest == ctx->rank)
+      return tw__fail(TW_ERR_INTERNAL, "%s: segment %d is malformed", what, s);
+  }
+  for (int s = 0; s < ctx->world; s++) {
+    if (s != ctx->rank && plan->recv_bands[s] < 0)
+      return tw__fail(TW_ERR_INTERNAL, "%s: recv_bands[%d] < 0", what, s);
+    d->h_recv_units[s] = s == ctx->rank ? 0u
+                                        : (uint32_t)tw__owner_units(plan->recv_bands[s],
+                                                                    ctx->tail_bands,
+                                                                    ctx->tail_parts,
+                                                                    ctx->unit_chunks);
+  }
+  const int64_t units = tw__consumer_units(plan, ctx->tail_bands, ctx->tail_parts, ctx->unit_chunks,
+                                           d->h_seg_unit0, d->h_seg_split0);
+  if (units < 0)
+    return tw__fail(TW_ERR_INTERNAL, "%s: the segments cannot be cut into units", what);
+  if (units > INT32_MAX)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: %lld consumer units do not fit 32 bits; use fewer "
+                    "TW_CONSUMER_TAIL_PARTS or wider units (TW_CONSUMER_TILES_PER_UNIT)",
+                    what, (long long)units);
+  /* A captured call replays with the sizes it was captured with (grids, copy lengths, loop
+   * bounds in its kernel arguments); what the kernels read from this plan's memory may change. */
+  if (d->captured &&
+      (plan->rows != d->rows || plan->recv_rows != d->recv_rows ||
+       plan->num_tiles != d->num_tiles || plan->num_bands != d->num_bands ||
+       units != d->total_units || tokens != d->tokens))
+    return tw__fail(TW_ERR_STATE,
+                    "%s: a captured call uses this device plan, and this plan's sizes (%d rows, "
+                    "%d receive rows, %d bands, %lld units, %d tokens) differ from the captured "
+                    "ones (%d, %d, %d, %d, %d); upload it into another device plan and capture a "
+                    "call with that one",
+                    what, plan->rows, plan->recv_rows, plan->num_bands, (long long)units, tokens,
+                    d->rows, d->recv_rows, d->num_bands, d->total_units, d->tokens);
+  *units_out = units;
+  return TW_SUCCESS;
+}
+
+tw_status tw__device_plan_copy(tw_device_plan_t d, const struct tw_plan* plan, int32_t tokens,
+                               int64_t units, cudaStream_t stream) {
+  tw_context_t ctx = d->ctx;
+  /* Pageable copies: each returns once the source is staged, so the host plan may go away. */
+  if (plan->num_tiles > 0)
+    TW_CUDA_TRY(cudaMemcpyAsync(d->tiles, plan->tiles, (size_t)plan->num_tiles * sizeof(tw_tile),
+                                cudaMemcpyHostToDevice, stream));
+  if (plan->num_bands > 0)
+    TW_CUDA_TRY(cudaMemcpyAsync(d->bands, plan->bands, (size_t)plan->num_bands * sizeof(tw_band),
+                                cudaMemcpyHostToDevice, stream));
+  if (plan->num_segments > 0)
+    TW_CUDA_TRY(cudaMemcpyAsync(d->segments, plan->segments,
+                                (size_t)plan->num_segments * sizeof(tw_segment),
+                                cudaMemcpyHostToDevice, stream));
+  TW_CUDA_TRY(cudaMemcpyAsync(d->seg_unit0, d->h_seg_unit0, (size_t)(plan->num_segments + 1) * 4,
+                              cudaMemcpyHostToDevice, stream));
+  if (plan->num_segments > 0)
+    TW_CUDA_TRY(cudaMemcpyAsync(d->seg_split0, d->h_seg_split0, (size_t)plan->num_segments * 4,
+                                cudaMemcpyHostToDevice, stream));
+  TW_CUDA_TRY(cudaMemcpyAsync(d->recv_units, d->h_recv_units, (size_t)ctx->world * 4,
+                              cudaMemcpyHostToDevice, stream));
+  d->rows = plan->rows;
+  d->recv_rows = plan->recv_rows;
+  d->num_tiles = plan->num_tiles;
+  d->num_bands = plan->num_bands;
+  d->total_units = (int32_t)units;
+  d->tokens = tokens;
+  d->comm_ctas = plan->comm_ctas;
+  for (int s = 0; s < ctx->world; s++) d->recv_bands[s] = s == ctx->rank ? 0 : plan->recv_bands[s];
+  TW_TRY(tw_plan_summary_get((tw_plan_t)plan, &d->summary));
   return TW_SUCCESS;
 }
 
@@ -94,35 +233,14 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
   TW_CHECK_NULL(routing);
   tw_context_t ctx = d->ctx;
   const tw_problem* p = &ctx->problem;
-  const tw_problem* q = &plan->problem;
-  if (plan->rank != ctx->rank)
+  if (plan->slot_row == NULL)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw_device_plan_upload: plan is for rank %d, the context is rank %d; upload "
-                    "this rank's plan",
-                    plan->rank, ctx->rank);
-  if (q->world_size != p->world_size || q->hidden != p->hidden || q->ffn != p->ffn ||
-      q->experts != p->experts || q->top_k != p->top_k || plan->tm != ctx->tm ||
-      plan->tn != ctx->tn)
-    return tw__fail(
-        TW_ERR_INVALID_ARGUMENT,
-        "tw_device_plan_upload: plan problem (W %d, H %d, F %d, E %d, k %d, tile %dx%d) "
-        "differs from the context's (W %d, H %d, F %d, E %d, k %d, tile %dx%d)",
-        q->world_size, q->hidden, q->ffn, q->experts, q->top_k, plan->tm, plan->tn, p->world_size,
-        p->hidden, p->ffn, p->experts, p->top_k, ctx->tm, ctx->tn);
-  if (plan->dataflow != ctx->dataflow)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw_device_plan_upload: the plan was predicted for the %s dataflow, the "
-                    "context runs %s; set tw_plan_config.dataflow to the context's",
-                    tw__dataflow_name(plan->dataflow), tw__dataflow_name(ctx->dataflow));
+                    "tw_device_plan_upload: the plan has no slot_row (a plan from counts); "
+                    "tw_moe_dispatch uploads those itself");
   int32_t tokens = 0;
   const int32_t* ids = NULL;
   const float* weights = NULL;
-  TW_TRY(tw_routing_rank(routing, ctx->rank, &tokens, &ids, &weights));
-  if (tokens > p->max_tokens)
-    return tw__fail(TW_ERR_CAPACITY,
-                    "tw_device_plan_upload: %d tokens on rank %d, the context holds at most %d "
-                    "(problem max_tokens)",
-                    tokens, ctx->rank, p->max_tokens);
+  if (plan->rank == ctx->rank) TW_TRY(tw_routing_rank(routing, ctx->rank, &tokens, &ids, &weights));
   /* Every owner's tokens must fit too, not only this rank's: under the add dataflow this rank's
    * consumer adds rows into out[token] of the owners' windows, whose output buffers hold
    * max_tokens rows (the same on every rank, compared at creation), and a plan made for a larger
@@ -139,46 +257,8 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
                       "tokens per rank, or create the contexts with a larger max_tokens",
                       r, n, p->max_tokens);
   }
-  if (plan->rows > ctx->rows_max || plan->num_bands > ctx->bands_max ||
-      plan->num_segments > ctx->bands_max || plan->recv_rows > ctx->recv_rows_max ||
-      (int64_t)plan->num_tiles != (int64_t)plan->num_bands * ctx->col_tiles)
-    return tw__fail(TW_ERR_CAPACITY,
-                    "tw_device_plan_upload: plan has %d rows, %d bands, %d segments, %d tiles, %d "
-                    "receive rows; the context holds %lld rows, %lld bands, %lld receive rows",
-                    plan->rows, plan->num_bands, plan->num_segments, plan->num_tiles,
-                    plan->recv_rows, (long long)ctx->rows_max, (long long)ctx->bands_max,
-                    (long long)ctx->recv_rows_max);
-  /* Consistency checks that keep every remote and local access in bounds. */
-  const int64_t row_bytes = (int64_t)p->hidden * 2;
-  const int64_t recv_cap = ctx->recv_rows_max * row_bytes;
-  for (int32_t i = 0; i < plan->num_bands; i++) {
-    const tw_band* b = &plan->bands[i];
-    if (b->row0 < 0 || b->valid_rows < 0 || b->valid_rows > b->rows ||
-        b->row0 + b->rows > plan->rows || b->dest < 0 || b->dest >= ctx->world ||
-        (b->dest != ctx->rank && ctx->dataflow == TW_DATAFLOW_REDUCE &&
-         (b->dest_offset < 0 || b->dest_offset % row_bytes != 0 ||
-          b->dest_offset + (int64_t)b->valid_rows * row_bytes > recv_cap)))
-      return tw__fail(TW_ERR_INTERNAL,
-                      "tw_device_plan_upload: band %d (rows %d+%d, valid %d, dest %d, offset %lld) "
-                      "is out of bounds",
-                      i, b->row0, b->rows, b->valid_rows, b->dest, (long long)b->dest_offset);
-  }
-  for (int32_t s = 0; s < plan->num_segments; s++) {
-    const tw_segment* sg = &plan->segments[s];
-    if (sg->band0 < 0 || sg->nbands < 1 || sg->band0 + sg->nbands > plan->num_bands ||
-        sg->dest < 0 || sg->dest >= ctx->world || sg->dest == ctx->rank)
-      return tw__fail(TW_ERR_INTERNAL, "tw_device_plan_upload: segment %d is malformed", s);
-  }
-  const int64_t units = tw__consumer_units(plan, ctx->tail_bands, ctx->tail_parts, ctx->unit_chunks,
-                                           d->h_seg_unit0, d->h_seg_split0);
-  if (units < 0)
-    return tw__fail(TW_ERR_INTERNAL,
-                    "tw_device_plan_upload: the segments cannot be cut into units");
-  if (units > INT32_MAX)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw_device_plan_upload: %lld consumer units do not fit 32 bits; use fewer "
-                    "TW_CONSUMER_TAIL_PARTS or wider units (TW_CONSUMER_TILES_PER_UNIT)",
-                    (long long)units);
+  int64_t units = 0;
+  TW_TRY(tw__device_plan_check(d, plan, tokens, &units, "tw_device_plan_upload"));
   const int64_t nslots = (int64_t)tokens * p->top_k;
   for (int64_t i = 0; i < nslots; i++) {
     if (plan->slot_row[i] < 0 || plan->slot_row[i] >= plan->recv_rows + plan->rows)
@@ -221,67 +301,34 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
                           i, r, b->dest, plan->row_src[r].owner);
     }
   }
-  int32_t recv_from[TW_MAX_RANKS];
-  for (int s = 0; s < ctx->world; s++) {
-    recv_from[s] = s == ctx->rank ? 0 : plan->recv_bands[s];
-    if (recv_from[s] < 0)
-      return tw__fail(TW_ERR_INTERNAL, "tw_device_plan_upload: recv_bands[%d] < 0", s);
-    d->h_recv_units[s] =
-        (uint32_t)tw__owner_units(recv_from[s], ctx->tail_bands, ctx->tail_parts, ctx->unit_chunks);
-  }
-  /* A captured call replays with the sizes it was captured with (grids, copy lengths, loop
-   * bounds in its kernel arguments); what the kernels read from this plan's memory may change. */
-  if (d->captured &&
-      (plan->rows != d->rows || plan->recv_rows != d->recv_rows ||
-       plan->num_tiles != d->num_tiles || plan->num_bands != d->num_bands ||
-       units != d->total_units || tokens != d->tokens))
-    return tw__fail(TW_ERR_STATE,
-                    "tw_device_plan_upload: a captured call uses this device plan, and this plan's "
-                    "sizes (%d rows, %d receive rows, %d bands, %lld units, %d tokens) differ from "
-                    "the captured ones (%d, %d, %d, %d, %d); upload it into another device plan "
-                    "and capture a call with that one",
-                    plan->rows, plan->recv_rows, plan->num_bands, (long long)units, tokens,
-                    d->rows, d->recv_rows, d->num_bands, d->total_units, d->tokens);
 
   TW_DEVICE_SCOPE(ctx);
-  /* Pageable copies: each returns once the source is staged, so the host plan may go away. */
-  if (plan->num_tiles > 0)
-    TW_CUDA_TRY(cudaMemcpyAsync(d->tiles, plan->tiles, (size_t)plan->num_tiles * sizeof(tw_tile),
-                                cudaMemcpyHostToDevice, stream));
-  if (plan->num_bands > 0)
-    TW_CUDA_TRY(cudaMemcpyAsync(d->bands, plan->bands, (size_t)plan->num_bands * sizeof(tw_band),
-                                cudaMemcpyHostToDevice, stream));
-  if (plan->num_segments > 0)
-    TW_CUDA_TRY(cudaMemcpyAsync(d->segments, plan->segments,
-                                (size_t)plan->num_segments * sizeof(tw_segment),
-                                cudaMemcpyHostToDevice, stream));
-  TW_CUDA_TRY(cudaMemcpyAsync(d->seg_unit0, d->h_seg_unit0, (size_t)(plan->num_segments + 1) * 4,
-                              cudaMemcpyHostToDevice, stream));
-  if (plan->num_segments > 0)
-    TW_CUDA_TRY(cudaMemcpyAsync(d->seg_split0, d->h_seg_split0, (size_t)plan->num_segments * 4,
-                                cudaMemcpyHostToDevice, stream));
+  d->uploaded = 0;
+  TW_TRY(tw__device_plan_copy(d, plan, tokens, units, stream));
   if (nslots > 0) {
     TW_CUDA_TRY(cudaMemcpyAsync(d->slot_row, plan->slot_row, (size_t)nslots * 4,
                                 cudaMemcpyHostToDevice, stream));
     TW_CUDA_TRY(
         cudaMemcpyAsync(d->weights, weights, (size_t)nslots * 4, cudaMemcpyHostToDevice, stream));
   }
-  TW_CUDA_TRY(cudaMemcpyAsync(d->recv_units, d->h_recv_units, (size_t)ctx->world * 4,
-                              cudaMemcpyHostToDevice, stream));
   if (ctx->dataflow == TW_DATAFLOW_ADD && plan->rows > 0) {
     TW_CUDA_TRY(cudaMemcpyAsync(d->row_token, d->h_row_token, (size_t)plan->rows * 4,
                                 cudaMemcpyHostToDevice, stream));
     TW_CUDA_TRY(cudaMemcpyAsync(d->row_weight, d->h_row_weight, (size_t)plan->rows * 4,
                                 cudaMemcpyHostToDevice, stream));
   }
-  d->rows = plan->rows;
-  d->recv_rows = plan->recv_rows;
-  d->num_tiles = plan->num_tiles;
-  d->num_bands = plan->num_bands;
-  d->total_units = (int32_t)units;
-  d->tokens = tokens;
-  d->comm_ctas = plan->comm_ctas;
-  memcpy(d->recv_bands, recv_from, sizeof(int32_t) * (size_t)ctx->world);
   d->uploaded = 1;
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw_device_plan_summary_get(tw_device_plan_t d, tw_plan_summary* summary) {
+  tw__clear_error();
+  TW_CHECK_NULL(d);
+  TW_CHECK_NULL(summary);
+  if (!d->uploaded)
+    return tw__fail(TW_ERR_STATE,
+                    "tw_device_plan_summary_get: nothing uploaded yet (tw_device_plan_upload or "
+                    "tw_moe_dispatch)");
+  *summary = d->summary;
   return TW_SUCCESS;
 }

@@ -1,0 +1,282 @@
+/*
+ * dispatch.cu: the dispatch kernels (dispatch.h): the two passes of the stable scan over a rank's
+ * (token, slot) expert ids and the offsets between them, the copy of every token row to its
+ * experts' ranks with its arrivals, the credits before it and the wait for the peers' rows.
+ *
+ * The scan keeps one running count per global expert per warp in shared memory (experts x 4
+ * bytes a warp), so a CTA holds as many warps as fit in 48 KB, at most 8. Nothing in the scan
+ * waits for anything; only the copy kernel (thread 0 of each CTA, for the destinations' credits)
+ * and the one-CTA wait kernel (for the sources' arrivals) spin, each bounded by the timeout,
+ * recording in the context's error word and returning (never trapping).
+ *
+ * NOTES: ordering.
+ *  - Credits: a destination raises its credit with red.release.sys at the start of its call; a
+ *    source's thread 0 acquires it (.sys) before its CTA's barrier and the CTA's stores, so no
+ *    row lands before the destination's earlier reads of its buffer (previous kernels on its
+ *    stream) are done.
+ *  - Arrivals (as the reduction's credits, reduce.cu): each copy CTA's stores -> barrier ->
+ *    thread 0's fence.sc.sys -> the CTA completion counter; the last CTA fences again and then
+ *    release-adds (.sys) on every destination's arrival counter, cumulative over every CTA's
+ *    stores ordered before it. The destination's wait kernel acquires (.sys) and then fences
+ *    the async proxy (the GEMM reads the rows with TMA) before it ends; the GEMM starts after it
+ *    in stream order.
+ */
+#include "dispatch.h"
+
+#include "core.h"
+
+namespace {
+
+constexpr int kScanMaxWarps = 8;
+constexpr int kScanSmemBytes = 48 * 1024;
+constexpr int kCopyThreads = 512;
+constexpr int kOffsetsThreads = 256;
+
+__device__ __forceinline__ int64_t tw__load_id(const void* ids, int id64, int64_t i) {
+  return id64 ? (int64_t)__ldg(static_cast<const long long*>(ids) + i)
+              : (int64_t)__ldg(static_cast<const int32_t*>(ids) + i);
+}
+
+/* One warp's walk of chunk c (see dispatch.h). kPlace: from the chunk's prefix, writing each
+ * slot's maps; else from zero, checking every id and writing the chunk's histogram. */
+template <bool kPlace>
+__device__ void tw__scan_chunk(const tw_dispatch_scan_args& a, int32_t* s_cnt, int c, int lane) {
+  const int ET = a.experts;
+  for (int g = lane; g < ET; g += 32) s_cnt[g] = kPlace ? a.chunk_hist[(size_t)c * ET + g] : 0;
+  __syncwarp();
+  const int64_t begin = (int64_t)c * a.chunk_slots;
+  const int64_t end = begin + a.chunk_slots < a.slots ? begin + a.chunk_slots : a.slots;
+  /* The loop bounds are the same for every lane: all 32 take part in each match. */
+  for (int64_t base = begin; base < end; base += 32) {
+    const int64_t i = base + lane;
+    int32_t g = -1;
+    if (i < end) {
+      const int64_t v = tw__load_id(a.ids, a.id64, i);
+      if (v >= 0 && v < ET) {
+        g = (int32_t)v;
+        if (!kPlace) { /* a token names an expert once: compare with its earlier slots */
+          const int64_t j = i % a.top_k;
+          for (int64_t jj = 1; jj <= j; jj++)
+            if (tw__load_id(a.ids, a.id64, i - jj) == v)
+              tw_report_error(a.err, TW_ERR_DUPLICATE_EXPERT, TW_CHECK_ID, (int32_t)i, (uint32_t)v,
+                              (uint32_t)(i - jj), a.rank);
+        }
+      } else {
+        /* Out of range: never counted or placed. The place pass runs only after every rank's
+         * count pass found no bad id, so there it would be a bug. */
+        tw_report_error(a.err, kPlace ? TW_ERR_INTERNAL : TW_ERR_EXPERT_ID, TW_CHECK_ID, (int32_t)i,
+                        (uint32_t)(uint64_t)v, (uint32_t)ET, a.rank);
+      }
+    }
+    /* Lanes without an expert get keys no other lane has. */
+    const unsigned same = __match_any_sync(0xffffffffu, g >= 0 ? g : ET + lane);
+    const int32_t pos = g >= 0 ? s_cnt[g] + __popc(same & ((1u << lane) - 1u)) : 0;
+    __syncwarp();
+    /* One lane per expert of this step (its highest) advances the expert's count. */
+    if (g >= 0 && lane == 31 - __clz(same)) s_cnt[g] += __popc(same);
+    __syncwarp();
+    if (kPlace && g >= 0) {
+      a.slot_row[i] = a.slot_base[g] + pos;
+      a.send_row[i] = a.send_row0[g] + pos;
+      a.weights_out[i] = __ldg(&a.weights_in[i]);
+    }
+  }
+  if (!kPlace)
+    for (int g = lane; g < ET; g += 32) a.chunk_hist[(size_t)c * ET + g] = s_cnt[g];
+  __syncwarp();
+}
+
+template <bool kPlace>
+__global__ void tw_dispatch_scan_kernel(const tw_dispatch_scan_args a) {
+  extern __shared__ int32_t s_scan[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  int32_t* s_cnt = s_scan + (size_t)warp * a.experts;
+  for (int c = blockIdx.x * warps + warp; c < a.chunks; c += gridDim.x * warps)
+    tw__scan_chunk<kPlace>(a, s_cnt, c, lane);
+}
+
+/* Per expert: exclusive prefix of the chunk histograms, in place, and the total. */
+__global__ void tw_dispatch_offsets_kernel(const tw_dispatch_scan_args a) {
+  const int ET = a.experts;
+  for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < ET; g += gridDim.x * blockDim.x) {
+    int32_t off = 0;
+    for (int c = 0; c < a.chunks; c++) {
+      const int32_t h = a.chunk_hist[(size_t)c * ET + g];
+      a.chunk_hist[(size_t)c * ET + g] = off;
+      off += h;
+    }
+    a.counts[g] = (uint32_t)off;
+  }
+}
+
+__global__ void tw_dispatch_credit_kernel(const tw_dispatch_signal_args a) {
+  const int d = threadIdx.x;
+  if (d < a.world)
+    tw_red_release_sys(reinterpret_cast<uint32_t*>(a.peers[d] + a.lay.credit) + a.rank, 1u);
+  /* This call's credit target; the kernels after this one in stream order read it. */
+  if (d == 0 && a.epochs != NULL) a.epochs[0] += 1u;
+}
+
+__global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) {
+    bool ok = true;
+    if (a.slots > 0 && a.epochs != NULL) { /* nothing leaves this rank otherwise */
+      const uint32_t target = a.epochs[0];
+      const uint32_t* credits = reinterpret_cast<const uint32_t*>(a.peers[a.rank] + a.lay.credit);
+      for (int d = 0; d < a.world && ok; d++)
+        ok = tw_wait_geq(&credits[d], target, true, a.timeout_ns, a.err, TW_WAIT_DISPATCH_CREDIT, d,
+                         a.rank);
+    }
+    s_ok = ok;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = ((int64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = (int64_t)gridDim.x * blockDim.x / 32;
+  const int vpr = a.hidden / 8; /* 16-byte vectors per row */
+  const size_t row_bytes = (size_t)a.hidden * 2;
+  if (s_ok) {
+    /* One warp per (token, slot): its token row to the slot's row at the expert's rank. x is
+     * not written while the kernel runs (read-only path); the k reads of a row mostly hit L2. */
+    for (int64_t i = warp; i < a.slots; i += warps) {
+      const int32_t g = (int32_t)tw__load_id(a.ids, a.id64, i);
+      const int4* src = reinterpret_cast<const int4*>(a.x + (i / a.top_k) * (int64_t)a.hidden);
+      int4* dst = reinterpret_cast<int4*>(a.peers[g / a.local_experts] + a.lay.rows +
+                                          (size_t)a.send_row[i] * row_bytes);
+      for (int v = lane; v < vpr; v += 32) dst[v] = __ldg(src + v);
+    }
+    /* This rank's own padding rows, zero (computed by the GEMM, never sent). */
+    const int n = a.pads[0];
+    char* own = a.peers[a.rank] + a.lay.rows;
+    for (int r = 0; r < n; r++) {
+      const int32_t row0 = a.pads[1 + 2 * r], rows = a.pads[2 + 2 * r];
+      for (int64_t w = warp; w < rows; w += warps) {
+        int4* dst = reinterpret_cast<int4*>(own + (size_t)(row0 + w) * row_bytes);
+        for (int v = lane; v < vpr; v += 32) dst[v] = make_int4(0, 0, 0, 0);
+      }
+    }
+  }
+  /* Arrivals: every CTA counts itself done after its stores (see NOTES); the last one
+   * announces this rank's rows to every rank, unless the call has failed (its peers then time
+   * out instead of reading partial rows). Every CTA counts, failed or not, so that the counter
+   * is back at zero after every launch. */
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    if (atomicAdd(a.done, 1u) == gridDim.x - 1) {
+      __threadfence_system();
+      *a.done = 0;
+      if (a.epochs != NULL) a.epochs[1] += 1u; /* the wait kernel's target, failed call or not */
+      if (*(volatile int32_t*)&a.err->status == 0)
+        for (int d = 0; d < a.world; d++)
+          tw_red_release_sys(reinterpret_cast<uint32_t*>(a.peers[d] + a.lay.arrive) + a.rank, 1u);
+    }
+  }
+}
+
+/* Waits (one thread per source) until every rank's rows for this call have arrived. */
+__global__ void tw_dispatch_wait_kernel(const tw_dispatch_signal_args a) {
+  const int s = threadIdx.x;
+  if (s < a.world && a.epochs != NULL) {
+    const uint32_t target = a.epochs[1];
+    const uint32_t* arrivals = reinterpret_cast<const uint32_t*>(a.peers[a.rank] + a.lay.arrive);
+    /* The GEMM after this kernel reads the rows with TMA (the async proxy). */
+    if (tw_wait_geq(&arrivals[s], target, true, a.timeout_ns, a.err, TW_WAIT_DISPATCH_ARRIVAL, s,
+                    a.rank))
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+}
+
+/* Warps per scan CTA for `experts` running counts each. */
+int tw__scan_warps(int experts) {
+  int w = kScanSmemBytes / (experts * 4);
+  return w < 1 ? 1 : w > kScanMaxWarps ? kScanMaxWarps : w;
+}
+
+tw_status tw__check_launch(const char* what, unsigned grid) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    return tw__fail(TW_ERR_CUDA, "dispatch: launch of the %s kernel (%u CTAs) failed: %s", what,
+                    grid, cudaGetErrorString(e));
+  return TW_SUCCESS;
+}
+
+template <bool kPlace>
+tw_status tw__scan_launch(const tw_dispatch_scan_args* a, int sms, cudaStream_t stream) {
+  if (a->experts < 1 || a->experts > TW_MAX_EXPERTS || a->top_k < 1 || a->slots < 0 ||
+      a->chunks < 0 || a->chunks > TW_DISPATCH_MAX_CHUNKS || a->chunk_slots % 32 != 0 ||
+      (int64_t)a->chunks * a->chunk_slots < a->slots || sms < 1)
+    return tw__fail(TW_ERR_INTERNAL,
+                    "dispatch: scan of %d slots in %d chunks of %d, %d experts, %d SMs", a->slots,
+                    a->chunks, a->chunk_slots, a->experts, sms);
+  if (a->chunks == 0) return TW_SUCCESS;
+  const int warps = tw__scan_warps(a->experts);
+  int grid = (a->chunks + warps - 1) / warps;
+  if (grid > sms) grid = sms;
+  const size_t smem = (size_t)warps * a->experts * 4;
+  tw_dispatch_scan_kernel<kPlace><<<(unsigned)grid, warps * 32, smem, stream>>>(*a);
+  return tw__check_launch(kPlace ? "place" : "count", (unsigned)grid);
+}
+
+}  // namespace
+
+void tw__dispatch_chunks(int32_t slots, int32_t* chunks, int32_t* chunk_slots) {
+  /* At least 32 slots (one step) per chunk, and every chunk but the last full. */
+  const int64_t steps = ((int64_t)slots + 31) / 32;
+  int64_t n = steps < TW_DISPATCH_MAX_CHUNKS ? steps : TW_DISPATCH_MAX_CHUNKS;
+  const int64_t per = n > 0 ? (steps + n - 1) / n * 32 : 32;
+  n = slots > 0 ? ((int64_t)slots + per - 1) / per : 0;
+  *chunks = (int32_t)n;
+  *chunk_slots = (int32_t)per;
+}
+
+tw_status tw__dispatch_count_launch(const tw_dispatch_scan_args* a, int sms, cudaStream_t stream) {
+  TW_CHECK_NULL(a);
+  TW_TRY(tw__scan_launch<false>(a, sms, stream));
+  int grid = (a->experts + kOffsetsThreads - 1) / kOffsetsThreads;
+  if (grid > sms) grid = sms;
+  if (grid < 1) grid = 1;
+  tw_dispatch_offsets_kernel<<<(unsigned)grid, kOffsetsThreads, 0, stream>>>(*a);
+  return tw__check_launch("offsets", (unsigned)grid);
+}
+
+tw_status tw__dispatch_place_launch(const tw_dispatch_scan_args* a, int sms, cudaStream_t stream) {
+  TW_CHECK_NULL(a);
+  return tw__scan_launch<true>(a, sms, stream);
+}
+
+tw_status tw__dispatch_credit_launch(const tw_dispatch_signal_args* a, cudaStream_t stream) {
+  TW_CHECK_NULL(a);
+  if (a->world < 0 || a->world > TW_MAX_RANKS)
+    return tw__fail(TW_ERR_INTERNAL, "dispatch: credits for %d ranks", a->world);
+  tw_dispatch_credit_kernel<<<1, TW_MAX_RANKS, 0, stream>>>(*a);
+  return tw__check_launch("credit", 1);
+}
+
+tw_status tw__dispatch_copy_launch(const tw_dispatch_copy_args* a, int sms, cudaStream_t stream) {
+  TW_CHECK_NULL(a);
+  TW_CHECK_NULL(a->pads);
+  TW_CHECK_NULL(a->done);
+  TW_CHECK_NULL(a->err);
+  if (a->hidden < 8 || a->hidden % 8 != 0 || a->slots < 0 || a->top_k < 1 || a->local_experts < 1 ||
+      a->world < 0 || a->world > TW_MAX_RANKS || sms < 1 || ((uintptr_t)a->x & 15) != 0)
+    return tw__fail(TW_ERR_INTERNAL, "dispatch: copy of %d slots, hidden %d, %d ranks, %d SMs",
+                    a->slots, a->hidden, a->world, sms);
+  /* One warp per slot (or padding row); every CTA of the budget when there is that much work. */
+  const int64_t warps_per_cta = kCopyThreads / 32;
+  const int64_t work = a->slots > a->pad_rows ? a->slots : a->pad_rows;
+  int64_t grid = (work + warps_per_cta - 1) / warps_per_cta;
+  if (grid < 1) grid = 1;
+  if (grid > sms) grid = sms;
+  tw_dispatch_copy_kernel<<<(unsigned)grid, kCopyThreads, 0, stream>>>(*a);
+  return tw__check_launch("copy", (unsigned)grid);
+}
+
+tw_status tw__dispatch_wait_launch(const tw_dispatch_signal_args* a, cudaStream_t stream) {
+  TW_CHECK_NULL(a);
+  if (a->world < 0 || a->world > TW_MAX_RANKS)
+    return tw__fail(TW_ERR_INTERNAL, "dispatch: arrival wait for %d ranks", a->world);
+  tw_dispatch_wait_kernel<<<1, TW_MAX_RANKS, 0, stream>>>(*a);
+  return tw__check_launch("arrival wait", 1);
+}

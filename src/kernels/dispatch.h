@@ -1,0 +1,121 @@
+/*
+ * dispatch.h: the dispatch side of the MoE layer (internal, CUDA translation units only): the
+ * kernels that count a rank's routed slots per global expert, place every (token, slot) in its
+ * group by a stable device-side scan, and write each token row into the expert-input buffer of
+ * the rank that holds the expert, in tilewave's aligned row layout (src/plan/layout.c).
+ *
+ * The scan: the rank's slots (token, slot) in row-major order are cut into `chunks` runs of
+ * `chunk_slots` slots; one warp walks a run 32 slots at a time, keeping a running count per
+ * global expert in shared memory, and takes a slot's rank among the lanes of its step that name
+ * the same expert from __match_any_sync. Pass 1 (count) writes each chunk's histogram; the
+ * offsets kernel turns the histograms into exclusive prefixes over the chunks, expert by expert,
+ * and sums them into the rank's counts; pass 2 (place) walks again from those prefixes, which
+ * gives every slot its position p among the rank's slots of its expert g in (token, slot) order:
+ *   slot_row[i] = slot_base[g] + p     the owner's reduction map (plan.h)
+ *   send_row[i] = send_row0[g] + p     the row at g's rank that the slot's token row goes to
+ * exactly the values the host planner gives a routing (tests/unit/test_plan_counts.c checks the
+ * rules, tests/gpu/test_dispatch.cu the kernels).
+ *
+ * Counters of the dispatch window (every rank's, same layout; all 32-bit, cumulative since the
+ * last reset; their targets are two epochs in the rank's device memory, advanced by the kernels
+ * themselves, so that no per-call host value is a kernel argument):
+ *   credits[d]   in the source's window, one per destination rank d; d adds 1 at the start of
+ *                each dispatch call (release .sys), after its earlier calls (the GEMM that read
+ *                its expert-input rows) are done in stream order; a source writes rows into d in
+ *                call e only after credits[d] >= e (acquire .sys).
+ *   arrivals[s]  in the destination's window, one per source rank s; s's copy kernel adds 1 once
+ *                all its CTAs have written their rows for the call (its last CTA, after
+ *                system-scope fences); the destination's call ends with a wait for arrivals[s]
+ *                >= e from every s, so the GEMM that follows it in stream order sees every row.
+ */
+#ifndef TW_DISPATCH_H
+#define TW_DISPATCH_H
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "sync.cuh"
+#include "tilewave.h"
+
+/* Further kinds of device-side failure (tw_dev_error.where), after combine.h's. */
+enum { TW_CHECK_ID = 7, TW_WAIT_DISPATCH_CREDIT = 8, TW_WAIT_DISPATCH_ARRIVAL = 9 };
+
+/* Most chunks of the scan (the histograms are (chunks, experts) int32). */
+#define TW_DISPATCH_MAX_CHUNKS 256
+
+/* Byte offsets inside every rank's dispatch window (identical on all ranks). */
+typedef struct tw_dispatch_layout {
+  uint64_t rows;   /* (rows_max, hidden) bf16 expert-input rows; offset 0 */
+  uint64_t credit; /* (W) uint32 credits, by destination rank */
+  uint64_t arrive; /* (W) uint32 arrivals, by source rank */
+  uint64_t bytes;  /* total */
+} tw_dispatch_layout;
+
+typedef struct tw_dispatch_scan_args {
+  const void* ids; /* (slots) expert ids, (tokens, top_k) row-major, int32 or int64 */
+  int32_t id64;    /* 1: int64 ids */
+  int32_t slots;   /* tokens * top_k */
+  int32_t top_k, experts;
+  int32_t chunks;      /* 0..TW_DISPATCH_MAX_CHUNKS; 0 only with no slots */
+  int32_t chunk_slots; /* slots per chunk, a multiple of 32 */
+  int32_t* chunk_hist; /* (chunks, experts): histograms (count), then exclusive prefixes */
+  uint32_t* counts;    /* (experts) the rank's slots per global expert (offsets kernel) */
+  /* Place pass (NULL in the count pass). */
+  const int32_t* slot_base; /* (experts) plan.h */
+  const int32_t* send_row0; /* (experts) plan.h */
+  const float* weights_in;  /* (slots) the caller's gate weights */
+  int32_t* slot_row;        /* (slots) out */
+  float* weights_out;       /* (slots) out: the device plan's copy */
+  int32_t* send_row;        /* (slots) out */
+  tw_dev_error* err;        /* count pass: bad ids (TW_CHECK_ID); place pass: internal */
+  int32_t rank;
+} tw_dispatch_scan_args;
+
+typedef struct tw_dispatch_copy_args {
+  char* const* peers; /* (world) device array: every rank's dispatch window base */
+  tw_dispatch_layout lay;
+  const uint16_t* x; /* (tokens, hidden) bf16, 16-byte aligned */
+  const void* ids;   /* as in the scan */
+  int32_t id64;
+  const int32_t* send_row; /* (slots) */
+  const int32_t* pads;     /* pads[0] = n, then n (first row, rows) ranges of this rank's
+                              layout that are padding: zero-filled here */
+  int64_t pad_rows;        /* sum of the ranges' rows (sizes the grid only) */
+  int32_t slots, top_k, hidden;
+  int32_t local_experts; /* E: global expert g lives on rank g / E */
+  int32_t rank, world;   /* world 0: no credit wait, no arrivals (the context's warm-up) */
+  uint32_t* epochs;      /* (2) device: [0] the calls that raised credits, the credit target;
+                            [1] the calls that sent rows, advanced by the last CTA (NULL in the
+                            warm-up) */
+  uint32_t* done;        /* CTA completion counter, zero between launches */
+  tw_dev_error* err;
+  uint64_t timeout_ns;
+} tw_dispatch_copy_args;
+
+typedef struct tw_dispatch_signal_args {
+  char* const* peers;
+  tw_dispatch_layout lay;
+  int32_t rank, world; /* world 0: nothing (warm-up) */
+  uint32_t* epochs;    /* (2) as in the copy: the credit kernel advances [0], the wait kernel
+                          waits for [1] arrivals from every rank; NULL in the warm-up */
+  tw_dev_error* err;
+  uint64_t timeout_ns;
+} tw_dispatch_signal_args;
+
+/* Chunks and slots per chunk of the scan for `slots` slots on at most `sms` CTAs. */
+void tw__dispatch_chunks(int32_t slots, int32_t* chunks, int32_t* chunk_slots);
+/* Pass 1 and the offsets kernel (counts), on at most `sms` CTAs each. */
+tw_status tw__dispatch_count_launch(const tw_dispatch_scan_args* args, int sms,
+                                    cudaStream_t stream);
+/* Pass 2 (slot_row, send_row, weights), on at most `sms` CTAs. */
+tw_status tw__dispatch_place_launch(const tw_dispatch_scan_args* args, int sms,
+                                    cudaStream_t stream);
+/* Raises this rank's credit in every rank's window (one CTA). */
+tw_status tw__dispatch_credit_launch(const tw_dispatch_signal_args* args, cudaStream_t stream);
+/* The rows (and this rank's padding rows), then this rank's arrivals at every rank, on at
+ * most `sms` CTAs. */
+tw_status tw__dispatch_copy_launch(const tw_dispatch_copy_args* args, int sms, cudaStream_t stream);
+/* Waits until every rank's rows for this call have arrived (one CTA). */
+tw_status tw__dispatch_wait_launch(const tw_dispatch_signal_args* args, cudaStream_t stream);
+
+#endif /* TW_DISPATCH_H */

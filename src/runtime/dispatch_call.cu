@@ -1,0 +1,374 @@
+/*
+ * dispatch_call.cu: the sequence of one eager dispatch call (tw_moe_dispatch): from a rank's
+ * top-k ids and weights on the GPU to its plan on the device and every token row in the
+ * expert-input buffer of its experts' ranks. The host sees only the count vector of each rank.
+ *
+ * On the caller's stream S (dispatch.h has the counters, dispatch.cu the kernels):
+ *   S: [wait for the previous call] -> credit (1 CTA) -> count + offsets -> counts to the host
+ *   host: wait for the counts, all-gather them (team), plan from the count matrix, upload the
+ *         plan's arrays, agree with every rank that planning worked (team)
+ *   S: place (slot_row, weights, destination rows) -> copy (rows to peers, padding zero, then
+ *      arrivals) -> wait (1 CTA: every source's rows) -> done
+ * Every grid is at most the call's SM budget. Deadlock freedom: the only waits on the device are
+ * the copy kernel's for the destinations' credits, raised before their counts reached their
+ * hosts (so before the all-gather every rank has passed), and the wait kernel's for the sources'
+ * arrivals, which every source's copy raises after waiting for nothing but those credits; on an
+ * in-process team each rank's kernels keep within its budget and the budgets fit the GPU.
+ *
+ * Failures: an id out of range or repeated within a token, a token count out of range or a bad
+ * pointer on any rank fails the call on every rank, before anything is sent, with the context
+ * still usable (each rank's counters advanced alike); a context that has failed on any rank is
+ * refused the same way and stays failed on every rank. A plan or upload that fails on one rank
+ * fails the call on every rank after the second agreement, also before anything is sent. A
+ * failure past that point (a CUDA error, a wait past the timeout) leaves the context failed
+ * until tw_context_reset(), as a failed combine does.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "context.h"
+
+static_assert(sizeof(tw_dev_error) == kGatherHead * 4, "the all-gather's head is a tw_dev_error");
+
+/* Local checks whose failure every rank learns through the all-gather (tw_dev_error.where). */
+enum { kLocalTokens = -1, kLocalPointer = -2, kLocalAlignment = -3, kLocalFailed = -4 };
+
+/* The count plan's device part beyond tw__device_plan_copy's: the scan's tables (slot_base,
+ * send_row0) and this rank's padding ranges, after checks that keep every write in bounds:
+ * this rank's rows of each expert fit the expert's rank's buffer, and its slot rows fit its own
+ * receive and layout rows. */
+static tw_status tw__dispatch_upload(tw_device_plan_t d, const struct tw_plan* plan,
+                                     const int32_t* counts, int32_t tokens, cudaStream_t stream) {
+  tw_context_t ctx = d->ctx;
+  const int32_t ET = ctx->problem.experts, E = ctx->local_experts, W = ctx->world;
+  int64_t units = 0;
+  TW_TRY(tw__device_plan_check(d, plan, tokens, &units, "tw_moe_dispatch"));
+  const int32_t* mine = counts + (size_t)ctx->rank * ET;
+  for (int32_t g = 0; g < ET; g++) {
+    const int64_t c = mine[g];
+    if (c == 0) continue;
+    const int64_t sr0 = plan->send_row0[g], sb = plan->slot_base[g];
+    if (sr0 < 0 || sr0 + c > ctx->rows_max)
+      return tw__fail(TW_ERR_CAPACITY,
+                      "tw_moe_dispatch: rank %d's %lld rows for expert %d start at row %lld of "
+                      "rank %d's buffer of %lld rows",
+                      ctx->rank, (long long)c, g, (long long)sr0, g / E, (long long)ctx->rows_max);
+    if (sb < 0 || sb + c > (int64_t)plan->recv_rows + plan->rows)
+      return tw__fail(TW_ERR_INTERNAL,
+                      "tw_moe_dispatch: slot rows %lld..%lld of expert %d outside %d receive + %d "
+                      "local rows",
+                      (long long)sb, (long long)(sb + c), g, plan->recv_rows, plan->rows);
+  }
+  /* Padding: the tail of the last band of every padded remote group (rows past its valid ones
+   * that belong to nobody; in the band a remote group shares with the local group they are
+   * local rows). */
+  int32_t n = 0;
+  int64_t pad_rows = 0;
+  for (int32_t i = 0; i < plan->num_bands; i++) {
+    const tw_band* b = &plan->layout_bands[i];
+    if (b->dest == ctx->rank || b->valid_rows >= b->rows ||
+        plan->row_src[b->row0 + b->valid_rows].owner >= 0)
+      continue;
+    if (n >= E * W)
+      return tw__fail(TW_ERR_INTERNAL, "tw_moe_dispatch: more than %d padding ranges", E * W);
+    d->h_pads[1 + 2 * n] = b->row0 + b->valid_rows;
+    d->h_pads[2 + 2 * n] = b->rows - b->valid_rows;
+    pad_rows += b->rows - b->valid_rows;
+    n++;
+  }
+  d->h_pads[0] = n;
+  d->uploaded = 0;
+  TW_TRY(tw__device_plan_copy(d, plan, tokens, units, stream));
+  /* Pageable copies: staged before they return, so the plan and h_pads may change after. */
+  TW_CUDA_TRY(cudaMemcpyAsync(d->slot_base, plan->slot_base, (size_t)ET * 4, cudaMemcpyHostToDevice,
+                              stream));
+  TW_CUDA_TRY(cudaMemcpyAsync(d->send_row0, plan->send_row0, (size_t)ET * 4, cudaMemcpyHostToDevice,
+                              stream));
+  TW_CUDA_TRY(
+      cudaMemcpyAsync(d->pads, d->h_pads, (size_t)(1 + 2 * n) * 4, cudaMemcpyHostToDevice, stream));
+  d->pad_rows = pad_rows;
+  return TW_SUCCESS;
+}
+
+/* The first failing rank's row of the all-gather as a status and message (every rank composes
+ * the same one). */
+static tw_status tw__dispatch_refusal(tw_context_t ctx, int32_t failing, int32_t first,
+                                      const int32_t* row) {
+  const int32_t K = ctx->problem.top_k;
+  const tw_status st = (tw_status)row[0];
+  const int32_t where = row[1], index = row[2];
+  const char* lead = "tw_moe_dispatch";
+  if (where == kLocalTokens)
+    return tw__fail(st,
+                    "%s: rank %d passed %d tokens; give 0..%d (problem max_tokens). %d of %d "
+                    "ranks refused; nothing was sent",
+                    lead, first, row[2], ctx->problem.max_tokens, failing, ctx->world);
+  if (where == kLocalPointer)
+    return tw__fail(st,
+                    "%s: rank %d passed a NULL x, topk_ids or topk_weights with %d tokens; "
+                    "nothing was sent",
+                    lead, first, row[2]);
+  if (where == kLocalAlignment)
+    return tw__fail(st, "%s: rank %d's x is not 16-byte aligned; nothing was sent", lead, first);
+  if (where == kLocalFailed)
+    return tw__fail(st,
+                    "%s: rank %d: an earlier call failed on the device (%s); call "
+                    "tw_context_reset() on every rank first",
+                    lead, first, tw_status_string(st));
+  if (st == TW_ERR_DUPLICATE_EXPERT)
+    return tw__fail(st,
+                    "%s: rank %d: token %d names expert %d in slots %d and %d "
+                    "(topk_ids[%d] and [%d]); %d of %d ranks refused, nothing was sent, the "
+                    "context stays usable",
+                    lead, first, index / K, row[3], row[4] % K, index % K, row[4], index, failing,
+                    ctx->world);
+  if (st == TW_ERR_EXPERT_ID)
+    return tw__fail(st,
+                    "%s: rank %d: topk_ids[%d] (token %d, slot %d) = %d is outside 0..%d; "
+                    "%d of %d ranks refused, nothing was sent, the context stays usable",
+                    lead, first, index, index / K, index % K, row[3], row[4] - 1, failing,
+                    ctx->world);
+  return tw__fail(st != TW_SUCCESS ? st : TW_ERR_INTERNAL,
+                  "%s: rank %d's count pass failed (where %d, index %d); nothing was sent", lead,
+                  first, where, index);
+}
+
+extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, const void* x,
+                                        const void* topk_ids, tw_index_type id_type,
+                                        const float* topk_weights, int32_t tokens, void** expert_in,
+                                        const tw_dispatch_options* options, cudaStream_t stream) {
+  tw__clear_error();
+  TW_CHECK_NULL(ctx);
+  TW_CHECK_NULL(d);
+  if (expert_in != NULL) *expert_in = NULL;
+  tw_dispatch_options opt = TW_DISPATCH_OPTIONS_INIT;
+  if (options != NULL) {
+    TW_TRY(tw__check_header("tw_dispatch_options", options->size, sizeof(tw_dispatch_options),
+                            options->magic, TW_DISPATCH_OPTIONS_MAGIC, options->version));
+    opt = *options;
+  }
+  if (!ctx->dispatch)
+    return tw__fail(TW_ERR_STATE,
+                    "tw_moe_dispatch: the context was created without dispatch; set "
+                    "tw_context_config.dispatch = 1 on every rank");
+  if (d->ctx != ctx)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_moe_dispatch: the device plan belongs to another context");
+  if (id_type != TW_INDEX_INT32 && id_type != TW_INDEX_INT64)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_moe_dispatch: id_type %d; give TW_INDEX_INT32 or TW_INDEX_INT64",
+                    (int)id_type);
+  /* A failed context refuses the call, but through the all-gather below: the ranks may learn
+   * of a failure at different times, and a rank that left early would leave the others
+   * waiting in the collective. */
+  const int earlier = !ctx->failed && ctx->have_call &&
+                      cudaEventQuery(ctx->ev_err_copied) == cudaSuccess && ctx->h_err->status != 0;
+  const int was_failed = ctx->failed || earlier;
+  const int32_t budget = opt.sm_budget > 0 ? opt.sm_budget : ctx->sm_budget;
+  if (opt.sm_budget < 0 || budget < 2 || budget > ctx->sm_budget)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_moe_dispatch: sm_budget %d; must be 2..%d (the context's sm_budget), or 0 "
+                    "for the context's",
+                    opt.sm_budget, ctx->sm_budget);
+  /* The plan's config: the caller's (checked as tw_plan_create checks it), planned for the
+   * context's dataflow. */
+  tw_plan_config pc = TW_PLAN_CONFIG_INIT;
+  if (opt.plan_config != NULL) {
+    const tw_plan_config* given = opt.plan_config;
+    const size_t v1_size = offsetof(tw_plan_config, schedule);
+    const size_t v2_size = offsetof(tw_plan_config, dataflow);
+    const size_t v3_size = offsetof(tw_plan_config, sm_budget);
+    const size_t known = given->size == v1_size || given->size == v2_size || given->size == v3_size
+                             ? given->size
+                             : sizeof(tw_plan_config);
+    TW_TRY(tw__check_header("tw_plan_config", given->size, known, given->magic,
+                            TW_PLAN_CONFIG_MAGIC, given->version));
+    memcpy(&pc, given, given->size);
+    pc.size = sizeof pc;
+    if (given->size > offsetof(tw_plan_config, dataflow) &&
+        given->dataflow != TW_DATAFLOW_DEFAULT && given->dataflow != ctx->dataflow)
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_moe_dispatch: plan_config.dataflow is %s, the context runs %s; leave it "
+                      "TW_DATAFLOW_DEFAULT",
+                      tw__dataflow_name(given->dataflow), tw__dataflow_name(ctx->dataflow));
+  } else {
+    pc.sm_budget = ctx->sm_budget; /* the budget of the combine calls that follow */
+  }
+  pc.dataflow = ctx->dataflow;
+
+  /* Checks whose failure every rank learns (the all-gather): no rank leaves before it. */
+  const tw_problem* p = &ctx->problem;
+  const int32_t K = p->top_k, ET = p->experts, W = ctx->world, rank = ctx->rank;
+  int32_t local = TW_SUCCESS, local_where = 0;
+  if (was_failed) {
+    local = earlier ? ctx->h_err->status : TW_ERR_STATE;
+    local_where = kLocalFailed;
+  } else if (tokens < 0 || tokens > p->max_tokens) {
+    local = tokens < 0 ? TW_ERR_INVALID_SIZE : TW_ERR_CAPACITY;
+    local_where = kLocalTokens;
+  } else if (tokens > 0 && (x == NULL || topk_ids == NULL || topk_weights == NULL)) {
+    local = TW_ERR_NULL_POINTER;
+    local_where = kLocalPointer;
+  } else if (tokens > 0 && ((uintptr_t)x & 15) != 0) {
+    local = TW_ERR_ALIGNMENT;
+    local_where = kLocalAlignment;
+  }
+  const int32_t slots = local == TW_SUCCESS ? tokens * K : 0; /* max_tokens * K fits int32 */
+  const uint64_t timeout_ns = (uint64_t)ctx->timeout_ms * 1000000ull;
+  TW_DEVICE_SCOPE(ctx);
+
+  /* Calls are ordered on the context (as tw_moe_combine's): the credit below says this rank's
+   * buffer is free, which holds once its previous calls, the GEMM that read it among them, are
+   * done. From here a failure leaves the ranks' counters out of step: mark the context failed
+   * until the refusals below, which every rank takes alike. */
+  if (ctx->have_call) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_call_done, 0));
+  ctx->failed = 1;
+  tw_dispatch_signal_args sg;
+  memset(&sg, 0, sizeof sg);
+  sg.peers = ctx->dpeers;
+  sg.lay = ctx->dlay;
+  sg.rank = rank;
+  sg.world = W;
+  sg.epochs = ctx->d_epochs;
+  sg.err = ctx->err;
+  sg.timeout_ns = timeout_ns;
+  TW_TRY(tw__dispatch_credit_launch(&sg, stream));
+
+  /* Count pass and offsets, then the counts and the record to the host. */
+  tw_dispatch_scan_args sa;
+  memset(&sa, 0, sizeof sa);
+  sa.ids = topk_ids;
+  sa.id64 = id_type == TW_INDEX_INT64;
+  sa.slots = slots;
+  sa.top_k = K;
+  sa.experts = ET;
+  tw__dispatch_chunks(slots, &sa.chunks, &sa.chunk_slots);
+  sa.chunk_hist = ctx->d_chunk_hist;
+  sa.counts = ctx->d_counts;
+  sa.err = ctx->d_verr;
+  sa.rank = rank;
+  TW_CUDA_TRY(cudaMemsetAsync(ctx->d_verr, 0, sizeof(tw_dev_error), stream));
+  TW_TRY(tw__dispatch_count_launch(&sa, budget, stream));
+  int32_t* row = ctx->h_row;
+  TW_CUDA_TRY(
+      cudaMemcpyAsync(row, ctx->d_verr, sizeof(tw_dev_error), cudaMemcpyDeviceToHost, stream));
+  TW_CUDA_TRY(cudaMemcpyAsync(row + kGatherHead, ctx->d_counts, (size_t)ET * 4,
+                              cudaMemcpyDeviceToHost, stream));
+  TW_CUDA_TRY(cudaEventRecord(ctx->ev_counts, stream));
+  TW_CUDA_TRY(cudaEventSynchronize(ctx->ev_counts));
+  if (local != TW_SUCCESS) {
+    row[0] = local;
+    row[1] = local_where;
+    row[2] = tokens;
+  }
+  row[5] = rank;
+  row[6] = slots / K;
+  const size_t row_words = (size_t)kGatherHead + ET;
+  int32_t* all = ctx->h_all;
+  TW_TRY(ctx->team->ops->allgather(ctx->team, row, all, row_words * 4));
+
+  /* Refusals every rank agrees on: a bad id or argument anywhere; counts that do not add up
+   * to whole tokens (a bug). */
+  int32_t failing = 0, first = -1;
+  for (int32_t r = 0; r < W; r++)
+    if (all[(size_t)r * row_words] != 0) {
+      failing++;
+      if (first < 0) first = r;
+    }
+  if (first >= 0) {
+    /* A failed context is the refusal to report: every rank must reset, whatever else. */
+    int any_failed = 0;
+    for (int32_t r = W - 1; r >= 0; r--)
+      if (all[(size_t)r * row_words + 1] == kLocalFailed) {
+        any_failed = 1;
+        first = r;
+      }
+    ctx->failed = any_failed; /* alike on every rank */
+    return tw__dispatch_refusal(ctx, failing, first, all + (size_t)first * row_words);
+  }
+  int32_t* counts = all + (size_t)W * row_words; /* (W, ET), after the rows */
+  for (int32_t r = 0; r < W; r++) {
+    const int32_t* rc = all + (size_t)r * row_words + kGatherHead;
+    int64_t sum = 0;
+    for (int32_t g = 0; g < ET; g++) sum += rc[g];
+    if (sum != (int64_t)all[(size_t)r * row_words + 6] * K) {
+      ctx->failed = 0;
+      return tw__fail(TW_ERR_INTERNAL,
+                      "tw_moe_dispatch: rank %d counted %lld slots for %d tokens of top_k %d", r,
+                      (long long)sum, all[(size_t)r * row_words + 6], K);
+    }
+    memcpy(counts + (size_t)r * ET, rc, (size_t)ET * 4);
+  }
+
+  /* The plan from the count matrix, uploaded; then every rank learns whether all did it. */
+  tw_plan_t plan = NULL;
+  tw_status st = tw__plan_create_from_counts(p, counts, rank, &pc, &plan);
+  if (st == TW_SUCCESS) st = tw__dispatch_upload(d, plan, counts, tokens, stream);
+  tw_plan_destroy(plan);
+  int64_t worst = st;
+  /* Keep this rank's message: the collective below must not overwrite it. */
+  char why[512];
+  snprintf(why, sizeof why, "%s", st != TW_SUCCESS ? tw_last_error() : "");
+  TW_TRY(tw__team_max_i64(ctx->team, &worst, 1));
+  if (worst != TW_SUCCESS) {
+    d->uploaded = 0;
+    ctx->failed = 0;
+    if (st != TW_SUCCESS) return tw__fail(st, "%s", why);
+    return tw__fail((tw_status)worst,
+                    "tw_moe_dispatch: another rank could not plan or upload this call (%s); its "
+                    "error says why. Nothing was sent",
+                    tw_status_string((tw_status)worst));
+  }
+
+  /* Place, copy (and arrivals), wait for the peers' rows. */
+  sa.slot_base = d->slot_base;
+  sa.send_row0 = d->send_row0;
+  sa.weights_in = topk_weights;
+  sa.slot_row = d->slot_row;
+  sa.weights_out = d->weights;
+  sa.send_row = d->send_row;
+  sa.err = ctx->err;
+  TW_TRY(tw__dispatch_place_launch(&sa, budget, stream));
+  tw_dispatch_copy_args cp;
+  memset(&cp, 0, sizeof cp);
+  cp.peers = ctx->dpeers;
+  cp.lay = ctx->dlay;
+  cp.x = (const uint16_t*)x;
+  cp.ids = topk_ids;
+  cp.id64 = sa.id64;
+  cp.send_row = d->send_row;
+  cp.pads = d->pads;
+  cp.pad_rows = d->pad_rows;
+  cp.slots = slots;
+  cp.top_k = K;
+  cp.hidden = p->hidden;
+  cp.local_experts = ctx->local_experts;
+  cp.rank = rank;
+  cp.world = W;
+  cp.epochs = ctx->d_epochs;
+  cp.err = ctx->err;
+  cp.timeout_ns = timeout_ns;
+  cp.done = ctx->d_done;
+  TW_TRY(tw__dispatch_copy_launch(&cp, budget, stream));
+  TW_TRY(tw__dispatch_wait_launch(&sg, stream));
+  TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));
+  /* Error record to the host off the caller's path (the next call looks at it). */
+  TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_aux, ctx->ev_call_done, 0));
+  TW_CUDA_TRY(cudaMemcpyAsync(ctx->h_err, ctx->err, sizeof(tw_dev_error), cudaMemcpyDeviceToHost,
+                              ctx->s_aux));
+  TW_CUDA_TRY(cudaEventRecord(ctx->ev_err_copied, ctx->s_aux));
+  ctx->have_call = 1;
+  ctx->failed = 0;
+  d->uploaded = 1;
+  if (expert_in != NULL) *expert_in = (char*)ctx->dwin.local + ctx->dlay.rows;
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw_moe_dispatch(tw_context_t ctx, tw_device_plan_t dplan, const void* x,
+                                     const void* topk_ids, tw_index_type id_type,
+                                     const float* topk_weights, int32_t tokens, void** expert_in,
+                                     cudaStream_t stream) {
+  return tw_moe_dispatch_ex(ctx, dplan, x, topk_ids, id_type, topk_weights, tokens, expert_in, NULL,
+                            stream);
+}
