@@ -30,10 +30,9 @@
 enum { TWT_OVERLAP, TWT_UNFUSED, TWT_GEMM, TWT_COMM, TWT_NMODES };
 
 typedef struct twt_rank {
+  twb_team_job job; /* first: twb_team_run fills it */
   const twb_opts* o;
   const twb_point* pt;
-  tw_team_t team, sums;
-  int rank, world;
   /* out (every rank; rank 0's is printed) */
   double us[TWT_NMODES];
   int comm_ctas, coalesce, budget;
@@ -112,72 +111,123 @@ static tw_status twt_output(tw_context_t ctx, int add, void* out, uint16_t* host
     if (st != TW_SUCCESS) goto teardown; \
   } while (0)
 
+tw_status twb_team_rank_setup(twb_team_rank* t, const twb_opts* o, const twb_point* pt,
+                              const twb_team_job* job, int timing) {
+  memset(t, 0, sizeof *t);
+  tw_status st = TW_SUCCESS;
+  if (cudaSetDevice(0) != cudaSuccess ||
+      cudaStreamCreateWithFlags(&t->s, cudaStreamNonBlocking) != cudaSuccess) {
+    t->s = NULL;
+    return tw__fail(TW_ERR_CUDA, "in-process team: rank %d: no stream on GPU 0", job->rank);
+  }
+  TWT_TRY(tw__team_local_join(job->sums, job->rank, &t->sums));
+  t->problem = twb_problem_of(o, pt, job->world);
+  const tw_problem* p = &t->problem;
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  cc.sm_budget = o->sm_budget;
+  cc.timing = timing;
+  TWT_TRY(tw_context_create_on_team(p, job->team, job->rank, &cc, &t->ctx));
+  TWT_TRY(tw_context_info_get(t->ctx, &t->info));
+  TWT_TRY(tw_device_plan_create(t->ctx, &t->dp));
+  TWT_TRY(
+      tw_routing_generate(p, (tw_router)pt->router, pt->router_param, pt->tokens, o->seed, &t->rt));
+  tw_plan_config pc = TW_PLAN_CONFIG_INIT;
+  pc.comm_ctas = o->comm_ctas;
+  pc.coalesce = o->coalesce;
+  pc.sm_budget = t->info.sm_budget;
+  TWT_TRY(tw_plan_create(p, t->rt, job->rank, &pc, &t->plan));
+  TWT_TRY(tw_device_plan_upload(t->dp, t->plan, t->rt, t->s));
+  const size_t E = (size_t)(p->experts / p->world_size);
+  const size_t n_in = (size_t)t->plan->rows * p->ffn, n_w = E * p->hidden * p->ffn;
+  t->n_out = (size_t)p->max_tokens * p->hidden;
+  if (cudaMalloc(&t->in, n_in * 2 + 16) != cudaSuccess ||
+      cudaMalloc(&t->w2, n_w * 2 + 16) != cudaSuccess ||
+      cudaMalloc(&t->out, t->n_out * 2 + 16) != cudaSuccess) {
+    st = tw__fail(TW_ERR_OUT_OF_MEMORY, "in-process team: rank %d: device memory", job->rank);
+    goto teardown;
+  }
+  TWT_TRY(twt_upload_random(t->in, n_in, 11 + (uint64_t)job->rank));
+  TWT_TRY(twt_upload_random(t->w2, n_w, 1000 + (uint64_t)job->rank));
+  t->add = t->info.dataflow == TW_DATAFLOW_ADD;
+  t->call_out = t->add ? NULL : t->out;
+teardown:
+  return st;
+}
+
+void twb_team_rank_free(twb_team_rank* t) {
+  if (t->s) cudaStreamSynchronize(t->s);
+  tw_plan_destroy(t->plan);
+  tw_routing_destroy(t->rt);
+  tw_device_plan_destroy(t->dp);
+  tw_context_destroy(t->ctx); /* collective: every rank gets here, failed or not */
+  cudaFree(t->in);
+  cudaFree(t->w2);
+  cudaFree(t->out);
+  if (t->sums) t->sums->ops->release(t->sums);
+  if (t->s) cudaStreamDestroy(t->s);
+  memset(t, 0, sizeof *t);
+}
+
+tw_status twb_team_output(const twb_team_rank* t, uint16_t* host) {
+  return twt_output(t->ctx, t->add, t->out, host, t->n_out);
+}
+
+tw_status twb_team_run(int world, void* (*fn)(void*), void* ranks, size_t stride) {
+  tw_team_t team = NULL, sums = NULL;
+  tw_status st = tw_team_create(world, 0, &team);
+  if (st == TW_SUCCESS) st = tw_team_create(world, 0, &sums);
+  if (st != TW_SUCCESS) {
+    tw_team_destroy(team);
+    return st;
+  }
+  pthread_t th[TW_MAX_RANKS];
+  int started = 0;
+  for (int r = 0; r < world; r++) {
+    twb_team_job* job = (twb_team_job*)((char*)ranks + (size_t)r * stride);
+    job->team = team, job->sums = sums, job->rank = r, job->world = world;
+    if (pthread_create(&th[r], NULL, fn, job) != 0) break;
+    started++;
+  }
+  for (int r = 0; r < started; r++) pthread_join(th[r], NULL);
+  tw_team_destroy(team);
+  tw_team_destroy(sums);
+  if (started < world)
+    return tw__fail(TW_ERR_INTERNAL, "in-process team: only %d of %d rank threads started", started,
+                    world);
+  return TW_SUCCESS;
+}
+
 static void* twt_rank_main(void* arg) {
   twt_rank* r = (twt_rank*)arg;
   const twb_opts* o = r->o;
   const twb_point* pt = r->pt;
   tw_status st = TW_SUCCESS;
-  tw__team* sums = NULL;
-  tw_context_t ctx = NULL;
-  tw_device_plan_t dp = NULL;
-  tw_routing_t rt = NULL;
-  tw_plan_t plan = NULL;
-  void *in = NULL, *w2 = NULL, *out = NULL;
+  twb_team_rank t;
   uint16_t *h_a = NULL, *h_b = NULL;
-  cudaStream_t s = NULL;
-  size_t n_out = 0;
-  if (cudaSetDevice(0) != cudaSuccess ||
-      cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
-    st = tw__fail(TW_ERR_CUDA, "bench --in-process: rank %d: no stream on GPU 0", r->rank);
+  TWT_TRY(twb_team_rank_setup(&t, o, pt, &r->job, 1));
+  r->budget = t.info.sm_budget;
+  r->comm_ctas = t.plan->comm_ctas;
+  r->coalesce = t.plan->coalesce;
+  h_a = (uint16_t*)malloc(t.n_out * 2 + 2);
+  h_b = (uint16_t*)malloc(t.n_out * 2 + 2);
+  if (h_a == NULL || h_b == NULL) {
+    st = tw__fail(TW_ERR_OUT_OF_MEMORY, "bench --in-process: host memory");
     goto teardown;
   }
-  TWT_TRY(tw__team_local_join(r->sums, r->rank, &sums));
   {
-    const tw_problem p = twb_problem_of(o, pt, r->world);
-    tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
-    cc.sm_budget = o->sm_budget;
-    cc.timing = 1;
-    TWT_TRY(tw_context_create_on_team(&p, r->team, r->rank, &cc, &ctx));
-    tw_context_info info;
-    TWT_TRY(tw_context_info_get(ctx, &info));
-    r->budget = info.sm_budget;
-    TWT_TRY(tw_device_plan_create(ctx, &dp));
-    TWT_TRY(
-        tw_routing_generate(&p, (tw_router)pt->router, pt->router_param, pt->tokens, o->seed, &rt));
-    tw_plan_config pc = TW_PLAN_CONFIG_INIT;
-    pc.comm_ctas = o->comm_ctas;
-    pc.coalesce = o->coalesce;
-    pc.sm_budget = info.sm_budget;
-    TWT_TRY(tw_plan_create(&p, rt, r->rank, &pc, &plan));
-    r->comm_ctas = plan->comm_ctas;
-    r->coalesce = plan->coalesce;
-    TWT_TRY(tw_device_plan_upload(dp, plan, rt, s));
-    const size_t E = (size_t)(p.experts / p.world_size);
-    const size_t n_in = (size_t)plan->rows * p.ffn, n_w = E * p.hidden * p.ffn;
-    n_out = (size_t)p.max_tokens * p.hidden;
-    if (cudaMalloc(&in, n_in * 2 + 16) != cudaSuccess ||
-        cudaMalloc(&w2, n_w * 2 + 16) != cudaSuccess ||
-        cudaMalloc(&out, n_out * 2 + 16) != cudaSuccess) {
-      st = tw__fail(TW_ERR_OUT_OF_MEMORY, "bench --in-process: rank %d: device memory", r->rank);
-      goto teardown;
-    }
-    h_a = (uint16_t*)malloc(n_out * 2 + 2);
-    h_b = (uint16_t*)malloc(n_out * 2 + 2);
-    if (h_a == NULL || h_b == NULL) {
-      st = tw__fail(TW_ERR_OUT_OF_MEMORY, "bench --in-process: host memory");
-      goto teardown;
-    }
-    TWT_TRY(twt_upload_random(in, n_in, 11 + (uint64_t)r->rank));
-    TWT_TRY(twt_upload_random(w2, n_w, 1000 + (uint64_t)r->rank));
-    const int add = info.dataflow == TW_DATAFLOW_ADD;
-    void* call_out = add ? NULL : out;
+    tw_context_t ctx = t.ctx;
+    tw_device_plan_t dp = t.dp;
+    const void *in = t.in, *w2 = t.w2;
+    void* call_out = t.call_out;
+    cudaStream_t s = t.s;
+    tw__team* sums = t.sums;
     /* Unfused first (its output is the reference), then the modes in turn. */
     TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_UNFUSED, &r->us[TWT_UNFUSED]));
-    TWT_TRY(twt_output(ctx, add, out, h_a, n_out));
+    TWT_TRY(twb_team_output(&t, h_a));
     TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_OVERLAP, &r->us[TWT_OVERLAP]));
-    TWT_TRY(twt_output(ctx, add, out, h_b, n_out));
+    TWT_TRY(twb_team_output(&t, h_b));
     int64_t wrong = 0;
-    const size_t n_check = (size_t)pt->tokens * p.hidden;
+    const size_t n_check = (size_t)pt->tokens * t.problem.hidden;
     for (size_t i = 0; i < n_check; i++) wrong += h_a[i] != h_b[i];
     TWT_TRY(tw__team_sum_i64(sums, &wrong, 1));
     r->wrong = wrong;
@@ -187,18 +237,9 @@ static void* twt_rank_main(void* arg) {
 teardown:
   if (st != TW_SUCCESS) snprintf(r->why, sizeof r->why, "%s", tw_last_error());
   r->st = st;
-  if (s) cudaStreamSynchronize(s);
-  tw_plan_destroy(plan);
-  tw_routing_destroy(rt);
-  tw_device_plan_destroy(dp);
-  tw_context_destroy(ctx); /* collective: every rank gets here, failed or not */
-  cudaFree(in);
-  cudaFree(w2);
-  cudaFree(out);
+  twb_team_rank_free(&t);
   free(h_a);
   free(h_b);
-  if (sums) sums->ops->release(sums);
-  if (s) cudaStreamDestroy(s);
   return NULL;
 }
 
@@ -222,7 +263,6 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
   fflush(stdout);
   int failed = 0;
   twt_rank ranks[8];
-  pthread_t th[8];
   const double t_begin = tw__now_seconds();
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
@@ -234,27 +274,15 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
     fprintf(stderr, "[bench --in-process %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n", i + 1,
             npoints, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
             tw__cli_router_name(pt->router), eta);
-    tw_team_t team = NULL, sums = NULL;
-    tw_status st = tw_team_create(W, 0, &team);
-    if (st == TW_SUCCESS) st = tw_team_create(W, 0, &sums);
+    memset(ranks, 0, sizeof ranks);
+    for (int r = 0; r < W; r++) ranks[r].o = o, ranks[r].pt = pt;
+    const tw_status st = twb_team_run(W, twt_rank_main, ranks, sizeof ranks[0]);
     if (st != TW_SUCCESS) {
       fprintf(stderr, "tilewave bench: %s: %s\n", tw_status_string(st), tw_last_error());
-      tw_team_destroy(team);
       return 1;
     }
-    memset(ranks, 0, sizeof ranks);
-    int started = 0;
-    for (int r = 0; r < W; r++) {
-      ranks[r].o = o, ranks[r].pt = pt, ranks[r].team = team, ranks[r].sums = sums;
-      ranks[r].rank = r, ranks[r].world = W;
-      if (pthread_create(&th[r], NULL, twt_rank_main, &ranks[r]) != 0) break;
-      started++;
-    }
-    for (int r = 0; r < started; r++) pthread_join(th[r], NULL);
-    tw_team_destroy(team);
-    tw_team_destroy(sums);
-    int bad = started < W;
-    for (int r = 0; r < started; r++)
+    int bad = 0;
+    for (int r = 0; r < W; r++)
       if (ranks[r].st != TW_SUCCESS) {
         fprintf(stderr, "tilewave bench: rank %d: %s: %s\n", r, tw_status_string(ranks[r].st),
                 ranks[r].why);

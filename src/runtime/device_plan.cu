@@ -263,3 +263,13 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
   d->uploaded = 1;
   return TW_SUCCESS;
 }
+
+extern "C" tw_status tw__device_plan_work(tw_device_plan_t d, int32_t* tiles, int32_t* units) {
+  TW_CHECK_NULL(d);
+  TW_CHECK_NULL(tiles);
+  TW_CHECK_NULL(units);
+  if (!d->uploaded) return tw__fail(TW_ERR_STATE, "tw__device_plan_work: upload a plan first");
+  *tiles = d->num_tiles;
+  *units = d->total_units;
+  return TW_SUCCESS;
+}

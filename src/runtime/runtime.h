@@ -50,6 +50,10 @@ tw_status tw__context_debug_slots(tw_context_t ctx, uint32_t* host, int64_t coun
 tw_status tw__context_timeline(tw_context_t ctx, tw_combine_timings* t, float* comm_end_ms,
                                float* reduce_start_ms, float* zero_end_ms);
 
+/* The work of the uploaded plan: producer tiles and consumer transfer units per call (the index
+ * ranges of the trace's tile and unit records). */
+tw_status tw__device_plan_work(tw_device_plan_t d, int32_t* tiles, int32_t* units);
+
 /* Tracing (src/core/trace.h; what `tilewave trace` uses). capacity > 0: a device buffer of that
  * many 16-byte records (replacing any earlier one, empty), which every eager call of this context
  * fills from then on (producer, consumer and reduction events; a call captured in a CUDA graph is
