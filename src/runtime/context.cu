@@ -762,25 +762,33 @@ extern "C" tw_status tw__context_trace(tw_context_t ctx, int64_t capacity) {
                     (long long)capacity, (long long)kTraceCapacityMax);
   TW_DEVICE_SCOPE(ctx);
   TW_TRY(tw__sync_all(ctx)); /* no kernel of this context still writes into the old buffer */
-  if (ctx->trace != NULL) TW_CUDA_TRY(cudaFree(ctx->trace));
+  /* Stream-ordered allocation on the context's own stream: cudaMalloc / cudaFree may wait for
+   * the whole device, where another in-process rank's call may be waiting for this rank. */
+  if (ctx->trace != NULL) TW_CUDA_TRY(cudaFreeAsync(ctx->trace, ctx->s_aux));
   ctx->trace = NULL;
   ctx->trace_capacity = 0;
-  if (capacity == 0) return TW_SUCCESS;
+  if (capacity == 0) {
+    TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
+    return TW_SUCCESS;
+  }
   const size_t bytes = sizeof(tw_trace) + (size_t)capacity * sizeof(tw_trace_record);
   void* p = NULL;
-  if (cudaMalloc(&p, bytes) != cudaSuccess) {
+  if (cudaMallocAsync(&p, bytes, ctx->s_aux) != cudaSuccess) {
     (void)cudaGetLastError();
+    cudaStreamSynchronize(ctx->s_aux);
     return tw__fail(TW_ERR_OUT_OF_MEMORY,
-                    "tw__context_trace: %zu bytes of device memory for %lld "
-                    "records",
-                    bytes, (long long)capacity);
+                    "tw__context_trace: %zu bytes of device memory for %lld records", bytes,
+                    (long long)capacity);
   }
   tw_trace h;
   memset(&h, 0, sizeof h);
   h.capacity = (uint32_t)capacity;
-  const cudaError_t e = cudaMemcpy(p, &h, sizeof h, cudaMemcpyHostToDevice);
+  cudaError_t e = cudaMemcpyAsync(p, &h, sizeof h, cudaMemcpyHostToDevice, ctx->s_aux);
+  const cudaError_t e2 = cudaStreamSynchronize(ctx->s_aux); /* h is on this stack */
+  if (e == cudaSuccess) e = e2;
   if (e != cudaSuccess) {
-    cudaFree(p);
+    cudaFreeAsync(p, ctx->s_aux);
+    cudaStreamSynchronize(ctx->s_aux);
     return tw__fail(TW_ERR_CUDA, "tw__context_trace: %s", cudaGetErrorString(e));
   }
   ctx->trace = (tw_trace*)p;
