@@ -315,5 +315,12 @@ tw_status twb_team_rank_setup(twb_team_rank* t, const twb_opts* o, const twb_poi
 void twb_team_rank_free(twb_team_rank* t);
 /* The last call's output (tokens of this rank x H bf16, the whole of out) to host[0..n_out). */
 tw_status twb_team_output(const twb_team_rank* t, uint16_t* host);
+/* TW_TRACE=1 in the environment: `bench --in-process` also times ours traced. */
+int twb_trace_env(void);
+/* Trace records one call can write (src/core/trace.h), with room to spare: 2 per tile, at most 4
+ * per unit, per consumer CTA its announcements (one per owner before each credit wait, once at
+ * the end) and its end, 3 per reduction CTA (at most 8 per SM of the budget: 2048 threads of
+ * 256). */
+int64_t twb_trace_capacity(int32_t tiles, int32_t units, int world, int budget);
 
 #endif /* TW_TOOLS_BENCH_H */

@@ -24,10 +24,13 @@
 #include "core.h"
 #include "kernels.h"
 #include "plan.h"
+#include "runtime.h"
 #include "team.h"
 #include "tilewave.h"
 
-enum { TWT_OVERLAP, TWT_UNFUSED, TWT_GEMM, TWT_COMM, TWT_NMODES };
+/* TWT_TRACED (TW_TRACE=1 only): ours with the context's trace buffer on (src/core/trace.h),
+ * cleared before every call; TWT_OVERLAP_AFTER: ours again after it, trace off. */
+enum { TWT_OVERLAP, TWT_UNFUSED, TWT_GEMM, TWT_COMM, TWT_TRACED, TWT_OVERLAP_AFTER, TWT_NMODES };
 
 typedef struct twt_rank {
   twb_team_job job; /* first: twb_team_run fills it */
@@ -37,6 +40,7 @@ typedef struct twt_rank {
   double us[TWT_NMODES];
   int comm_ctas, coalesce, budget;
   int64_t wrong;
+  int64_t traced_wrong, trace_records, trace_dropped; /* TW_TRACE=1: the traced calls */
   tw_status st;
   char why[600];
 } twt_rank;
@@ -68,8 +72,9 @@ static tw_status twt_upload_random(void* dst, size_t n, uint64_t salt) {
 static tw_status twt_time(twt_rank* r, tw__team* sums, tw_context_t ctx, tw_device_plan_t dp,
                           const void* in, const void* w2, void* out, cudaStream_t s, int mode,
                           double* us) {
-  static const tw_combine_mode kModes[TWT_NMODES] = {TW_COMBINE_OVERLAP, TW_COMBINE_UNFUSED,
-                                                     TW_COMBINE_GEMM_ONLY, TW_COMBINE_COMM_ONLY};
+  static const tw_combine_mode kModes[TWT_NMODES] = {TW_COMBINE_OVERLAP,   TW_COMBINE_UNFUSED,
+                                                     TW_COMBINE_GEMM_ONLY, TW_COMBINE_COMM_ONLY,
+                                                     TW_COMBINE_OVERLAP,   TW_COMBINE_OVERLAP};
   const twb_opts* o = r->o;
   float* t = (float*)malloc(sizeof(float) * (size_t)o->iters);
   if (t == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "bench --in-process: host memory");
@@ -77,7 +82,11 @@ static tw_status twt_time(twt_rank* r, tw__team* sums, tw_context_t ctx, tw_devi
   for (int i = -o->warmup; i < o->iters && st == TW_SUCCESS; i++) {
     tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
     opt.mode = kModes[mode];
-    if (o->delay_us > 0) st = tw__bench_delay(s, o->delay_us); /* idle device before the call */
+    /* Traced: every call's records from slot 0 (the buffer never fills); outside the timed
+     * region, which the context's events bound. */
+    if (mode == TWT_TRACED) st = tw__context_trace_clear(ctx, s);
+    if (st == TW_SUCCESS && o->delay_us > 0)
+      st = tw__bench_delay(s, o->delay_us); /* idle device before the call */
     if (st == TW_SUCCESS) st = tw_moe_combine_ex(ctx, dp, in, w2, out, &opt, s);
     if (st == TW_SUCCESS) st = tw_context_check(ctx);
     tw_combine_timings tm;
@@ -168,6 +177,16 @@ void twb_team_rank_free(twb_team_rank* t) {
   memset(t, 0, sizeof *t);
 }
 
+int twb_trace_env(void) {
+  const char* v = getenv("TW_TRACE");
+  return v != NULL && strcmp(v, "1") == 0;
+}
+
+int64_t twb_trace_capacity(int32_t tiles, int32_t units, int world, int budget) {
+  return 2 * (int64_t)tiles + 4 * (int64_t)units + (int64_t)(2 * world + 2) * TW_MAX_COMM_CTAS +
+         3 * 16 * (int64_t)budget + 1024;
+}
+
 tw_status twb_team_output(const twb_team_rank* t, uint16_t* host) {
   return twt_output(t->ctx, t->add, t->out, host, t->n_out);
 }
@@ -233,6 +252,33 @@ static void* twt_rank_main(void* arg) {
     r->wrong = wrong;
     TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_GEMM, &r->us[TWT_GEMM]));
     TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_COMM, &r->us[TWT_COMM]));
+    if (twb_trace_env()) {
+      /* What tracing costs: ours traced, then ours untraced again (drift shows as a difference
+       * between the two untraced medians); the traced output checked like the overlapped one. */
+      int32_t tiles = 0, units = 0;
+      TWT_TRY(tw__device_plan_work(dp, &tiles, &units));
+      const int64_t cap = twb_trace_capacity(tiles, units, r->job.world, r->budget);
+      TWT_TRY(tw__context_trace(ctx, cap));
+      TWT_TRY(tw__team_barrier(sums)); /* every rank's buffer is on before a traced call */
+      TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_TRACED, &r->us[TWT_TRACED]));
+      TWT_TRY(twb_team_output(&t, h_b));
+      tw_trace_record* rec = (tw_trace_record*)malloc(sizeof(tw_trace_record) * (size_t)cap);
+      if (rec == NULL) {
+        st = tw__fail(TW_ERR_OUT_OF_MEMORY, "bench --in-process: host memory");
+        goto teardown;
+      }
+      st = tw__context_trace_read(ctx, rec, cap, &r->trace_records, &r->trace_dropped);
+      free(rec);
+      if (st != TW_SUCCESS) goto teardown;
+      int64_t tw = 0;
+      for (size_t i = 0; i < n_check; i++) tw += h_a[i] != h_b[i];
+      TWT_TRY(tw__team_sum_i64(sums, &tw, 1));
+      r->traced_wrong = tw;
+      TWT_TRY(tw__context_trace(ctx, 0));
+      TWT_TRY(tw__team_barrier(sums));
+      TWT_TRY(twt_time(r, sums, ctx, dp, in, w2, call_out, s, TWT_OVERLAP_AFTER,
+                       &r->us[TWT_OVERLAP_AFTER]));
+    }
   }
 teardown:
   if (st != TW_SUCCESS) snprintf(r->why, sizeof r->why, "%s", tw_last_error());
@@ -263,6 +309,9 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
   fflush(stdout);
   int failed = 0;
   twt_rank ranks[8];
+  /* TW_TRACE=1: one row per point of the second table, printed after the first. */
+  const int traced = twb_trace_env();
+  char* trace_rows = traced ? (char*)calloc((size_t)npoints + 1, 256) : NULL;
   const double t_begin = tw__now_seconds();
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
@@ -304,6 +353,30 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
         (long long)r0->wrong);
     fflush(stdout);
     if (r0->wrong != 0) failed++;
+    if (trace_rows != NULL) {
+      const double off = 0.5 * (u[TWT_OVERLAP] + u[TWT_OVERLAP_AFTER]);
+      snprintf(
+          trace_rows + (size_t)i * 256, 256,
+          "| %d | %d | %d | %d | %d | %s | %.1f | %.1f | %.1f | %+.2f%% | %lld | %lld | %lld |\n",
+          pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk, tw__cli_router_name(pt->router),
+          u[TWT_OVERLAP], u[TWT_TRACED], u[TWT_OVERLAP_AFTER], 100.0 * (u[TWT_TRACED] / off - 1.0),
+          (long long)r0->trace_records, (long long)r0->trace_dropped, (long long)r0->traced_wrong);
+      if (r0->traced_wrong != 0) failed++;
+    }
+  }
+  if (trace_rows != NULL) {
+    printf(
+        "\nTW_TRACE=1: ours with the trace buffer on (records per call from every producer, "
+        "consumer and reduction CTA), between two untraced runs of ours; the cost is against "
+        "their mean\n\n");
+    printf(
+        "| tokens/rank | K | N | E | top-k | router | ours us | traced us | ours again us | "
+        "traced cost | records | dropped | #wrong |\n");
+    printf(
+        "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "|\n");
+    for (int i = 0; i < npoints; i++) fputs(trace_rows + (size_t)i * 256, stdout);
+    free(trace_rows);
   }
   if (failed)
     fprintf(stderr, "tilewave bench --in-process: %d point(s) failed (an error or #wrong > 0)\n",

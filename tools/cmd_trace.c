@@ -42,14 +42,6 @@ typedef struct twtr_rank {
   char device[256];
 } twtr_rank;
 
-/* Records one call can write: 2 per tile, at most 4 per unit, per consumer CTA its announcements
- * (at most one per owner before each credit wait and once at the end) and end, 3 per reduction
- * CTA (at most 8 per SM of the budget: 2048 threads of 256); with room to spare. */
-static int64_t twtr_capacity(int32_t tiles, int32_t units, int world, int budget) {
-  return 2 * (int64_t)tiles + 4 * (int64_t)units + (int64_t)(2 * world + 2) * TW_MAX_COMM_CTAS +
-         3 * 16 * (int64_t)budget + 1024;
-}
-
 #define TWTR_TRY(expr)                   \
   do {                                   \
     st = (expr);                         \
@@ -93,9 +85,9 @@ static void* twtr_rank_main(void* arg) {
    * reference. */
   for (int i = 0; i < o->warmup; i++) TWTR_TRY(twtr_call(&t, o));
   TWTR_TRY(twb_team_output(&t, h_ref));
-  const int64_t cap =
-      r->capacity > 0 ? r->capacity
-                      : twtr_capacity(r->num_tiles, r->total_units, r->job.world, t.info.sm_budget);
+  const int64_t cap = r->capacity > 0 ? r->capacity
+                                      : twb_trace_capacity(r->num_tiles, r->total_units,
+                                                           r->job.world, t.info.sm_budget);
   r->capacity_used = cap;
   TWTR_TRY(tw__context_trace(t.ctx, cap));
   TWTR_TRY(tw__context_trace_clear(t.ctx, t.s));
