@@ -47,6 +47,21 @@ grep -E "^[0-9]+ passed, [0-9]+ failed" "$OUT/ctest.log" | sort | uniq -c
 
 [ "$mode" = tests ] && exit 0
 
+# One call's timeline (docs/trace.md) on GPU 0, checked by the validator, then what the trace costs
+# when on (TW_TRACE=1: traced beside untraced calls) and memcheck on the traced calls' buffer.
+step "tilewave trace: one call of 2 in-process ranks, and the trace's cost"
+timeout 180 "$BUILD/tilewave" trace --in-process 2 --hidden 4096 --ffn 2048 --topk 2 --tokens 8192 \
+  --out "$OUT/trace-in-process-2.json" >"$OUT/trace.md" 2>&1
+echo "trace exit $?"; cat "$OUT/trace.md"
+python3 tests/python/trace_check.py "$OUT/trace-in-process-2.json" && gzip -f "$OUT/trace-in-process-2.json"
+TW_TRACE=1 timeout 400 "$BUILD/tilewave" bench --in-process 2 --hidden 4096 --ffn 2048 --topk 2 \
+  --tokens 8192 --iters 20 --warmup 3 >"$OUT/bench-trace-cost.md" 2>"$OUT/bench-trace-cost.err"
+echo "TW_TRACE=1 bench --in-process 2 exit $?"; cat "$OUT/bench-trace-cost.md"
+TW_TIMEOUT_MS=300000 TW_TEAM_TIMEOUT_MS=1500000 timeout 600 compute-sanitizer --tool memcheck \
+  --report-api-errors no --error-exitcode 9 "$BUILD/test_trace" --in-process 2 \
+  >"$OUT/sanitizer-trace-memcheck.txt" 2>&1
+echo "test_trace --in-process 2 memcheck: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-trace-memcheck.txt" | tr '\n' ' ')"
+
 # One GPU: the multi-rank protocol runs in-process (ctest above ran those tests); the 2-GPU
 # benchmarks below cannot run, so the one-GPU tables instead, then the sanitizers in-process.
 gpus=$(nvidia-smi -L 2>/dev/null | wc -l)

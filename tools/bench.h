@@ -18,6 +18,7 @@
 
 #include "baseline.h"
 #include "bench_common.h"
+#include "team.h" /* tw__team */
 #include "tilewave.h"
 
 #define TWB_MAX_TOKENS_LIST 8
@@ -263,6 +264,11 @@ int twb_oracle_list(const twb_opts* o, const twb_point* pts, int n);
  * 1 (a failure), 2 (a problem the planner rejects). */
 int twb_what_if(const twb_opts* o, const twb_point* pts, int n, int world, const char* why);
 
+/* ---- cmd_bench.c ---- */
+/* GPUs this process could use, without initialising CUDA in it: none where the machine has no
+ * NVIDIA device node (nothing forked), else counted in a short-lived child. */
+int twb_gpus_present(void);
+
 /* ---- bench_team.c ---- */
 /* `tilewave bench --in-process W`: the points with W ranks as threads on GPU 0 over an
  * in-process team, ours' four modes only (no NCCL baselines), the overlapped output checked
@@ -272,5 +278,52 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints);
 /* sweep --in-process W: ours at every C from 1 to --c-max (at most the budget - 1) against the
  * plan's choice, per point, W ranks on GPU 0 (the same setup as bench --in-process). */
 int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints);
+
+/* What a rank thread of an in-process team gets (the first member of its argument). */
+typedef struct twb_team_job {
+  tw_team_t team, sums; /* the contexts' team, and one for the harness's own sums */
+  int rank, world;
+} twb_team_job;
+
+/* Runs fn on `world` threads, thread r on ranks + r * stride, whose first member is a twb_team_job
+ * that this fills (two fresh in-process teams of `world` ranks), and joins them. The caller has
+ * set CUDA_DEVICE_MAX_CONNECTIONS before the process's first CUDA call (tw_team_create). */
+tw_status twb_team_run(int world, void* (*fn)(void*), void* ranks, size_t stride);
+
+/* One in-process rank's state for one point: `bench --in-process` and `tilewave trace`. */
+typedef struct twb_team_rank {
+  tw__team* sums; /* this rank's view of the job's sums team */
+  tw_problem problem;
+  tw_context_t ctx;
+  tw_context_info info;
+  tw_device_plan_t dp;
+  tw_routing_t rt;
+  tw_plan_t plan;
+  void* in;       /* (plan rows, F) bf16, seeded */
+  void* w2;       /* (E_local, H, F) bf16, seeded */
+  void* out;      /* (max_tokens, H) bf16 */
+  void* call_out; /* what tw_moe_combine takes as out: `out`, or NULL under the add dataflow */
+  size_t n_out;   /* elements of out */
+  cudaStream_t s;
+  int add; /* the add dataflow: the output lives in the context (tw_context_output) */
+} twb_team_rank;
+
+/* Sets up rank job->rank of job->world for point pt on GPU 0: a stream, the context on the job's
+ * team (config.timing = timing, the command line's --sm-budget), the routing from --seed, the
+ * plan (--comm-ctas / --coalesce win over the model), the device plan and seeded inputs. Call
+ * twb_team_rank_free after it whatever it returns (every rank must: the context's destruction is
+ * collective). */
+tw_status twb_team_rank_setup(twb_team_rank* t, const twb_opts* o, const twb_point* pt,
+                              const twb_team_job* job, int timing);
+void twb_team_rank_free(twb_team_rank* t);
+/* The last call's output (tokens of this rank x H bf16, the whole of out) to host[0..n_out). */
+tw_status twb_team_output(const twb_team_rank* t, uint16_t* host);
+/* TW_TRACE=1 in the environment: `bench --in-process` also times ours traced. */
+int twb_trace_env(void);
+/* Trace records one call can write (src/core/trace.h), with room to spare: 2 per tile, at most 4
+ * per unit, per consumer CTA its announcements (one per owner before each credit wait, once at
+ * the end) and its end, 3 per reduction CTA (at most 8 per SM of the budget: 2048 threads of
+ * 256). */
+int64_t twb_trace_capacity(int32_t tiles, int32_t units, int world, int budget);
 
 #endif /* TW_TOOLS_BENCH_H */

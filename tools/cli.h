@@ -26,6 +26,8 @@ int tw_cli_bench(int argc, char** argv);
 int tw_cli_sweep(int argc, char** argv);
 /* `tilewave calibrate`: measures the model's machine description (tools/cmd_calibrate.c). */
 int tw_cli_calibrate(int argc, char** argv);
+/* `tilewave trace`: one call recorded as trace-event JSON (tools/cmd_trace.c). */
+int tw_cli_trace(int argc, char** argv);
 /* Routers on the command line (tools/cli_router.c): balanced, moderate_skew, stress_skew or
  * target:R (R >= 1, the target R_expert, into *param); 1 when v names one, else 0. */
 int tw__cli_parse_router(const char* v, int* router, double* param);

@@ -500,9 +500,7 @@ static int twb_keep_dataflow_points(twb_opts* o, twb_job* job, const char* cmd) 
   return 0;
 }
 
-/* GPUs this process could use, without initialising CUDA in it: none where the machine has no
- * NVIDIA device node (nothing forked), else counted in a short-lived child. */
-static int twb_gpus_present(void) {
+int twb_gpus_present(void) {
   if (access("/dev/nvidiactl", F_OK) != 0 && access("/dev/nvidia0", F_OK) != 0 &&
       access("/dev/dxg", F_OK) != 0)
     return 0;

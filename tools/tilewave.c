@@ -27,6 +27,8 @@ static const tw_cli_command commands[] = {
     {"sweep", "every C and mgb of one point: oracle, the model's choice, regret", tw_cli_sweep},
     {"calibrate", "measure this machine's model parameters; writes a TW_CALIBRATION file",
      tw_cli_calibrate},
+    {"trace", "one call's timeline (tiles, units, waits) as Perfetto / chrome://tracing JSON",
+     tw_cli_trace},
 };
 
 static void usage(FILE* f) {

@@ -287,12 +287,13 @@ __device__ __forceinline__ bool tw__bulk_copy_unit(tw__bulk_pipe& pp, const tw__
  * release per owner: it waits until this CTA's NVLink stores are acknowledged) and clears them.
  * With bulk copies, the peer writes must have completed first (wait_group 0, not .read). */
 template <bool kBulk>
-__device__ __forceinline__ void tw__announce(uint32_t* const* arrive, int world,
-                                             uint32_t* pending) {
+__device__ __forceinline__ void tw__announce(uint32_t* const* arrive, int world, uint32_t* pending,
+                                             tw_trace* trace) {
   if (kBulk) tw__bulk_wait_all();
   for (int d = 0; d < world; d++) {
     if (pending[d] == 0) continue;
     tw_red_release_sys(arrive[d], pending[d]);
+    tw_trace_event(trace, TW_TRACE_ANNOUNCE, blockIdx.x, TW_TRACE_ANNOUNCE_INDEX(d, pending[d]));
     pending[d] = 0;
   }
 }
@@ -323,6 +324,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   if (threadIdx.x == 0) {
     s_copied = 1;
     s_unit = (int)atomicAdd(a.unit_next, 1u);
+    tw_trace_event(a.trace, TW_TRACE_UNIT_CLAIM, blockIdx.x, (uint32_t)s_unit);
   }
   tw__bulk_pipe pipe = {s_bulk, reinterpret_cast<uint64_t*>(s_bulk + kBulkStages * kBulkStageBytes),
                         0};
@@ -373,15 +375,17 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
           ok = tw_wait_geq(&a.band_counters[sg.band0 + b], target, false, a.timeout_ns, a.err,
                            TW_WAIT_BAND, sg.band0 + b, a.rank);
       }
+      if (ok) tw_trace_event(a.trace, TW_TRACE_UNIT_BANDS, blockIdx.x, (uint32_t)u);
       if (ok && !((credited >> dest) & 1u)) {
         /* The credit wait may block: announce first (this happens at most W times). */
-        tw__announce<kBulk>(s_arrive, a.world, s_pending);
+        tw__announce<kBulk>(s_arrive, a.world, s_pending, a.trace);
         /* The add dataflow waits for the owner's own word instead: its output buffer of this
          * call is zero (combine.h). */
         const uint32_t* credit =
             add ? reinterpret_cast<const uint32_t*>(s_peer[dest] + a.lay.ready) : &credits[dest];
         ok = tw_wait_geq(credit, credit_target, true, a.timeout_ns, a.err, TW_WAIT_CREDIT, dest,
                          a.rank);
+        if (ok) tw_trace_event(a.trace, TW_TRACE_UNIT_CREDIT, blockIdx.x, (uint32_t)u);
         credited |= 1ull << dest;
       }
       /* The acquires above are generic-proxy loads; the bulk copies that depend on them run in
@@ -432,14 +436,18 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     }
     /* Every thread's stores above happen-before thread 0's later release (see NOTES, 3). The
      * barrier also publishes the next unit (every thread has read the current one). */
-    if (threadIdx.x == 0) s_unit = (int)atomicAdd(a.unit_next, 1u);
+    if (threadIdx.x == 0) {
+      tw_trace_event(a.trace, TW_TRACE_UNIT_COPY, blockIdx.x, (uint32_t)u);
+      s_unit = (int)atomicAdd(a.unit_next, 1u);
+      tw_trace_event(a.trace, TW_TRACE_UNIT_CLAIM, blockIdx.x, (uint32_t)s_unit);
+    }
     __syncthreads();
     if (kBulk && !s_copied) break; /* a load timed out (recorded) */
     if (threadIdx.x == 0 && !skip) s_pending[dest]++;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    tw__announce<kBulk>(s_arrive, a.world, s_pending);
+    tw__announce<kBulk>(s_arrive, a.world, s_pending, a.trace);
     /* The add dataflow's end of the call: the sources' adds into this rank's output. Our own
      * units are announced above, so no peer's CTA 0 waits on anything this wait holds back. The
      * acquire makes the peers' adds (complete before their release) visible, and the stream's
@@ -454,6 +462,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
           ok = tw_wait_geq(&arrivals[s], a.state->arrive_target[s], true, a.timeout_ns, a.err,
                            TW_WAIT_ARRIVAL, s, a.rank);
     }
+    tw_trace_event(a.trace, TW_TRACE_CONSUMER_END, blockIdx.x, 0);
   }
 }
 

@@ -44,6 +44,7 @@
 #include "kernels.h"
 #include "runtime.h"
 #include "sync.cuh"
+#include "trace.cuh"
 
 /* Further kinds of device-side failure (tw_dev_error.where), after sync.cuh's TW_WAIT_*. */
 enum { TW_WAIT_CREDIT = 4, TW_CHECK_TAGS = 5, TW_WAIT_COPY = 6, TW_CHECK_ARRIVALS = 7 };
@@ -102,6 +103,8 @@ typedef struct tw_consumer_args {
   int32_t fault, fault_index;
   tw_dev_error* err;
   uint64_t timeout_ns;
+  tw_trace* trace; /* device trace buffer (trace.h): every unit's claim, waits, copy and the
+                      announcements; NULL = off */
 } tw_consumer_args;
 
 typedef struct tw_reduce_args {
@@ -119,6 +122,8 @@ typedef struct tw_reduce_args {
   const tw_call_state* state; /* arrivals awaited: state->arrive_target */
   tw_dev_error* err;
   uint64_t timeout_ns;
+  tw_trace* trace; /* device trace buffer (trace.h): each CTA's begin, arrivals and end; NULL =
+                      off */
 } tw_reduce_args;
 
 /* The first kernel of a call (one CTA): zeroes `zero_words` words at `zero` (the unit claims

@@ -10,6 +10,7 @@
 
 #include "tilewave.h"
 #include "plan.h"
+#include "trace.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -62,6 +63,8 @@ typedef struct tw_gemm_args {
   int32_t variant;      /* kernel version (sm90_gemm.cu header): 0 = default (5 at tn 128 and 4
                            at tn 256 where they cover the shape, else 1), 1 = simple (WMMA, any supported
                            shape), 2..5 = TMA + wgmma with different epilogues; 1..5 for tests/benches */
+  tw_trace* trace;      /* device trace buffer (trace.h): each tile's begin and publish; NULL =
+                           off */
 } tw_gemm_args;
 
 /* The GEMM a producer launch computes: C (rows, n) = A (rows, k) x B_e^T per expert, over tiles

@@ -120,11 +120,13 @@ __global__ void __launch_bounds__(kReduceThreads) tw_reduce_kernel(const tw_redu
   const char* win = a.local_win;
   const uint32_t* arrivals = reinterpret_cast<const uint32_t*>(win + a.lay.arrive);
   if (threadIdx.x == 0) {
+    tw_trace_event(a.trace, TW_TRACE_REDUCE_BEGIN, blockIdx.x, 0);
     bool ok = true;
     for (int s = 0; s < a.world && ok; s++)
       if (s != a.rank)
         ok = tw_wait_arrivals_exact(&arrivals[s], a.state->arrive_target[s], a.timeout_ns, a.err,
                                     s, a.rank);
+    if (ok) tw_trace_event(a.trace, TW_TRACE_REDUCE_ARRIVED, blockIdx.x, 0);
     s_ok = ok;
   }
   __syncthreads();
@@ -151,6 +153,7 @@ __global__ void __launch_bounds__(kReduceThreads) tw_reduce_kernel(const tw_redu
         }
       }
     }
+    tw_trace_event(a.trace, TW_TRACE_REDUCE_END, blockIdx.x, 0);
   }
 }
 

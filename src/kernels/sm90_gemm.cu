@@ -53,6 +53,7 @@
 #include "bulk.cuh"
 #include "swiglu.cuh"
 #include "sync.cuh"
+#include "trace.cuh"
 
 namespace {
 
@@ -112,6 +113,7 @@ __global__ void __launch_bounds__(kV1Threads) tw_gemm_v1_kernel(tw_gemm_args arg
     const tw_tile tile = args.tiles[t];
     const int rows = min(tile.rows, args.tm);
     const __nv_bfloat16* Be = B + (int64_t)tile.expert * n_b * k;
+    if (threadIdx.x == 0) tw_trace_event(args.trace, TW_TRACE_TILE_BEGIN, blockIdx.x, t);
     for (int pass = 0; pass * out_cols_per_pass < args.tn; pass++) {
       const int col0 = tile.col0 + pass * out_cols_per_pass;
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][4];
@@ -222,6 +224,7 @@ __global__ void __launch_bounds__(kV1Threads) tw_gemm_v1_kernel(tw_gemm_args arg
           tw_red_release_sys(args.band_counters + tile.band, 1u);
         else
           tw_red_release_gpu(args.band_counters + tile.band, 1u);
+        tw_trace_event(args.trace, TW_TRACE_TILE_PUBLISH, blockIdx.x, t);
       }
     }
   }
@@ -562,6 +565,7 @@ __global__ void __launch_bounds__(384, 1)
               tw_red_release_sys(args.band_counters + tile.band, 1u);
             else
               tw_red_release_gpu(args.band_counters + tile.band, 1u);
+            tw_trace_event(args.trace, TW_TRACE_TILE_PUBLISH, blockIdx.x, t);
           }
           tw__mbar_arrive(epi_done); /* staging buffer free / tile published */
         }
@@ -625,6 +629,7 @@ __global__ void __launch_bounds__(384, 1)
 
   for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x, it++) {
     const tw_tile tile = args.tiles[t];
+    if (threadIdx.x == 128) tw_trace_event(args.trace, TW_TRACE_TILE_BEGIN, blockIdx.x, t);
 #pragma unroll
     for (int i = 0; i < Cfg::kAcc; i++) acc[i] = 0.f;
     int prev_stage = -1;
@@ -734,6 +739,7 @@ __global__ void __launch_bounds__(384, 1)
           tw_red_release_sys(args.band_counters + tile.band, 1u);
         else
           tw_red_release_gpu(args.band_counters + tile.band, 1u);
+        tw_trace_event(args.trace, TW_TRACE_TILE_PUBLISH, blockIdx.x, t);
       }
     }
   }

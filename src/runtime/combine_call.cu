@@ -224,6 +224,9 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   TW_TRY(tw__gemm_args_init(&g, &shape, expert_in, w2, ctx->c, d->tiles, d->num_tiles, P,
                             TW_SIGNAL_GPU, ctx->band_counters));
   g.variant = ctx->gemm_variant;
+  /* Tracing (runtime.h): eager calls only, so that no graph keeps the buffer's address. */
+  tw_trace* const trace = capturing ? NULL : ctx->trace;
+  g.trace = trace;
   ctx->last_launch.budget = budget;
   ctx->last_launch.producer_ctas = mode == TW_COMBINE_COMM_ONLY ? 0 : P;
   ctx->last_launch.consumer_ctas = mode == TW_COMBINE_GEMM_ONLY ? 0 : C;
@@ -271,6 +274,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ca.total_units = d->total_units;
   ca.wait_bands = mode != TW_COMBINE_COMM_ONLY;
   ca.debug_tags = ctx->debug_tags;
+  ca.trace = trace;
   /* The add dataflow: this call's output buffer (combine.h, `ready`). */
   const int buf = (int)(epoch & 1);
   if (add) {
@@ -351,6 +355,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     ra.debug_tags = ctx->debug_tags;
     ra.debug_slots = ctx->debug_slots;
     ra.timeout_ns = timeout_ns;
+    ra.trace = trace;
     /* On a whole GPU of its own the reduction fills every SM with as many CTAs as fit (it is
      * bound by device memory); under a smaller budget, or beside other ranks on one GPU, at
      * most one CTA per budgeted SM, so that it never holds SMs another kernel waits for. */

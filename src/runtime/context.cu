@@ -288,6 +288,7 @@ static void tw__context_free(tw_context_t ctx) {
     cudaFree(ctx->peers);
     cudaFree(ctx->dpeers);
     cudaFree(ctx->d_chunk_hist);
+    cudaFree(ctx->trace);
     cudaFreeHost(ctx->h_err);
     cudaFreeHost(ctx->h_row);
   }
@@ -965,5 +966,87 @@ extern "C" tw_status tw_context_dispatch_buffer(tw_context_t ctx, void** rows, i
                     "tw_context_config.dispatch = 1");
   if (rows != NULL) *rows = (char*)ctx->dwin.local + ctx->dlay.rows;
   if (rows_max != NULL) *rows_max = ctx->rows_max;
+  return TW_SUCCESS;
+}
+
+/* ---- tracing (runtime.h; the records: src/core/trace.h) ----------------------------------- */
+
+/* The cursor is 32 bits and the buffer is one allocation. */
+static const int64_t kTraceCapacityMax = (int64_t)1 << 28;
+
+extern "C" tw_status tw__context_trace(tw_context_t ctx, int64_t capacity) {
+  TW_CHECK_NULL(ctx);
+  if (capacity < 0 || capacity > kTraceCapacityMax)
+    return tw__fail(TW_ERR_INVALID_SIZE, "tw__context_trace: capacity %lld; must be 0..%lld",
+                    (long long)capacity, (long long)kTraceCapacityMax);
+  TW_DEVICE_SCOPE(ctx);
+  TW_TRY(tw__sync_all(ctx)); /* no kernel of this context still writes into the old buffer */
+  /* Stream-ordered allocation on the context's own stream: cudaMalloc / cudaFree may wait for
+   * the whole device, where another in-process rank's call may be waiting for this rank. */
+  if (ctx->trace != NULL) TW_CUDA_TRY(cudaFreeAsync(ctx->trace, ctx->s_aux));
+  ctx->trace = NULL;
+  ctx->trace_capacity = 0;
+  if (capacity == 0) {
+    TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
+    return TW_SUCCESS;
+  }
+  const size_t bytes = sizeof(tw_trace) + (size_t)capacity * sizeof(tw_trace_record);
+  void* p = NULL;
+  if (cudaMallocAsync(&p, bytes, ctx->s_aux) != cudaSuccess) {
+    (void)cudaGetLastError();
+    cudaStreamSynchronize(ctx->s_aux);
+    return tw__fail(TW_ERR_OUT_OF_MEMORY,
+                    "tw__context_trace: %zu bytes of device memory for %lld records", bytes,
+                    (long long)capacity);
+  }
+  tw_trace h;
+  memset(&h, 0, sizeof h);
+  h.capacity = (uint32_t)capacity;
+  cudaError_t e = cudaMemcpyAsync(p, &h, sizeof h, cudaMemcpyHostToDevice, ctx->s_aux);
+  const cudaError_t e2 = cudaStreamSynchronize(ctx->s_aux); /* h is on this stack */
+  if (e == cudaSuccess) e = e2;
+  if (e != cudaSuccess) {
+    cudaFreeAsync(p, ctx->s_aux);
+    cudaStreamSynchronize(ctx->s_aux);
+    return tw__fail(TW_ERR_CUDA, "tw__context_trace: %s", cudaGetErrorString(e));
+  }
+  ctx->trace = (tw_trace*)p;
+  ctx->trace_capacity = capacity;
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw__context_trace_clear(tw_context_t ctx, cudaStream_t stream) {
+  TW_CHECK_NULL(ctx);
+  if (ctx->trace == NULL) return tw__fail(TW_ERR_STATE, "tw__context_trace_clear: tracing is off");
+  TW_DEVICE_SCOPE(ctx);
+  /* After the last call's kernels (its consumer stream joined the call's stream before this). */
+  if (ctx->have_call) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_call_done, 0));
+  TW_CUDA_TRY(cudaMemsetAsync(&ctx->trace->cursor, 0, sizeof(uint32_t), stream));
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw__context_trace_read(tw_context_t ctx, tw_trace_record* out, int64_t max,
+                                            int64_t* count, int64_t* dropped) {
+  TW_CHECK_NULL(ctx);
+  TW_CHECK_NULL(count);
+  TW_CHECK_NULL(dropped);
+  *count = *dropped = 0;
+  if (max > 0) TW_CHECK_NULL(out);
+  if (ctx->trace == NULL) return tw__fail(TW_ERR_STATE, "tw__context_trace_read: tracing is off");
+  TW_DEVICE_SCOPE(ctx);
+  TW_TRY(tw__sync_all(ctx));
+  tw_trace h;
+  TW_CUDA_TRY(cudaMemcpyAsync(&h, ctx->trace, sizeof h, cudaMemcpyDeviceToHost, ctx->s_aux));
+  TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
+  const int64_t taken = (int64_t)h.cursor;
+  const int64_t held = taken < ctx->trace_capacity ? taken : ctx->trace_capacity;
+  *dropped = taken - held;
+  const int64_t n = held < max ? held : (max > 0 ? max : 0);
+  if (n > 0) {
+    TW_CUDA_TRY(cudaMemcpyAsync(out, ctx->trace + 1, (size_t)n * sizeof(tw_trace_record),
+                                cudaMemcpyDeviceToHost, ctx->s_aux));
+    TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
+  }
+  *count = n;
   return TW_SUCCESS;
 }

@@ -108,6 +108,8 @@ struct tw_context {
   tw__launch_record last_launch; /* the grids of the last call (runtime.h) */
   int64_t last_tokens;
   int fault, fault_index;
+  tw_trace* trace;        /* (16 + 16 * trace_capacity bytes) device trace buffer; NULL = off */
+  int64_t trace_capacity; /* records it holds */
 };
 
 struct tw_device_plan {

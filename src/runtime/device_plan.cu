@@ -332,3 +332,13 @@ extern "C" tw_status tw_device_plan_summary_get(tw_device_plan_t d, tw_plan_summ
   *summary = d->summary;
   return TW_SUCCESS;
 }
+
+extern "C" tw_status tw__device_plan_work(tw_device_plan_t d, int32_t* tiles, int32_t* units) {
+  TW_CHECK_NULL(d);
+  TW_CHECK_NULL(tiles);
+  TW_CHECK_NULL(units);
+  if (!d->uploaded) return tw__fail(TW_ERR_STATE, "tw__device_plan_work: upload a plan first");
+  *tiles = d->num_tiles;
+  *units = d->total_units;
+  return TW_SUCCESS;
+}

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "tilewave.h"
+#include "trace.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -57,6 +58,25 @@ tw_status tw__context_debug_slots(tw_context_t ctx, uint32_t* host, int64_t coun
  * call, on a copy engine); each 0 where the call had no such phase. */
 tw_status tw__context_timeline(tw_context_t ctx, tw_combine_timings* t, float* comm_end_ms,
                                float* reduce_start_ms, float* zero_end_ms);
+
+/* The work of the uploaded plan: producer tiles and consumer transfer units per call (the index
+ * ranges of the trace's tile and unit records). */
+tw_status tw__device_plan_work(tw_device_plan_t d, int32_t* tiles, int32_t* units);
+
+/* Tracing (src/core/trace.h; what `tilewave trace` uses). capacity > 0: a device buffer of that
+ * many 16-byte records (replacing any earlier one, empty), which every eager call of this context
+ * fills from then on (producer, consumer and reduction events; a call captured in a CUDA graph is
+ * never traced, so no graph holds the buffer); 0: tracing off, the buffer freed. Waits for the
+ * context's work first. Not collective. */
+tw_status tw__context_trace(tw_context_t ctx, int64_t capacity);
+/* Empties the buffer in `stream` order, after the context's last call (the next call's records
+ * start at slot 0). TW_ERR_STATE when tracing is off. */
+tw_status tw__context_trace_clear(tw_context_t ctx, cudaStream_t stream);
+/* Waits for the context's work, then copies up to `max` records (in the order their slots were
+ * taken) to `out`: *count of them; *dropped: the records that did not fit since the last clear
+ * (the cursor past the capacity). TW_ERR_STATE when tracing is off. */
+tw_status tw__context_trace_read(tw_context_t ctx, tw_trace_record* out, int64_t max,
+                                 int64_t* count, int64_t* dropped);
 
 #ifdef __cplusplus
 }

@@ -1,0 +1,314 @@
+/*
+ * test_trace.cu: a traced call (tw__context_trace, src/core/trace.h) computes exactly what an
+ * untraced one does, and its records account for the plan's work exactly once:
+ *  - every tile of the plan has one begin and one publish, on CTA t mod P, begin before publish;
+ *  - every transfer unit has one claim, one band-ready and one copy record, on one CTA, in that
+ *    order, at most one credit record; the announcements add up to the units; each of the C
+ *    consumer CTAs ends once;
+ *  - every reduction CTA of the launch begins, sees its arrivals and ends once (reduce dataflow);
+ *  - a full buffer keeps `capacity` records and counts the rest as dropped (the output still
+ *    identical); a call captured in a CUDA graph is not traced; tracing off again leaves the
+ *    buffer alone.
+ * Both consumer copy modes and both dataflows. Two ranks on two GPUs over NCCL, or --in-process W
+ * on one GPU; exits 77 without the GPUs.
+ */
+#include "overlap_common.h"
+
+typedef struct tw_tr_fixture {
+  tw_problem p;
+  tw_context_t ctx;
+  tw_device_plan_t dp;
+  tw_routing_t rt;
+  tw_plan_t plan;
+  void *expert_in, *w2, *out;
+  uint16_t *ref, *now;
+  size_t n_out;
+  int add;
+  int32_t tiles, units;
+} tw_tr_fixture;
+
+static int tw_tr_init(tw_rank_env* env, tw_tr_fixture* fx, int copy, int dataflow) {
+  memset(fx, 0, sizeof *fx);
+  const tw_problem p = tw_rank_problem(env, 1024, 512, 8, 2, 256);
+  fx->p = p;
+  fx->add = dataflow == TW_DATAFLOW_ADD;
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  cc.consumer_copy = copy;
+  cc.dataflow = dataflow;
+  CHECK_OK(tw_rank_context_create(env, &p, &cc, &fx->ctx));
+  if (fx->ctx == NULL) return 0;
+  CHECK_OK(tw_device_plan_create(fx->ctx, &fx->dp));
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = p.max_tokens;
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_MODERATE_SKEW, tokens, 4242, &fx->rt));
+  tw_plan_config pc = TW_PLAN_CONFIG_INIT;
+  pc.comm_ctas = 4;
+  pc.coalesce = 2;
+  pc.dataflow = dataflow;
+  CHECK_OK(tw_plan_create(&p, fx->rt, env->rank, &pc, &fx->plan));
+  if (fx->dp == NULL || fx->plan == NULL) return 0;
+  const int E = p.experts / p.world_size;
+  fx->n_out = (size_t)p.max_tokens * p.hidden;
+  uint16_t* in = (uint16_t*)malloc((size_t)fx->plan->rows * p.ffn * 2 + 2);
+  uint16_t* w2 = (uint16_t*)malloc((size_t)E * p.hidden * p.ffn * 2);
+  tw_fill_expert_in(fx->plan, 21, in);
+  tw_fill_w2(&p, env->rank, 22, w2);
+  CHECK_CUDA(cudaMalloc(&fx->expert_in, (size_t)fx->plan->rows * p.ffn * 2 + 16));
+  CHECK_CUDA(cudaMalloc(&fx->w2, (size_t)E * p.hidden * p.ffn * 2));
+  CHECK_CUDA(cudaMalloc(&fx->out, fx->n_out * 2));
+  CHECK_CUDA(
+      cudaMemcpy(fx->expert_in, in, (size_t)fx->plan->rows * p.ffn * 2, cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMemcpy(fx->w2, w2, (size_t)E * p.hidden * p.ffn * 2, cudaMemcpyHostToDevice));
+  free(in);
+  free(w2);
+  CHECK_OK(tw_device_plan_upload(fx->dp, fx->plan, fx->rt, env->stream));
+  CHECK_OK(tw__device_plan_work(fx->dp, &fx->tiles, &fx->units));
+  fx->ref = (uint16_t*)malloc(fx->n_out * 2);
+  fx->now = (uint16_t*)malloc(fx->n_out * 2);
+  return fx->ref != NULL && fx->now != NULL;
+}
+
+static void tw_tr_free(tw_tr_fixture* fx) {
+  cudaFree(fx->expert_in);
+  cudaFree(fx->w2);
+  cudaFree(fx->out);
+  free(fx->ref);
+  free(fx->now);
+  tw_plan_destroy(fx->plan);
+  tw_routing_destroy(fx->rt);
+  CHECK_OK(tw_device_plan_destroy(fx->dp));
+  CHECK_OK(tw_context_destroy(fx->ctx));
+}
+
+/* One call (output poisoned first), checked on every rank; its output to `host`. */
+static void tw_tr_call(tw_rank_env* env, tw_tr_fixture* fx, uint16_t* host) {
+  if (!fx->add) CHECK_OK(tw__fill_bf16(fx->out, fx->n_out, 0xFFFF, env->stream));
+  CHECK_OK(tw_moe_combine(fx->ctx, fx->dp, fx->expert_in, fx->w2, fx->add ? NULL : fx->out,
+                          env->stream));
+  CHECK_OK(tw_context_check(fx->ctx));
+  void* src = fx->out;
+  if (fx->add) CHECK_OK(tw_context_output(fx->ctx, &src));
+  CHECK_CUDA(cudaMemcpy(host, src, fx->n_out * 2, cudaMemcpyDeviceToHost));
+}
+
+/* Counts records of `kind` per index in [0, n): count[i], and the CTA of the last one. */
+static void tw_tr_count(const tw_trace_record* rec, int64_t nrec, int kind, int64_t n, int* count,
+                        int* cta, uint64_t* ns) {
+  memset(count, 0, sizeof(int) * (size_t)n);
+  for (int64_t i = 0; i < nrec; i++) {
+    if (rec[i].kind != kind || rec[i].index >= (uint64_t)n) continue;
+    count[rec[i].index]++;
+    cta[rec[i].index] = rec[i].cta;
+    ns[rec[i].index] = rec[i].ns;
+  }
+}
+
+/* The records of one traced call against the plan and the launch. */
+static void tw_tr_check_records(tw_rank_env* env, const tw_tr_fixture* fx,
+                                const tw_trace_record* rec, int64_t n) {
+  tw__launch_record l;
+  CHECK_OK(tw__context_last_launch(fx->ctx, &l));
+  const int64_t T = fx->tiles, U = fx->units;
+  const int64_t M = (T > U ? T : U) + l.reduce_ctas + 64;
+  int *c1 = (int*)calloc((size_t)M, sizeof(int)), *c2 = (int*)calloc((size_t)M, sizeof(int));
+  int *k1 = (int*)calloc((size_t)M, sizeof(int)), *k2 = (int*)calloc((size_t)M, sizeof(int));
+  uint64_t *t1 = (uint64_t*)calloc((size_t)M, 8), *t2 = (uint64_t*)calloc((size_t)M, 8);
+  int *c3 = (int*)calloc((size_t)M, sizeof(int)), *k3 = (int*)calloc((size_t)M, sizeof(int));
+  uint64_t* t3 = (uint64_t*)calloc((size_t)M, 8);
+  if (!c1 || !c2 || !k1 || !k2 || !t1 || !t2 || !c3 || !k3 || !t3) {
+    CHECK(!"host memory");
+    goto done;
+  }
+  for (int64_t i = 0; i < n; i++)
+    CHECKF(rec[i].kind >= TW_TRACE_TILE_BEGIN && rec[i].kind < TW_TRACE_KIND_COUNT,
+           "record %lld has kind %d", (long long)i, rec[i].kind);
+  {
+    /* Tiles: one begin and one publish each, on CTA t mod P, in order. */
+    const int64_t grid = l.producer_ctas < T ? l.producer_ctas : T;
+    tw_tr_count(rec, n, TW_TRACE_TILE_BEGIN, T, c1, k1, t1);
+    tw_tr_count(rec, n, TW_TRACE_TILE_PUBLISH, T, c2, k2, t2);
+    int bad = 0;
+    for (int64_t t = 0; t < T; t++) {
+      const int ok =
+          c1[t] == 1 && c2[t] == 1 && k1[t] == k2[t] && k1[t] == t % grid && t1[t] <= t2[t];
+      if (!ok && bad++ < 5)
+        fprintf(stderr, "  rank %d tile %lld: %d begins, %d publishes, CTAs %d/%d (P %lld)\n",
+                env->rank, (long long)t, c1[t], c2[t], k1[t], k2[t], (long long)grid);
+    }
+    CHECKF(bad == 0, "rank %d: %d of %lld tiles not traced exactly once", env->rank, bad,
+           (long long)T);
+  }
+  {
+    /* Units: one claim, bands and copy each on one consumer CTA, in order; credits at most one. */
+    tw_tr_count(rec, n, TW_TRACE_UNIT_CLAIM, U, c1, k1, t1);
+    tw_tr_count(rec, n, TW_TRACE_UNIT_BANDS, U, c2, k2, t2);
+    tw_tr_count(rec, n, TW_TRACE_UNIT_COPY, U, c3, k3, t3);
+    int bad = 0;
+    for (int64_t u = 0; u < U; u++) {
+      const int ok = c1[u] == 1 && c2[u] == 1 && c3[u] == 1 && k1[u] == k2[u] && k2[u] == k3[u] &&
+                     k1[u] < l.consumer_ctas && t1[u] <= t2[u] && t2[u] <= t3[u];
+      if (!ok && bad++ < 5)
+        fprintf(stderr, "  rank %d unit %lld: %d claims, %d bands, %d copies, CTAs %d/%d/%d\n",
+                env->rank, (long long)u, c1[u], c2[u], c3[u], k1[u], k2[u], k3[u]);
+    }
+    CHECKF(bad == 0, "rank %d: %d of %lld units not traced exactly once", env->rank, bad,
+           (long long)U);
+    tw_tr_count(rec, n, TW_TRACE_UNIT_CREDIT, U, c1, k1, t1);
+    int credits = 0;
+    for (int64_t u = 0; u < U; u++) {
+      CHECK(c1[u] <= 1);
+      credits += c1[u];
+    }
+    /* A CTA waits for an owner's credit once, before its first unit to that owner. */
+    CHECK(credits <= l.consumer_ctas * env->nranks);
+    CHECK(U == 0 || credits >= 1);
+    int64_t announced = 0;
+    for (int64_t i = 0; i < n; i++)
+      if (rec[i].kind == TW_TRACE_ANNOUNCE) {
+        announced += rec[i].index >> 8;
+        CHECK((int)(rec[i].index & 0xFF) != env->rank && (int)(rec[i].index & 0xFF) < env->nranks);
+      }
+    CHECKF(announced == U, "rank %d: %lld units announced, the plan has %lld", env->rank,
+           (long long)announced, (long long)U);
+    /* Consumer CTAs end once each. */
+    tw_tr_count(rec, n, TW_TRACE_CONSUMER_END, l.consumer_ctas, c1, k1, t1);
+    memset(c2, 0, sizeof(int) * (size_t)M);
+    for (int64_t i = 0; i < n; i++)
+      if (rec[i].kind == TW_TRACE_CONSUMER_END && rec[i].cta < l.consumer_ctas) c2[rec[i].cta]++;
+    for (int c = 0; c < l.consumer_ctas; c++)
+      CHECKF(c2[c] == 1, "consumer CTA %d: %d ends", c, c2[c]);
+  }
+  {
+    /* Reduction CTAs: begin, arrivals, end once each (none under the add dataflow). */
+    int r[3] = {0, 0, 0}, bad = 0;
+    for (int k = 0; k < 3; k++) {
+      memset(c1, 0, sizeof(int) * (size_t)M);
+      for (int64_t i = 0; i < n; i++)
+        if (rec[i].kind == TW_TRACE_REDUCE_BEGIN + k) {
+          r[k]++;
+          if (rec[i].cta < M) c1[rec[i].cta]++;
+        }
+      for (int c = 0; c < l.reduce_ctas; c++) bad += c1[c] != 1;
+    }
+    CHECKF(bad == 0 && r[0] == l.reduce_ctas && r[1] == l.reduce_ctas && r[2] == l.reduce_ctas,
+           "rank %d: reduction records %d/%d/%d for %d CTAs", env->rank, r[0], r[1], r[2],
+           l.reduce_ctas);
+    CHECK(fx->add ? l.reduce_ctas == 0 : l.reduce_ctas >= 1);
+  }
+done:
+  free(c1), free(c2), free(c3), free(k1), free(k2), free(k3), free(t1), free(t2), free(t3);
+}
+
+static void tw_tr_round(tw_rank_env* env, int copy, int dataflow) {
+  tw_tr_fixture fx;
+  if (tw_tr_init(env, &fx, copy, dataflow)) {
+    tw_tr_call(env, &fx, fx.ref); /* untraced */
+    const int64_t cap = 1 << 16;
+    CHECK_OK(tw__context_trace(fx.ctx, cap));
+    CHECK_OK(tw__context_trace_clear(fx.ctx, env->stream));
+    tw_tr_call(env, &fx, fx.now); /* traced */
+    CHECKF(memcmp(fx.ref, fx.now, fx.n_out * 2) == 0,
+           "rank %d: the traced call's output differs from the untraced one", env->rank);
+    tw_trace_record* rec = (tw_trace_record*)malloc(sizeof(tw_trace_record) * (size_t)cap);
+    int64_t n = 0, dropped = -1;
+    CHECK_OK(tw__context_trace_read(fx.ctx, rec, cap, &n, &dropped));
+    CHECK(dropped == 0);
+    CHECKF(n >= 2 * (int64_t)fx.tiles + 3 * (int64_t)fx.units, "rank %d: %lld records", env->rank,
+           (long long)n);
+    if (rec) tw_tr_check_records(env, &fx, rec, n);
+    if (env->rank == 0)
+      printf("  copy %d, dataflow %d: %d tiles, %d units, %lld records\n", copy, dataflow, fx.tiles,
+             fx.units, (long long)n);
+
+    /* A second traced call after a clear: the same records again, exactly once. */
+    CHECK_OK(tw__context_trace_clear(fx.ctx, env->stream));
+    tw_tr_call(env, &fx, fx.now);
+    CHECK(memcmp(fx.ref, fx.now, fx.n_out * 2) == 0);
+    CHECK_OK(tw__context_trace_read(fx.ctx, rec, cap, &n, &dropped));
+    if (rec) tw_tr_check_records(env, &fx, rec, n);
+
+    /* Full buffer: capacity records kept, the rest counted, the output unchanged. */
+    CHECK_OK(tw__context_trace(fx.ctx, 5));
+    tw_tr_call(env, &fx, fx.now);
+    CHECK(memcmp(fx.ref, fx.now, fx.n_out * 2) == 0);
+    int64_t n5 = -1, dropped5 = -1;
+    CHECK_OK(tw__context_trace_read(fx.ctx, rec, cap, &n5, &dropped5));
+    /* (A call's count varies a little: announcements and credit waits follow the claims.) */
+    const int64_t least = 2 * (int64_t)fx.tiles + 3 * (int64_t)fx.units;
+    CHECKF(n5 == 5 && n5 + dropped5 >= least, "rank %d: kept %lld, dropped %lld, at least %lld",
+           env->rank, (long long)n5, (long long)dropped5, (long long)least);
+    for (int64_t i = 0; rec && i < n5; i++)
+      CHECK(rec[i].kind >= TW_TRACE_TILE_BEGIN && rec[i].kind < TW_TRACE_KIND_COUNT);
+
+    /* Off: calls no longer write; reading says so. */
+    CHECK_OK(tw__context_trace(fx.ctx, 0));
+    tw_tr_call(env, &fx, fx.now);
+    CHECK(memcmp(fx.ref, fx.now, fx.n_out * 2) == 0);
+    CHECK_STATUS(tw__context_trace_read(fx.ctx, rec, cap, &n, &dropped), TW_ERR_STATE);
+    CHECK_STATUS(tw__context_trace_clear(fx.ctx, env->stream), TW_ERR_STATE);
+    free(rec);
+  }
+  tw_tr_free(&fx);
+}
+
+static void test_traced_call_identical_and_complete(tw_rank_env* env) {
+  tw_tr_round(env, TW_CONSUMER_COPY_BULK, TW_DATAFLOW_REDUCE);
+  tw_tr_round(env, TW_CONSUMER_COPY_REGISTERS, TW_DATAFLOW_REDUCE);
+}
+
+static void test_traced_call_add_dataflow(tw_rank_env* env) {
+  tw_tr_round(env, TW_CONSUMER_COPY_BULK, TW_DATAFLOW_ADD);
+  tw_tr_round(env, TW_CONSUMER_COPY_REGISTERS, TW_DATAFLOW_ADD);
+}
+
+/* A call captured while tracing is on is not traced: the graph never holds the buffer. */
+static void test_captured_call_not_traced(tw_rank_env* env) {
+  tw_tr_fixture fx;
+  if (tw_tr_init(env, &fx, TW_CONSUMER_COPY_BULK, TW_DATAFLOW_REDUCE)) {
+    tw_tr_call(env, &fx, fx.ref);
+    CHECK_OK(tw__context_trace(fx.ctx, 1 << 16));
+    CHECK_OK(tw__context_trace_clear(fx.ctx, env->stream));
+    /* Capture on a stream of this rank; the call's first kernel waits for the clear above. */
+    cudaGraph_t graph = NULL;
+    cudaGraphExec_t exec = NULL;
+    CHECK_CUDA(cudaStreamBeginCapture(env->stream, cudaStreamCaptureModeThreadLocal));
+    CHECK_OK(tw_moe_combine(fx.ctx, fx.dp, fx.expert_in, fx.w2, fx.out, env->stream));
+    CHECK_CUDA(cudaStreamEndCapture(env->stream, &graph));
+    if (graph != NULL) CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 3 && exec != NULL; i++) {
+      CHECK_OK(tw__fill_bf16(fx.out, fx.n_out, 0xFFFF, env->stream));
+      CHECK_CUDA(cudaGraphLaunch(exec, env->stream));
+      CHECK_CUDA(
+          cudaMemcpyAsync(fx.now, fx.out, fx.n_out * 2, cudaMemcpyDeviceToHost, env->stream));
+      CHECK_CUDA(cudaStreamSynchronize(env->stream));
+      CHECK(memcmp(fx.ref, fx.now, fx.n_out * 2) == 0);
+    }
+    CHECK_OK(tw_context_check(fx.ctx));
+    int64_t n = -1, dropped = -1;
+    const int64_t cap = 1 << 16;
+    tw_trace_record* rec = (tw_trace_record*)malloc(sizeof(tw_trace_record) * (size_t)cap);
+    CHECK_OK(tw__context_trace_read(fx.ctx, rec, cap, &n, &dropped));
+    CHECKF(n == 0 && dropped == 0, "rank %d: %lld records from replays", env->rank,
+           (long long)(n + dropped));
+    if (exec != NULL) cudaGraphExecDestroy(exec);
+    if (graph != NULL) cudaGraphDestroy(graph);
+    /* Eager calls after the replays are traced again. */
+    tw_tr_call(env, &fx, fx.now);
+    CHECK(memcmp(fx.ref, fx.now, fx.n_out * 2) == 0);
+    CHECK_OK(tw__context_trace_read(fx.ctx, rec, cap, &n, &dropped));
+    CHECK(dropped == 0 && n >= 2 * (int64_t)fx.tiles + 3 * (int64_t)fx.units);
+    if (rec) tw_tr_check_records(env, &fx, rec, n);
+    free(rec);
+  }
+  tw_tr_free(&fx);
+}
+
+static const tw_rank_case kCases[] = {
+    {"traced_call_identical_and_complete", test_traced_call_identical_and_complete},
+    {"traced_call_add_dataflow", test_traced_call_add_dataflow},
+    {"captured_call_not_traced", test_captured_call_not_traced},
+};
+
+int main(int argc, char** argv) {
+  return tw_rank_test_main(argc, argv, kCases, (int)(sizeof kCases / sizeof kCases[0]), 600);
+}
