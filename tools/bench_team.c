@@ -299,6 +299,19 @@ teardown:
   return NULL;
 }
 
+/* A progress line on stderr: the point, and from the second one on an estimate of the time left. */
+static void twt_progress(const char* cmd, int i, int npoints, const twb_point* pt,
+                         double t_begin) {
+  const double now = tw__now_seconds();
+  char eta[64] = "";
+  if (i > 0)
+    snprintf(eta, sizeof eta, ", %.0f s so far, about %.0f s left", now - t_begin,
+             (now - t_begin) / i * (npoints - i));
+  fprintf(stderr, "[%s --in-process %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n", cmd,
+          i + 1, npoints, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
+          tw__cli_router_name(pt->router), eta);
+}
+
 int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
   const int W = o->in_process;
   /* Every rank's streams need hardware queues of their own (tw_team_create checks); the variable
@@ -325,14 +338,7 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
   const double t_begin = tw__now_seconds();
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    const double now = tw__now_seconds();
-    char eta[64] = "";
-    if (i > 0)
-      snprintf(eta, sizeof eta, ", %.0f s so far, about %.0f s left", now - t_begin,
-               (now - t_begin) / i * (npoints - i));
-    fprintf(stderr, "[bench --in-process %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n", i + 1,
-            npoints, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-            tw__cli_router_name(pt->router), eta);
+    twt_progress("bench", i, npoints, pt, t_begin);
     memset(ranks, 0, sizeof ranks);
     for (int r = 0; r < W; r++) ranks[r].o = o, ranks[r].pt = pt;
     const tw_status st = twb_team_run(W, twt_rank_main, ranks, sizeof ranks[0]);
@@ -428,14 +434,7 @@ int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints) {
   const double t_begin = tw__now_seconds();
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    const double now = tw__now_seconds();
-    char eta[64] = "";
-    if (i > 0)
-      snprintf(eta, sizeof eta, ", %.0f s so far, about %.0f s left", now - t_begin,
-               (now - t_begin) / i * (npoints - i));
-    fprintf(stderr, "[sweep --in-process %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n", i + 1,
-            npoints, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-            tw__cli_router_name(pt->router), eta);
+    twt_progress("sweep", i, npoints, pt, t_begin);
     memset(ranks, 0, sizeof ranks);
     int bad = 0;
     for (int r = 0; r < W; r++) {
