@@ -497,7 +497,8 @@ TW_API tw_status tw_context_output(tw_context_t ctx, void** out);
 TW_API tw_status tw_context_destroy(tw_context_t ctx);
 
 /* Device copy of one rank's plan plus its gate weights: tiles, bands, segments, slot_row and
- * weights. Created for a context, sized for the worst case its problem allows (so uploads never
+ * weights (on a context with layer = 1 also GEMM1's tile list, which every upload fills from the
+ * plan). Created for a context, sized for the worst case its problem allows (so uploads never
  * allocate). Not collective. */
 TW_API tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* dplan);
 /* Copies `plan` (this rank's plan: plan's rank must be the context's rank) and this rank's gate
