@@ -50,6 +50,7 @@ extern "C" tw_status tw__layer_gemm1(tw_context_t ctx, tw_device_plan_t d, const
     return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__layer_gemm1: sm_budget %d; must be 0..%d",
                     sm_budget, ctx->sm_budget);
   if (h == NULL) h = ctx->h;
+  ctx->last_launch.gemm1_ctas = budget < d->num_gemm1_tiles ? budget : d->num_gemm1_tiles;
   if (d->num_gemm1_tiles == 0) return TW_SUCCESS; /* no rows on this rank's experts */
   TW_DEVICE_SCOPE(ctx);
   tw_gemm1_args g;

@@ -30,6 +30,8 @@ typedef struct tw__launch_record {
   int32_t reduce_ctas;   /* the reduction's grid, after both (0: none) */
   int32_t reduce_cap;    /* the most it could have had: budget, or budget x CTAs per SM that fit
                             when the budget is a whole GPU of its own */
+  int32_t gemm1_ctas;    /* GEMM1's grid in the last tw_moe_layer or tw__layer_gemm1 (0: no
+                            tiles); set by those only, so a later combine call leaves it */
 } tw__launch_record;
 
 tw_status tw__context_last_launch(tw_context_t ctx, tw__launch_record* record);

@@ -13,8 +13,9 @@
  *  - bit equality: tw_moe_layer's out equals the three halves called one after another
  *    (tw_moe_dispatch, tw__layer_gemm1 into a buffer of the test, tw_moe_combine on it), and
  *    the context's h equals that buffer; the unfused combine mode gives the same out;
- *  - every launch of the call keeps within the SM budget (the combine's recorded grids; GEMM1's
- *    grid is the budget by construction, the dispatch's by its own checks);
+ *  - every launch of the call keeps within the SM budget, the context's and half of it (the
+ *    recorded grids of GEMM1 and the combine; the dispatch's by its own checks), and half the
+ *    budget gives the same bits;
  *  - a bad topk id (int32 and int64) or a NULL w13 on one rank fails the call on every rank with
  *    TW_ERR_EXPERT_ID / TW_ERR_NULL_POINTER naming that rank, never hangs, and leaves the
  *    context usable: the next layer call is right;
@@ -306,10 +307,14 @@ static void tw_run_layer_cfg(tw_rank_env* env, const tw_layer_cfg* cfg, int cfg_
     CHECK_OK(tw_context_check(ctx));
     tw__launch_record lr;
     CHECK_OK(tw__context_last_launch(ctx, &lr));
+    const int32_t g1_want =
+        info.sm_budget < dp->num_gemm1_tiles ? info.sm_budget : dp->num_gemm1_tiles;
     CHECKF(lr.budget == info.sm_budget && lr.producer_ctas + lr.consumer_ctas <= lr.budget &&
-               lr.reduce_ctas <= lr.budget,
-           "rank %d %s: launches P %d + C %d, reduction %d beyond the budget %d", env->rank, what,
-           lr.producer_ctas, lr.consumer_ctas, lr.reduce_ctas, lr.budget);
+               lr.reduce_ctas <= lr.budget && lr.gemm1_ctas == g1_want,
+           "rank %d %s: launches P %d + C %d, reduction %d, GEMM1 %d (expected %d) against the "
+           "budget %d",
+           env->rank, what, lr.producer_ctas, lr.consumer_ctas, lr.reduce_ctas, lr.gemm1_ctas,
+           g1_want, lr.budget);
     if (st == TW_SUCCESS) tw_compare_layer_plan(env, dp, plan, what);
     const size_t h_elems = (size_t)plan->rows * F;
     if (h_elems > 0) CHECK_CUDA(cudaMemcpy(b.h_h, ctx_h, h_elems * 2, cudaMemcpyDeviceToHost));
@@ -355,6 +360,29 @@ static void tw_run_layer_cfg(tw_rank_env* env, const tw_layer_cfg* cfg, int cfg_
       CHECKF(memcmp(b.h_out, b.h_out2, n_out * 2) == 0,
              "rank %d %s: the unfused combine mode gives other bits than the overlapped one",
              env->rank, what);
+    }
+    /* (iv) half the budget (the plan made for it): the same bits, every grid within it. */
+    if (!given) {
+      tw_layer_options lh = TW_LAYER_OPTIONS_INIT;
+      lh.sm_budget = info.sm_budget / 2;
+      CHECK_OK(tw__fill_bf16(b.out3, n_out + 8, 0xFFFF, env->stream));
+      CHECK_OK(
+          tw_moe_layer_ex(ctx, dp, x, ids, itype, ws, nt, b.w13, b.w2, b.out3, &lh, env->stream));
+      CHECK_OK(tw_context_check(ctx));
+      CHECK_OK(tw__context_last_launch(ctx, &lr));
+      CHECKF(lr.budget == lh.sm_budget && lr.producer_ctas + lr.consumer_ctas <= lh.sm_budget &&
+                 lr.reduce_ctas <= lh.sm_budget && lr.gemm1_ctas <= lh.sm_budget &&
+                 (dp->num_gemm1_tiles == 0) == (lr.gemm1_ctas == 0),
+             "rank %d %s: with sm_budget %d: P %d + C %d, reduction %d, GEMM1 %d", env->rank, what,
+             lh.sm_budget, lr.producer_ctas, lr.consumer_ctas, lr.reduce_ctas, lr.gemm1_ctas);
+      tw_plan_summary hs;
+      CHECK_OK(tw_device_plan_summary_get(dp, &hs));
+      CHECK(hs.sm_budget == lh.sm_budget);
+      if (n_out > 0) {
+        CHECK_CUDA(cudaMemcpy(b.h_out2, b.out3, n_out * 2, cudaMemcpyDeviceToHost));
+        CHECKF(memcmp(b.h_out, b.h_out2, n_out * 2) == 0,
+               "rank %d %s: half the SM budget gives other bits", env->rank, what);
+      }
     }
     tw_plan_destroy(plan);
     tw_routing_destroy(rt);
