@@ -415,6 +415,12 @@ typedef struct tw_context_config {
    * problem can have, of hidden bf16) and its counters; 0 (default): no dispatch. The same on
    * every rank; the reduce dataflow only. Appended after `sm_budget`. */
   int32_t dispatch;
+  /* 1: the context can run the whole layer (tw_moe_layer): everything dispatch = 1 allocates
+   * (implied), plus the GEMM1 output h (as many rows as a plan can have, of ffn bf16) and, in
+   * every device plan created on the context, GEMM1's tile list; hidden must be a multiple of 64
+   * (GEMM1's K slice). 0 (default): no layer. The same on every rank; the reduce dataflow only.
+   * Appended after `dispatch`. */
+  int32_t layer;
 } tw_context_config;
 
 /* How the consumer moves rows to a peer. */
@@ -427,8 +433,11 @@ typedef enum tw_consumer_copy {
   TW_CONSUMER_COPY_BULK = 2
 } tw_consumer_copy;
 
-#define TW_CONTEXT_CONFIG_INIT \
-  { sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0 }
+#define TW_CONTEXT_CONFIG_INIT                                                                     \
+  {                                                                                                \
+    sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
+        0                                                                                          \
+  }
 
 /* Creates a context for one rank. COLLECTIVE over `comm`: every rank calls it with the same
  * problem (problem->world_size must equal the communicator's size) and the same config.
@@ -488,7 +497,8 @@ TW_API tw_status tw_context_output(tw_context_t ctx, void** out);
 TW_API tw_status tw_context_destroy(tw_context_t ctx);
 
 /* Device copy of one rank's plan plus its gate weights: tiles, bands, segments, slot_row and
- * weights. Created for a context, sized for the worst case its problem allows (so uploads never
+ * weights (on a context with layer = 1 also GEMM1's tile list, which every upload fills from the
+ * plan). Created for a context, sized for the worst case its problem allows (so uploads never
  * allocate). Not collective. */
 TW_API tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* dplan);
 /* Copies `plan` (this rank's plan: plan's rank must be the context's rank) and this rank's gate
@@ -635,6 +645,98 @@ TW_API tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t dplan, co
                                     const void* topk_ids, tw_index_type id_type,
                                     const float* topk_weights, int32_t tokens, void** expert_in,
                                     const tw_dispatch_options* options, cudaStream_t stream);
+
+/* ---- The layer: dispatch, GEMM1 + SwiGLU, GEMM2 + combine in one call ------------------------ */
+
+#define TW_LAYER_OPTIONS_MAGIC 0x74774c79u /* "twLy" */
+
+typedef struct tw_layer_options {
+  size_t size;
+  uint32_t magic;
+  uint32_t version;
+  /* How the plan is made, as tw_dispatch_options.plan_config; NULL = defaults, planned for the
+   * call's sm_budget. A given config's sm_budget must be 0 (then the call's) or the call's. */
+  const tw_plan_config* plan_config;
+  /* TW_COMBINE_OVERLAP (default) or TW_COMBINE_UNFUSED for the GEMM2 + combine half; the two
+   * give the same bits. */
+  tw_combine_mode mode;
+  int32_t comm_ctas; /* C of the combine half, 1..max_comm_ctas; 0 = the plan's choice */
+  /* SMs every kernel of the call may occupy, 2..the context's sm_budget; 0 = the context's. */
+  int32_t sm_budget;
+} tw_layer_options;
+
+#define TW_LAYER_OPTIONS_INIT                                                                      \
+  {                                                                                                \
+    sizeof(tw_layer_options), TW_LAYER_OPTIONS_MAGIC, TW_API_VERSION, NULL, TW_COMBINE_OVERLAP, 0, \
+        0                                                                                          \
+  }
+
+/* The whole MoE layer of one rank, eager mode, reduce dataflow. COLLECTIVE: every rank calls it,
+ * in the same order as its other calls on the context, with its own tokens. On `stream`:
+ *  1. the dispatch (tw_moe_dispatch: counts on the device, the counts to the host, the plan from
+ *     the all-gathered count matrix uploaded to dplan with GEMM1's tile list, every token row
+ *     written into the expert-input buffer of its experts' ranks);
+ *  2. GEMM1 + SwiGLU over that buffer into the context's h (rows, ffn) bf16:
+ *     h = bf16(silu(x w_gate^T) * (x w_up^T)), fp32 accumulation, per local expert;
+ *  3. GEMM2 + combine + weighted reduction on h (tw_moe_combine_ex with the options' mode and C).
+ * Every kernel's grid is at most the call's sm_budget.
+ * [in]  dplan:        this rank's device plan (tw_device_plan_create on ctx); replaced
+ * [in]  x:            (tokens, hidden) device bf16, 16-byte aligned
+ * [in]  topk_ids:     (tokens, top_k) device int32 or int64 (id_type) global expert ids
+ * [in]  topk_weights: (tokens, top_k) device fp32 gate weights
+ * [in]  tokens:       0..max_tokens tokens of this rank
+ * [in]  w13:          (local experts, 2 ffn, hidden) device bf16, 16-byte aligned: expert e's
+ *                     gate projection in rows [0, ffn), its up projection in rows [ffn, 2 ffn)
+ *                     (the vLLM / SGLang fused-MoE layout)
+ * [in]  w2:           (local experts, hidden, ffn) device bf16, 16-byte aligned
+ * [out] out:          (tokens, hidden) device bf16: out[t] = sum_j w[t][j] *
+ *                     bf16(h_j(t) w2[e_j]^T), accumulated in fp32; may be NULL when tokens = 0
+ * [in]  stream:       the caller's stream; inputs ready in its order, `out` ready in its order
+ *                     when the call's work completes. The call blocks the host until this
+ *                     rank's counts are on it (as tw_moe_dispatch). Not capturable (eager mode).
+ * Refusals: a bad or repeated id, a token count out of range, a NULL or unaligned x, topk_ids,
+ * topk_weights, w13, w2 or out on any rank fail the call on every rank with the same status,
+ * naming the rank, before anything is sent; the context stays usable. A context without
+ * tw_context_config.layer = 1 is refused with TW_ERR_STATE, before anything collective (as every
+ * rank's context has the same config). Device-side failures surface as for tw_moe_combine. */
+TW_API tw_status tw_moe_layer(tw_context_t ctx, tw_device_plan_t dplan, const void* x,
+                              const void* topk_ids, tw_index_type id_type,
+                              const float* topk_weights, int32_t tokens, const void* w13,
+                              const void* w2, void* out, cudaStream_t stream);
+/* As tw_moe_layer, with options (NULL = defaults). */
+TW_API tw_status tw_moe_layer_ex(tw_context_t ctx, tw_device_plan_t dplan, const void* x,
+                                 const void* topk_ids, tw_index_type id_type,
+                                 const float* topk_weights, int32_t tokens, const void* w13,
+                                 const void* w2, void* out, const tw_layer_options* options,
+                                 cudaStream_t stream);
+
+#define TW_CONTEXT_MEMORY_MAGIC 0x74774d6du /* "twMm" */
+
+/* The device memory a context holds on its rank, in bytes, each part sized at creation for the
+ * worst case of its problem (nothing grows per call). */
+typedef struct tw_context_memory {
+  size_t size; /* sizeof(tw_context_memory), set by the caller (TW_CONTEXT_MEMORY_INIT) */
+  uint32_t magic;
+  uint32_t version;
+  int64_t rows_max;        /* rows of the aligned layout any plan can need, padding included */
+  int64_t window_bytes;    /* the combine's symmetric window: receive rows (reduce) or the two
+                              outputs and zeros (add), arrival counters, credits, debug tags */
+  int64_t dispatch_bytes;  /* the dispatch's window: expert-input rows (rows_max, hidden) bf16
+                              and counters; 0 without dispatch */
+  int64_t gemm2_out_bytes; /* GEMM2 output (rows_max, hidden) bf16 */
+  int64_t h_bytes;         /* GEMM1 output h (rows_max, ffn) bf16; 0 without layer */
+  int64_t state_bytes;     /* counters, call state, error record, debug slots, the dispatch's
+                              scan tables, peer address tables */
+  int64_t plan_bytes;      /* one device plan created on this context (tw_device_plan_create) */
+  int64_t total_bytes;     /* the sum of the above, with one device plan */
+} tw_context_memory;
+
+#define TW_CONTEXT_MEMORY_INIT \
+  { sizeof(tw_context_memory), TW_CONTEXT_MEMORY_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0 }
+
+/* Fills `memory` (its header set by TW_CONTEXT_MEMORY_INIT). Not collective; does not touch the
+ * device. */
+TW_API tw_status tw_context_memory_get(tw_context_t ctx, tw_context_memory* memory);
 
 /* Waits for this rank's last call and agrees with every rank on whether any device-side wait
  * failed. COLLECTIVE and blocking. Returns TW_SUCCESS on every rank, or TW_ERR_TIMEOUT on every

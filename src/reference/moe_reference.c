@@ -317,6 +317,67 @@ done:
   return st;
 }
 
+tw_status tw__ref_moe_token_bf16(int32_t hidden, int32_t ffn, int32_t experts, int32_t top_k,
+                                 const uint16_t* x, const int32_t* ids, const float* weights,
+                                 const uint16_t* w13, const uint16_t* w2, double* out) {
+  if (hidden < 1 || ffn < 1 || experts < 1 || top_k < 0)
+    return tw__fail(TW_ERR_INVALID_SIZE, "%s: hidden %d, ffn %d, experts %d, top_k %d", __func__,
+                    hidden, ffn, experts, top_k);
+  TW_CHECK_NULL(out);
+  for (int32_t n = 0; n < hidden; n++) out[n] = 0.0;
+  if (top_k == 0) return TW_SUCCESS;
+  TW_CHECK_NULL(x);
+  TW_CHECK_NULL(ids);
+  TW_CHECK_NULL(weights);
+  TW_CHECK_NULL(w13);
+  TW_CHECK_NULL(w2);
+  for (int32_t j = 0; j < top_k; j++)
+    if (ids[j] < 0 || ids[j] >= experts)
+      return tw__fail(TW_ERR_EXPERT_ID, "%s: slot %d names expert %d, outside 0..%d", __func__, j,
+                      ids[j], experts - 1);
+  double* hrow = (double*)malloc((size_t)ffn * sizeof(double)); /* (ffn) h_j rounded to bf16 */
+  if (hrow == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "%s: %d doubles", __func__, ffn);
+  for (int32_t j = 0; j < top_k; j++) {
+    const uint16_t* w13e = w13 + (size_t)ids[j] * 2 * ffn * hidden;
+    const uint16_t* w2e = w2 + (size_t)ids[j] * hidden * ffn;
+    /* GEMM1 + SwiGLU, rounded to bf16 once, as its kernel's output. */
+    tw__ref_gemm1_swiglu_bf16(hidden, ffn, 1, x, w13e, hrow, NULL, NULL);
+    for (int32_t f = 0; f < ffn; f++)
+      hrow[f] = tw__ref_bf16_to_f32(tw__ref_f32_to_bf16((float)hrow[f]));
+    /* GEMM2, each output rounded to bf16 once, then weighted into the sum. */
+    for (int32_t n = 0; n < hidden; n++) {
+      const uint16_t* wn = w2e + (size_t)n * ffn;
+      double acc = 0.0;
+      for (int32_t f = 0; f < ffn; f++) acc += hrow[f] * tw__ref_bf16_to_f32(wn[f]);
+      out[n] += (double)weights[j] * tw__ref_bf16_to_f32(tw__ref_f32_to_bf16((float)acc));
+    }
+  }
+  free(hrow);
+  return TW_SUCCESS;
+}
+
+tw_status tw__ref_moe_layer_bf16(tw_routing_t routing, int32_t hidden, int32_t ffn,
+                                 const uint16_t* const* x, const uint16_t* w13, const uint16_t* w2,
+                                 double* const* out) {
+  TW_CHECK_NULL(routing);
+  TW_CHECK_NULL(x);
+  TW_CHECK_NULL(out);
+  const tw_problem* p = &routing->problem;
+  const int32_t K = p->top_k;
+  for (int32_t r = 0; r < p->world_size; r++)
+    for (int32_t t = 0; t < routing->tokens[r]; t++) {
+      if (x[r] == NULL || out[r] == NULL)
+        return tw__fail(TW_ERR_NULL_POINTER,
+                        "%s: x[%d] or out[%d] is NULL but rank %d has %d tokens", __func__, r, r, r,
+                        routing->tokens[r]);
+      TW_TRY(tw__ref_moe_token_bf16(hidden, ffn, p->experts, K, x[r] + (size_t)t * hidden,
+                                    routing->expert_ids[r] + (size_t)t * K,
+                                    routing->weights[r] + (size_t)t * K, w13, w2,
+                                    out[r] + (size_t)t * hidden));
+    }
+  return TW_SUCCESS;
+}
+
 /* Common checks of the GEMM2 + combine references. */
 static tw_status check_combine_args(const char* fn, tw_routing_t routing, const float* const* h,
                                     const float* w2, const void* const* out) {

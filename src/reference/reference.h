@@ -87,6 +87,36 @@ tw_status tw__ref_moe_layer(const tw_problem* problem, const int32_t* tokens, co
                             const float* router, tw_routing_t routing, const float* w1,
                             const float* w2, double* const* out);
 
+/* The layer of one token as the kernels round it, in double from bf16 operands (raw bits):
+ *   h_j   = bf16(silu(x . w13[g_j][f]^T) * (x . w13[g_j][ffn + f]^T))  GEMM1 + SwiGLU's output
+ *   y_j   = bf16(h_j . w2[g_j][n]^T)                                    GEMM2's output row
+ *   out   = sum_j weights[j] y_j                                        the weighted reduction
+ * over the token's slots j = 0..top_k-1, g_j = ids[j]. Only the two roundings the GEMM outputs
+ * have are modelled (the kernels' fp32 accumulation is not), so the result is the kernels' up to
+ * fp32 rounding and the rare bf16 value that fp32 puts on the other side of a rounding boundary.
+ * Any hidden, ffn >= 1.
+ * [in]  x       (hidden) bf16: the token's row
+ * [in]  ids     (top_k) global expert ids, 0..experts-1 (TW_ERR_EXPERT_ID otherwise)
+ * [in]  weights (top_k) gate weights
+ * [in]  w13     (experts, 2 ffn, hidden) bf16: gate rows [0, ffn), up rows [ffn, 2 ffn)
+ * [in]  w2      (experts, hidden, ffn) bf16
+ * [out] out     (hidden) */
+tw_status tw__ref_moe_token_bf16(int32_t hidden, int32_t ffn, int32_t experts, int32_t top_k,
+                                 const uint16_t* x, const int32_t* ids, const float* weights,
+                                 const uint16_t* w13, const uint16_t* w2, double* out);
+
+/* tw__ref_moe_token_bf16 for every token of every rank of a routing: the whole layer (dispatch,
+ * GEMM1 + SwiGLU, GEMM2, combine, weighted sum) as the kernels round it.
+ * [in]  routing (W ranks, experts, top_k; its tokens and ids select the rows)
+ * [in]  hidden, ffn
+ * [in]  x   (W) -> (tokens[r], hidden) bf16
+ * [in]  w13 (experts, 2 ffn, hidden) bf16
+ * [in]  w2  (experts, hidden, ffn) bf16
+ * [out] out (W) -> (tokens[r], hidden) */
+tw_status tw__ref_moe_layer_bf16(tw_routing_t routing, int32_t hidden, int32_t ffn,
+                                 const uint16_t* const* x, const uint16_t* w13, const uint16_t* w2,
+                                 double* const* out);
+
 /* GEMM2 + combine + weighted sum from given GEMM2 inputs, in double:
  * out[r][t][n] = sum_j w[t][j] sum_f h[r][t][j][f] w2[e(t,j)][n][f].
  * [in]  h   (W) -> (tokens[r], top_k, ffn), indexed by the owner rank
@@ -132,9 +162,9 @@ typedef struct tw_plan_exec_options {
  *  - one producer thread per rank computes the tiles of plan->tiles in schedule order into the
  *    rank's layout output (rows, hidden) and release-increments the tile's band counter;
  *  - plan->comm_ctas consumer threads per rank claim the transfer units (one band x one column
- *    tile, segments in schedule order) one at a time from a shared counter, wait (acquire) until every band of the
- *    unit's segment is published, copy the band's valid rows x the tile's columns to the
- *    destination's receive buffer at the band's dest_offset and release-increment the
+ *    tile, segments in schedule order) one at a time from a shared counter, wait (acquire) until
+ * every band of the unit's segment is published, copy the band's valid rows x the tile's columns to
+ * the destination's receive buffer at the band's dest_offset and release-increment the
  *    destination's arrival counter for this source;
  *  - one receiver per rank waits for all arrivals and its local bands and computes
  *    out[t] = sum_j w[t][j] row(slot_row[t k + j]) in fp32, slot order.

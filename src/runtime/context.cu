@@ -152,7 +152,7 @@ void tw__reduce_args_init(const struct tw_context* ctx, tw_reduce_args* ra) {
 /* Launches every kernel once (lazy loading; see the file comment) on tiny inputs. */
 static tw_status tw__warm_up(tw_context_t ctx) {
   const int64_t F = ctx->problem.ffn;
-  void *a = NULL, *b = NULL, *c = NULL;
+  void *a = NULL, *b = NULL, *c = NULL, *g1 = NULL;
   tw_tile* tile = NULL;
   uint32_t* counter = NULL;
   tw_status st = TW_SUCCESS;
@@ -161,6 +161,11 @@ static tw_status tw__warm_up(tw_context_t ctx) {
   if (e == cudaSuccess) e = cudaMalloc(&c, (size_t)ctx->tm * ctx->tn * 2);
   if (e == cudaSuccess) e = cudaMalloc((void**)&tile, sizeof(tw_tile));
   if (e == cudaSuccess) e = cudaMalloc((void**)&counter, 4);
+  /* The layer's GEMM1 on one tile: a (tm, 64), w13 (2 x 128, 64), h (tm, 128), all zeros. */
+  const size_t g1_a = (size_t)ctx->tm * 64, g1_w = 2 * (size_t)TW_GEMM1_TN * 64;
+  const size_t g1_bytes = (g1_a + g1_w + (size_t)ctx->tm * TW_GEMM1_TN) * 2;
+  if (e == cudaSuccess && ctx->layer) e = cudaMalloc(&g1, g1_bytes);
+  if (e == cudaSuccess && ctx->layer) e = cudaMemsetAsync(g1, 0, g1_bytes, ctx->s_aux);
   if (e == cudaSuccess) e = cudaMemsetAsync(a, 0, (size_t)ctx->tm * F * 2, ctx->s_aux);
   if (e == cudaSuccess) e = cudaMemsetAsync(b, 0, (size_t)ctx->tn * F * 2, ctx->s_aux);
   tw_tile h_tile;
@@ -248,6 +253,18 @@ static tw_status tw__warm_up(tw_context_t ctx) {
       st = tw__dispatch_copy_launch(&cp, 1, ctx->s_aux);
       if (st != TW_SUCCESS) goto done;
     }
+    if (ctx->layer) {
+      /* The kernel tw_moe_layer launches (variant 0, the context's band height). */
+      uint16_t* g1a = (uint16_t*)g1;
+      tw_gemm1_args ga;
+      st = tw__gemm1_args_init(&ga, g1a, g1a + g1_a, g1a + g1_a + g1_w, ctx->tm, 64, TW_GEMM1_TN, 1,
+                               tile, 1, ctx->tm);
+      if (st == TW_SUCCESS) {
+        ga.grid = 1;
+        st = tw__gemm1_swiglu_launch(&ga, ctx->s_aux);
+      }
+      if (st != TW_SUCCESS) goto done;
+    }
   }
   e = cudaStreamSynchronize(ctx->s_aux);
   if (e != cudaSuccess)
@@ -260,6 +277,7 @@ done:
   cudaFree(c);
   cudaFree(tile);
   cudaFree(counter);
+  cudaFree(g1);
   return st;
 }
 
@@ -284,6 +302,7 @@ static void tw__context_free(tw_context_t ctx) {
   }
   if (!busy) {
     cudaFree(ctx->c);
+    cudaFree(ctx->h);
     cudaFree(ctx->unit_next);
     cudaFree(ctx->peers);
     cudaFree(ctx->dpeers);
@@ -318,7 +337,9 @@ static tw_status tw__context_init(tw_context_t ctx) {
   ctx->bands_max = max_rows_tokens / ctx->tm + E * W + 1;
   ctx->slots_max = (int64_t)p->max_tokens * p->top_k;
   ctx->recv_rows_max = ctx->slots_max;
-  if (ctx->bands_max * ctx->col_tiles > INT32_MAX || ctx->rows_max > INT32_MAX)
+  const int64_t gemm1_cols = ctx->layer ? tw__ceil_div(p->ffn, TW_GEMM1_TN) : 0;
+  if (ctx->bands_max * ctx->col_tiles > INT32_MAX || ctx->bands_max * gemm1_cols > INT32_MAX ||
+      ctx->rows_max > INT32_MAX)
     return tw__fail(TW_ERR_CAPACITY,
                     "tw_context_create: max_tokens %d gives up to %lld rows per rank, beyond the "
                     "int32 indices of the plan; lower max_tokens",
@@ -368,12 +389,12 @@ static tw_status tw__context_init(tw_context_t ctx) {
   /* Every rank must cut bands into the same units (the owners count them) and run the same
    * dataflow: compare (max of v and of -v tells min and max over the ranks). */
   {
-    int64_t v[10] = {ctx->tiles_per_unit, -ctx->tiles_per_unit, ctx->tail_bands, -ctx->tail_bands,
+    int64_t v[12] = {ctx->tiles_per_unit, -ctx->tiles_per_unit, ctx->tail_bands, -ctx->tail_bands,
                      ctx->tail_parts,     -ctx->tail_parts,     ctx->dataflow,   -ctx->dataflow,
-                     ctx->dispatch,       -ctx->dispatch};
-    int64_t mine[10];
+                     ctx->dispatch,       -ctx->dispatch,       ctx->layer,      -ctx->layer};
+    int64_t mine[12];
     memcpy(mine, v, sizeof v);
-    TW_TRY(tw__team_max_i64(ctx->team, v, 10));
+    TW_TRY(tw__team_max_i64(ctx->team, v, 12));
     if (v[0] != mine[0] || v[1] != mine[1])
       return tw__fail(TW_ERR_INVALID_ARGUMENT,
                       "tw_context_create: ranks use different consumer unit widths (%lld here, "
@@ -397,6 +418,11 @@ static tw_status tw__context_init(tw_context_t ctx) {
                       "tw_context_create: tw_context_config.dispatch is %d here but differs on "
                       "another rank; give every rank the same",
                       ctx->dispatch);
+    if (v[10] != mine[10] || v[11] != mine[11])
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_context_create: tw_context_config.layer is %d here but differs on "
+                      "another rank; give every rank the same",
+                      ctx->layer);
   }
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_comm, cudaStreamNonBlocking));
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_aux, cudaStreamNonBlocking));
@@ -418,6 +444,7 @@ static tw_status tw__context_init(tw_context_t ctx) {
   TW_CUDA_TRY(cudaMalloc((void**)&ctx->peers, sizeof(char*) * (size_t)W));
   TW_CUDA_TRY(
       cudaMemcpy(ctx->peers, ctx->win.peers, sizeof(char*) * (size_t)W, cudaMemcpyHostToDevice));
+  ctx->state_bytes += (int64_t)sizeof(char*) * W;
 
   /* Dispatch: the expert-input rows peers write (every row a plan can have) and the counters
    * (dispatch.h), in a window of their own; the scan's state; the all-gather's rows. */
@@ -443,6 +470,7 @@ static tw_status tw__context_init(tw_context_t ctx) {
     ctx->d_done = (uint32_t*)(m + hist_bytes + counts_bytes + 36);
     ctx->d_epochs = (uint32_t*)(m + hist_bytes + counts_bytes + 40); /* 8 bytes */
     TW_CUDA_TRY(cudaMemset(m, 0, hist_bytes + counts_bytes + 64));
+    ctx->state_bytes += (int64_t)(sizeof(char*) * (size_t)W + hist_bytes + counts_bytes + 64);
     TW_CUDA_TRY(cudaHostAlloc((void**)&ctx->h_row, (kGatherHead + ET) * 4, cudaHostAllocDefault));
     /* The rows of every rank, then the count matrix (W, experts) taken out of them. */
     ctx->h_all = (int32_t*)malloc((size_t)W * (kGatherHead + 2 * ET) * 4);
@@ -473,6 +501,15 @@ static tw_status tw__context_init(tw_context_t ctx) {
   ctx->reduce_done = next + 8;
   ctx->err = (tw_dev_error*)(next + 16); /* 32 bytes */
   ctx->debug_slots = next + 32;
+  ctx->state_bytes += (int64_t)(n_state * 4);
+  /* The layer: GEMM1's output, GEMM2's input. */
+  if (ctx->layer) {
+    e = cudaMalloc((void**)&ctx->h, (size_t)ctx->rows_max * p->ffn * 2);
+    if (e != cudaSuccess)
+      return tw__fail(TW_ERR_OUT_OF_MEMORY,
+                      "tw_context_create: GEMM1 output of %lld rows x %d: %s; lower max_tokens",
+                      (long long)ctx->rows_max, p->ffn, cudaGetErrorString(e));
+  }
   TW_CUDA_TRY(cudaHostAlloc((void**)&ctx->h_err, sizeof(tw_dev_error), cudaHostAllocDefault));
   TW_CUDA_TRY(cudaMemsetAsync(ctx->unit_next, 0, n_state * 4, ctx->s_aux));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
@@ -509,17 +546,18 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
   TW_TRY(tw_problem_validate(problem));
   tw_context_config cfg = TW_CONTEXT_CONFIG_INIT;
   if (config != NULL) {
-    /* A config that ends before `dataflow`, `sm_budget` or `dispatch` (built against an
+    /* A config that ends before `dataflow`, `sm_budget`, `dispatch` or `layer` (built against an
      * earlier tilewave.h) is read up to there; the rest keeps its defaults. */
     const size_t v1_size = offsetof(tw_context_config, dataflow);
     const size_t v2_size = offsetof(tw_context_config, sm_budget);
     const size_t v3_size = offsetof(tw_context_config, dispatch);
-    TW_TRY(tw__check_header(
-        "tw_context_config", config->size,
-        config->size == v1_size || config->size == v2_size || config->size == v3_size
-            ? config->size
-            : sizeof(tw_context_config),
-        config->magic, TW_CONTEXT_CONFIG_MAGIC, config->version));
+    const size_t v4_size = offsetof(tw_context_config, layer);
+    TW_TRY(tw__check_header("tw_context_config", config->size,
+                            config->size == v1_size || config->size == v2_size ||
+                                    config->size == v3_size || config->size == v4_size
+                                ? config->size
+                                : sizeof(tw_context_config),
+                            config->magic, TW_CONTEXT_CONFIG_MAGIC, config->version));
     memcpy(&cfg, config, config->size);
     cfg.size = sizeof cfg;
   }
@@ -528,13 +566,22 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
   if (cfg.timeout_ms < 0 || cfg.debug_tags < 0 || cfg.debug_tags > 1 || cfg.max_comm_ctas < 0 ||
       cfg.max_comm_ctas > TW_MAX_COMM_CTAS || (cfg.timing != 0 && cfg.timing != 1) ||
       cfg.unit_tiles < 0 || cfg.consumer_copy < TW_CONSUMER_COPY_DEFAULT ||
-      cfg.consumer_copy > TW_CONSUMER_COPY_BULK || (cfg.dispatch != 0 && cfg.dispatch != 1))
+      cfg.consumer_copy > TW_CONSUMER_COPY_BULK || (cfg.dispatch != 0 && cfg.dispatch != 1) ||
+      (cfg.layer != 0 && cfg.layer != 1))
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_context_create: config timeout_ms %d (>= 0), debug_tags %d (0 or 1), "
                     "max_comm_ctas %d (0..%d), timing %d (0 or 1), unit_tiles %d (>= 0), "
-                    "consumer_copy %d (0..2), dispatch %d (0 or 1): one is out of range",
+                    "consumer_copy %d (0..2), dispatch %d (0 or 1), layer %d (0 or 1): one is out "
+                    "of range",
                     cfg.timeout_ms, cfg.debug_tags, cfg.max_comm_ctas, TW_MAX_COMM_CTAS, cfg.timing,
-                    cfg.unit_tiles, cfg.consumer_copy, cfg.dispatch);
+                    cfg.unit_tiles, cfg.consumer_copy, cfg.dispatch, cfg.layer);
+  /* The layer runs the dispatch as its first step. */
+  if (cfg.layer) cfg.dispatch = 1;
+  if (cfg.layer && problem->hidden % 64 != 0)
+    return tw__fail(TW_ERR_ALIGNMENT,
+                    "tw_context_create: layer = 1 needs hidden a multiple of 64 (GEMM1's K slice; "
+                    "got %d); pad the hidden dimension of x and w13 with zeros",
+                    problem->hidden);
   const int32_t sm_budget = cfg.sm_budget > 0 ? cfg.sm_budget : team->default_budget;
   if (cfg.sm_budget < 0 || sm_budget < 2 || sm_budget > team->sm_count)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
@@ -568,8 +615,8 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
             : NULL;
     if (why == NULL && cfg.dispatch)
       why =
-          "tw_moe_dispatch builds plans for the reduce dataflow only so far; use "
-          "TW_DATAFLOW_REDUCE with dispatch = 1";
+          "tw_moe_dispatch and tw_moe_layer build plans for the reduce dataflow only so far; use "
+          "TW_DATAFLOW_REDUCE with dispatch = 1 or layer = 1";
     if (why != NULL)
       return tw__fail(TW_ERR_UNSUPPORTED,
                       "tw_context_create: the add dataflow does not run here: %s", why);
@@ -643,6 +690,7 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
   ctx->dataflow = dataflow;
   ctx->zero_in_producer = zero_in_producer;
   ctx->dispatch = cfg.dispatch;
+  ctx->layer = cfg.layer;
   tw_status st = tw__context_init(ctx);
   if (st != TW_SUCCESS) {
     tw__context_free(ctx); /* releases the team view too */
@@ -733,6 +781,25 @@ extern "C" tw_status tw_context_info_get(tw_context_t ctx, tw_context_info* info
   info->in_process = ctx->team->in_process;
   int v = 0;
   if (ncclGetVersion(&v) == ncclSuccess) info->nccl_version = v;
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw_context_memory_get(tw_context_t ctx, tw_context_memory* m) {
+  tw__clear_error();
+  TW_CHECK_NULL(ctx);
+  TW_CHECK_NULL(m);
+  TW_TRY(tw__check_header("tw_context_memory", m->size, sizeof(tw_context_memory), m->magic,
+                          TW_CONTEXT_MEMORY_MAGIC, m->version));
+  const tw_problem* p = &ctx->problem;
+  m->rows_max = ctx->rows_max;
+  m->window_bytes = (int64_t)ctx->lay.bytes;
+  m->dispatch_bytes = ctx->dispatch ? (int64_t)ctx->dlay.bytes : 0;
+  m->gemm2_out_bytes = ctx->rows_max * p->hidden * 2;
+  m->h_bytes = ctx->layer ? ctx->rows_max * p->ffn * 2 : 0;
+  m->state_bytes = ctx->state_bytes;
+  m->plan_bytes = (int64_t)tw__device_plan_bytes(ctx);
+  m->total_bytes = m->window_bytes + m->dispatch_bytes + m->gemm2_out_bytes + m->h_bytes +
+                   m->state_bytes + m->plan_bytes;
   return TW_SUCCESS;
 }
 
@@ -884,9 +951,8 @@ extern "C" tw_status tw__context_timeline(tw_context_t ctx, tw_combine_timings* 
 
 /* ---- internal hooks (runtime.h) ----------------------------------------------------------- */
 
-extern "C" tw_status tw__context_call_state(tw_context_t ctx, cudaStream_t stream,
-                                           uint32_t* epoch, uint32_t* targets,
-                                           uint32_t* arrivals) {
+extern "C" tw_status tw__context_call_state(tw_context_t ctx, cudaStream_t stream, uint32_t* epoch,
+                                            uint32_t* targets, uint32_t* arrivals) {
   tw__clear_error();
   TW_CHECK_NULL(ctx);
   TW_CHECK_NULL(epoch);
@@ -906,7 +972,7 @@ extern "C" tw_status tw__context_call_state(tw_context_t ctx, cudaStream_t strea
 }
 
 extern "C" tw_status tw__context_error_record(tw_context_t ctx, cudaStream_t stream,
-                                             int32_t* record5) {
+                                              int32_t* record5) {
   tw__clear_error();
   TW_CHECK_NULL(ctx);
   TW_CHECK_NULL(record5);

@@ -54,15 +54,15 @@ struct tw_context {
   char** peers; /* (world) device */
 
   /* Local device memory. */
-  uint16_t* c;             /* (rows_max, hidden) bf16 GEMM output */
-  uint32_t* unit_next;     /* consumer's unit claims; the start of the small-state block below
-                              (one allocation), zeroed with the band counters */
-  uint32_t* band_counters; /* (bands_max), kClaimWords after unit_next */
-  uint32_t* reduce_done;   /* reduction CTA completion counter */
+  uint16_t* c;               /* (rows_max, hidden) bf16 GEMM output */
+  uint32_t* unit_next;       /* consumer's unit claims; the start of the small-state block below
+                                (one allocation), zeroed with the band counters */
+  uint32_t* band_counters;   /* (bands_max), kClaimWords after unit_next */
+  uint32_t* reduce_done;     /* reduction CTA completion counter */
   tw_call_state* call_state; /* epoch and arrival targets (combine.h), advanced on the device */
-  tw_dev_error* err;       /* device error record */
-  uint32_t* debug_slots;   /* (slots_max) */
-  tw_dev_error* h_err;     /* pinned copy of *err after each call */
+  tw_dev_error* err;         /* device error record */
+  uint32_t* debug_slots;     /* (slots_max) */
+  tw_dev_error* h_err;       /* pinned copy of *err after each call */
 
   /* The add dataflow: the output buffer the last call added into (0 or 1; -1: none since the
    * last reset), the rows each buffer has had written since it was last zeroed, and a peer's
@@ -99,11 +99,18 @@ struct tw_context {
   cudaEvent_t ev_counts; /* the counts and the record copied to h_row */
   uint32_t* d_epochs;    /* (2) the dispatch's targets (dispatch.h), zero after a reset */
 
-  uint64_t epoch; /* calls with communication since the last reset, enqueued eagerly (the add
-                     dataflow's buffer choice; the kernels count on the device, call_state) */
+  /* The layer (tw_context_config.layer = 1, which implies dispatch; 0 / NULL otherwise): GEMM1's
+   * output, GEMM2's input of tw_moe_layer. */
+  int32_t layer;
+  uint16_t* h;         /* (rows_max, ffn) bf16 */
+  int64_t state_bytes; /* device memory of the small state, scan tables and peer tables
+                          (tw_context_memory_get) */
+
+  uint64_t epoch;     /* calls with communication since the last reset, enqueued eagerly (the add
+                         dataflow's buffer choice; the kernels count on the device, call_state) */
   int failed;         /* a device error was seen, or failed_enqueue: calls refused until reset */
   int failed_enqueue; /* a call failed after enqueueing part of its work (not under capture) */
-  int have_call;                        /* ev_call_done / ev_err_copied refer to a real call */
+  int have_call;      /* ev_call_done / ev_err_copied refer to a real call */
   int last_mode;
   tw__launch_record last_launch; /* the grids of the last call (runtime.h) */
   int64_t last_tokens;
@@ -126,8 +133,8 @@ struct tw_device_plan {
   float* row_weight;    /* (rows_max) the add dataflow: each row's gate weight, 0 for padding */
   int32_t* h_row_token; /* host staging of both (one allocation; add dataflow only) */
   float* h_row_weight;
-  int32_t* h_seg_unit0;  /* host staging of seg_unit0 */
-  int32_t* h_seg_split0; /* host staging of seg_split0 (in h_seg_unit0's allocation) */
+  int32_t* h_seg_unit0;   /* host staging of seg_unit0 */
+  int32_t* h_seg_split0;  /* host staging of seg_split0 (in h_seg_unit0's allocation) */
   uint32_t* recv_units;   /* (TW_MAX_RANKS) device: units from each source per call */
   uint32_t* h_recv_units; /* host staging of recv_units (in h_seg_unit0's allocation) */
   int captured;           /* a captured call uses it: its sizes are fixed (tw_device_plan_upload) */
@@ -143,6 +150,12 @@ struct tw_device_plan {
   int32_t* send_row;  /* (slots_max) */
   int32_t* h_pads;    /* host staging of pads */
   int64_t pad_rows;   /* rows in those ranges */
+  /* The layer (contexts with layer only; NULL otherwise): GEMM1's tile list of the plan last
+   * uploaded (tw__plan_gemm1_tiles: its bands in layout order, ceil(ffn / TW_GEMM1_TN) column
+   * tiles each), on the device and its host staging. */
+  tw_tile* gemm1_tiles;   /* (bands_max * ceil(ffn / TW_GEMM1_TN)) */
+  tw_tile* h_gemm1_tiles; /* host staging, same size */
+  int32_t num_gemm1_tiles;
 };
 
 /* Words ahead of the counts in a rank's row of the dispatch all-gather: the count pass's
@@ -192,9 +205,35 @@ void tw__reduce_args_init(const struct tw_context* ctx, tw_reduce_args* ra);
  * (d->h_seg_unit0 / h_seg_split0); *units = their count. `what` leads the messages. */
 tw_status tw__device_plan_check(tw_device_plan_t d, const struct tw_plan* plan, int32_t tokens,
                                 int64_t* units, const char* what);
-/* After tw__device_plan_check: copies tiles, bands, segments and units on `stream` and sets the
- * device plan's sizes, receive counts and summary. The per-token arrays are the caller's. */
+/* After tw__device_plan_check: copies tiles, bands, segments and units (and, on a layer
+ * context, GEMM1's tile list) on `stream` and sets the device plan's sizes, receive counts and
+ * summary. The per-token arrays are the caller's. */
 tw_status tw__device_plan_copy(tw_device_plan_t d, const struct tw_plan* plan, int32_t tokens,
                                int64_t units, cudaStream_t stream);
+/* Bytes of device memory tw_device_plan_create allocates for one device plan on ctx. */
+size_t tw__device_plan_bytes(const struct tw_context* ctx);
+
+/* What a whole-layer call adds to the dispatch's checks: a refusal of this rank that every rank
+ * learns through the dispatch's all-gather, before anything is sent. */
+typedef struct tw__dispatch_extra {
+  const char* who; /* leads the messages: "tw_moe_layer" */
+  int32_t status;  /* TW_SUCCESS, or this rank's refusal */
+  int32_t bad;     /* what was refused (tw__layer_bad bits), for the message */
+} tw__dispatch_extra;
+
+/* tw__dispatch_extra.bad: the layer's operands a rank refused. */
+enum tw__layer_bad {
+  TW__LAYER_NULL_W13 = 1,
+  TW__LAYER_NULL_W2 = 2,
+  TW__LAYER_NULL_OUT = 4, /* with tokens > 0 */
+  TW__LAYER_UNALIGNED = 8 /* w13, w2 or out not 16-byte aligned */
+};
+
+/* The dispatch of tw_moe_dispatch_ex, with `extra` (NULL: none) among the local checks every rank
+ * agrees on. */
+tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
+                           const void* topk_ids, tw_index_type id_type, const float* topk_weights,
+                           int32_t tokens, void** expert_in, const tw_dispatch_options* options,
+                           const tw__dispatch_extra* extra, cudaStream_t stream);
 
 #endif /* TW_CONTEXT_H */

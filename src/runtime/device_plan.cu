@@ -1,6 +1,7 @@
 /*
  * device_plan.cu: device copies of one rank's plan (tiles, bands, segments, consumer units,
- * slot rows, gate weights and, under the add dataflow, each row's token and weight), sized once
+ * slot rows, gate weights, under the add dataflow each row's token and weight, and on a layer
+ * context GEMM1's tile list), sized once
  * for the worst case the context's problem allows, so that uploads never allocate. An upload
  * checks the plan against the context before any byte is copied, so that no remote or local
  * access of a later call can leave its buffer. A device plan that a captured call uses keeps
@@ -11,6 +12,49 @@
 
 #include "context.h"
 
+/* Byte offsets of a device plan's arrays in its one allocation, sized for the worst case of the
+ * context's problem. */
+typedef struct tw__dplan_layout {
+  size_t tiles, bands, segs, unit0, slot, w, tok, rw, sb, sr0, pads, srow, units, g1, bytes;
+  size_t nt, nb, ns, nr, ne, np, nsr, ng1; /* element counts */
+} tw__dplan_layout;
+
+static tw__dplan_layout tw__dplan_layout_of(const struct tw_context* ctx) {
+  tw__dplan_layout L;
+  L.nt = (size_t)ctx->bands_max * ctx->col_tiles;
+  L.nb = (size_t)ctx->bands_max;
+  L.ns = (size_t)ctx->slots_max;
+  L.tiles = 0;
+  L.bands = tw__align(L.tiles + L.nt * sizeof(tw_tile), 256);
+  L.segs = tw__align(L.bands + L.nb * sizeof(tw_band), 256);
+  L.unit0 = tw__align(L.segs + L.nb * sizeof(tw_segment), 256);
+  L.slot = tw__align(L.unit0 + (2 * L.nb + 1) * 4, 256);
+  L.w = tw__align(L.slot + L.ns * 4 + 4, 256);
+  /* The add dataflow's per-row token and weight. */
+  L.nr = ctx->dataflow == TW_DATAFLOW_ADD ? (size_t)ctx->rows_max : 0;
+  L.tok = tw__align(L.w + L.ns * 4 + 4, 256);
+  L.rw = tw__align(L.tok + L.nr * 4, 256);
+  /* Dispatch: the count plan's tables and the per-slot destination rows. */
+  L.ne = ctx->dispatch ? (size_t)ctx->problem.experts : 0;
+  L.np = ctx->dispatch ? 1 + 2 * (size_t)ctx->local_experts * ctx->world : 0;
+  L.nsr = ctx->dispatch ? L.ns : 0;
+  L.sb = tw__align(L.rw + L.nr * 4 + 4, 256);
+  L.sr0 = tw__align(L.sb + L.ne * 4, 256);
+  L.pads = tw__align(L.sr0 + L.ne * 4, 256);
+  L.srow = tw__align(L.pads + L.np * 4, 256);
+  /* The units each source sends here per call (the call begin adds them to the targets). */
+  L.units = tw__align(L.srow + L.nsr * 4 + 4, 256);
+  /* The layer: GEMM1's tiles, every band by ceil(ffn / TW_GEMM1_TN) column tiles. */
+  L.ng1 = ctx->layer ? L.nb * (size_t)tw__ceil_div(ctx->problem.ffn, TW_GEMM1_TN) : 0;
+  L.g1 = tw__align(L.units + TW_MAX_RANKS * 4, 256);
+  L.bytes = L.g1 + L.ng1 * sizeof(tw_tile);
+  return L;
+}
+
+size_t tw__device_plan_bytes(const struct tw_context* ctx) {
+  return tw__dplan_layout_of(ctx).bytes;
+}
+
 extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* out) {
   tw__clear_error();
   TW_CHECK_NULL(ctx);
@@ -20,38 +64,23 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   tw_device_plan_t d = (tw_device_plan_t)calloc(1, sizeof(struct tw_device_plan));
   if (d == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_device_plan_create: host memory");
   d->ctx = ctx;
-  const size_t nt = (size_t)ctx->bands_max * ctx->col_tiles, nb = (size_t)ctx->bands_max;
-  const size_t ns = (size_t)ctx->slots_max;
-  size_t off_tiles = 0;
-  size_t off_bands = tw__align(off_tiles + nt * sizeof(tw_tile), 256);
-  size_t off_segs = tw__align(off_bands + nb * sizeof(tw_band), 256);
-  size_t off_unit0 = tw__align(off_segs + nb * sizeof(tw_segment), 256);
-  size_t off_slot = tw__align(off_unit0 + (2 * nb + 1) * 4, 256);
-  size_t off_w = tw__align(off_slot + ns * 4 + 4, 256);
-  /* The add dataflow's per-row token and weight. */
-  const size_t nr = ctx->dataflow == TW_DATAFLOW_ADD ? (size_t)ctx->rows_max : 0;
-  size_t off_tok = tw__align(off_w + ns * 4 + 4, 256);
-  size_t off_rw = tw__align(off_tok + nr * 4, 256);
-  /* Dispatch: the count plan's tables and the per-slot destination rows. */
-  const size_t ne = ctx->dispatch ? (size_t)ctx->problem.experts : 0;
-  const size_t np = ctx->dispatch ? 1 + 2 * (size_t)ctx->local_experts * ctx->world : 0;
-  const size_t nsr = ctx->dispatch ? ns : 0;
-  size_t off_sb = tw__align(off_rw + nr * 4 + 4, 256);
-  size_t off_sr0 = tw__align(off_sb + ne * 4, 256);
-  size_t off_pads = tw__align(off_sr0 + ne * 4, 256);
-  size_t off_srow = tw__align(off_pads + np * 4, 256);
-  /* The units each source sends here per call (the call begin adds them to the targets). */
-  size_t off_units = tw__align(off_srow + nsr * 4 + 4, 256);
-  size_t bytes = off_units + TW_MAX_RANKS * 4;
+  const tw__dplan_layout L = tw__dplan_layout_of(ctx);
+  const size_t nb = L.nb, nr = L.nr, np = L.np;
+  const size_t off_tiles = L.tiles, off_bands = L.bands, off_segs = L.segs, off_unit0 = L.unit0;
+  const size_t off_slot = L.slot, off_w = L.w, off_tok = L.tok, off_rw = L.rw, off_sb = L.sb;
+  const size_t off_sr0 = L.sr0, off_pads = L.pads, off_srow = L.srow, off_units = L.units;
+  const size_t bytes = L.bytes;
   d->h_seg_unit0 = (int32_t*)malloc((2 * nb + 1 + TW_MAX_RANKS) * 4);
   if (nr > 0) d->h_row_token = (int32_t*)malloc(nr * 8);
   if (np > 0) d->h_pads = (int32_t*)malloc(np * 4);
+  if (L.ng1 > 0) d->h_gemm1_tiles = (tw_tile*)malloc(L.ng1 * sizeof(tw_tile));
   cudaError_t e = cudaMalloc(&d->mem, bytes);
   if (e != cudaSuccess || d->h_seg_unit0 == NULL || (nr > 0 && d->h_row_token == NULL) ||
-      (np > 0 && d->h_pads == NULL)) {
+      (np > 0 && d->h_pads == NULL) || (L.ng1 > 0 && d->h_gemm1_tiles == NULL)) {
     free(d->h_seg_unit0);
     free(d->h_row_token);
     free(d->h_pads);
+    free(d->h_gemm1_tiles);
     if (e == cudaSuccess) cudaFree(d->mem);
     free(d);
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_device_plan_create: %zu bytes: %s", bytes,
@@ -79,6 +108,7 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
     d->pads = (int32_t*)(m + off_pads);
     d->send_row = (int32_t*)(m + off_srow);
   }
+  if (L.ng1 > 0) d->gemm1_tiles = (tw_tile*)(m + L.g1);
   *out = d;
   return TW_SUCCESS;
 }
@@ -95,6 +125,7 @@ extern "C" tw_status tw_device_plan_destroy(tw_device_plan_t d) {
   free(d->h_seg_unit0);
   free(d->h_row_token);
   free(d->h_pads);
+  free(d->h_gemm1_tiles);
   free(d);
   return TW_SUCCESS;
 }
@@ -160,11 +191,10 @@ tw_status tw__device_plan_check(tw_device_plan_t d, const struct tw_plan* plan, 
   for (int s = 0; s < ctx->world; s++) {
     if (s != ctx->rank && plan->recv_bands[s] < 0)
       return tw__fail(TW_ERR_INTERNAL, "%s: recv_bands[%d] < 0", what, s);
-    d->h_recv_units[s] = s == ctx->rank ? 0u
-                                        : (uint32_t)tw__owner_units(plan->recv_bands[s],
-                                                                    ctx->tail_bands,
-                                                                    ctx->tail_parts,
-                                                                    ctx->unit_chunks);
+    d->h_recv_units[s] = s == ctx->rank
+                             ? 0u
+                             : (uint32_t)tw__owner_units(plan->recv_bands[s], ctx->tail_bands,
+                                                         ctx->tail_parts, ctx->unit_chunks);
   }
   const int64_t units = tw__consumer_units(plan, ctx->tail_bands, ctx->tail_parts, ctx->unit_chunks,
                                            d->h_seg_unit0, d->h_seg_split0);
@@ -177,10 +207,9 @@ tw_status tw__device_plan_check(tw_device_plan_t d, const struct tw_plan* plan, 
                     what, (long long)units);
   /* A captured call replays with the sizes it was captured with (grids, copy lengths, loop
    * bounds in its kernel arguments); what the kernels read from this plan's memory may change. */
-  if (d->captured &&
-      (plan->rows != d->rows || plan->recv_rows != d->recv_rows ||
-       plan->num_tiles != d->num_tiles || plan->num_bands != d->num_bands ||
-       units != d->total_units || tokens != d->tokens))
+  if (d->captured && (plan->rows != d->rows || plan->recv_rows != d->recv_rows ||
+                      plan->num_tiles != d->num_tiles || plan->num_bands != d->num_bands ||
+                      units != d->total_units || tokens != d->tokens))
     return tw__fail(TW_ERR_STATE,
                     "%s: a captured call uses this device plan, and this plan's sizes (%d rows, "
                     "%d receive rows, %d bands, %lld units, %d tokens) differ from the captured "
@@ -195,6 +224,13 @@ tw_status tw__device_plan_check(tw_device_plan_t d, const struct tw_plan* plan, 
 tw_status tw__device_plan_copy(tw_device_plan_t d, const struct tw_plan* plan, int32_t tokens,
                                int64_t units, cudaStream_t stream) {
   tw_context_t ctx = d->ctx;
+  /* The layer: GEMM1's tile list of this plan, built before anything is copied (a failure
+   * leaves the device plan's sizes as they were). */
+  int32_t g1 = 0;
+  if (ctx->layer) {
+    const int64_t cap = ctx->bands_max * tw__ceil_div(ctx->problem.ffn, TW_GEMM1_TN);
+    TW_TRY(tw__plan_gemm1_tiles(plan, TW_GEMM1_TN, d->h_gemm1_tiles, (int32_t)cap, &g1));
+  }
   /* Pageable copies: each returns once the source is staged, so the host plan may go away. */
   if (plan->num_tiles > 0)
     TW_CUDA_TRY(cudaMemcpyAsync(d->tiles, plan->tiles, (size_t)plan->num_tiles * sizeof(tw_tile),
@@ -213,6 +249,10 @@ tw_status tw__device_plan_copy(tw_device_plan_t d, const struct tw_plan* plan, i
                                 cudaMemcpyHostToDevice, stream));
   TW_CUDA_TRY(cudaMemcpyAsync(d->recv_units, d->h_recv_units, (size_t)ctx->world * 4,
                               cudaMemcpyHostToDevice, stream));
+  if (g1 > 0)
+    TW_CUDA_TRY(cudaMemcpyAsync(d->gemm1_tiles, d->h_gemm1_tiles, (size_t)g1 * sizeof(tw_tile),
+                                cudaMemcpyHostToDevice, stream));
+  d->num_gemm1_tiles = g1;
   d->rows = plan->rows;
   d->recv_rows = plan->recv_rows;
   d->num_tiles = plan->num_tiles;

@@ -32,7 +32,13 @@
 static_assert(sizeof(tw_dev_error) == kGatherHead * 4, "the all-gather's head is a tw_dev_error");
 
 /* Local checks whose failure every rank learns through the all-gather (tw_dev_error.where). */
-enum { kLocalTokens = -1, kLocalPointer = -2, kLocalAlignment = -3, kLocalFailed = -4 };
+enum {
+  kLocalTokens = -1,
+  kLocalPointer = -2,
+  kLocalAlignment = -3,
+  kLocalFailed = -4,
+  kLocalExtra = -5 /* a whole-layer call's own refusal (tw__dispatch_extra) */
+};
 
 /* The count plan's device part beyond tw__device_plan_copy's: the scan's tables (slot_base,
  * send_row0) and this rank's padding ranges, after checks that keep every write in bounds:
@@ -94,11 +100,10 @@ static tw_status tw__dispatch_upload(tw_device_plan_t d, const struct tw_plan* p
 /* The first failing rank's row of the all-gather as a status and message (every rank composes
  * the same one). */
 static tw_status tw__dispatch_refusal(tw_context_t ctx, int32_t failing, int32_t first,
-                                      const int32_t* row) {
+                                      const int32_t* row, const char* lead) {
   const int32_t K = ctx->problem.top_k;
   const tw_status st = (tw_status)row[0];
   const int32_t where = row[1], index = row[2];
-  const char* lead = "tw_moe_dispatch";
   if (where == kLocalTokens)
     return tw__fail(st,
                     "%s: rank %d passed %d tokens; give 0..%d (problem max_tokens). %d of %d "
@@ -111,6 +116,18 @@ static tw_status tw__dispatch_refusal(tw_context_t ctx, int32_t failing, int32_t
                     lead, first, row[2]);
   if (where == kLocalAlignment)
     return tw__fail(st, "%s: rank %d's x is not 16-byte aligned; nothing was sent", lead, first);
+  if (where == kLocalExtra) {
+    const int32_t bad = row[2];
+    return tw__fail(st,
+                    "%s: rank %d passed%s%s%s%s; give device buffers of the documented shapes, "
+                    "16-byte aligned. %d of %d ranks refused; nothing was sent, the context stays "
+                    "usable",
+                    lead, first, bad & TW__LAYER_NULL_W13 ? " a NULL w13" : "",
+                    bad & TW__LAYER_NULL_W2 ? " a NULL w2" : "",
+                    bad & TW__LAYER_NULL_OUT ? " a NULL out with tokens > 0" : "",
+                    bad & TW__LAYER_UNALIGNED ? " a w13, w2 or out not 16-byte aligned" : "",
+                    failing, ctx->world);
+  }
   if (where == kLocalFailed)
     return tw__fail(st,
                     "%s: rank %d: an earlier call failed on the device (%s); call "
@@ -134,11 +151,11 @@ static tw_status tw__dispatch_refusal(tw_context_t ctx, int32_t failing, int32_t
                   first, where, index);
 }
 
-extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, const void* x,
-                                        const void* topk_ids, tw_index_type id_type,
-                                        const float* topk_weights, int32_t tokens, void** expert_in,
-                                        const tw_dispatch_options* options, cudaStream_t stream) {
-  tw__clear_error();
+tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
+                           const void* topk_ids, tw_index_type id_type, const float* topk_weights,
+                           int32_t tokens, void** expert_in, const tw_dispatch_options* options,
+                           const tw__dispatch_extra* extra, cudaStream_t stream) {
+  const char* who = extra != NULL && extra->who != NULL ? extra->who : "tw_moe_dispatch";
   TW_CHECK_NULL(ctx);
   TW_CHECK_NULL(d);
   if (expert_in != NULL) *expert_in = NULL;
@@ -150,15 +167,14 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
   }
   if (!ctx->dispatch)
     return tw__fail(TW_ERR_STATE,
-                    "tw_moe_dispatch: the context was created without dispatch; set "
-                    "tw_context_config.dispatch = 1 on every rank");
+                    "%s: the context was created without dispatch; set "
+                    "tw_context_config.dispatch = 1 on every rank",
+                    who);
   if (d->ctx != ctx)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw_moe_dispatch: the device plan belongs to another context");
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "%s: the device plan belongs to another context", who);
   if (id_type != TW_INDEX_INT32 && id_type != TW_INDEX_INT64)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw_moe_dispatch: id_type %d; give TW_INDEX_INT32 or TW_INDEX_INT64",
-                    (int)id_type);
+                    "%s: id_type %d; give TW_INDEX_INT32 or TW_INDEX_INT64", who, (int)id_type);
   /* A failed context refuses the call, but through the all-gather below: the ranks may learn
    * of a failure at different times, and a rank that left early would leave the others
    * waiting in the collective. */
@@ -168,9 +184,9 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
   const int32_t budget = opt.sm_budget > 0 ? opt.sm_budget : ctx->sm_budget;
   if (opt.sm_budget < 0 || budget < 2 || budget > ctx->sm_budget)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw_moe_dispatch: sm_budget %d; must be 2..%d (the context's sm_budget), or 0 "
+                    "%s: sm_budget %d; must be 2..%d (the context's sm_budget), or 0 "
                     "for the context's",
-                    opt.sm_budget, ctx->sm_budget);
+                    who, opt.sm_budget, ctx->sm_budget);
   /* The plan's config: the caller's (checked as tw_plan_create checks it), planned for the
    * context's dataflow. */
   tw_plan_config pc = TW_PLAN_CONFIG_INIT;
@@ -189,9 +205,9 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
     if (given->size > offsetof(tw_plan_config, dataflow) &&
         given->dataflow != TW_DATAFLOW_DEFAULT && given->dataflow != ctx->dataflow)
       return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                      "tw_moe_dispatch: plan_config.dataflow is %s, the context runs %s; leave it "
+                      "%s: plan_config.dataflow is %s, the context runs %s; leave it "
                       "TW_DATAFLOW_DEFAULT",
-                      tw__dataflow_name(given->dataflow), tw__dataflow_name(ctx->dataflow));
+                      who, tw__dataflow_name(given->dataflow), tw__dataflow_name(ctx->dataflow));
   } else {
     pc.sm_budget = ctx->sm_budget; /* the budget of the combine calls that follow */
   }
@@ -213,6 +229,9 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
   } else if (tokens > 0 && ((uintptr_t)x & 15) != 0) {
     local = TW_ERR_ALIGNMENT;
     local_where = kLocalAlignment;
+  } else if (extra != NULL && extra->status != TW_SUCCESS) {
+    local = extra->status;
+    local_where = kLocalExtra;
   }
   const int32_t slots = local == TW_SUCCESS ? tokens * K : 0; /* max_tokens * K fits int32 */
   const uint64_t timeout_ns = (uint64_t)ctx->timeout_ms * 1000000ull;
@@ -260,7 +279,7 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
   if (local != TW_SUCCESS) {
     row[0] = local;
     row[1] = local_where;
-    row[2] = tokens;
+    row[2] = local_where == kLocalExtra ? extra->bad : tokens;
   }
   row[5] = rank;
   row[6] = slots / K;
@@ -285,7 +304,7 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
         first = r;
       }
     ctx->failed = any_failed; /* alike on every rank */
-    return tw__dispatch_refusal(ctx, failing, first, all + (size_t)first * row_words);
+    return tw__dispatch_refusal(ctx, failing, first, all + (size_t)first * row_words, who);
   }
   int32_t* counts = all + (size_t)W * row_words; /* (W, ET), after the rows */
   for (int32_t r = 0; r < W; r++) {
@@ -294,9 +313,8 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
     for (int32_t g = 0; g < ET; g++) sum += rc[g];
     if (sum != (int64_t)all[(size_t)r * row_words + 6] * K) {
       ctx->failed = 0;
-      return tw__fail(TW_ERR_INTERNAL,
-                      "tw_moe_dispatch: rank %d counted %lld slots for %d tokens of top_k %d", r,
-                      (long long)sum, all[(size_t)r * row_words + 6], K);
+      return tw__fail(TW_ERR_INTERNAL, "%s: rank %d counted %lld slots for %d tokens of top_k %d",
+                      who, r, (long long)sum, all[(size_t)r * row_words + 6], K);
     }
     memcpy(counts + (size_t)r * ET, rc, (size_t)ET * 4);
   }
@@ -316,9 +334,9 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
     ctx->failed = 0;
     if (st != TW_SUCCESS) return tw__fail(st, "%s", why);
     return tw__fail((tw_status)worst,
-                    "tw_moe_dispatch: another rank could not plan or upload this call (%s); its "
+                    "%s: another rank could not plan or upload this call (%s); its "
                     "error says why. Nothing was sent",
-                    tw_status_string((tw_status)worst));
+                    who, tw_status_string((tw_status)worst));
   }
 
   /* Place, copy (and arrivals), wait for the peers' rows. */
@@ -363,6 +381,15 @@ extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, co
   d->uploaded = 1;
   if (expert_in != NULL) *expert_in = (char*)ctx->dwin.local + ctx->dlay.rows;
   return TW_SUCCESS;
+}
+
+extern "C" tw_status tw_moe_dispatch_ex(tw_context_t ctx, tw_device_plan_t d, const void* x,
+                                        const void* topk_ids, tw_index_type id_type,
+                                        const float* topk_weights, int32_t tokens, void** expert_in,
+                                        const tw_dispatch_options* options, cudaStream_t stream) {
+  tw__clear_error();
+  return tw__dispatch_run(ctx, d, x, topk_ids, id_type, topk_weights, tokens, expert_in, options,
+                          NULL, stream);
 }
 
 extern "C" tw_status tw_moe_dispatch(tw_context_t ctx, tw_device_plan_t dplan, const void* x,

@@ -30,6 +30,8 @@ typedef struct tw__launch_record {
   int32_t reduce_ctas;   /* the reduction's grid, after both (0: none) */
   int32_t reduce_cap;    /* the most it could have had: budget, or budget x CTAs per SM that fit
                             when the budget is a whole GPU of its own */
+  int32_t gemm1_ctas;    /* GEMM1's grid in the last tw_moe_layer or tw__layer_gemm1 (0: no
+                            tiles); set by those only, so a later combine call leaves it */
 } tw__launch_record;
 
 tw_status tw__context_last_launch(tw_context_t ctx, tw__launch_record* record);
@@ -62,6 +64,16 @@ tw_status tw__context_timeline(tw_context_t ctx, tw_combine_timings* t, float* c
 /* The work of the uploaded plan: producer tiles and consumer transfer units per call (the index
  * ranges of the trace's tile and unit records). */
 tw_status tw__device_plan_work(tw_device_plan_t d, int32_t* tiles, int32_t* units);
+
+/* The layer's GEMM1 + SwiGLU alone, as tw_moe_layer runs it between its dispatch and its
+ * combine: h (rows, ffn) = silu(expert_in w_gate^T) * (expert_in w_up^T) over dplan's GEMM1 tile
+ * list (the plan the last dispatch or upload put there), a grid of at most sm_budget CTAs (0: the
+ * context's), on `stream`. h NULL: the context's own (tw__context_layer_h). Not collective; the
+ * caller orders it after the dispatch and before the combine (same stream). Needs layer = 1. */
+tw_status tw__layer_gemm1(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
+                          const void* w13, void* h, int32_t sm_budget, cudaStream_t stream);
+/* The context's GEMM1 output h (rows_max, ffn) bf16, which tw_moe_layer writes and reads. */
+tw_status tw__context_layer_h(tw_context_t ctx, void** h);
 
 /* Tracing (src/core/trace.h; what `tilewave trace` uses). capacity > 0: a device buffer of that
  * many 16-byte records (replacing any earlier one, empty), which every eager call of this context

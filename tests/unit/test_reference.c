@@ -314,6 +314,115 @@ static void test_fp32_within_bound(void) {
   free(w2);
 }
 
+/* The layer as the kernels round it (tw__ref_moe_token_bf16 / tw__ref_moe_layer_bf16): a hand
+ * case whose two roundings are worked out below, then agreement with the unrounded double layer
+ * within the roundings' size (and not closer than that: the roundings are there). */
+static void test_layer_bf16(void) {
+  /* H = 2, F = 1, two experts, one token of weights (0.25, 0.75) on both.
+   * Expert 0: gate (1, 0) . x = 1, up (0, 1) . x = 2: h = 2 silu(1) = 1.46211... -> bf16
+   * 1.4609375 (59/128 past 1); w2 (1, -1): y = (1.4609375, -1.4609375), exact.
+   * Expert 1: gate (1, 1) . x = 3, up (1, -1) . x = -1: h = -silu(3) = -2.85772... -> bf16
+   * -2.859375 (55/64 past 2); w2 (2, 0.5): y = (-5.71875, -1.4296875), exact. */
+  const float xf[2] = {1.0f, 2.0f};
+  const float w13f[8] = {1, 0, 0, 1, /* expert 0: gate; up */ 1, 1, 1, -1 /* expert 1 */};
+  const float w2f[4] = {1, -1, /* expert 0: (H, F) */ 2, 0.5f};
+  uint16_t x[2], w13[8], w2[4];
+  for (int i = 0; i < 2; i++) x[i] = tw__ref_f32_to_bf16(xf[i]);
+  for (int i = 0; i < 8; i++) w13[i] = tw__ref_f32_to_bf16(w13f[i]);
+  for (int i = 0; i < 4; i++) w2[i] = tw__ref_f32_to_bf16(w2f[i]);
+  const int32_t ids[2] = {0, 1};
+  const float wts[2] = {0.25f, 0.75f};
+  double o[2] = {NAN, NAN};
+  CHECK_OK(tw__ref_moe_token_bf16(2, 1, 2, 2, x, ids, wts, w13, w2, o));
+  CHECK_NEAR(o[0], 0.25 * 1.4609375 + 0.75 * -5.71875, 1e-15);
+  CHECK_NEAR(o[1], 0.25 * -1.4609375 + 0.75 * -1.4296875, 1e-15);
+  const int32_t bad_ids[2] = {0, 2};
+  CHECK_STATUS(tw__ref_moe_token_bf16(2, 1, 2, 2, x, bad_ids, wts, w13, w2, o), TW_ERR_EXPERT_ID);
+
+  /* Random layer over two ranks: against tw__ref_moe_layer on the same (bf16) values. */
+  uint64_t s = tw_test_seed ^ 0x7777;
+  const int32_t W = 2, H = 32, F = 16, E = 4, K = 2;
+  tw_problem p = small_problem(W, H, F, E, K);
+  int32_t tokens[2] = {5, 3};
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_routing_generate(&p, TW_ROUTER_BALANCED, 0.0, 5, tw_test_seed, &rt));
+  tw_routing_t rt2 = NULL;
+  {
+    const int32_t* id_r[2];
+    const float* w_r[2];
+    for (int r = 0; r < W; r++) {
+      int32_t n = 0;
+      CHECK_OK(tw_routing_rank(rt, r, &n, &id_r[r], &w_r[r]));
+    }
+    CHECK_OK(tw_routing_create(&p, tokens, id_r, w_r, &rt2));
+  }
+  const size_t n13 = (size_t)E * 2 * F * H, n2 = (size_t)E * H * F;
+  float* w13r = (float*)malloc(sizeof(float) * n13);
+  float* w2r = (float*)malloc(sizeof(float) * n2);
+  uint16_t* w13b = (uint16_t*)malloc(2 * n13);
+  uint16_t* w2b = (uint16_t*)malloc(2 * n2);
+  fill(&s, w13r, n13, 0.5f);
+  fill(&s, w2r, n2, 0.5f);
+  /* The float operands of the double layer are the bf16 values exactly. */
+  for (size_t i = 0; i < n13; i++) {
+    w13b[i] = tw__ref_f32_to_bf16(w13r[i]);
+    w13r[i] = tw__ref_bf16_to_f32(w13b[i]);
+  }
+  for (size_t i = 0; i < n2; i++) {
+    w2b[i] = tw__ref_f32_to_bf16(w2r[i]);
+    w2r[i] = tw__ref_bf16_to_f32(w2b[i]);
+  }
+  float* xr[2];
+  uint16_t* xb[2];
+  double *od[2], *ob[2];
+  for (int r = 0; r < W; r++) {
+    const size_t n = (size_t)tokens[r] * H;
+    xr[r] = (float*)malloc(sizeof(float) * n);
+    xb[r] = (uint16_t*)malloc(2 * n);
+    fill(&s, xr[r], n, 1.0f);
+    for (size_t i = 0; i < n; i++) {
+      xb[r][i] = tw__ref_f32_to_bf16(xr[r][i]);
+      xr[r][i] = tw__ref_bf16_to_f32(xb[r][i]);
+    }
+    od[r] = (double*)malloc(sizeof(double) * n);
+    ob[r] = (double*)malloc(sizeof(double) * n);
+  }
+  if (rt2 != NULL) {
+    CHECK_OK(tw__ref_moe_layer(&p, NULL, (const float* const*)xr, NULL, rt2, w13r, w2r, od));
+    CHECK_OK(tw__ref_moe_layer_bf16(rt2, H, F, (const uint16_t* const*)xb, w13b, w2b, ob));
+    double num = 0.0, den = 0.0;
+    for (int r = 0; r < W; r++)
+      for (int32_t i = 0; i < tokens[r] * H; i++) {
+        num += (od[r][i] - ob[r][i]) * (od[r][i] - ob[r][i]);
+        den += od[r][i] * od[r][i];
+      }
+    const double rel = sqrt(num / den);
+    /* Two roundings of relative size <= 2^-9 each: well below 1e-2, and not zero. */
+    CHECKF(den > 0 && rel < 1e-2 && rel > 1e-6, "normwise relative difference %.3e", rel);
+    /* The token function is the layer function's row. */
+    double row[32];
+    const int32_t* id1 = NULL;
+    const float* w1 = NULL;
+    int32_t n1 = 0;
+    CHECK_OK(tw_routing_rank(rt2, 1, &n1, &id1, &w1));
+    CHECK_OK(
+        tw__ref_moe_token_bf16(H, F, E, K, xb[1] + 2 * H, id1 + 2 * K, w1 + 2 * K, w13b, w2b, row));
+    CHECK(memcmp(row, ob[1] + 2 * H, sizeof row) == 0);
+  }
+  tw_routing_destroy(rt);
+  tw_routing_destroy(rt2);
+  for (int r = 0; r < W; r++) {
+    free(xr[r]);
+    free(xb[r]);
+    free(od[r]);
+    free(ob[r]);
+  }
+  free(w13r);
+  free(w2r);
+  free(w13b);
+  free(w2b);
+}
+
 static void test_bf16_conversions(void) {
   CHECK(tw__ref_f32_to_bf16(1.0f) == 0x3f80);
   CHECK(tw__ref_f32_to_bf16(-2.0f) == 0xc000);
@@ -334,4 +443,5 @@ static void test_bf16_conversions(void) {
 
 TW_TEST_MAIN(TW_TEST(tw_test_seed_setup), TW_TEST(test_hand_case), TW_TEST(test_route_properties),
              TW_TEST(test_router_vs_given_routing), TW_TEST(test_linearity_and_distribution),
-             TW_TEST(test_fp32_within_bound), TW_TEST(test_bf16_conversions))
+             TW_TEST(test_fp32_within_bound), TW_TEST(test_bf16_conversions),
+             TW_TEST(test_layer_bf16))

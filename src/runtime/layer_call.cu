@@ -1,0 +1,196 @@
+/*
+ * layer_call.cu: the sequence of one whole-layer call (tw_moe_layer), eager mode, reduce
+ * dataflow: the dispatch, GEMM1 + SwiGLU, then GEMM2 + combine, all on the caller's stream S.
+ *
+ *   S: dispatch (dispatch_call.cu: counts -> host plan from the all-gathered counts, uploaded with
+ *      GEMM1's tile list -> rows into the experts' ranks' buffers -> wait for every source's rows)
+ *      -> GEMM1 + SwiGLU (budget CTAs, over the buffer into the context's h)
+ *      -> tw_moe_combine_ex on h (producer, consumer, reduction: combine_call.cu)
+ *
+ * Ordering: GEMM1 follows the dispatch's wait kernel in stream order, so it reads every row of
+ * the buffer after the arrivals were acquired (a kernel boundary also orders those generic-proxy
+ * stores before GEMM1's TMA loads). The combine's call-done event comes after GEMM1 on S, and the
+ * next dispatch raises its credit (peers may overwrite the buffer) only after that event: no peer
+ * writes into the buffer while GEMM1 reads it. h is written by GEMM1 and read by GEMM2 of the same
+ * call; the next call's GEMM1 starts after this call's combine (the context orders its calls).
+ *
+ * SM budget: every kernel keeps within the call's budget: the dispatch's (its own checks), GEMM1's
+ * grid (at most budget CTAs, one per SM), the combine's (P + C <= budget; C < budget holds
+ * because the plan is made for this budget). GEMM1 waits for nothing, so on an in-process team
+ * it ends wherever it runs.
+ *
+ * Failures: whatever can differ between ranks (tokens, ids, pointers) is agreed on in the
+ * dispatch's all-gather, so every rank refuses alike before anything is sent and the context
+ * stays usable. Arguments that are the same on every rank in a correct program (the options,
+ * the context's config) are refused before anything collective. A failure after the dispatch
+ * (a launch error, a refused combine) leaves the peers' combines waiting for this rank until
+ * their timeout: the context is failed until tw_context_reset(), as after a failed combine.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "context.h"
+
+extern "C" tw_status tw__layer_gemm1(tw_context_t ctx, tw_device_plan_t d, const void* expert_in,
+                                     const void* w13, void* h, int32_t sm_budget,
+                                     cudaStream_t stream) {
+  TW_CHECK_NULL(ctx);
+  TW_CHECK_NULL(d);
+  if (!ctx->layer)
+    return tw__fail(TW_ERR_STATE,
+                    "tw__layer_gemm1: the context was created without layer; set "
+                    "tw_context_config.layer = 1");
+  if (d->ctx != ctx)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw__layer_gemm1: the device plan belongs to another context");
+  if (!d->uploaded)
+    return tw__fail(TW_ERR_STATE, "tw__layer_gemm1: no plan uploaded (run the dispatch first)");
+  const int32_t budget = sm_budget > 0 ? sm_budget : ctx->sm_budget;
+  if (sm_budget < 0 || budget > ctx->sm_budget)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__layer_gemm1: sm_budget %d; must be 0..%d",
+                    sm_budget, ctx->sm_budget);
+  if (h == NULL) h = ctx->h;
+  ctx->last_launch.gemm1_ctas = budget < d->num_gemm1_tiles ? budget : d->num_gemm1_tiles;
+  if (d->num_gemm1_tiles == 0) return TW_SUCCESS; /* no rows on this rank's experts */
+  TW_DEVICE_SCOPE(ctx);
+  tw_gemm1_args g;
+  TW_TRY(tw__gemm1_args_init(&g, expert_in, w13, h, d->rows, ctx->problem.hidden, ctx->problem.ffn,
+                             ctx->local_experts, d->gemm1_tiles, d->num_gemm1_tiles, ctx->tm));
+  g.grid = budget; /* persistent: CTA j takes tiles j, j + budget, ... (never more than tiles) */
+  return tw__gemm1_swiglu_launch(&g, stream);
+}
+
+extern "C" tw_status tw__context_layer_h(tw_context_t ctx, void** h) {
+  TW_CHECK_NULL(ctx);
+  TW_CHECK_NULL(h);
+  *h = ctx->h;
+  if (!ctx->layer)
+    return tw__fail(TW_ERR_STATE, "tw__context_layer_h: the context was created without layer");
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw_moe_layer_ex(tw_context_t ctx, tw_device_plan_t d, const void* x,
+                                     const void* topk_ids, tw_index_type id_type,
+                                     const float* topk_weights, int32_t tokens, const void* w13,
+                                     const void* w2, void* out, const tw_layer_options* options,
+                                     cudaStream_t stream) {
+  tw__clear_error();
+  TW_CHECK_NULL(ctx);
+  TW_CHECK_NULL(d);
+  tw_layer_options opt = TW_LAYER_OPTIONS_INIT;
+  if (options != NULL) {
+    TW_TRY(tw__check_header("tw_layer_options", options->size, sizeof(tw_layer_options),
+                            options->magic, TW_LAYER_OPTIONS_MAGIC, options->version));
+    opt = *options;
+  }
+  /* Refusals before anything collective: the same on every rank of a correct program. */
+  if (!ctx->layer)
+    return tw__fail(TW_ERR_STATE,
+                    "tw_moe_layer: the context was created without layer; set "
+                    "tw_context_config.layer = 1 on every rank");
+  if (d->ctx != ctx)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_moe_layer: the device plan belongs to another context");
+  if (opt.mode != TW_COMBINE_OVERLAP && opt.mode != TW_COMBINE_UNFUSED)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_moe_layer: mode %d; give TW_COMBINE_OVERLAP or TW_COMBINE_UNFUSED (the "
+                    "GEMM-only and comm-only modes are timing modes of tw_moe_combine_ex)",
+                    (int)opt.mode);
+  const int32_t budget = opt.sm_budget > 0 ? opt.sm_budget : ctx->sm_budget;
+  if (opt.sm_budget < 0 || budget < 2 || budget > ctx->sm_budget)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_moe_layer: sm_budget %d; must be 2..%d (the context's sm_budget), or 0 "
+                    "for the context's",
+                    opt.sm_budget, ctx->sm_budget);
+  if (opt.comm_ctas < 0 || opt.comm_ctas > ctx->max_comm_ctas || opt.comm_ctas >= budget)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_moe_layer: comm_ctas %d; must be 0 (the plan's) or 1..%d (the context's "
+                    "max_comm_ctas, below the call's sm_budget %d)",
+                    opt.comm_ctas,
+                    ctx->max_comm_ctas < budget - 1 ? ctx->max_comm_ctas : budget - 1, budget);
+  /* The plan is made for the call's budget, so that its C leaves the producer SMs. A config of
+   * an unknown size goes to the dispatch as given, which refuses it. */
+  tw_plan_config pc = TW_PLAN_CONFIG_INIT;
+  const tw_plan_config* plan_config = &pc;
+  if (opt.plan_config != NULL) {
+    const tw_plan_config* given = opt.plan_config;
+    const size_t known = given->size;
+    if (known == offsetof(tw_plan_config, schedule) ||
+        known == offsetof(tw_plan_config, dataflow) ||
+        known == offsetof(tw_plan_config, sm_budget) || known == sizeof(tw_plan_config)) {
+      if (known == sizeof(tw_plan_config) && given->sm_budget != 0 && given->sm_budget != budget)
+        return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                        "tw_moe_layer: plan_config.sm_budget %d differs from the call's %d; "
+                        "leave it 0 (the call's)",
+                        given->sm_budget, budget);
+      memcpy(&pc, given, known);
+      pc.size = sizeof pc;
+    } else {
+      plan_config = given;
+    }
+  }
+  pc.sm_budget = budget;
+  {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    const cudaError_t ce = cudaStreamIsCapturing(stream, &capture);
+    if (ce != cudaSuccess)
+      return tw__fail(TW_ERR_CUDA, "tw_moe_layer: cudaStreamIsCapturing: %s",
+                      cudaGetErrorString(ce));
+    if (capture != cudaStreamCaptureStatusNone)
+      return tw__fail(TW_ERR_UNSUPPORTED,
+                      "tw_moe_layer: the stream is capturing; the eager layer reads the counts "
+                      "on the host and cannot be captured in a CUDA graph");
+  }
+  /* The layer's own operands, refused through the dispatch's all-gather (they may differ
+   * between ranks). */
+  tw__dispatch_extra extra;
+  memset(&extra, 0, sizeof extra);
+  extra.who = "tw_moe_layer";
+  if (w13 == NULL) extra.bad |= TW__LAYER_NULL_W13;
+  if (w2 == NULL) extra.bad |= TW__LAYER_NULL_W2;
+  if (out == NULL && tokens > 0) extra.bad |= TW__LAYER_NULL_OUT;
+  if (((uintptr_t)w13 | (uintptr_t)w2 | (uintptr_t)out) % 16 != 0) extra.bad |= TW__LAYER_UNALIGNED;
+  extra.status = extra.bad == 0                     ? TW_SUCCESS
+                 : extra.bad == TW__LAYER_UNALIGNED ? TW_ERR_ALIGNMENT
+                                                    : TW_ERR_NULL_POINTER;
+
+  TW_DEVICE_SCOPE(ctx);
+  tw_dispatch_options dopt = TW_DISPATCH_OPTIONS_INIT;
+  dopt.plan_config = plan_config;
+  dopt.sm_budget = budget;
+  void* expert_in = NULL;
+  TW_TRY(tw__dispatch_run(ctx, d, x, topk_ids, id_type, topk_weights, tokens, &expert_in, &dopt,
+                          &extra, stream));
+
+  /* Every rank's dispatch has succeeded: from here a failure leaves the peers' combines waiting
+   * for this rank. */
+  tw_status st = tw__layer_gemm1(ctx, d, expert_in, w13, ctx->h, budget, stream);
+  const char* half = "GEMM1 + SwiGLU";
+  if (st == TW_SUCCESS) {
+    tw_combine_options co = TW_COMBINE_OPTIONS_INIT;
+    co.mode = opt.mode;
+    co.comm_ctas = opt.comm_ctas;
+    co.sm_budget = budget;
+    half = "GEMM2 + combine";
+    st = tw_moe_combine_ex(ctx, d, ctx->h, w2, out, &co, stream);
+  }
+  if (st != TW_SUCCESS) {
+    char why[512];
+    snprintf(why, sizeof why, "%s", tw_last_error());
+    ctx->failed = ctx->failed_enqueue = 1;
+    return tw__fail(st,
+                    "tw_moe_layer: rank %d: the %s half failed after the dispatch (%s); the "
+                    "peers' calls wait for this rank until their timeout. Call "
+                    "tw_context_reset() on every rank",
+                    ctx->rank, half, why);
+  }
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw_moe_layer(tw_context_t ctx, tw_device_plan_t dplan, const void* x,
+                                  const void* topk_ids, tw_index_type id_type,
+                                  const float* topk_weights, int32_t tokens, const void* w13,
+                                  const void* w2, void* out, cudaStream_t stream) {
+  return tw_moe_layer_ex(ctx, dplan, x, topk_ids, id_type, topk_weights, tokens, w13, w2, out, NULL,
+                         stream);
+}
