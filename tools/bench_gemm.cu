@@ -7,7 +7,10 @@
  * against a single weight matrix (the envelope a grouped GEMM can at best reach). Times are the
  * median of --reps CUDA-event timed runs after --warmup runs; TFLOP/s count 2 x rows x N x K.
  * Every run's output is checked against the cuBLAS per-expert output (a "#wrong" column, as
- * nccl-tests does), so a fast wrong kernel cannot pass unnoticed.
+ * nccl-tests does), so a fast wrong kernel cannot pass unnoticed. The roofline of a grouped GEMM
+ * is max(its FLOPs at the concatenated GEMM's measured rate, which is the concat call's time,
+ * and the bytes it must move: every expert's weights, the inputs and the outputs, at the device
+ * read rate --hbm-gbps), not the concatenated GEMM alone: that one reads one weight matrix.
  */
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
@@ -47,6 +50,7 @@ struct BenchOpts {
   int plan = 1;    /* 1: the planner's layout (2 ranks, balanced top-2, rank 0); 0: even split */
   int regroup = 0; /* the planned layout's rows with --even's tile order (one pass per expert) */
   unsigned only = kAllCalls; /* which of the five calls to time (--only) */
+  double hbm_gbps = 4100.0;   /* HARDWARE.md: weight streaming of a memory-bound grouped GEMM */
 };
 
 struct Shape {
@@ -217,7 +221,7 @@ bool shape_layout(Shape& sh, const BenchOpts& o, int tm, int& tn, std::vector<in
 void print_row(const Shape& sh, const BenchOpts& o, int tn, const double* us, double tile_rows,
                unsigned long long nwrong) {
   const double flop = 2.0 * sh.rows * (double)sh.n * sh.k;
-  char cell[kNumCalls][32], vs_concat[16], vs_loop[16], wrong_s[24];
+  char cell[kNumCalls][32], vs_concat[16], vs_loop[16], wrong_s[24], roof[40], vs_roof[16];
   for (int c = 0; c < kNumCalls; c++) {
     if (c == kOursSignals && us[c] > 0 && us[kOurs] > 0)
       snprintf(cell[c], sizeof cell[c], "%7.1f %+5.1f%%", us[c],
@@ -237,10 +241,25 @@ void print_row(const Shape& sh, const BenchOpts& o, int tn, const double* us, do
   };
   speedup(vs_concat, sizeof vs_concat, kConcat);
   speedup(vs_loop, sizeof vs_loop, kLoop);
+  /* Roofline: needs the concat call's time (the measured dense rate on these rows). */
+  const double bytes = 2.0 * ((double)sh.experts * sh.n * sh.k + (double)sh.rows * sh.k +
+                              (double)sh.rows * sh.n);
+  const double t_mem = bytes / (o.hbm_gbps * 1e3);
+  if (us[kConcat] > 0) {
+    const double t_roof = us[kConcat] > t_mem ? us[kConcat] : t_mem;
+    snprintf(roof, sizeof roof, "%7.1f %s", t_roof, us[kConcat] > t_mem ? "flops" : "bytes");
+    if (us[kOurs] > 0)
+      snprintf(vs_roof, sizeof vs_roof, "%5.3f", t_roof / us[kOurs]);
+    else
+      snprintf(vs_roof, sizeof vs_roof, "%5s", "-");
+  } else {
+    snprintf(roof, sizeof roof, "%13s", "-");
+    snprintf(vs_roof, sizeof vs_roof, "%5s", "-");
+  }
   snprintf(wrong_s, sizeof wrong_s, o.check ? "%llu" : "-", nwrong);
-  printf("| %5d | %4d | %4d | %2d | %3d | %s | %s | %s | %s | %s | %s | %5.3f | %s | %s |\n",
+  printf("| %5d | %4d | %4d | %2d | %3d | %s | %s | %s | %s | %s | %s | %5.3f | %s | %s | %s | %s |\n",
          sh.rows, sh.k, sh.n, sh.experts, tn, cell[kOurs], cell[kOursSignals], cell[kLoop],
-         cell[kGrouped], cell[kConcat], vs_concat, tile_rows, vs_loop, wrong_s);
+         cell[kGrouped], cell[kConcat], vs_concat, tile_rows, vs_loop, roof, vs_roof, wrong_s);
 }
 
 int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) {
@@ -393,7 +412,7 @@ void usage(FILE* f) {
       "usage: tilewave bench gemm [--rows R --ffn F --hidden H --experts E] [--tile-m 128]\n"
       "                           [--tile-n TN] [--grid P] [--variant V] [--iters 20]\n"
       "                           [--warmup 3] [--delay-us 0] [--no-check] [--even | --regroup]\n"
-      "                           [--only ours,signals,loop,grouped,concat]\n"
+      "                           [--only ours,signals,loop,grouped,concat] [--hbm-gbps 4100]\n"
       "GEMM2 of R rows: K = --ffn F, N = --hidden H (aliases --k, --n; --tm, --tn for\n"
       "--tile-m, --tile-n; --reps for --iters). --tile-n: default the planner's choice.\n"
       "Without a shape, runs the default grid: rows 16384 and 32768, F 2048, H 4096 and\n"
@@ -407,6 +426,8 @@ void usage(FILE* f) {
       "speed per tile, the bound that the experts' partial last bands put on ours / concat).\n"
       "--variant V: producer version (src/kernels/sm90_gemm.cu; default env TW_GEMM_VARIANT,\n"
       "else 0, the library's choice).\n"
+      "roofline = max(concat's time, (E x N x K + rows x K + rows x N) x 2 bytes at\n"
+      "--hbm-gbps, default 4100); roofline/ours = roofline time / our time (1: at the limit).\n"
       "--only LIST: time only these calls (the others print \"-\"), e.g. `--only ours,concat`\n"
       "to profile one kernel of each under Nsight Compute; the check still runs the loop.\n");
 }
@@ -461,6 +482,7 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
       tw__cli_custom("--only", &o.only, parse_only),
       tw__cli_bool("--even", &even),
       tw__cli_bool("--regroup", &o.regroup),
+      tw__cli_double("--hbm-gbps", &o.hbm_gbps, 1.0, 1e6, 1),
   };
   const int rc_args = tw__cli_parse("tilewave bench gemm", argc, argv, args,
                                     (int)(sizeof args / sizeof args[0]), usage_cb, nullptr);
@@ -502,8 +524,10 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
   printf(
       "| rows | K | N | E | tn | ours us TF/s | +signals us, cost | cuBLAS loop us TF/s | "
       "cuBLAS grouped us TF/s | cuBLAS concat us TF/s | ours/concat | tile rows / rows | "
-      "speedup vs loop | #wrong |\n");
-  printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
+      "speedup vs loop | roofline us, bound | roofline/ours | #wrong |\n");
+  printf(
+      "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
+      "--- |\n");
   int rc = 0;
   for (const Shape& sh : shapes) {
     int r = bench_shape(sh, o, h, s);
