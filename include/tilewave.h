@@ -569,8 +569,11 @@ typedef struct tw_combine_options {
  * captured call is ordered by its stream only); (2) between replays dplan may be re-uploaded on
  * the graph's stream with a plan of the same sizes (rows, receive rows, bands, units, tokens;
  * other sizes: TW_ERR_STATE, use another device plan); (3) device-side failures of replays are
- * reported by tw_context_check(), not by the next call. Every rank captures and replays the same
- * sequence. A capture that fails leaves the context as it was. */
+ * reported by tw_context_check(), not by the next call; (4) every rank instantiates and uploads
+ * its graph (cudaGraphInstantiate, cudaGraphUpload) before any rank launches one: both can wait
+ * for the device, and on an in-process team that device runs the peers' spinning kernels. Every
+ * rank captures and replays the same sequence. A capture that fails leaves the context as it
+ * was. Verified on a world of 1; several ranks: see docs/runtime.md. */
 TW_API tw_status tw_moe_combine(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
                                 const void* w2, void* out, cudaStream_t stream);
 /* As tw_moe_combine, with options (NULL = defaults). */

@@ -310,7 +310,7 @@ static void tw_run_layer_cfg(tw_rank_env* env, const tw_layer_cfg* cfg, int cfg_
     const int32_t g1_want =
         info.sm_budget < dp->num_gemm1_tiles ? info.sm_budget : dp->num_gemm1_tiles;
     CHECKF(lr.budget == info.sm_budget && lr.producer_ctas + lr.consumer_ctas <= lr.budget &&
-               lr.reduce_ctas <= lr.budget && lr.gemm1_ctas == g1_want,
+               lr.reduce_ctas <= lr.reduce_cap && lr.gemm1_ctas == g1_want,
            "rank %d %s: launches P %d + C %d, reduction %d, GEMM1 %d (expected %d) against the "
            "budget %d",
            env->rank, what, lr.producer_ctas, lr.consumer_ctas, lr.reduce_ctas, lr.gemm1_ctas,

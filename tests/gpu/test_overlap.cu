@@ -807,7 +807,12 @@ static void test_graph_replays(tw_rank_env* env) {
     if (graph != NULL) {
       CHECK_CUDA(cudaGraphGetNodes(graph, NULL, &nodes));
       CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+      /* Every rank's graph is on the device before any rank launches one: instantiating or a
+       * first launch's upload can wait for the device, here for a peer's spinning kernels. */
+      if (exec != NULL) CHECK_CUDA(cudaGraphUpload(exec, env->stream));
+      CHECK_CUDA(cudaStreamSynchronize(env->stream));
     }
+    (void)tw_rank_sum(env, 0); /* a barrier */
     /* Three eager calls so far; capturing ran nothing. The device counts every call. */
     uint32_t epoch0 = 0, epoch = 0, target[TW_MAX_RANKS], arrived[TW_MAX_RANKS];
     CHECK_OK(tw__context_call_state(ctx, env->stream, &epoch0, target, arrived));
