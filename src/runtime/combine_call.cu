@@ -16,8 +16,9 @@
  * CUDA graphs: what changes from call to call (the epoch, the arrival targets) lives on the
  * device (tw_call_state, advanced by the call's first kernel), so a captured call replays
  * correctly. Under capture the call makes no query, no wait on an event of an earlier eager call
- * and no copy of the error record (tw_context_check reads it), and K joins S before the call
- * returns. A failed capture enqueues nothing that runs: the context stays usable.
+ * and no copy of the error record (tw_context_check reads it), the producer is the fork and the
+ * spinning kernels stay on S (tw__enqueue_captured), and K joins S before the call returns. A
+ * failed capture enqueues nothing that runs: the context stays usable.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -88,6 +89,29 @@ static tw_status tw__zero_next_output(tw_context_t ctx, int buf, int after_call)
   TW_TRY(tw__raise_ready(ctx, ctx->s_zero, buf));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_zeroed, ctx->s_zero));
   ctx->last_zero_copied = 1;
+  return TW_SUCCESS;
+}
+
+/* The producer and consumer of a captured call (reduce dataflow, no timing). The roles of the
+ * streams swap: the producer goes to the fork (K) and the kernels that spin (the consumer, then
+ * the reduction) stay on the caller's stream S, whose hardware queue is this rank's; a graph
+ * runs its forks on internal streams of its own choosing, and a producer waits for nothing but
+ * the call begin, so wherever it is queued it ends. Measured on an in-process team (dev/NOTES.md
+ * section 29): with the consumer forked, replays stalled (runs 73-75); with this order 100
+ * replays passed at W = 2 in a warm process (run 76). S joins K before the reduction, which
+ * reads the local rows of the GEMM output. */
+static tw_status tw__enqueue_captured(tw_context_t ctx, const tw_gemm_args* g,
+                                      const tw_consumer_args* ca, int C, int mode,
+                                      cudaStream_t stream) {
+  const int gemm = mode != TW_COMBINE_COMM_ONLY;
+  if (gemm) {
+    TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_comm, ctx->ev_start, 0));
+    TW_TRY(tw__gemm_launch(g, ctx->s_comm));
+    TW_CUDA_TRY(cudaEventRecord(ctx->ev_gemm_done, ctx->s_comm));
+    if (mode == TW_COMBINE_UNFUSED) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_gemm_done, 0));
+  }
+  if (C > 0) TW_TRY(tw__consumer_launch(ca, C, stream));
+  if (gemm) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_gemm_done, 0));
   return TW_SUCCESS;
 }
 
@@ -287,32 +311,36 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   }
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_start, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_start, stream));
-  /* S: producer first (co-residency), K: consumer after `start` (or after the producer). */
-  if (mode != TW_COMBINE_COMM_ONLY) TW_TRY(tw__gemm_launch(&g, stream));
-  if (zero_in_producer) TW_TRY(tw__raise_ready(ctx, stream, buf ^ 1));
-  if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_gemm_end, stream));
-  if (mode == TW_COMBINE_UNFUSED) {
-    TW_CUDA_TRY(cudaEventRecord(ctx->ev_gemm_done, stream));
-    TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_comm, ctx->ev_gemm_done, 0));
+  if (capturing) {
+    TW_TRY(tw__enqueue_captured(ctx, &g, &ca, C, mode, stream));
   } else {
-    TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_comm, ctx->ev_start, 0));
+    /* S: producer first (co-residency), K: consumer after `start` (or after the producer). */
+    if (mode != TW_COMBINE_COMM_ONLY) TW_TRY(tw__gemm_launch(&g, stream));
+    if (zero_in_producer) TW_TRY(tw__raise_ready(ctx, stream, buf ^ 1));
+    if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_gemm_end, stream));
+    if (mode == TW_COMBINE_UNFUSED) {
+      TW_CUDA_TRY(cudaEventRecord(ctx->ev_gemm_done, stream));
+      TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_comm, ctx->ev_gemm_done, 0));
+    } else {
+      TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_comm, ctx->ev_start, 0));
+    }
+    if (C > 0) {
+      if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_comm_start, ctx->s_comm));
+      TW_TRY(tw__consumer_launch(&ca, C, ctx->s_comm));
+      if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_comm_end, ctx->s_comm));
+      TW_CUDA_TRY(cudaEventRecord(ctx->ev_comm_done, ctx->s_comm));
+    } else if (timing) { /* nothing to move: no consumer, its phase is empty */
+      TW_CUDA_TRY(cudaEventRecord(ctx->t_comm_start, stream));
+      TW_CUDA_TRY(cudaEventRecord(ctx->t_comm_end, stream));
+    }
+    /* The reduction starts only once this rank's consumer has finished. It spins on the peers'
+     * consumers; if it could start earlier, its CTAs could fill every SM of this GPU before the
+     * local consumer became resident, while the peer's reduction did the same to the peer's
+     * consumer: a cycle through SM resources (seen in unfused mode, where both kernels become
+     * ready together when the producer ends). This join also orders the next call's producer,
+     * which overwrites the GEMM output, after the consumer's reads. */
+    if (C > 0) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_comm_done, 0));
   }
-  if (C > 0) {
-    if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_comm_start, ctx->s_comm));
-    TW_TRY(tw__consumer_launch(&ca, C, ctx->s_comm));
-    if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_comm_end, ctx->s_comm));
-    TW_CUDA_TRY(cudaEventRecord(ctx->ev_comm_done, ctx->s_comm));
-  } else if (timing) { /* nothing to move: no consumer, its phase is empty */
-    TW_CUDA_TRY(cudaEventRecord(ctx->t_comm_start, stream));
-    TW_CUDA_TRY(cudaEventRecord(ctx->t_comm_end, stream));
-  }
-  /* The reduction starts only once this rank's consumer has finished. It spins on the peers'
-   * consumers; if it could start earlier, its CTAs could fill every SM of this GPU before the
-   * local consumer became resident, while the peer's reduction did the same to the peer's
-   * consumer: a cycle through SM resources (seen in unfused mode, where both kernels become
-   * ready together when the producer ends). This join also orders the next call's producer,
-   * which overwrites the GEMM output, after the consumer's reads. */
-  if (C > 0) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_comm_done, 0));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_red_start, stream));
   /* The add dataflow ends with the consumer: it waited for the arrivals (no credits there). */
   if (!add) {
