@@ -73,6 +73,22 @@ if [ "$gpus" -lt 2 ]; then
   timeout 400 "$BUILD/tilewave" bench --in-process 2 --hidden 4096 --ffn 2048 --topk 2 \
     --tokens 8192 --iters 20 --warmup 3 >"$OUT/bench-in-process-2.md" 2>"$OUT/bench-in-process-2.err"
   echo "bench --in-process 2 exit $?"; cat "$OUT/bench-in-process-2.md"
+  step "one GPU: tilewave sweep --in-process 2 (the same point, C 1..16)"
+  timeout 300 "$BUILD/tilewave" sweep --in-process 2 --hidden 4096 --ffn 2048 --topk 2 \
+    --tokens 8192 --iters 10 --warmup 2 --c-max 16 >"$OUT/sweep-in-process-2.md" 2>"$OUT/sweep-in-process-2.err"
+  echo "sweep --in-process 2 exit $?"; cat "$OUT/sweep-in-process-2.md"
+  step "one GPU: the full soak (10^4 calls per dataflow), W = 2 and 4"
+  for w in 2 4; do
+    TW_SOAK_CALLS=10000 timeout 600 "$BUILD/test_soak" --in-process $w >"$OUT/soak-in-process-$w.txt" 2>&1
+    echo "soak --in-process $w: exit $? $(grep -E '^soak total' "$OUT/soak-in-process-$w.txt")"
+  done
+  step "one GPU: memcheck on the dispatch and the layer, in-process"
+  for t in test_dispatch test_layer; do
+    TW_TIMEOUT_MS=300000 TW_TEAM_TIMEOUT_MS=1500000 timeout 600 compute-sanitizer --tool memcheck \
+      --report-api-errors no --error-exitcode 9 "$BUILD/$t" --in-process 2 \
+      >"$OUT/sanitizer-$t-in-process-memcheck.txt" 2>&1
+    echo "$t --in-process 2 memcheck: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-$t-in-process-memcheck.txt" | tr '\n' ' ')"
+  done
   step "one GPU: compute-sanitizer on the in-process overlap test, full size"
   for tool in memcheck racecheck; do
     TW_TIMEOUT_MS=300000 TW_TEAM_TIMEOUT_MS=1500000 timeout 900 compute-sanitizer --tool $tool \
