@@ -321,6 +321,35 @@ static inline void tw_token_counts(int it, int nranks, int max_tokens, uint64_t 
   if (it == 3) tokens[0] = 1;
 }
 
+/* x[owner][t][h] of data set `salt`: the token rows a dispatch sends, bf16 in [-1, 1). */
+static inline float tw_x_value(uint64_t salt, int owner, int t, int h) {
+  return tw_uniform_bf16(salt, ((uint64_t)owner << 32) | (uint64_t)t, (uint64_t)h, 2);
+}
+
+/* This rank's x (values tw_x_value), expert ids (int32, or int64 through h_ids64) and weights
+ * of routing rt to the device buffers x, ids and w; h_x and h_ids64 are host staging of the
+ * routing's capacity. */
+static inline void tw_upload_routed_inputs(tw_rank_env* env, const tw_problem* p, tw_routing_t rt,
+                                           uint64_t salt, int id64, uint16_t* h_x,
+                                           int64_t* h_ids64, void* x, void* ids, void* w) {
+  int32_t n = 0;
+  const int32_t* rank_ids = NULL;
+  const float* ws = NULL;
+  CHECK_OK(tw_routing_rank(rt, env->rank, &n, &rank_ids, &ws));
+  const int H = p->hidden, K = p->top_k;
+  for (int t = 0; t < n; t++)
+    for (int h = 0; h < H; h++) h_x[(size_t)t * H + h] = tw_f2bf(tw_x_value(salt, env->rank, t, h));
+  if (n == 0) return;
+  CHECK_CUDA(cudaMemcpy(x, h_x, (size_t)n * H * 2, cudaMemcpyHostToDevice));
+  if (id64) {
+    for (int64_t i = 0; i < (int64_t)n * K; i++) h_ids64[i] = rank_ids[i];
+    CHECK_CUDA(cudaMemcpy(ids, h_ids64, (size_t)n * K * 8, cudaMemcpyHostToDevice));
+  } else {
+    CHECK_CUDA(cudaMemcpy(ids, rank_ids, (size_t)n * K * 4, cudaMemcpyHostToDevice));
+  }
+  CHECK_CUDA(cudaMemcpy(w, ws, (size_t)n * K * 4, cudaMemcpyHostToDevice));
+}
+
 /* A routing whose rank r keeps the first tokens[r] tokens of a seeded generated routing. */
 static inline tw_status tw_make_routing(const tw_problem* p, tw_router router,
                                         const int32_t* tokens, uint64_t seed, tw_routing_t* out) {

@@ -26,10 +26,6 @@
 #include "context.h"
 #include "overlap_common.h"
 
-/* x[owner][t][h] of data set `salt`, bf16. */
-static inline float tw_x_value(uint64_t salt, int owner, int t, int h) {
-  return tw_uniform_bf16(salt, ((uint64_t)owner << 32) | (uint64_t)t, (uint64_t)h, 2);
-}
 
 typedef struct tw_dispatch_cfg {
   int experts, hidden, top_k, max_tokens;
@@ -88,27 +84,6 @@ static void tw_dbuf_free(tw_dbuf* b) {
   free(b->h_f32);
 }
 
-/* This rank's x, ids (int32 or int64) and weights of routing rt to the device. */
-static void tw_upload_inputs(tw_rank_env* env, const tw_problem* p, tw_routing_t rt, uint64_t salt,
-                             int id64, tw_dbuf* b) {
-  int32_t n = 0;
-  const int32_t* ids = NULL;
-  const float* ws = NULL;
-  CHECK_OK(tw_routing_rank(rt, env->rank, &n, &ids, &ws));
-  const int H = p->hidden, K = p->top_k;
-  for (int t = 0; t < n; t++)
-    for (int h = 0; h < H; h++)
-      b->h_x[(size_t)t * H + h] = tw_f2bf(tw_x_value(salt, env->rank, t, h));
-  if (n == 0) return;
-  CHECK_CUDA(cudaMemcpy(b->x, b->h_x, (size_t)n * H * 2, cudaMemcpyHostToDevice));
-  if (id64) {
-    for (int64_t i = 0; i < (int64_t)n * K; i++) b->h_ids64[i] = ids[i];
-    CHECK_CUDA(cudaMemcpy(b->ids, b->h_ids64, (size_t)n * K * 8, cudaMemcpyHostToDevice));
-  } else {
-    CHECK_CUDA(cudaMemcpy(b->ids, ids, (size_t)n * K * 4, cudaMemcpyHostToDevice));
-  }
-  CHECK_CUDA(cudaMemcpy(b->w, ws, (size_t)n * K * 4, cudaMemcpyHostToDevice));
-}
 
 /* The GEMM input the host builds from a plan's row sources: x[owner][token] per row, zero
  * padding. */
@@ -243,7 +218,7 @@ static void tw_run_dispatch_cfg(tw_rank_env* env, const tw_dispatch_cfg* cfg, in
     if (rt == NULL) break;
     const int id64 = it % 2;
     const uint64_t salt_x = seed * 13 + 5;
-    tw_upload_inputs(env, &p, rt, salt_x, id64, &b);
+    tw_upload_routed_inputs(env, &p, rt, salt_x, id64, b.h_x, b.h_ids64, b.x, b.ids, b.w);
     const int32_t nt = tokens[env->rank];
     /* The plan the dispatch must equal: the context's budget (the dispatch's default), or a
      * given config (every third iteration: a fixed partition). */
@@ -401,7 +376,7 @@ static void test_bad_ids_refused(tw_rank_env* env) {
   CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, tokens, 99, &rt));
   for (int round = 0; rt != NULL && dp != NULL && round < 5; round++) {
     const int id64 = round % 2;
-    tw_upload_inputs(env, &p, rt, 11, id64, &b);
+    tw_upload_routed_inputs(env, &p, rt, 11, id64, b.h_x, b.h_ids64, b.x, b.ids, b.w);
     tw_status want = TW_ERR_EXPERT_ID;
     const char* what = "an id out of range";
     int32_t n = T;
@@ -556,7 +531,7 @@ static void test_reset_after_failure(tw_rank_env* env) {
   tw_dispatch_options opt = TW_DISPATCH_OPTIONS_INIT;
   opt.plan_config = &pc;
   if (plan != NULL && dp != NULL && dp2 != NULL) {
-    tw_upload_inputs(env, &p, rt, 22, 0, &b);
+    tw_upload_routed_inputs(env, &p, rt, 22, 0, b.h_x, b.h_ids64, b.x, b.ids, b.w);
     void* expert_in = NULL;
     CHECK_OK(tw_moe_dispatch_ex(ctx, dp, b.x, b.ids, TW_INDEX_INT32, (const float*)b.w, T,
                                 &expert_in, &opt, env->stream));

@@ -28,10 +28,6 @@
 #include "overlap_common.h"
 #include "reference.h"
 
-/* x[owner][t][h] of data set `salt`, bf16 in [-1, 1). */
-static inline float tw_lx_value(uint64_t salt, int owner, int t, int h) {
-  return tw_uniform_bf16(salt, ((uint64_t)owner << 32) | (uint64_t)t, (uint64_t)h, 2);
-}
 
 /* Weights are uniform bf16 in [-1, 1) times 2^-4 (exact in bf16), so that a projection of
  * hidden 1024..2048 has a spread of about 1 and SwiGLU runs in its curved part. */
@@ -114,27 +110,6 @@ static void tw_fill_weights(tw_rank_env* env, const tw_problem* p, uint64_t salt
   CHECK_CUDA(cudaMemcpy(b->w2, b->g_w2 + e0 * H * F, E * H * F * 2, cudaMemcpyHostToDevice));
 }
 
-/* This rank's x, ids (int32 or int64) and weights of routing rt to the device. */
-static void tw_layer_inputs(tw_rank_env* env, const tw_problem* p, tw_routing_t rt, uint64_t salt,
-                            int id64, tw_lbuf* b) {
-  int32_t n = 0;
-  const int32_t* ids = NULL;
-  const float* ws = NULL;
-  CHECK_OK(tw_routing_rank(rt, env->rank, &n, &ids, &ws));
-  const int H = p->hidden, K = p->top_k;
-  for (int t = 0; t < n; t++)
-    for (int h = 0; h < H; h++)
-      b->h_x[(size_t)t * H + h] = tw_f2bf(tw_lx_value(salt, env->rank, t, h));
-  if (n == 0) return;
-  CHECK_CUDA(cudaMemcpy(b->x, b->h_x, (size_t)n * H * 2, cudaMemcpyHostToDevice));
-  if (id64) {
-    for (int64_t i = 0; i < (int64_t)n * K; i++) b->h_ids64[i] = ids[i];
-    CHECK_CUDA(cudaMemcpy(b->ids, b->h_ids64, (size_t)n * K * 8, cudaMemcpyHostToDevice));
-  } else {
-    CHECK_CUDA(cudaMemcpy(b->ids, ids, (size_t)n * K * 4, cudaMemcpyHostToDevice));
-  }
-  CHECK_CUDA(cudaMemcpy(b->w, ws, (size_t)n * K * 4, cudaMemcpyHostToDevice));
-}
 
 /* out (already on the host in b->h_out, nt rows) against the reference on up to five tokens:
  * the largest error relative to the largest reference value; every element must be finite. */
@@ -272,7 +247,7 @@ static void tw_run_layer_cfg(tw_rank_env* env, const tw_layer_cfg* cfg, int cfg_
     if (rt == NULL) break;
     const int id64 = it % 2;
     const tw_index_type itype = id64 ? TW_INDEX_INT64 : TW_INDEX_INT32;
-    tw_layer_inputs(env, &p, rt, seed * 13 + 5, id64, &b);
+    tw_upload_routed_inputs(env, &p, rt, seed * 13 + 5, id64, b.h_x, b.h_ids64, b.x, b.ids, b.w);
     const int32_t nt = tokens[env->rank];
     /* The plan the call must build: the context's budget (the default), or a given config
      * (every third iteration: a fixed partition). */
@@ -448,7 +423,7 @@ static void test_bad_ids_refused(tw_rank_env* env) {
   CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, tokens, 123, &rt));
   for (int round = 0; ok && rt != NULL && dp != NULL && round < 4; round++) {
     const int id64 = round % 2;
-    tw_layer_inputs(env, &p, rt, 31, id64, &b);
+    tw_upload_routed_inputs(env, &p, rt, 31, id64, b.h_x, b.h_ids64, b.x, b.ids, b.w);
     const void* w13 = b.w13;
     tw_status want = TW_ERR_EXPERT_ID;
     const char* what = "an id out of range";
