@@ -69,7 +69,14 @@ lib = os.path.abspath(tw.library_path())
 check("the package is the installed one, not the source tree's",
       os.sep + "python" + os.sep + "tilewave" not in pkg, pkg)
 check("it loads the libtilewave.so inside it", lib == os.path.join(pkg, "libtilewave.so"), lib)
+check("tilewave.torch is installed", os.path.exists(os.path.join(pkg, "torch.py")))
 check("import tilewave does not import torch", "torch" not in sys.modules)
+try:  # the fresh environment has no torch
+    import tilewave.torch
+    check("tilewave.torch without torch: ImportError", False, "it imported")
+except ImportError as e:
+    check("tilewave.torch without torch: ImportError naming the fix", "pip install torch" in str(e),
+          str(e))
 p = tw.Problem.preset("deepseek-v2-lite", world_size=8, max_tokens=1024)
 r = tw.Routing.generate(p, "moderate_skew", tokens_per_rank=1024, seed=7)
 s = tw.Plan(p, r, 0).summary

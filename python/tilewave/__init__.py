@@ -606,8 +606,7 @@ def tp_select(m, n, k, splits, ranks, expert_rows, tm, tn, tm_comm=None, tn_comm
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU entry points: not bound. The runtime half of the C API (tw_context_create over the caller's
-# ncclComm_t, tw_device_plan_create/upload, tw_moe_combine[_ex], tw_context_check/reset/timings)
-# has no Python wrapper yet; a binding would take torch CUDA tensors (data_ptr(), the current
-# stream) and go here. The planning API above must keep working without torch.
+# GPU entry points: tilewave.torch (contexts on in-process teams or NCCL communicators, the
+# whole layer, dispatch and combine on torch tensors). It imports torch; this module never does,
+# and the planning API above keeps working without torch or a GPU.
 # ------------------------------------------------------------------------------------------------

@@ -46,6 +46,27 @@ def random_arrays(problem, tokens, rng):
     return ids, weights
 
 
+class TestImport(unittest.TestCase):
+    """The planning half stays free of torch: tilewave.torch is imported only when asked for."""
+
+    def run_python(self, code):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=os.environ.copy())
+
+    def test_import_does_not_import_torch(self):
+        out = self.run_python("import sys, tilewave; tilewave.version(); "
+                              "sys.exit(1 if 'torch' in sys.modules else 0)")
+        self.assertEqual(out.returncode, 0, out.stderr or "import tilewave imported torch")
+
+    def test_torch_module_without_torch(self):
+        probe = self.run_python("import torch")
+        if probe.returncode == 0:
+            self.skipTest("torch is installed here")
+        out = self.run_python("import tilewave.torch")
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("ImportError: tilewave.torch needs PyTorch (pip install torch", out.stderr)
+
+
 class TestBasics(unittest.TestCase):
     def test_version_and_status(self):
         v = tw.version()

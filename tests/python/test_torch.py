@@ -1,0 +1,441 @@
+"""Tests of tilewave.torch (plain unittest, no pytest).
+
+  test_torch.py --checks   the host-side argument checks, on CPU and meta tensors: every wrong
+                           dtype, shape, count, layout and device raises the documented
+                           exception before any C call (the library's runtime functions are
+                           replaced by a stub that fails the test if one is reached). Needs torch,
+                           no GPU.
+  test_torch.py --gpu      moe_layer, MoELayer, dispatch + combine on an in-process team of one
+                           rank against a plain PyTorch reference layer (per-expert matmuls,
+                           SwiGLU, weighted sum) within bf16 tolerance, and the library's own
+                           refusals surfacing as TilewaveError. Needs torch and a Hopper GPU.
+
+Without torch (or, for --gpu, without a usable GPU) the test prints why and exits with 77, which
+ctest counts as skipped. Otherwise it prints "N passed, N failed" and exits non-zero on failure.
+TW_TEST_SEED repeats a run.
+"""
+
+import os
+import random
+import subprocess
+import sys
+import unittest
+
+SKIP = 77
+MODE = "--gpu" if "--gpu" in sys.argv[1:] else "--checks"
+
+try:
+    import torch
+except ImportError as e:
+    print("skipped: torch is not importable (%s); tilewave.torch needs it (pip install torch)" % e)
+    sys.exit(SKIP)
+
+import tilewave as tw
+import tilewave.torch as twt
+
+SEED = int(os.environ.get("TW_TEST_SEED", random.SystemRandom().randrange(1 << 30)))
+
+
+class _NoC:
+    """Stands in for libtilewave's runtime half: any function looked up on it fails the test."""
+
+    def __init__(self):
+        self.reached = []
+
+    def __getattr__(self, name):
+        self.reached.append(name)
+        raise AssertionError("%s reached C before the checks refused the call" % name)
+
+
+def _problem(**kw):
+    args = dict(world_size=1, hidden=256, ffn=128, experts=8, top_k=2, max_tokens=64)
+    args.update(kw)
+    return tw.Problem(**args)
+
+
+class TestChecks(unittest.TestCase):
+    """Every refusal before C: the context is one with no C context behind it, the runtime is a
+    stub, the tensors are on the CPU (or meta) so that only the device check can fail for a set
+    whose dtypes and shapes are right."""
+
+    def setUp(self):
+        self.stub = _NoC()
+        self.saved = twt._runtime, twt._load
+        twt._runtime = self.stub
+        twt._load = lambda: self.stub
+        self.p = _problem()
+        self.ctx = twt.Context._for_checks(self.p)
+        g = torch.Generator().manual_seed(SEED)
+        T, H, F, E, k = 10, 256, 128, 8, 2
+        self.T = T
+        self.x = torch.randn(T, H, generator=g).bfloat16()
+        self.ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).int()
+        self.w = torch.rand(T, k, generator=g)
+        self.w13 = torch.randn(E, 2 * F, H, generator=g).bfloat16()
+        self.w2 = torch.randn(E, H, F, generator=g).bfloat16()
+
+    def tearDown(self):
+        twt._runtime, twt._load = self.saved
+        self.assertEqual(self.stub.reached, [])
+
+    def args(self, **kw):
+        a = dict(x=self.x, topk_ids=self.ids, topk_weights=self.w, w13=self.w13, w2=self.w2)
+        a.update(kw)
+        return a
+
+    def refuse(self, exc, pattern, status=None, fn=None, **kw):
+        fn = fn or (lambda **a: twt.moe_layer(context=self.ctx, **a))
+        with self.assertRaises(exc) as cm:
+            fn(**self.args(**kw))
+        e = cm.exception
+        self.assertIsInstance(e, tw.TilewaveError)
+        self.assertIsNone(e.code)  # the binding refused it; C never saw it
+        self.assertRegex(str(e), pattern)
+        if status:
+            self.assertEqual(e.status, status)
+        return e
+
+    def test_right_types_and_shapes_on_cpu_stop_at_the_device(self):
+        e = self.refuse(ValueError, r"x: on cpu; the context runs on cuda:0")
+        self.assertIsInstance(e, twt.TensorError)
+
+    def test_meta_tensors(self):
+        meta = {k: v.to("meta") for k, v in self.args().items()}
+        self.refuse(ValueError, r"x: on meta", **meta)
+
+    def test_dtypes(self):
+        cases = [
+            (dict(x=self.x.float()), r"x: dtype torch.float32; tilewave takes torch.bfloat16"),
+            (dict(x=self.x.half()), r"x: dtype torch.float16"),
+            (dict(topk_ids=self.ids.short()), r"topk_ids: dtype torch.int16; .*int32 or .*int64"),
+            (dict(topk_ids=self.ids.float()), r"topk_ids: dtype torch.float32"),
+            (dict(topk_weights=self.w.bfloat16()),
+             r"topk_weights: dtype torch.bfloat16; .*float32"),
+            (dict(topk_weights=self.w.double()), r"topk_weights: dtype torch.float64"),
+            (dict(w13=self.w13.float()), r"w13: dtype torch.float32"),
+            (dict(w2=self.w2.half()), r"w2: dtype torch.float16"),
+        ]
+        for kw, pattern in cases:
+            with self.subTest(pattern):
+                e = self.refuse(TypeError, pattern, "TW_ERR_UNSUPPORTED", **kw)
+                self.assertIsInstance(e, twt.TensorTypeError)
+
+    def test_int64_ids_pass_the_dtype_check(self):
+        self.refuse(ValueError, r"x: on cpu", topk_ids=self.ids.long())
+
+    def test_not_a_tensor(self):
+        self.refuse(TypeError, r"x: expected a torch.Tensor, got list", x=self.x.tolist())
+        self.refuse(TypeError, r"w2: expected a torch.Tensor, got NoneType", w2=None)
+
+    def test_shapes(self):
+        T, H, F, E, k = self.T, 256, 128, 8, 2
+        bf = torch.bfloat16
+        cases = [
+            (dict(x=self.x.reshape(-1)), r"x: shape \(2560,\), expected \(any, 256\)"),
+            (dict(x=torch.zeros(T, H + 8, dtype=bf)), r"x: shape \(10, 264\)"),
+            (dict(topk_ids=self.ids[:, :1]), r"topk_ids: shape \(10, 1\), expected \(10, 2\)"),
+            (dict(topk_ids=self.ids[:-1]), r"topk_ids: shape \(9, 2\), expected \(10, 2\)"),
+            (dict(topk_weights=self.w[:, :1]),
+             r"topk_weights: shape \(10, 1\), expected \(10, 2\)"),
+            (dict(topk_weights=self.w.reshape(-1)), r"topk_weights: shape \(20,\)"),
+            (dict(w13=torch.zeros(E + 1, 2 * F, H, dtype=bf)),
+             r"w13: shape \(9, 256, 256\), expected \(8, 256, 256\)"),
+            (dict(w13=torch.zeros(E, F, H, dtype=bf)), r"w13: shape \(8, 128, 256\)"),
+            (dict(w2=torch.zeros(E, F, H, dtype=bf)),
+             r"w2: shape \(8, 128, 256\), expected \(8, 256, 128\)"),
+            (dict(w2=self.w2[0]), r"w2: shape \(256, 128\)"),
+        ]
+        for kw, pattern in cases:
+            with self.subTest(pattern):
+                self.refuse(ValueError, pattern, "TW_ERR_INVALID_SIZE", **kw)
+
+    def test_out_shape(self):
+        bad = torch.empty(self.T + 1, 256, dtype=torch.bfloat16)
+        self.refuse(ValueError, r"out: shape \(11, 256\), expected \(10, 256\)",
+                    fn=lambda **a: twt.moe_layer(context=self.ctx, out=bad, **a))
+
+    def test_token_capacity(self):
+        T = self.p.max_tokens + 1
+        big = dict(x=torch.zeros(T, 256, dtype=torch.bfloat16),
+                   topk_ids=torch.zeros(T, 2, dtype=torch.int32), topk_weights=torch.zeros(T, 2))
+        self.refuse(ValueError, r"x: 65 tokens, more than the context's max_tokens 64",
+                    "TW_ERR_CAPACITY", **big)
+
+    def test_contiguity(self):
+        xt = torch.zeros(256, self.T, dtype=torch.bfloat16).t()  # (T, H), strides (1, T)
+        self.refuse(ValueError, r"x: not contiguous \(strides \(1, 10\)\); pass x.contiguous\(\)",
+                    x=xt)
+        w13t = self.w13.transpose(1, 2).contiguous().transpose(1, 2)
+        self.refuse(ValueError, r"w13: not contiguous", x=self.x, w13=w13t)
+
+    def test_options(self):
+        self.refuse(tw.TilewaveError, r"mode 'fused': give one of overlap, unfused",
+                    fn=lambda **a: twt.moe_layer(context=self.ctx, mode="fused", **a))
+        self.refuse(tw.TilewaveError, r"comm_ctas = 4294967296 does not fit 32 bits",
+                    fn=lambda **a: twt.moe_layer(context=self.ctx, comm_ctas=1 << 32, **a))
+
+    def test_context_argument(self):
+        self.refuse(tw.TilewaveError, r"context must be a tilewave.torch.Context, got int",
+                    fn=lambda **a: twt.moe_layer(context=3, **a))
+        closed = twt.Context._for_checks(self.p)
+        closed._h = None
+        self.refuse(tw.TilewaveError, r"the context is closed", "TW_ERR_STATE",
+                    fn=lambda **a: twt.moe_layer(context=closed, **a))
+        no_layer = twt.Context._for_checks(self.p, layer=False)
+        self.refuse(tw.TilewaveError, r"layer=False", "TW_ERR_STATE",
+                    fn=lambda **a: twt.moe_layer(context=no_layer, **a))
+
+    def test_world_two_local_experts(self):
+        # E_total 8 over 2 ranks: each rank's weights hold 4 experts.
+        ctx = twt.Context._for_checks(_problem(world_size=2))
+        self.refuse(ValueError, r"w13: shape \(8, 256, 256\), expected \(4, 256, 256\)",
+                    fn=lambda **a: twt.moe_layer(context=ctx, **a))
+        self.refuse(ValueError, r"x: on cpu", fn=lambda **a: twt.moe_layer(context=ctx, **a),
+                    w13=self.w13[:4].contiguous(), w2=self.w2[:4].contiguous())
+
+    def test_dispatch_checks(self):
+        def run(**a):
+            return twt.dispatch(a["x"], a["topk_ids"], a["topk_weights"], context=self.ctx)
+        self.refuse(TypeError, r"x: dtype torch.float32", fn=run, x=self.x.float())
+        self.refuse(ValueError, r"topk_ids: shape \(10, 3\)", fn=run,
+                    topk_ids=torch.zeros(10, 3, dtype=torch.int32))
+        self.refuse(ValueError, r"x: on cpu", fn=run)
+
+    def test_combine_checks(self):
+        def run(**a):
+            return twt.combine(a["x"], a["w2"], context=self.ctx)
+        self.refuse(tw.TilewaveError, r"no dispatch\(\) on this context", "TW_ERR_STATE", fn=run)
+        self.ctx._tokens, self.ctx._rows = 10, 24  # as after a dispatch of 10 tokens, 24 rows
+        self.refuse(ValueError, r"expert_out: shape \(10, 256\), expected \(24, 128\)", fn=run)
+        self.refuse(ValueError, r"expert_out: on cpu", fn=run,
+                    x=torch.zeros(24, 128, dtype=torch.bfloat16))
+        self.refuse(ValueError, r"w2: shape \(8, 128, 256\)", fn=run,
+                    x=torch.zeros(24, 128, dtype=torch.bfloat16),
+                    w2=torch.zeros(8, 128, 256, dtype=torch.bfloat16))
+
+    def test_module(self):
+        layer = twt.MoELayer(self.w13, self.w2, context=self.ctx)
+        self.assertFalse(layer.w13.requires_grad)
+        self.assertIn("hidden=256, ffn=128, experts=8 (8 local), top_k=2", repr(layer))
+        with self.assertRaisesRegex(ValueError, r"x: on cpu"):
+            layer(self.x, self.ids, self.w)
+        with self.assertRaisesRegex(ValueError, r"w13: 255 rows per expert"):
+            twt.MoELayer(torch.zeros(8, 255, 256, dtype=torch.bfloat16), self.w2, context=self.ctx)
+        with self.assertRaisesRegex(ValueError, r"w2: shape \(8, 128, 256\)"):
+            twt.MoELayer(self.w13, self.w2.transpose(1, 2), context=self.ctx)
+        with self.assertRaisesRegex(ValueError, r"the context is for 8 local experts, ffn 128"):
+            twt.MoELayer(self.w13[:, :128].contiguous(), self.w2[:, :, :64].contiguous(),
+                         context=self.ctx)
+        with self.assertRaisesRegex(tw.TilewaveError, r"give top_k and max_tokens"):
+            twt.MoELayer(self.w13, self.w2)
+
+
+class TestWithoutGpu(unittest.TestCase):
+    """What needs torch but no GPU: refusals before C, and the NCCL this process has loaded."""
+
+    @unittest.skipIf(torch.cuda.is_available(), "a GPU is present")
+    def test_context_needs_a_gpu(self):
+        with self.assertRaisesRegex(tw.TilewaveError, r"TW_ERR_NO_DEVICE: Context: "
+                                    r"torch.cuda.is_available\(\) is False"):
+            twt.Context(hidden=256, ffn=128, experts=8, top_k=2, max_tokens=64)
+        with self.assertRaisesRegex(tw.TilewaveError, r"TW_ERR_NO_DEVICE"):
+            twt.Team(1)
+
+    def test_nccl_is_the_loaded_one(self):
+        path = twt.nccl_library_path()
+        self.assertTrue(os.path.basename(path).startswith("libnccl.so"), path)
+        self.assertTrue(os.path.exists(path), path)
+        maps = open("/proc/self/maps").read()
+        self.assertEqual(maps.count("libnccl.so"), maps.count(path))  # one copy mapped
+        self.assertGreaterEqual(twt.nccl_version(), 22800)
+
+    def test_import_order(self):
+        # torch first (as an engine does): the loader gives tilewave torch's libnccl.
+        code = ("import torch, tilewave.torch as t, sys; p = t.nccl_library_path(); "
+                "print(p); sys.exit(0 if 'torch' in sys.modules else 1)")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# On a GPU
+# ------------------------------------------------------------------------------------------------
+
+def reference_layer(x, ids, weights, w13, w2):
+    """The MoE layer in plain PyTorch, in double, with GEMM1's h and GEMM2's rows rounded to
+    bf16 where tilewave rounds them: h = bf16(silu(x wg^T) * (x wu^T)), y = bf16(h w2^T),
+    out = bf16(sum_j w_j y_j)."""
+    T, H = x.shape
+    E, F2, _ = w13.shape
+    F = F2 // 2
+    out = torch.zeros(T, H, dtype=torch.float64, device=x.device)
+    xd = x.double()
+    for e in range(E):
+        tok, slot = (ids.long() == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        xe = xd[tok]
+        g = xe @ w13[e, :F].double().t()
+        u = xe @ w13[e, F:].double().t()
+        h = (torch.nn.functional.silu(g) * u).bfloat16().double()
+        y = (h @ w2[e].double().t()).bfloat16().double()
+        out.index_add_(0, tok, y * weights[tok, slot].double().unsqueeze(1))
+    return out.bfloat16()
+
+
+def reference_combine(x, ids, weights, w2):
+    """combine(dispatch(x)) with hidden == ffn: out = bf16(sum_j w_j bf16(x w2[e_j]^T))."""
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for e in range(w2.shape[0]):
+        tok, slot = (ids.long() == e).nonzero(as_tuple=True)
+        if tok.numel():
+            y = (x[tok].double() @ w2[e].double().t()).bfloat16().double()
+            out.index_add_(0, tok, y * weights[tok, slot].double().unsqueeze(1))
+    return out.bfloat16()
+
+
+def routing(T, E, k, dtype, gen, device):
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)]) if T else \
+        torch.zeros(0, k, dtype=torch.int64)
+    w = torch.softmax(torch.randn(T, k, generator=gen), dim=1)
+    return ids.to(dtype).to(device), w.to(device)
+
+
+class TestGpu(unittest.TestCase):
+    H, F, E, K, MAX_T = 1024, 512, 8, 2, 512
+
+    @classmethod
+    def setUpClass(cls):
+        cls.dev = torch.device("cuda", torch.cuda.current_device())
+        cls.ctx = twt.Context(hidden=cls.H, ffn=cls.F, experts=cls.E, top_k=cls.K,
+                              max_tokens=cls.MAX_T)
+        g = torch.Generator().manual_seed(SEED)
+        cls.gen = g
+        w13 = torch.randn(cls.E, 2 * cls.F, cls.H, generator=g) / cls.H ** 0.5
+        w2 = torch.randn(cls.E, cls.H, cls.F, generator=g) / cls.F ** 0.5
+        cls.w13, cls.w2 = w13.bfloat16().to(cls.dev), w2.bfloat16().to(cls.dev)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.ctx.close()
+
+    def inputs(self, T, dtype=torch.int32):
+        x = torch.randn(T, self.H, generator=self.gen).bfloat16().to(self.dev)
+        ids, w = routing(T, self.E, self.K, dtype, self.gen, self.dev)
+        return x, ids, w
+
+    def assert_close(self, got, ref, what):
+        self.assertEqual(got.shape, ref.shape, what)
+        self.assertEqual(got.dtype, torch.bfloat16, what)
+        if ref.numel() == 0:
+            return
+        self.assertTrue(torch.isfinite(got.float()).all(), what)
+        scale = ref.float().abs().max().item()
+        err = (got.float() - ref.float()).abs()
+        bound = 2e-2 * ref.float().abs() + 1e-2 * scale
+        bad = int((err > bound).sum())
+        self.assertEqual(bad, 0, "%s: %d of %d elements off (max error %.3g, scale %.3g)" % (
+            what, bad, ref.numel(), err.max().item(), scale))
+
+    def test_info(self):
+        i = self.ctx.info()
+        self.assertEqual((i["rank"], i["world_size"], i["in_process"]), (0, 1, 1))
+        self.assertEqual(i["device"], self.dev.index)
+
+    def test_layer_matches_reference(self):
+        for T in (1, 37, 300, self.MAX_T):
+            for dtype in (torch.int32, torch.int64):
+                with self.subTest(T=T, ids=dtype):
+                    x, ids, w = self.inputs(T, dtype)
+                    out = twt.moe_layer(x, ids, w, self.w13, self.w2, context=self.ctx)
+                    torch.cuda.synchronize()
+                    self.assert_close(out, reference_layer(x, ids, w, self.w13, self.w2),
+                                      "T %d %s" % (T, dtype))
+        self.ctx.check()
+
+    def test_zero_tokens(self):
+        x, ids, w = self.inputs(0)
+        out = twt.moe_layer(x, ids, w, self.w13, self.w2, context=self.ctx)
+        self.assertEqual(tuple(out.shape), (0, self.H))
+        self.ctx.check()
+
+    def test_unfused_module_stream_and_out(self):
+        x, ids, w = self.inputs(200)
+        a = twt.moe_layer(x, ids, w, self.w13, self.w2, context=self.ctx)
+        b = twt.moe_layer(x, ids, w, self.w13, self.w2, context=self.ctx, mode="unfused")
+        layer = twt.MoELayer(self.w13, self.w2, context=self.ctx)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            c = layer(x, ids, w)
+            d = torch.full((200, self.H), float("nan"), dtype=torch.bfloat16, device=self.dev)
+            twt.moe_layer(x, ids, w, self.w13, self.w2, context=self.ctx, out=d)
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        self.assertTrue(torch.equal(a, b), "unfused differs from overlap")
+        self.assertTrue(torch.equal(a, c), "the module (on a side stream) differs")
+        self.assertTrue(torch.equal(a, d), "out= differs")
+
+    def test_library_refusals(self):
+        x, ids, w = self.inputs(16)
+        bad = ids.clone()
+        bad[5, 1] = self.E  # out of range: the device checks it
+        with self.assertRaises(tw.TilewaveError) as cm:
+            twt.moe_layer(x, bad, w, self.w13, self.w2, context=self.ctx)
+        self.assertEqual(cm.exception.status, "TW_ERR_EXPERT_ID")
+        dup = ids.clone()
+        dup[3, 1] = dup[3, 0]
+        with self.assertRaises(tw.TilewaveError) as cm:
+            twt.moe_layer(x, dup, w, self.w13, self.w2, context=self.ctx)
+        self.assertEqual(cm.exception.status, "TW_ERR_DUPLICATE_EXPERT")
+        # The context stays usable.
+        out = twt.moe_layer(x, ids, w, self.w13, self.w2, context=self.ctx)
+        torch.cuda.synchronize()
+        self.assert_close(out, reference_layer(x, ids, w, self.w13, self.w2), "after refusals")
+
+    def test_dispatch_then_combine(self):
+        # hidden == ffn: the dispatched rows are a valid GEMM2 input.
+        H = 512
+        with twt.Context(hidden=H, ffn=H, experts=self.E, top_k=self.K, max_tokens=256) as ctx:
+            w2 = (torch.randn(self.E, H, H, generator=self.gen) / H ** 0.5).bfloat16().to(self.dev)
+            for T in (1, 129, 256):
+                with self.subTest(T=T):
+                    x = torch.randn(T, H, generator=self.gen).bfloat16().to(self.dev)
+                    ids, w = routing(T, self.E, self.K, torch.int64, self.gen, self.dev)
+                    rows = twt.dispatch(x, ids, w, context=ctx)
+                    self.assertEqual(rows.dtype, torch.bfloat16)
+                    self.assertEqual(rows.shape[1], H)
+                    self.assertGreaterEqual(rows.shape[0], T * self.K)
+                    self.assertEqual(rows.shape[0], ctx.plan_summary()["rows"])
+                    out = twt.combine(rows, w2, context=ctx)
+                    torch.cuda.synchronize()
+                    self.assert_close(out, reference_combine(x, ids, w, w2), "T %d" % T)
+            ctx.check()
+
+
+def main():
+    print("seed %d (TW_TEST_SEED to repeat); torch %s" % (SEED, torch.__version__))
+    loader = unittest.defaultTestLoader
+    if MODE == "--gpu":
+        if not torch.cuda.is_available():
+            print("skipped: torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+            return SKIP
+        cap = torch.cuda.get_device_capability()
+        if cap != (9, 0):
+            print("skipped: GPU %s is sm_%d%d; tilewave's kernels are built for sm_90a (Hopper)"
+                  % (torch.cuda.get_device_name(), *cap))
+            return SKIP
+        suite = loader.loadTestsFromTestCase(TestGpu)
+    else:
+        suite = unittest.TestSuite([loader.loadTestsFromTestCase(TestChecks),
+                                    loader.loadTestsFromTestCase(TestWithoutGpu)])
+    result = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(suite)
+    failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
+    skipped = len(result.skipped)
+    passed = result.testsRun - failed - skipped
+    print("%d passed, %d failed, %d skipped" % (passed, failed, skipped))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
