@@ -32,6 +32,7 @@ import os
 
 try:
     import torch
+    import torch.utils.dlpack
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("tilewave.torch needs PyTorch (pip install torch, a CUDA build); the "
                       "planning API (import tilewave) works without it") from e
@@ -584,12 +585,60 @@ def moe_layer(x, topk_ids, topk_weights, w13, w2, *, context, out=None, mode="ov
     return out
 
 
-class _DeviceRows:
-    """__cuda_array_interface__ of the context's expert-input rows, for torch.as_tensor."""
+# A torch tensor over memory the context owns (the dispatch buffer), through DLPack: torch reads
+# a DLManagedTensor from a "dltensor" capsule and calls its deleter when the tensor dies. (The
+# CUDA array interface would do too, but torch needs numpy for it.)
+_KDL_CPU, _KDL_CUDA, _KDL_BFLOAT = 1, 2, 4
 
-    def __init__(self, ptr, rows, hidden):
-        self.__cuda_array_interface__ = {"shape": (rows, hidden), "typestr": "<i2",
-                                         "data": (ptr, False), "version": 2}
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DL_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                             ("deleter", _DL_DELETER)]
+_dl_alive = {}  # manager_ctx -> (the DLManagedTensor, its shape array) until torch lets go
+_dl_next = [1]
+_DL_NAME = b"dltensor"  # the capsule keeps this pointer: a module constant outlives it
+
+
+@_DL_DELETER
+def _dl_delete(managed):
+    _dl_alive.pop(managed.contents.manager_ctx, None)
+
+
+def _wrap_bf16(ptr, shape, device_type, device_id):
+    """A bf16 tensor of `shape` over the memory at `ptr` (not owned: the caller keeps it alive
+    for as long as the tensor is used)."""
+    key = _dl_next[0]
+    _dl_next[0] += 1
+    dims = (ctypes.c_int64 * len(shape))(*shape)
+    m = _DLManagedTensor()
+    m.dl_tensor = _DLTensor(ptr, _DLDevice(device_type, device_id), len(shape),
+                            _DLDataType(_KDL_BFLOAT, 16, 1), dims, None, 0)
+    m.manager_ctx = key
+    m.deleter = _dl_delete
+    _dl_alive[key] = (m, dims)
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype = ctypes.py_object
+    new.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    capsule = new(ctypes.addressof(m), _DL_NAME, None)
+    return torch.utils.dlpack.from_dlpack(capsule)
 
 
 def dispatch(x, topk_ids, topk_weights, *, context, sm_budget=0):
@@ -617,10 +666,8 @@ def dispatch(x, topk_ids, topk_weights, *, context, sm_budget=0):
     base = ctypes.c_void_p()
     _check(lib.tw_context_dispatch_buffer(ctx._h, ctypes.byref(base), None))
     ctx._tokens, ctx._rows, ctx._rows_base = T, rows, base.value
-    ptr = rows_ptr.value or base.value
-    # bf16 has no array-interface type string: the rows go over as int16 and are viewed back.
-    t = torch.as_tensor(_DeviceRows(ptr, rows, ctx.problem.hidden), device="cuda:%d" % ctx.device)
-    return t.view(torch.bfloat16)
+    return _wrap_bf16(rows_ptr.value or base.value, (rows, ctx.problem.hidden), _KDL_CUDA,
+                      ctx.device)
 
 
 def combine(expert_out, w2, *, context, out=None, mode="overlap", comm_ctas=0, sm_budget=0):

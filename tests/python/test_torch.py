@@ -249,6 +249,26 @@ class TestWithoutGpu(unittest.TestCase):
         self.assertEqual(maps.count("libnccl.so"), maps.count(path))  # one copy mapped
         self.assertGreaterEqual(twt.nccl_version(), 22800)
 
+    def test_tensor_over_foreign_memory(self):
+        # dispatch() returns its rows through this DLPack wrapper; on the CPU here: the tensor
+        # reads the memory in place, and torch's deleter releases the wrapper's structs.
+        import ctypes
+        import gc
+        vals = torch.randn(6, 40, generator=torch.Generator().manual_seed(SEED)).bfloat16()
+        raw = (ctypes.c_int16 * vals.numel())(*vals.view(torch.int16).reshape(-1).tolist())
+        before = len(twt._dl_alive)
+        t = twt._wrap_bf16(ctypes.addressof(raw), (6, 40), twt._KDL_CPU, 0)
+        self.assertEqual((t.dtype, tuple(t.shape), t.data_ptr()),
+                         (torch.bfloat16, (6, 40), ctypes.addressof(raw)))
+        self.assertTrue(torch.equal(t, vals))
+        raw[0] = vals[1, 1].view(torch.int16).item()
+        self.assertEqual(t[0, 0].item(), vals[1, 1].item())  # a view, not a copy
+        empty = twt._wrap_bf16(ctypes.addressof(raw), (0, 40), twt._KDL_CPU, 0)
+        self.assertEqual(tuple(empty.shape), (0, 40))
+        del t, empty
+        gc.collect()
+        self.assertEqual(len(twt._dl_alive), before)
+
     def test_import_order(self):
         # torch first (as an engine does): the loader gives tilewave torch's libnccl.
         code = ("import torch, tilewave.torch as t, sys; p = t.nccl_library_path(); "
