@@ -157,9 +157,10 @@ def _global_rank(group, group_rank):
     return get(group, group_rank)
 
 
-def _nccl_comm_from_group(group, device):
-    """A new ncclComm_t over `group` (collective over it): rank 0 of the group makes the unique
-    id, the group broadcasts it, every rank joins on `device`."""
+def _unique_id_from_group(group, device):
+    """(unique id, group rank, group size): rank 0 of `group` makes an NCCL unique id and the
+    group broadcasts it (collective over the group). The id travels as 128 bytes of a uint8
+    tensor the group's backend carries: on `device` for an NCCL backend, else on the CPU."""
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
         raise TilewaveError("TW_ERR_STATE", "from_process_group: torch.distributed is not "
@@ -169,16 +170,22 @@ def _nccl_comm_from_group(group, device):
     uid = _NcclUniqueId()
     if rank == 0:
         _nccl_check("ncclGetUniqueId", lib.ncclGetUniqueId(ctypes.byref(uid)))
-    # The id travels as 128 bytes of a tensor the group's backend can carry (CUDA for NCCL).
-    where = torch.device("cuda", device) if dist.get_backend(group) == "nccl" else "cpu"
-    buf = torch.tensor(list(bytearray(ctypes.string_at(ctypes.addressof(uid), 128))),
-                       dtype=torch.uint8, device=where)
+    where = torch.device("cuda", device) if "nccl" in str(dist.get_backend(group)) else "cpu"
+    buf = torch.tensor(list(ctypes.string_at(ctypes.addressof(uid), 128)), dtype=torch.uint8,
+                       device=where)
     dist.broadcast(buf, src=_global_rank(group, 0), group=group)
     ctypes.memmove(ctypes.addressof(uid), bytes(buf.cpu().tolist()), 128)
+    return uid, rank, world
+
+
+def _nccl_comm_from_group(group, device):
+    """A new ncclComm_t over `group` (collective over it): the group's unique id, then every
+    rank joins with ncclCommInitRank on `device`."""
+    uid, rank, world = _unique_id_from_group(group, device)
     comm = ctypes.c_void_p()
     with torch.cuda.device(device):
         _nccl_check("ncclCommInitRank(rank %d of %d)" % (rank, world),
-                    lib.ncclCommInitRank(ctypes.byref(comm), world, uid, rank))
+                    _nccl_lib().ncclCommInitRank(ctypes.byref(comm), world, uid, rank))
     return comm.value
 
 

@@ -269,6 +269,43 @@ class TestWithoutGpu(unittest.TestCase):
         gc.collect()
         self.assertEqual(len(twt._dl_alive), before)
 
+    def test_unique_id_over_a_process_group(self):
+        # from_process_group's first half on CPU processes (gloo): three ranks, the world group
+        # and a subgroup of ranks 1 and 2 (whose rank 0 is global rank 1); every member must
+        # hold its group's rank 0's id.
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        code = (
+            "import sys, ctypes, torch.distributed as dist, tilewave.torch as t\n"
+            "r = int(sys.argv[1])\n"
+            "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:%d', rank=r, "
+            "world_size=3)\n"
+            "sub = dist.new_group([1, 2])\n"
+            "uid, gr, gw = t._unique_id_from_group(None, None)\n"
+            "out = [ctypes.string_at(ctypes.addressof(uid), 128).hex(), str(gr), str(gw)]\n"
+            "if r > 0:\n"
+            "    uid, gr, gw = t._unique_id_from_group(sub, None)\n"
+            "    out += [ctypes.string_at(ctypes.addressof(uid), 128).hex(), str(gr), str(gw)]\n"
+            "print(' '.join(out))\n"
+            "dist.destroy_process_group()\n" % port)
+        procs = [subprocess.Popen([sys.executable, "-W", "ignore", "-c", code, str(r)],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(3)]
+        outs = []
+        for p in procs:
+            o, e = p.communicate(timeout=120)
+            self.assertEqual(p.returncode, 0, e)
+            outs.append(o.split())
+        world_ids = {o[0] for o in outs}
+        self.assertEqual(len(world_ids), 1, "the ranks hold different world ids")
+        self.assertNotEqual(world_ids.pop(), "00" * 128)
+        self.assertEqual([o[1:3] for o in outs], [["0", "3"], ["1", "3"], ["2", "3"]])
+        self.assertEqual(outs[1][3], outs[2][3], "the subgroup's ranks hold different ids")
+        self.assertNotEqual(outs[1][3], outs[1][0], "the subgroup reused the world's id")
+        self.assertEqual([outs[1][4:], outs[2][4:]], [["0", "2"], ["1", "2"]])
+
     def test_import_order(self):
         # torch first (as an engine does): the loader gives tilewave torch's libnccl.
         code = ("import torch, tilewave.torch as t, sys; p = t.nccl_library_path(); "
