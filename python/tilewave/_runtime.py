@@ -53,32 +53,38 @@ class _CContextInfo(ctypes.Structure):
                 ("sm_budget", ctypes.c_int32), ("in_process", ctypes.c_int32)]
 
 
+_c_int, _c_i32, _c_p, _P = ctypes.c_int, ctypes.c_int32, ctypes.c_void_p, ctypes.POINTER
+
+# Argument types of every runtime function (each returns tw_status, a C int).
+SIGNATURES = {
+    "tw_team_create": [_c_i32, _c_i32, _P(_c_p)],
+    "tw_team_destroy": [_c_p],
+    "tw_context_create": [_P(_CProblem), _c_p, _P(_CContextConfig), _P(_c_p)],
+    "tw_context_create_on_team": [_P(_CProblem), _c_p, _c_i32, _P(_CContextConfig), _P(_c_p)],
+    "tw_context_destroy": [_c_p],
+    "tw_context_info_get": [_c_p, _P(_CContextInfo)],
+    "tw_context_check": [_c_p],
+    "tw_context_reset": [_c_p],
+    "tw_context_abort": [_c_p],
+    "tw_context_dispatch_buffer": [_c_p, _P(_c_p), _P(ctypes.c_int64)],
+    "tw_device_plan_create": [_c_p, _P(_c_p)],
+    "tw_device_plan_destroy": [_c_p],
+    "tw_device_plan_summary_get": [_c_p, _P(_CPlanSummary)],
+    # ctx, dplan, x, topk_ids, id_type, topk_weights, tokens, expert_in*, options, stream
+    "tw_moe_dispatch_ex": [_c_p, _c_p, _c_p, _c_p, _c_int, _c_p, _c_i32, _P(_c_p),
+                           _P(_CDispatchOptions), _c_p],
+    # ctx, dplan, expert_in, w2, out, options, stream
+    "tw_moe_combine_ex": [_c_p, _c_p, _c_p, _c_p, _c_p, _P(_CCombineOptions), _c_p],
+    # ctx, dplan, x, topk_ids, id_type, topk_weights, tokens, w13, w2, out, options, stream
+    "tw_moe_layer_ex": [_c_p, _c_p, _c_p, _c_p, _c_int, _c_p, _c_i32, _c_p, _c_p, _c_p,
+                        _P(_CLayerOptions), _c_p],
+}
+
+
 def declare(lib):
     """Sets restype and argtypes of every runtime function on the loaded libtilewave."""
-    c_int, c_i32, c_p = ctypes.c_int, ctypes.c_int32, ctypes.c_void_p
-    P = ctypes.POINTER
-    sigs = {
-        "tw_team_create": [c_i32, c_i32, P(c_p)],
-        "tw_team_destroy": [c_p],
-        "tw_context_create": [P(_CProblem), c_p, P(_CContextConfig), P(c_p)],
-        "tw_context_create_on_team": [P(_CProblem), c_p, c_i32, P(_CContextConfig), P(c_p)],
-        "tw_context_destroy": [c_p],
-        "tw_context_info_get": [c_p, P(_CContextInfo)],
-        "tw_context_check": [c_p],
-        "tw_context_reset": [c_p],
-        "tw_context_abort": [c_p],
-        "tw_context_dispatch_buffer": [c_p, P(c_p), P(ctypes.c_int64)],
-        "tw_device_plan_create": [c_p, P(c_p)],
-        "tw_device_plan_destroy": [c_p],
-        "tw_device_plan_summary_get": [c_p, P(_CPlanSummary)],
-        "tw_moe_dispatch_ex": [c_p, c_p, c_p, c_p, c_int, c_p, c_i32, P(c_p),
-                               P(_CDispatchOptions), c_p],
-        "tw_moe_combine_ex": [c_p, c_p, c_p, c_p, c_p, P(_CCombineOptions), c_p],
-        "tw_moe_layer_ex": [c_p, c_p, c_p, c_p, c_int, c_p, c_i32, c_p, c_p, c_p,
-                            P(_CLayerOptions), c_p],
-    }
-    for name, args in sigs.items():
+    for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.restype = c_int
+        fn.restype = ctypes.c_int
         fn.argtypes = args
     return lib

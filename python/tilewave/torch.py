@@ -582,13 +582,13 @@ def moe_layer(x, topk_ids, topk_weights, w13, w2, *, context, out=None, mode="ov
     _layout(ctx, *_routing_tensors(x, topk_ids, topk_weights), ("w13", w13, 16), ("w2", w2, 16))
     out = _out(ctx, out, T)
     stream = _stream(ctx)
+    ctx._tokens = ctx._rows = None  # the layer replaces the plan: no combine() follows it
     with torch.cuda.device(ctx.device):
         _check(_lib().tw_moe_layer_ex(ctx._h, ctx._dplan, x.data_ptr(), topk_ids.data_ptr(),
                                       _INDEX_TYPES[topk_ids.dtype], topk_weights.data_ptr(), T,
                                       w13.data_ptr(), w2.data_ptr(),
                                       out.data_ptr() if T > 0 else None, ctypes.byref(opt),
                                       stream))
-    ctx._tokens, ctx._rows = None, None  # the layer's plan is not a dispatch's for combine()
     return out
 
 
@@ -665,6 +665,7 @@ def dispatch(x, topk_ids, topk_weights, *, context, sm_budget=0):
     stream = _stream(ctx)
     lib = _lib()
     rows_ptr = ctypes.c_void_p()
+    ctx._tokens = ctx._rows = None  # until this dispatch has succeeded
     with torch.cuda.device(ctx.device):
         _check(lib.tw_moe_dispatch_ex(ctx._h, ctx._dplan, x.data_ptr(), topk_ids.data_ptr(),
                                       _INDEX_TYPES[topk_ids.dtype], topk_weights.data_ptr(), T,

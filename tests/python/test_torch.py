@@ -15,6 +15,7 @@ ctest counts as skipped. Otherwise it prints "N passed, N failed" and exits non-
 TW_TEST_SEED repeats a run.
 """
 
+import ctypes
 import os
 import random
 import subprocess
@@ -228,6 +229,139 @@ class TestChecks(unittest.TestCase):
                          context=self.ctx)
         with self.assertRaisesRegex(tw.TilewaveError, r"give top_k and max_tokens"):
             twt.MoELayer(self.w13, self.w2)
+
+
+class _FakeC:
+    """libtilewave's runtime functions as ctypes callbacks of the same prototypes
+    (tilewave._runtime.SIGNATURES): a call goes through ctypes' argument conversion as it would
+    into C, and lands here with what C would receive. `answers` fills out-parameters."""
+
+    def __init__(self, answers):
+        from tilewave import _runtime as rt
+        self.calls, self._keep = {}, []
+        for name, args in rt.SIGNATURES.items():
+            def cb(*a, _name=name):
+                # Structs the caller passed by pointer live only during the call: keep copies.
+                self.calls[_name] = tuple(
+                    type(v.contents).from_buffer_copy(v.contents)
+                    if isinstance(v, ctypes._Pointer) and v and
+                    isinstance(v.contents, ctypes.Structure) else v for v in a)
+                answers.get(_name, lambda *_: None)(*a)
+                return 0
+            fn = ctypes.CFUNCTYPE(ctypes.c_int, *args)(cb)
+            self._keep.append(fn)
+            setattr(self, name, fn)
+        rt.declare(self)
+
+
+class TestMarshalling(unittest.TestCase):
+    """What reaches C once every check has passed: moe_layer, dispatch and combine with the
+    runtime replaced by _FakeC, the device-only steps (CUDA device, stream, output allocation,
+    the device check) replaced by CPU ones. Every pointer, count, index type, option and the
+    stream handle as C receives them."""
+
+    STREAM = 0x5EED0
+
+    def setUp(self):
+        import ctypes as c
+        from unittest import mock
+        self.rows_mem = (c.c_int16 * (24 * 128))()
+        self.base_mem = (c.c_int16 * 8)()
+        answers = {
+            "tw_moe_dispatch_ex": lambda *a: a[7].__setitem__(0, c.addressof(self.rows_mem)),
+            "tw_device_plan_summary_get": lambda d, s: setattr(s.contents, "rows", 24),
+            "tw_context_dispatch_buffer": lambda ctx, rows, n: rows.__setitem__(
+                0, c.addressof(self.base_mem)),
+        }
+        self.fake = _FakeC(answers)
+        self.p = _problem(hidden=128, ffn=128)  # hidden == ffn: dispatch's rows feed combine
+        self.ctx = twt.Context._for_checks(self.p)
+        self.ctx._h, self.ctx._dplan = c.c_void_p(0xC0), c.c_void_p(0xD0)
+        H, T = 128, 10
+
+        def out(ctx, given, n):
+            return given if given is not None else torch.empty(n, H, dtype=torch.bfloat16)
+        self.patches = [mock.patch.object(twt, "_runtime", self.fake),
+                        mock.patch.object(twt, "_layout", lambda ctx, *t: None),
+                        mock.patch.object(twt, "_stream", lambda ctx: self.STREAM),
+                        mock.patch.object(twt, "_out", out),
+                        mock.patch.object(twt, "_KDL_CUDA", twt._KDL_CPU),
+                        mock.patch.object(torch.cuda, "device", lambda d: _Nothing())]
+        for m in self.patches:
+            m.start()
+        g = torch.Generator().manual_seed(SEED)
+        self.x = torch.randn(T, H, generator=g).bfloat16()
+        self.ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(T)])
+        self.w = torch.rand(T, 2, generator=g)
+        self.w13 = torch.randn(8, 256, H, generator=g).bfloat16()
+        self.w2 = torch.randn(8, H, 128, generator=g).bfloat16()
+
+    def tearDown(self):
+        for m in self.patches:
+            m.stop()
+        self.ctx._h = self.ctx._dplan = None  # its fake handles must never reach the library
+
+    def test_layer(self):
+        out = twt.moe_layer(self.x, self.ids, self.w, self.w13, self.w2, context=self.ctx,
+                            mode="unfused", comm_ctas=7, sm_budget=66)
+        a = self.fake.calls["tw_moe_layer_ex"]
+        self.assertEqual(a[:4], (0xC0, 0xD0, self.x.data_ptr(), self.ids.data_ptr()))
+        self.assertEqual(a[4], 1)  # TW_INDEX_INT64
+        self.assertEqual(a[5:10], (self.w.data_ptr(), 10, self.w13.data_ptr(),
+                                   self.w2.data_ptr(), out.data_ptr()))
+        o = a[10]
+        self.assertEqual((o.size, o.magic, o.version, bool(o.plan_config), o.mode, o.comm_ctas,
+                          o.sm_budget), (40, 0x74774C79, 1, False, 1, 7, 66))
+        self.assertEqual(a[11], self.STREAM)
+        self.assertEqual((tuple(out.shape), out.dtype), ((10, 128), torch.bfloat16))
+        # int32 ids, the caller's out, no tokens (out and x may be NULL then).
+        given = torch.empty(10, 128, dtype=torch.bfloat16)
+        self.assertIs(twt.moe_layer(self.x, self.ids.int(), self.w, self.w13, self.w2,
+                                    context=self.ctx, out=given), given)
+        a = self.fake.calls["tw_moe_layer_ex"]
+        self.assertEqual((a[4], a[9], a[10].mode), (0, given.data_ptr(), 0))
+        none = twt.moe_layer(self.x[:0], self.ids[:0], self.w[:0], self.w13, self.w2,
+                             context=self.ctx)
+        a = self.fake.calls["tw_moe_layer_ex"]
+        self.assertEqual((a[6], a[9], tuple(none.shape)), (0, None, (0, 128)))
+
+    def test_dispatch_then_combine(self):
+        rows = twt.dispatch(self.x, self.ids, self.w, context=self.ctx, sm_budget=40)
+        a = self.fake.calls["tw_moe_dispatch_ex"]
+        self.assertEqual(a[:7], (0xC0, 0xD0, self.x.data_ptr(), self.ids.data_ptr(), 1,
+                                 self.w.data_ptr(), 10))
+        o = a[8]
+        self.assertEqual((o.size, o.magic, bool(o.plan_config), o.sm_budget),
+                         (32, 0x74774470, False, 40))
+        self.assertEqual(a[9], self.STREAM)
+        self.assertEqual((tuple(rows.shape), rows.dtype, rows.data_ptr()),
+                         ((24, 128), torch.bfloat16, ctypes.addressof(self.rows_mem)))
+        out = twt.combine(rows, self.w2, context=self.ctx, comm_ctas=3)
+        a = self.fake.calls["tw_moe_combine_ex"]
+        self.assertEqual(a[:5], (0xC0, 0xD0, rows.data_ptr(), self.w2.data_ptr(),
+                                 out.data_ptr()))
+        o = a[5]
+        self.assertEqual((o.size, o.magic, o.mode, o.comm_ctas, o.sm_budget),
+                         (32, 0x7477436F, 0, 3, 0))
+        self.assertEqual((a[6], tuple(out.shape)), (self.STREAM, (10, 128)))
+        # A layer call in between: combine() has no dispatch to follow.
+        twt.moe_layer(self.x, self.ids, self.w, self.w13, self.w2, context=self.ctx)
+        with self.assertRaisesRegex(tw.TilewaveError, r"no dispatch\(\)"):
+            twt.combine(rows, self.w2, context=self.ctx)
+
+    def test_combine_with_no_rows_passes_the_buffer(self):
+        # A rank whose experts got no rows still joins, with a valid (non-NULL) pointer.
+        self.ctx._tokens, self.ctx._rows, self.ctx._rows_base = 10, 0, 0xB0
+        twt.combine(torch.empty(0, 128, dtype=torch.bfloat16), self.w2, context=self.ctx)
+        self.assertEqual(self.fake.calls["tw_moe_combine_ex"][2], 0xB0)
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 class TestWithoutGpu(unittest.TestCase):
@@ -445,6 +579,12 @@ class TestGpu(unittest.TestCase):
         with self.assertRaises(tw.TilewaveError) as cm:
             twt.moe_layer(x, dup, w, self.w13, self.w2, context=self.ctx)
         self.assertEqual(cm.exception.status, "TW_ERR_DUPLICATE_EXPERT")
+        # dispatch() refuses it alike, and combine() has no dispatch to follow.
+        with self.assertRaises(tw.TilewaveError) as cm:
+            twt.dispatch(x, bad, w, context=self.ctx)
+        self.assertEqual(cm.exception.status, "TW_ERR_EXPERT_ID")
+        with self.assertRaisesRegex(tw.TilewaveError, r"no dispatch\(\) on this context"):
+            twt.combine(x, self.w2, context=self.ctx)
         # The context stays usable.
         out = twt.moe_layer(x, ids, w, self.w13, self.w2, context=self.ctx)
         torch.cuda.synchronize()
@@ -484,8 +624,8 @@ def main():
             return SKIP
         suite = loader.loadTestsFromTestCase(TestGpu)
     else:
-        suite = unittest.TestSuite([loader.loadTestsFromTestCase(TestChecks),
-                                    loader.loadTestsFromTestCase(TestWithoutGpu)])
+        suite = unittest.TestSuite([loader.loadTestsFromTestCase(c) for c in
+                                    (TestChecks, TestMarshalling, TestWithoutGpu)])
     result = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(suite)
     failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
     skipped = len(result.skipped)
