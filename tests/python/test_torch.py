@@ -590,6 +590,49 @@ class TestGpu(unittest.TestCase):
         torch.cuda.synchronize()
         self.assert_close(out, reference_layer(x, ids, w, self.w13, self.w2), "after refusals")
 
+    def test_in_process_two_ranks(self):
+        # Two ranks on this GPU (an in-process team), one thread and one stream each; rank r
+        # holds experts [4r, 4r + 4) of the 8, its own tokens, and must get the reference
+        # layer over all 8 experts for them.
+        import threading
+        W, T = 2, (150, 77)
+        E_local = self.E // W
+        inputs = [self.inputs(t, torch.int64) for t in T]
+        results, errors = [None] * W, []
+        team = twt.Team(W, self.dev)
+
+        def rank_main(r):
+            try:
+                torch.cuda.set_device(self.dev)
+                s = torch.cuda.Stream()
+                with torch.cuda.stream(s):
+                    ctx = twt.Context(hidden=self.H, ffn=self.F, experts=self.E, top_k=self.K,
+                                      max_tokens=self.MAX_T, team=team, rank=r)
+                    try:
+                        mine = slice(r * E_local, (r + 1) * E_local)
+                        x, ids, w = inputs[r]
+                        out = twt.moe_layer(x, ids, w, self.w13[mine].contiguous(),
+                                            self.w2[mine].contiguous(), context=ctx)
+                        s.synchronize()
+                        results[r] = out
+                        ctx.check()
+                    finally:
+                        ctx.close()
+            except Exception as e:  # reported by the main thread
+                errors.append("rank %d: %r" % (r, e))
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(W)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        team.close()
+        self.assertEqual(errors, [])
+        for r in range(W):
+            x, ids, w = inputs[r]
+            self.assert_close(results[r], reference_layer(x, ids, w, self.w13, self.w2),
+                              "rank %d of 2" % r)
+
     def test_dispatch_then_combine(self):
         # hidden == ffn: the dispatched rows are a valid GEMM2 input.
         H = 512
