@@ -12,8 +12,12 @@ and the library's detail message (tw_last_error). Arrays may be Python lists (ne
 numpy arrays when numpy is installed; numpy is never required.
 
 The shared library is found through, in order: the TILEWAVE_LIBRARY environment variable (a
-path), a libtilewave.so next to this package (inside it or in the directory holding it), then
-the dynamic loader's search path.
+path), the libtilewave.so inside this package (where `pip install .` puts it), one in the
+directory holding the package, the build tree of a source checkout (build/libtilewave.so beside
+python/), then the dynamic loader's search path.
+
+The GPU half (contexts, the layer, dispatch and combine on torch tensors) is tilewave.torch,
+imported only when asked for: `import tilewave` never imports torch.
 """
 
 import ctypes
@@ -23,7 +27,7 @@ from dataclasses import dataclass, fields, replace
 
 __all__ = [
     "TilewaveError", "Problem", "Routing", "Plan", "Hardware", "presets", "tp_select",
-    "version", "status_string", "ROUTERS",
+    "version", "status_string", "library_path", "ROUTERS",
 ]
 
 try:  # optional: accepted as input and offered as output, never required
@@ -51,6 +55,8 @@ def _candidate_paths():
     here = os.path.dirname(os.path.abspath(__file__))
     for d in (here, os.path.dirname(here)):
         yield os.path.join(d, "libtilewave.so")
+    # A source checkout: python/tilewave/ beside build/ (scripts/build.sh's directory).
+    yield os.path.join(os.path.dirname(os.path.dirname(here)), "build", "libtilewave.so")
     found = ctypes.util.find_library("tilewave")
     if found:
         yield found
@@ -74,7 +80,8 @@ def _load():
         _declare(lib)
         _lib_handle = lib
         return lib
-    raise OSError("tilewave: cannot load libtilewave.so; set TILEWAVE_LIBRARY to its path "
+    raise OSError("tilewave: cannot load libtilewave.so; install the package with `pip install .` "
+                  "from the repository, or set TILEWAVE_LIBRARY to the library's path "
                   "(tried: %s)" % "; ".join(errors))
 
 
@@ -101,6 +108,11 @@ def _check(code):
         name = lib.tw_status_string(code).decode().split(":", 1)[0]
         detail = lib.tw_last_error().decode()
         raise TilewaveError(name, detail, code)
+
+
+def library_path():
+    """Path of the libtilewave.so this package loaded (loading it if needed)."""
+    return _load()._name
 
 
 def version():
@@ -594,8 +606,7 @@ def tp_select(m, n, k, splits, ranks, expert_rows, tm, tn, tm_comm=None, tn_comm
 
 
 # ------------------------------------------------------------------------------------------------
-# GPU entry points: not bound. The runtime half of the C API (tw_context_create over the caller's
-# ncclComm_t, tw_device_plan_create/upload, tw_moe_combine[_ex], tw_context_check/reset/timings)
-# has no Python wrapper yet; a binding would take torch CUDA tensors (data_ptr(), the current
-# stream) and go here. The planning API above must keep working without torch.
+# GPU entry points: tilewave.torch (contexts on in-process teams or NCCL communicators, the
+# whole layer, dispatch and combine on torch tensors). It imports torch; this module never does,
+# and the planning API above keeps working without torch or a GPU.
 # ------------------------------------------------------------------------------------------------

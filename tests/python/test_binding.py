@@ -6,6 +6,7 @@ computes itself from the same inputs, and that every failing status surfaces as 
 with the right status name. Prints "N passed, N failed"; exits non-zero on any failure.
 """
 
+import ctypes
 import math
 import os
 import random
@@ -44,6 +45,69 @@ def random_arrays(problem, tokens, rng):
         weights.append([[rng.uniform(-1, 1) for _ in range(problem.top_k)]
                         for _ in range(tokens[r])])
     return ids, weights
+
+
+class TestImport(unittest.TestCase):
+    """The planning half stays free of torch: tilewave.torch is imported only when asked for."""
+
+    def run_python(self, code):
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=os.environ.copy())
+
+    def test_import_does_not_import_torch(self):
+        out = self.run_python("import sys, tilewave; tilewave.version(); "
+                              "sys.exit(1 if 'torch' in sys.modules else 0)")
+        self.assertEqual(out.returncode, 0, out.stderr or "import tilewave imported torch")
+
+    def test_torch_module_without_torch(self):
+        probe = self.run_python("import torch")
+        if probe.returncode == 0:
+            self.skipTest("torch is installed here")
+        out = self.run_python("import tilewave.torch")
+        self.assertNotEqual(out.returncode, 0)
+        self.assertIn("ImportError: tilewave.torch needs PyTorch (pip install torch", out.stderr)
+
+
+class TestStructLayout(unittest.TestCase):
+    """Every ctypes struct of the binding (planning and runtime halves) against the header: a C
+    program compiled here prints sizeof and the offset of each field, by the binding's field
+    names (a renamed or missing field fails the compile)."""
+
+    def test_structs_match_the_header(self):
+        import shutil
+        from tilewave import _runtime as rt
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if not cc:
+            self.skipTest("no C compiler (CC, cc, gcc)")
+        include = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "include")
+        structs = {"tw_problem": tw._CProblem, "tw_routing_stats": tw._CRoutingStats,
+                   "tw_hardware": tw._CHardware, "tw_plan_config": tw._CPlanConfig,
+                   "tw_plan_summary": tw._CPlanSummary, "tw_tp_workload": tw._CTpWorkload,
+                   "tw_context_config": rt._CContextConfig,
+                   "tw_combine_options": rt._CCombineOptions,
+                   "tw_dispatch_options": rt._CDispatchOptions,
+                   "tw_layer_options": rt._CLayerOptions, "tw_context_info": rt._CContextInfo}
+        lines = ["#include <stdio.h>", "#include <stddef.h>", '#include "tilewave.h"',
+                 "int main(void) {"]
+        want = []
+        for cname, py in structs.items():
+            lines.append('printf("%%zu\\n", sizeof(%s));' % cname)
+            want.append(("sizeof(%s)" % cname, ctypes.sizeof(py)))
+            for field, _ in py._fields_:
+                lines.append('printf("%%zu\\n", offsetof(%s, %s));' % (cname, field))
+                want.append(("%s.%s" % (cname, field), getattr(py, field).offset))
+        lines.append("return 0; }")
+        with tempfile.TemporaryDirectory() as d:
+            src, exe = os.path.join(d, "layout.c"), os.path.join(d, "layout")
+            with open(src, "w") as f:
+                f.write("\n".join(lines) + "\n")
+            build = subprocess.run([cc, "-std=c11", "-I", include, src, "-o", exe],
+                                   capture_output=True, text=True)
+            self.assertEqual(build.returncode, 0, build.stderr)
+            got = subprocess.run([exe], capture_output=True, text=True, check=True).stdout.split()
+        self.assertEqual(len(got), len(want))
+        bad = ["%s: C %s, binding %d" % (n, g, v) for (n, v), g in zip(want, got) if int(g) != v]
+        self.assertEqual(bad, [])
 
 
 class TestBasics(unittest.TestCase):
