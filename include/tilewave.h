@@ -513,6 +513,14 @@ TW_API tw_status tw_device_plan_destroy(tw_device_plan_t dplan);
  * by tw_moe_dispatch (which plans on the host from the all-gathered counts). TW_ERR_STATE before
  * the first upload. Not collective; does not touch the device. */
 TW_API tw_status tw_device_plan_summary_get(tw_device_plan_t dplan, tw_plan_summary* summary);
+/* The row layout of this rank's local experts in the plan last uploaded to dplan: local expert e
+ * owns rows [row0[e], row0[e] + rows[e]) of the GEMM input (the dispatch buffer after
+ * tw_moe_dispatch), of which the first real_rows[e] carry tokens and the rest are padding (zero
+ * after a dispatch). What an engine's own expert computation between tw_moe_dispatch and
+ * tw_moe_combine needs (grouped-GEMM offsets). Each array holds experts / world_size entries;
+ * any may be NULL. TW_ERR_STATE before the first upload. Not collective; host memory only. */
+TW_API tw_status tw_device_plan_expert_rows(tw_device_plan_t dplan, int32_t* row0, int32_t* rows,
+                                            int32_t* real_rows);
 
 typedef enum tw_combine_mode {
   TW_COMBINE_OVERLAP = 0,   /* producer and consumer run concurrently, tile-level signals */

@@ -70,6 +70,7 @@ SIGNATURES = {
     "tw_device_plan_create": [_c_p, _P(_c_p)],
     "tw_device_plan_destroy": [_c_p],
     "tw_device_plan_summary_get": [_c_p, _P(_CPlanSummary)],
+    "tw_device_plan_expert_rows": [_c_p, _P(_c_i32), _P(_c_i32), _P(_c_i32)],
     # ctx, dplan, x, topk_ids, id_type, topk_weights, tokens, expert_in*, options, stream
     "tw_moe_dispatch_ex": [_c_p, _c_p, _c_p, _c_p, _c_int, _c_p, _c_i32, _P(_c_p),
                            _P(_CDispatchOptions), _c_p],

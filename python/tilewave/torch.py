@@ -401,6 +401,16 @@ class Context:
         _check(_lib().tw_device_plan_summary_get(self._dplan, ctypes.byref(s)))
         return {name: getattr(s, name) for name, _ in _CPlanSummary._fields_}
 
+    def expert_rows(self):
+        """The local experts' rows in the layout of the last call's plan, as three lists
+        (row0, rows, real_rows): expert e's rows of the dispatch buffer are
+        [row0[e], row0[e] + rows[e]), the first real_rows[e] of them tokens, the rest zero
+        padding. What an expert computation between dispatch() and combine() needs."""
+        E = self.problem.experts // self.problem.world_size
+        arrays = [(ctypes.c_int32 * E)() for _ in range(3)]
+        _check(_lib().tw_device_plan_expert_rows(self._dplan, *arrays))
+        return tuple(list(a) for a in arrays)
+
     def check(self):
         """tw_context_check: waits for this rank's last call and agrees with every rank on
         whether a device-side wait failed (collective); raises TilewaveError if one did."""

@@ -142,6 +142,7 @@ struct tw_device_plan {
   int32_t rows, recv_rows, num_tiles, num_bands, total_units, tokens, comm_ctas;
   int32_t recv_bands[TW_MAX_RANKS];
   tw_plan_summary summary; /* of the plan last uploaded */
+  int32_t* h_expert_rows;   /* (3, local experts): row0, rows, real_rows of the plan last uploaded */
   /* Dispatch (contexts with dispatch only; NULL otherwise): the count-plan's tables and the
    * scan's per-slot destination rows. */
   int32_t* slot_base; /* (experts) */

@@ -74,13 +74,16 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   if (nr > 0) d->h_row_token = (int32_t*)malloc(nr * 8);
   if (np > 0) d->h_pads = (int32_t*)malloc(np * 4);
   if (L.ng1 > 0) d->h_gemm1_tiles = (tw_tile*)malloc(L.ng1 * sizeof(tw_tile));
+  d->h_expert_rows = (int32_t*)calloc(3 * (size_t)ctx->local_experts + 1, 4);
   cudaError_t e = cudaMalloc(&d->mem, bytes);
   if (e != cudaSuccess || d->h_seg_unit0 == NULL || (nr > 0 && d->h_row_token == NULL) ||
-      (np > 0 && d->h_pads == NULL) || (L.ng1 > 0 && d->h_gemm1_tiles == NULL)) {
+      (np > 0 && d->h_pads == NULL) || (L.ng1 > 0 && d->h_gemm1_tiles == NULL) ||
+      d->h_expert_rows == NULL) {
     free(d->h_seg_unit0);
     free(d->h_row_token);
     free(d->h_pads);
     free(d->h_gemm1_tiles);
+    free(d->h_expert_rows);
     if (e == cudaSuccess) cudaFree(d->mem);
     free(d);
     return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_device_plan_create: %zu bytes: %s", bytes,
@@ -126,6 +129,7 @@ extern "C" tw_status tw_device_plan_destroy(tw_device_plan_t d) {
   free(d->h_row_token);
   free(d->h_pads);
   free(d->h_gemm1_tiles);
+  free(d->h_expert_rows);
   free(d);
   return TW_SUCCESS;
 }
@@ -262,6 +266,10 @@ tw_status tw__device_plan_copy(tw_device_plan_t d, const struct tw_plan* plan, i
   d->comm_ctas = plan->comm_ctas;
   for (int s = 0; s < ctx->world; s++) d->recv_bands[s] = s == ctx->rank ? 0 : plan->recv_bands[s];
   TW_TRY(tw_plan_summary_get((tw_plan_t)plan, &d->summary));
+  const int32_t E = ctx->local_experts;
+  memcpy(d->h_expert_rows, plan->expert_row0, (size_t)E * 4);
+  memcpy(d->h_expert_rows + E, plan->expert_rows, (size_t)E * 4);
+  memcpy(d->h_expert_rows + 2 * E, plan->expert_real_rows, (size_t)E * 4);
   return TW_SUCCESS;
 }
 
@@ -380,5 +388,20 @@ extern "C" tw_status tw__device_plan_work(tw_device_plan_t d, int32_t* tiles, in
   if (!d->uploaded) return tw__fail(TW_ERR_STATE, "tw__device_plan_work: upload a plan first");
   *tiles = d->num_tiles;
   *units = d->total_units;
+  return TW_SUCCESS;
+}
+
+extern "C" tw_status tw_device_plan_expert_rows(tw_device_plan_t d, int32_t* row0, int32_t* rows,
+                                                int32_t* real_rows) {
+  tw__clear_error();
+  TW_CHECK_NULL(d);
+  if (!d->uploaded)
+    return tw__fail(TW_ERR_STATE,
+                    "tw_device_plan_expert_rows: nothing uploaded yet (tw_device_plan_upload or "
+                    "tw_moe_dispatch)");
+  const size_t E = (size_t)d->ctx->local_experts;
+  if (row0 != NULL) memcpy(row0, d->h_expert_rows, E * 4);
+  if (rows != NULL) memcpy(rows, d->h_expert_rows + E, E * 4);
+  if (real_rows != NULL) memcpy(real_rows, d->h_expert_rows + 2 * E, E * 4);
   return TW_SUCCESS;
 }

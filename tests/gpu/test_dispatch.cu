@@ -136,6 +136,16 @@ static void tw_compare_device_plan(tw_rank_env* env, tw_device_plan_t dp,
          "rank %d %s: summaries differ (rows %lld / %lld, C %d / %d, T %.17g / %.17g)", env->rank,
          what, (long long)a.rows, (long long)b.rows, a.comm_ctas, b.comm_ctas, a.predicted_us,
          b.predicted_us);
+  /* The experts' row ranges an engine's own expert computation reads. */
+  const int32_t E = plan->local_experts;
+  int32_t* er = (int32_t*)malloc(sizeof(int32_t) * 3 * (size_t)E + 4);
+  CHECK_OK(tw_device_plan_expert_rows(dp, er, er + E, er + 2 * E));
+  CHECKF(memcmp(er, plan->expert_row0, (size_t)E * 4) == 0 &&
+             memcmp(er + E, plan->expert_rows, (size_t)E * 4) == 0 &&
+             memcmp(er + 2 * E, plan->expert_real_rows, (size_t)E * 4) == 0,
+         "rank %d %s: tw_device_plan_expert_rows differs from the host plan's layout", env->rank,
+         what);
+  free(er);
   int32_t n = 0;
   const int32_t* ids = NULL;
   const float* ws = NULL;
