@@ -50,7 +50,7 @@ struct BenchOpts {
   int plan = 1;    /* 1: the planner's layout (2 ranks, balanced top-2, rank 0); 0: even split */
   int regroup = 0; /* the planned layout's rows with --even's tile order (one pass per expert) */
   unsigned only = kAllCalls; /* which of the five calls to time (--only) */
-  double hbm_gbps = 4100.0;   /* HARDWARE.md: weight streaming of a memory-bound grouped GEMM */
+  double hbm_gbps = 4100.0;  /* HARDWARE.md: weight streaming of a memory-bound grouped GEMM */
 };
 
 struct Shape {
@@ -242,8 +242,8 @@ void print_row(const Shape& sh, const BenchOpts& o, int tn, const double* us, do
   speedup(vs_concat, sizeof vs_concat, kConcat);
   speedup(vs_loop, sizeof vs_loop, kLoop);
   /* Roofline: needs the concat call's time (the measured dense rate on these rows). */
-  const double bytes = 2.0 * ((double)sh.experts * sh.n * sh.k + (double)sh.rows * sh.k +
-                              (double)sh.rows * sh.n);
+  const double bytes =
+      2.0 * ((double)sh.experts * sh.n * sh.k + (double)sh.rows * sh.k + (double)sh.rows * sh.n);
   const double t_mem = bytes / (o.hbm_gbps * 1e3);
   if (us[kConcat] > 0) {
     const double t_roof = us[kConcat] > t_mem ? us[kConcat] : t_mem;
@@ -257,9 +257,10 @@ void print_row(const Shape& sh, const BenchOpts& o, int tn, const double* us, do
     snprintf(vs_roof, sizeof vs_roof, "%5s", "-");
   }
   snprintf(wrong_s, sizeof wrong_s, o.check ? "%llu" : "-", nwrong);
-  printf("| %5d | %4d | %4d | %2d | %3d | %s | %s | %s | %s | %s | %s | %5.3f | %s | %s | %s | %s |\n",
-         sh.rows, sh.k, sh.n, sh.experts, tn, cell[kOurs], cell[kOursSignals], cell[kLoop],
-         cell[kGrouped], cell[kConcat], vs_concat, tile_rows, vs_loop, roof, vs_roof, wrong_s);
+  printf(
+      "| %5d | %4d | %4d | %2d | %3d | %s | %s | %s | %s | %s | %s | %5.3f | %s | %s | %s | %s |\n",
+      sh.rows, sh.k, sh.n, sh.experts, tn, cell[kOurs], cell[kOursSignals], cell[kLoop],
+      cell[kGrouped], cell[kConcat], vs_concat, tile_rows, vs_loop, roof, vs_roof, wrong_s);
 }
 
 int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) {

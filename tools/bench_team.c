@@ -300,15 +300,14 @@ teardown:
 }
 
 /* A progress line on stderr: the point, and from the second one on an estimate of the time left. */
-static void twt_progress(const char* cmd, int i, int npoints, const twb_point* pt,
-                         double t_begin) {
+static void twt_progress(const char* cmd, int i, int npoints, const twb_point* pt, double t_begin) {
   const double now = tw__now_seconds();
   char eta[64] = "";
   if (i > 0)
     snprintf(eta, sizeof eta, ", %.0f s so far, about %.0f s left", now - t_begin,
              (now - t_begin) / i * (npoints - i));
-  fprintf(stderr, "[%s --in-process %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n", cmd,
-          i + 1, npoints, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
+  fprintf(stderr, "[%s --in-process %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n", cmd, i + 1,
+          npoints, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
           tw__cli_router_name(pt->router), eta);
 }
 

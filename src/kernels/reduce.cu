@@ -124,8 +124,8 @@ __global__ void __launch_bounds__(kReduceThreads) tw_reduce_kernel(const tw_redu
     bool ok = true;
     for (int s = 0; s < a.world && ok; s++)
       if (s != a.rank)
-        ok = tw_wait_arrivals_exact(&arrivals[s], a.state->arrive_target[s], a.timeout_ns, a.err,
-                                    s, a.rank);
+        ok = tw_wait_arrivals_exact(&arrivals[s], a.state->arrive_target[s], a.timeout_ns, a.err, s,
+                                    a.rank);
     if (ok) tw_trace_event(a.trace, TW_TRACE_REDUCE_ARRIVED, blockIdx.x, 0);
     s_ok = ok;
   }

@@ -239,8 +239,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
    * zeroing and its producer's writes to the GEMM output never overlap that call. On the same
    * stream the wait is already implied. A captured call is ordered by the stream its graph is
    * launched on (tilewave.h). */
-  if (ctx->have_call && !capturing)
-    TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_call_done, 0));
+  if (ctx->have_call && !capturing) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_call_done, 0));
   if (mode == TW_COMBINE_GEMM_ONLY) {
     /* No consumer will reset band counters, so the producer must not touch them. */
     g.scope = TW_SIGNAL_NONE;

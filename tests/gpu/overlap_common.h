@@ -330,8 +330,8 @@ static inline float tw_x_value(uint64_t salt, int owner, int t, int h) {
  * of routing rt to the device buffers x, ids and w; h_x and h_ids64 are host staging of the
  * routing's capacity. */
 static inline void tw_upload_routed_inputs(tw_rank_env* env, const tw_problem* p, tw_routing_t rt,
-                                           uint64_t salt, int id64, uint16_t* h_x,
-                                           int64_t* h_ids64, void* x, void* ids, void* w) {
+                                           uint64_t salt, int id64, uint16_t* h_x, int64_t* h_ids64,
+                                           void* x, void* ids, void* w) {
   int32_t n = 0;
   const int32_t* rank_ids = NULL;
   const float* ws = NULL;

@@ -439,8 +439,9 @@ static void tw_modes_and_timings(tw_rank_env* env, int copy, int unit_tiles, uin
     if (kReps < 1 || kReps > kMaxReps) kReps = kMaxReps;
     float total[4][kMaxReps], gemm[4][kMaxReps], comm[4][kMaxReps], red[4][kMaxReps];
     const char* timeout_env = getenv("TW_TIMEOUT_MS");
-    const float call_limit_ms =
-        timeout_env != NULL && atof(timeout_env) > 1000.0 ? 4.0f * (float)atof(timeout_env) : 1000.0f;
+    const float call_limit_ms = timeout_env != NULL && atof(timeout_env) > 1000.0
+                                    ? 4.0f * (float)atof(timeout_env)
+                                    : 1000.0f;
     for (int rep = 0; rep < kReps; rep++) {
       for (int m = 0; m < 4; m++) {
         tw_combine_options opt = TW_COMBINE_OPTIONS_INIT;
@@ -783,8 +784,8 @@ static void test_graph_replays(tw_rank_env* env) {
     }
     CHECK_OK(tw_device_plan_upload(dp, plan, rt, env->stream));
     for (int i = 0; i < 2; i++) {
-      CHECK_CUDA(cudaMemcpyAsync(b.expert_in, inputs[i], in_bytes, cudaMemcpyDeviceToDevice,
-                                 env->stream));
+      CHECK_CUDA(
+          cudaMemcpyAsync(b.expert_in, inputs[i], in_bytes, cudaMemcpyDeviceToDevice, env->stream));
       tw_run_mode(env, ctx, dp, &b, p.max_tokens, p.hidden, TW_COMBINE_OVERLAP, 0, expect[i]);
     }
     /* A capture invalidated before the call: the call says so and enqueues nothing. */
@@ -833,16 +834,18 @@ static void test_graph_replays(tw_rank_env* env) {
     }
     CHECKF(wrong == 0, "rank %d: %d of 100 replays differ from the eager call", env->rank, wrong);
     CHECK_OK(tw__context_call_state(ctx, env->stream, &epoch, target, arrived));
-    CHECKF(epoch == epoch0 + 100, "rank %d: %u calls on the device after 100 replays (graph of %zu "
-           "nodes), expected %u", env->rank, epoch, nodes, epoch0 + 100);
+    CHECKF(epoch == epoch0 + 100,
+           "rank %d: %u calls on the device after 100 replays (graph of %zu "
+           "nodes), expected %u",
+           env->rank, epoch, nodes, epoch0 + 100);
     for (int s = 0; s < env->nranks; s++)
       CHECKF(s == env->rank || target[s] == arrived[s],
              "rank %d: from rank %d %u units arrived, %u expected", env->rank, s, arrived[s],
              target[s]);
     CHECK_STATUS(tw_device_plan_upload(dp, plan_half, rt_half, env->stream), TW_ERR_STATE);
     /* Eager calls after the replays, on the graph's stream, continue the sequence. */
-    CHECK_CUDA(cudaMemcpyAsync(b.expert_in, inputs[0], in_bytes, cudaMemcpyDeviceToDevice,
-                               env->stream));
+    CHECK_CUDA(
+        cudaMemcpyAsync(b.expert_in, inputs[0], in_bytes, cudaMemcpyDeviceToDevice, env->stream));
     tw_run_mode(env, ctx, dp, &b, p.max_tokens, p.hidden, TW_COMBINE_OVERLAP, 0, b.h_out);
     CHECKF(memcmp(b.h_out, expect[0], n_out * 2) == 0,
            "rank %d: the eager call after the replays gave other bits", env->rank);
