@@ -460,7 +460,7 @@ typedef struct tw_tp_plan_summary {
   int32_t ep_comm_ctas, ep_coalesce;
   int64_t ep_send_bytes;
   double ep_predicted_us;
-  double solve_us; /* time both decisions took */
+  double solve_us; /* time tw_tp_plan_create took: the tp block layouts and both decisions */
 } tw_tp_plan_summary;
 
 #define TW_TP_PLAN_SUMMARY_INIT                                                                   \
