@@ -448,7 +448,7 @@ typedef struct tw_tp_plan_summary {
   int64_t bands, tiles;                  /* row bands; producer tiles (bands x column tiles) */
   int64_t tiles_per_split;               /* W_comp: tiles of one split (eq. 6) */
   int64_t reduce_rows;                   /* rows this rank reduces (its block, padding included) */
-  int64_t comm_tiles_per_split;          /* GatherRS tiles of its block in one split */
+  int64_t comm_tiles_per_split;          /* GatherRS tiles of its block in split 0 */
   int64_t reduce_read_bytes;             /* partial-sum bytes it reads from its tp - 1 peers */
   /* The TP part: the first paper's model (tw_tp_select) over this rank's tiles. */
   int32_t tp_comm_ctas;      /* C* for the GatherRS; 0 when tp = 1 (nothing to reduce) */

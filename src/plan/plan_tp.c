@@ -438,7 +438,8 @@ tw_status tw_tp_plan_summary_get(tw_tp_plan_t plan, tw_tp_plan_summary* summary)
   s.tiles = pl->num_tiles;
   s.tiles_per_split = pl->num_segments > 0 ? pl->segments[0].ntiles : 0;
   s.reduce_rows = pl->block_row0[pl->tp_index + 1] - pl->block_row0[pl->tp_index];
-  s.comm_tiles_per_split = pl->num_segments > 0 ? pl->num_comm_tiles / pl->num_segments : 0;
+  for (int32_t c = 0; c < pl->num_comm_tiles && pl->comm_tiles[c].split == 0; c++)
+    s.comm_tiles_per_split++; /* split 0's (the last split may be narrower) */
   /* The producer stores its partial sums as bf16, like every GEMM2 output. */
   s.reduce_read_bytes = (int64_t)(pl->par.tp - 1) * s.reduce_rows * pl->problem.hidden * 2;
   s.tp_comm_ctas = pl->tp_comm_ctas;

@@ -70,6 +70,8 @@ static int32_t ep_dest(const struct tw_tp_plan* pl, int32_t i) {
   return -1;
 }
 
+static int64_t g_rows_planned = 0; /* over every plan test_invariants checked */
+
 static void check_world(const tw_problem* p, const tw_parallel* par, tw_routing_t rt) {
   const int32_t W = p->world_size, tp = par->tp, K = p->top_k;
   tw_tp_plan_t pl[TW_MAX_RANKS] = {0};
@@ -90,6 +92,7 @@ static void check_world(const tw_problem* p, const tw_parallel* par, tw_routing_
     if (x->rows == first->rows)
       CHECK(memcmp(x->row_src, first->row_src, (size_t)x->rows * sizeof *x->row_src) == 0);
     const int32_t R0 = x->block_row0[q], R1 = x->block_row0[q + 1];
+    g_rows_planned += x->rows;
     for (int32_t i = 0; i < x->rows; i++) {
       const tw_row_src s = x->row_src[i];
       if (s.owner < 0) continue;
@@ -199,7 +202,7 @@ done:
 
 static void test_invariants(void) {
   uint64_t s = tw_test_seed ^ 0x7070;
-  for (int iter = 0; iter < 6; iter++)
+  for (int iter = 0; iter < 20; iter++)
     for (int c = 0; c < NCFG; c++) {
       tw_problem p = random_problem(&s, k_cfgs[c].tp, k_cfgs[c].ep);
       tw_parallel par = par_of(k_cfgs[c].tp, k_cfgs[c].ep);
@@ -209,6 +212,8 @@ static void test_invariants(void) {
       check_world(&p, &par, rt);
       tw_routing_destroy(rt);
     }
+  printf("  %lld rows planned over %d worlds\n", (long long)g_rows_planned, 20 * NCFG);
+  CHECK(g_rows_planned > 0);
 }
 
 /* Runs the plans on the CPU in the reference's arithmetic: each rank's partials of its layout
