@@ -426,7 +426,7 @@ typedef struct tw_tp_plan* tw_tp_plan_t;
  * plan is the EP plan. The producer's tiles run split by split (the first paper's L column
  * splits); segment s, split s's output, is published when its tiles are done.
  * config: the EP part's plan config (NULL = defaults; comm_ctas there fixes the EP part's C); its
- * hardware also feeds the TP model. Pure host work. */
+ * hardware and sm_budget also hold for the TP model. Pure host work. */
 TW_API tw_status tw_tp_plan_create(const tw_problem* problem, const tw_parallel* parallel,
                                    tw_routing_t routing, int32_t rank, const tw_plan_config* config,
                                    tw_tp_plan_t* plan);

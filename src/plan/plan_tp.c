@@ -382,11 +382,9 @@ tw_status tw_tp_plan_create(const tw_problem* problem, const tw_parallel* parall
                   "only after the TP sum, which the add dataflow's producer cannot do; plan for "
                   "TW_DATAFLOW_REDUCE (tw_plan_config.dataflow or TW_COMBINE_DATAFLOW=reduce)",
                   par.tp);
-  const tw_hardware* given =
-      config != NULL && config->size >= offsetof(tw_plan_config, hardware) + sizeof(void*)
-          ? config->hardware
-          : NULL;
-  if (st == TW_SUCCESS) st = tw__hardware_resolve(given, &pl->hw);
+  /* The hardware the EP part resolved (config's, else TW_CALIBRATION, else built-in), with the
+   * config's SM budget applied: the TP model plans for the same SMs. */
+  if (st == TW_SUCCESS) pl->hw = blk[pl->tp_index]->hardware;
   tw_plan_config fixed = TW_PLAN_CONFIG_INIT;
   fixed.use_model = 0;
   fixed.hardware = &pl->hw;

@@ -413,6 +413,12 @@ static void test_refusals(void) {
   CHECK_STATUS(tw_tp_plan_summary_get(pl, &sm), TW_ERR_CONFIG_VERSION);
   tw_tp_plan_destroy(pl);
   CHECK_OK(tw_tp_plan_destroy(NULL));
+  /* The config's SM budget holds for the TP model too (its P and c_max). */
+  tw_plan_config budget = TW_PLAN_CONFIG_INIT;
+  budget.sm_budget = 20;
+  CHECK_OK(tw_tp_plan_create(&small, &par, rt, 1, &budget, &pl));
+  if (pl != NULL) CHECK(pl->hw.sm_count == 20 && pl->hw.c_max <= 19 * pl->hw.occ_comm);
+  tw_tp_plan_destroy(pl);
   tw_routing_destroy(rt);
 }
 
