@@ -362,6 +362,117 @@ TW_API tw_status tw_tp_select(const tw_tp_workload* workload, const tw_hardware*
                               int32_t* best_c, double* t);
 
 /* -------------------------------------------------------------------------------------------- */
+/* Tensor parallel x expert parallel (TP x EP): planning only, no runtime yet                    */
+/* -------------------------------------------------------------------------------------------- */
+
+#define TW_PARALLEL_MAGIC 0x74775470u /* "twTp" */
+/* Largest TP group: its GatherRS reads partial sums from every TP peer over NVLink, so a group
+ * must sit in one NVLink domain (8 GPUs on an HGX H200 board). */
+#define TW_MAX_TP 8
+/* GatherRS defaults: the first paper's communication tile (TM_comm x TN_comm = 128 x 1024 tokens
+ * x columns) and its pipeline of L splits of the output columns. */
+#define TW_TP_DEFAULT_SPLITS 2
+#define TW_TP_DEFAULT_COMM_TILE_M 128
+#define TW_TP_DEFAULT_COMM_TILE_N 1024
+
+/* How a world of W = tp x ep ranks shares the experts. Ranks are numbered TP-innermost: rank r
+ * is TP index r % tp of EP group r / tp. EP group g holds experts [g E/ep, (g + 1) E/ep); each of
+ * its tp ranks holds, of every one of those experts, the F slice [q F/tp, (q + 1) F/tp) of TP
+ * index q (columns of w2, rows of w13). Tokens stay with their owner as in the EP layer; a
+ * routing for the problem (world_size W) describes them.
+ *
+ * A struct of its own rather than fields appended to tw_problem: a TP x EP problem has
+ * experts / ep local experts and needs experts divisible by ep, not by W, while every EP entry
+ * point (plans, contexts, kernels) relies on tw_problem_validate's experts % world_size == 0 and
+ * experts / world_size local experts. Kept apart, the EP path never sees a TP field, and a TP
+ * description cannot reach the EP runtime by mistake. */
+typedef struct tw_parallel {
+  size_t size;         /* sizeof(tw_parallel) */
+  uint32_t magic;      /* TW_PARALLEL_MAGIC */
+  uint32_t version;    /* TW_API_VERSION */
+  int32_t tp;          /* TP ranks per EP group, 1..TW_MAX_TP; ffn must be a multiple of 64 tp
+                          (each rank's F slice a whole number of the producer's 64-wide K slices) */
+  int32_t ep;          /* EP groups, 1..TW_MAX_RANKS; tp x ep = world_size; experts % ep == 0;
+                          0 = world_size / tp */
+  int32_t splits;      /* L: GatherRS splits of the hidden columns; must divide the GEMM2 column
+                          tiles ceil(hidden / TN); 0 = TW_TP_DEFAULT_SPLITS where it divides,
+                          else 1 */
+  int32_t comm_tile_m; /* TM_comm: rows of a GatherRS tile, 1..4096; 0 = 128 */
+  int32_t comm_tile_n; /* TN_comm: columns of a GatherRS tile, 8..65536, multiple of 8; 0 = 1024 */
+} tw_parallel;
+
+#define TW_PARALLEL_INIT \
+  { sizeof(tw_parallel), TW_PARALLEL_MAGIC, TW_API_VERSION, 1, 0, 0, 0, 0 }
+
+/* Checks a TP x EP description against a problem whose world_size is W = tp x ep (the problem's
+ * other checks as tw_problem_validate, but experts divisible by ep instead of W). Returns the
+ * first violation with a message naming the fix: TW_ERR_INVALID_SIZE (tp or ep out of range, tp
+ * x ep != world_size), TW_ERR_INDIVISIBLE (experts % ep), TW_ERR_ALIGNMENT (ffn % (64 tp)),
+ * TW_ERR_INVALID_ARGUMENT (splits, comm tiles), TW_ERR_UNSUPPORTED (tp > TW_MAX_TP). */
+TW_API tw_status tw_parallel_validate(const tw_problem* problem, const tw_parallel* parallel);
+
+typedef struct tw_tp_plan* tw_tp_plan_t;
+
+/* Plans rank `rank`'s GEMM2 + GatherRS of a TP x EP world (docs/model.md, "Tensor parallel").
+ * Rank r = (EP group g, TP index q). Every (token, slot) routed to an expert of g is one GEMM2
+ * row on each of g's tp ranks, which computes its partial sum over its F slice. The rows are laid
+ * out in tp blocks, block q' holding the rows of owners of TP index q' (the owners o with
+ * o % tp == q') in the remote-owner-aligned EP layout of "EP rank g" in the EP world of those
+ * owners; the layout is the same on every TP rank of g. GatherRS, a reduce-scatter over the TP
+ * group: rank (g, q') sums block q' over the group's tp ranks (its reduced rows are then exactly
+ * the EP plan's GEMM2 output), and the EP part, the EP combine of that EP world (tw_plan_create),
+ * takes each reduced row to its owner, whose weighted reduction sums the token's slots. With
+ * ep = 1 the reducer of a token's rows is its owner (the first paper's operator); with tp = 1 the
+ * plan is the EP plan. The producer's tiles run split by split (the first paper's L column
+ * splits); segment s, split s's output, is published when its tiles are done.
+ * config: the EP part's plan config (NULL = defaults; comm_ctas there fixes the EP part's C); its
+ * hardware and sm_budget also hold for the TP model. Pure host work. */
+TW_API tw_status tw_tp_plan_create(const tw_problem* problem, const tw_parallel* parallel,
+                                   tw_routing_t routing, int32_t rank, const tw_plan_config* config,
+                                   tw_tp_plan_t* plan);
+TW_API tw_status tw_tp_plan_destroy(tw_tp_plan_t plan);
+
+#define TW_TP_PLAN_SUMMARY_MAGIC 0x74775473u /* "twTs" */
+
+typedef struct tw_tp_plan_summary {
+  size_t size; /* sizeof(tw_tp_plan_summary), set by the caller (TW_TP_PLAN_SUMMARY_INIT) */
+  uint32_t magic;
+  uint32_t version;
+  int32_t rank, tp, ep, group, tp_index; /* this rank = (group, tp_index) */
+  int32_t local_experts;                 /* experts / ep */
+  int32_t ffn_slice;                     /* K = ffn / tp, this rank's F slice */
+  int32_t splits;                        /* L */
+  int32_t comm_tile_m, comm_tile_n;      /* TM_comm x TN_comm */
+  int64_t rows;                          /* GEMM2 rows of all tp blocks, padding included */
+  int64_t padding_rows;                  /* zero rows of the blocks' EP layouts */
+  int64_t bands, tiles;                  /* row bands; producer tiles (bands x column tiles) */
+  int64_t tiles_per_split;               /* W_comp: tiles of one split (eq. 6) */
+  int64_t reduce_rows;                   /* rows this rank reduces (its block, padding included) */
+  int64_t comm_tiles_per_split;          /* GatherRS tiles of its block in split 0 */
+  int64_t reduce_read_bytes;             /* partial-sum bytes it reads from its tp - 1 peers */
+  /* The TP part: the first paper's model (tw_tp_select) over this rank's tiles. */
+  int32_t tp_comm_ctas;      /* C* for the GatherRS; 0 when tp = 1 (nothing to reduce) */
+  double tp_predicted_waves; /* T(C*) in compute waves */
+  double tp_wave_us;         /* one compute wave (one producer tile), us, from the hardware */
+  double tp_predicted_us;    /* T(C*) x tp_wave_us */
+  /* The EP part: this rank's EP plan (tw_plan_create on block tp_index); 0s when ep = 1 and
+   * nothing leaves the rank. */
+  int32_t ep_comm_ctas, ep_coalesce;
+  int64_t ep_send_bytes;
+  double ep_predicted_us;
+  double solve_us; /* time tw_tp_plan_create took: the tp block layouts and both decisions */
+} tw_tp_plan_summary;
+
+#define TW_TP_PLAN_SUMMARY_INIT                                                                   \
+  {                                                                                               \
+    sizeof(tw_tp_plan_summary), TW_TP_PLAN_SUMMARY_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, \
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0.0, 0.0                         \
+  }
+
+/* Fills `summary` (its header set by TW_TP_PLAN_SUMMARY_INIT). */
+TW_API tw_status tw_tp_plan_summary_get(tw_tp_plan_t plan, tw_tp_plan_summary* summary);
+
+/* -------------------------------------------------------------------------------------------- */
 /* Runtime: contexts, device plans and the overlapped GEMM2 + combine (needs GPUs and NCCL)     */
 /* -------------------------------------------------------------------------------------------- */
 

@@ -120,6 +120,15 @@ tw_cli_arg tw__cli_tokens_list(int* dst, int max, int* count) {
 tw_cli_arg tw__cli_ranks(int* dst) {
   return tw__cli_alias(tw__cli_int("--ranks", dst, 1, TW_MAX_RANKS), "--gpus");
 }
+tw_cli_arg tw__cli_tp(int* dst) {
+  return tw__cli_int("--tp", dst, 1, TW_MAX_TP);
+}
+tw_cli_arg tw__cli_ep(int* dst) {
+  return tw__cli_int("--ep", dst, 1, TW_MAX_RANKS);
+}
+tw_cli_arg tw__cli_splits(int* dst) {
+  return tw__cli_int("--splits", dst, 1, 64);
+}
 tw_cli_arg tw__cli_tile_m(int* dst) {
   return tw__cli_int("--tile-m", dst, 1, TW_CLI_TILE_MAX);
 }

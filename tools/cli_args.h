@@ -90,6 +90,9 @@ tw_cli_arg tw__cli_topk(int* dst);                             /* --topk K: 1..6
 tw_cli_arg tw__cli_tokens(int* dst);                           /* --tokens T: 1..2^24 */
 tw_cli_arg tw__cli_tokens_list(int* dst, int max, int* count); /* --tokens T[,T...] */
 tw_cli_arg tw__cli_ranks(int* dst);             /* --ranks N (alias --gpus): 1..TW_MAX_RANKS */
+tw_cli_arg tw__cli_tp(int* dst);                /* --tp T: 1..TW_MAX_TP TP ranks per EP group */
+tw_cli_arg tw__cli_ep(int* dst);                /* --ep E: 1..TW_MAX_RANKS EP groups */
+tw_cli_arg tw__cli_splits(int* dst);            /* --splits L: 1..64 GatherRS column splits */
 tw_cli_arg tw__cli_tile_m(int* dst);            /* --tile-m TM: 1..1024 */
 tw_cli_arg tw__cli_tile_n(int* dst);            /* --tile-n TN: 1..1024 */
 tw_cli_arg tw__cli_comm_ctas(int* dst);         /* --comm-ctas C: 1..TW_MAX_COMM_CTAS */

@@ -4,7 +4,10 @@
  * (padding), the model's choice of consumer CTAs C and coalescing mgb, the predicted time of
  * every candidate, the sequential estimate and the time the decision took. --bench-solve times
  * the decision alone, for the expert-parallel model and for the first paper's tensor-parallel
- * form. Only the public API (tilewave.h) is used, as an application would.
+ * form. With --tp T (and --ep E) it plans the tensor-parallel operator instead, GEMM2 + GatherRS
+ * of a TP x EP world (tw_tp_plan_create): the TP configuration, the first paper's C for the
+ * GatherRS with its predicted time, and the EP part's choice. Only the public API (tilewave.h) is
+ * used, as an application would.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -38,6 +41,8 @@ typedef struct plan_opts {
   const char* routing_file;
   int json;
   int bench_solve; /* repetitions, 0 = off */
+  int32_t tp, ep;  /* TP x EP mode when tp > 0 (ep resolved) */
+  int32_t splits;  /* L of the GatherRS; 0 = the library's default */
 } plan_opts;
 
 static void plan_usage(FILE* f) {
@@ -58,6 +63,11 @@ static void plan_usage(FILE* f) {
           "auto)\n"
           "  --dataflow D          reduce | add: the combine dataflow predicted (default:\n"
           "                        TW_COMBINE_DATAFLOW, else reduce; add: top-1/2 only)\n"
+          "  --tp T --ep E         plan the tensor-parallel operator (GEMM2 + GatherRS) of a\n"
+          "                        TP x EP world: T ranks share each expert (F / T each), E\n"
+          "                        groups split the experts; --ranks = T x E (give two of them)\n"
+          "  --splits L            GatherRS column splits (default 2 where they divide);\n"
+          "                        with --tp, --comm-ctas / --coalesce fix the EP part's C / mgb\n"
           "  --calibration FILE    hardware description (default: TW_CALIBRATION, else H200)\n"
           "  --json                machine-readable output\n"
           "  --bench-solve [N]     time the decision N times (default 200): median, p99\n"
@@ -109,9 +119,12 @@ static int parse_args(int argc, char** argv, plan_opts* o) {
       tw__cli_json(&o->json),
       tw__cli_int("--bench-solve", &o->bench_solve, 1, 1000000),
       tw__cli_bool("--list-models", &list),
+      tw__cli_tp(&o->tp),
+      tw__cli_ep(&o->ep),
+      tw__cli_splits(&o->splits),
   };
   const int nargs = (int)(sizeof args / sizeof args[0]);
-  args[nargs - 2].has_optional = 1, args[nargs - 2].optional_value = 200;
+  args[nargs - 5].has_optional = 1, args[nargs - 5].optional_value = 200;
   int rc = tw__cli_parse("tilewave plan", argc, argv, args, nargs, plan_usage_cb, NULL);
   if (rc != 0) return rc;
   if (list) {
@@ -127,6 +140,37 @@ static int parse_args(int argc, char** argv, plan_opts* o) {
         "tilewave plan",
         "no problem shape: give --model NAME, or all of --hidden, --ffn, --experts "
         "and --topk");
+  /* TP x EP: the world is tp x ep; of --ranks, --tp and --ep any two decide the third. */
+  int ranks_seen = 0;
+  for (int i = 0; i < nargs; i++)
+    if (args[i].dst == &o->gpus) ranks_seen = args[i].seen;
+  if (o->tp == 0 && o->ep == 0 && o->splits != 0)
+    return tw__cli_usage_error("tilewave plan", "--splits is the GatherRS's; give it with --tp T");
+  if (o->tp != 0 || o->ep != 0) {
+    if (o->tp == 0) o->tp = 1;
+    if (o->ep != 0) {
+      if (ranks_seen && o->gpus != o->tp * o->ep)
+        return tw__cli_usage_error("tilewave plan",
+                                   "--ranks %d but --tp %d x --ep %d = %d ranks; give two of the "
+                                   "three (the world is tp x ep)",
+                                   o->gpus, o->tp, o->ep, o->tp * o->ep);
+      o->gpus = o->tp * o->ep;
+    } else {
+      if (!ranks_seen) o->gpus = o->tp;
+      if (o->gpus % o->tp != 0)
+        return tw__cli_usage_error("tilewave plan",
+                                   "--ranks %d is not a multiple of --tp %d; give --ep E for a "
+                                   "world of tp x ep ranks",
+                                   o->gpus, o->tp);
+      o->ep = o->gpus / o->tp;
+    }
+    if (o->gpus > TW_MAX_RANKS)
+      return tw__cli_usage_error("tilewave plan", "--tp %d x --ep %d = %d ranks; at most %d", o->tp,
+                                 o->ep, o->gpus, TW_MAX_RANKS);
+    if (o->bench_solve)
+      return tw__cli_usage_error("tilewave plan",
+                                 "--bench-solve times the EP plan; leave out --tp / --ep");
+  }
   if (o->rank >= o->gpus)
     return tw__cli_usage_error(
         "tilewave plan", "--rank %d must be below --ranks %d (ranks are 0..N-1)", o->rank, o->gpus);
@@ -391,6 +435,148 @@ static void print_text(const plan_out* p) {
   }
 }
 
+/* ---- TP x EP: `tilewave plan --tp T --ep E` ------------------------------------------------ */
+
+static void print_tp_json(const plan_opts* o, const tw_problem* p, const tw_parallel* par,
+                          const tw_hardware* hw, const char* calib, const tw_tp_plan_summary* s,
+                          int32_t n) {
+  printf("{\"problem\": {\"model\": ");
+  tw__json_str(stdout, o->model ? o->model : "custom");
+  printf(", \"hidden\": %d, \"ffn\": %d, \"experts\": %d, \"top_k\": %d, \"world_size\": %d, ",
+         p->hidden, p->ffn, p->experts, p->top_k, p->world_size);
+  if (o->routing_file)
+    printf("\"tokens_per_rank\": null, \"router\": null, \"seed\": null, ");
+  else {
+    printf("\"tokens_per_rank\": %d, \"router\": ", o->tokens);
+    tw__json_str(stdout, o->router_name);
+    printf(", \"seed\": %llu, ", (unsigned long long)o->seed);
+  }
+  printf("\"routing_file\": ");
+  tw__json_str(stdout, o->routing_file);
+  printf(
+      "},\n \"parallel\": {\"tp\": %d, \"ep\": %d, \"ffn_slice\": %d, \"local_experts\": %d, "
+      "\"splits\": %d, \"comm_tile_m\": %d, \"comm_tile_n\": %d},\n",
+      par->tp, par->ep, s[0].ffn_slice, s[0].local_experts, s[0].splits, s[0].comm_tile_m,
+      s[0].comm_tile_n);
+  printf(" \"hardware\": {\"sm_count\": %d, \"c_max\": %d, \"calibration\": ", hw->sm_count,
+         hw->c_max);
+  tw__json_str(stdout, calib);
+  printf("},\n \"ranks\": [");
+  for (int32_t i = 0; i < n; i++) {
+    const tw_tp_plan_summary* x = &s[i];
+    printf(
+        "%s\n  {\"rank\": %d, \"group\": %d, \"tp_index\": %d, \"rows\": %lld, "
+        "\"padding_rows\": %lld, \"bands\": %lld, \"tiles\": %lld, \"tiles_per_split\": %lld, "
+        "\"reduce_rows\": %lld, \"comm_tiles_per_split\": %lld, \"reduce_read_bytes\": %lld,\n"
+        "   \"tp\": {\"comm_ctas\": %d, \"predicted_waves\": %.6f, \"wave_us\": %.6f, "
+        "\"predicted_us\": %.6f},\n"
+        "   \"ep\": {\"comm_ctas\": %d, \"coalesce\": %d, \"send_bytes\": %lld, "
+        "\"predicted_us\": %.6f}, \"solve_us\": %.6f}",
+        i ? "," : "", x->rank, x->group, x->tp_index, (long long)x->rows,
+        (long long)x->padding_rows, (long long)x->bands, (long long)x->tiles,
+        (long long)x->tiles_per_split, (long long)x->reduce_rows,
+        (long long)x->comm_tiles_per_split, (long long)x->reduce_read_bytes, x->tp_comm_ctas,
+        x->tp_predicted_waves, x->tp_wave_us, x->tp_predicted_us, x->ep_comm_ctas, x->ep_coalesce,
+        (long long)x->ep_send_bytes, x->ep_predicted_us, x->solve_us);
+  }
+  printf("]}\n");
+}
+
+static void print_tp_text(const plan_opts* o, const tw_problem* p, const tw_parallel* par,
+                          const tw_hardware* hw, const char* calib, const tw_tp_plan_summary* s,
+                          int32_t n) {
+  print_problem(o, p);
+  const tw_tp_plan_summary* a = &s[0];
+  printf(
+      "TP x EP: tp %d x ep %d = %d ranks (rank = group x %d + TP index); each EP group holds "
+      "%d experts, each rank the F slice %d of %d of every one of them\n",
+      par->tp, par->ep, p->world_size, par->tp, a->local_experts, a->ffn_slice, p->ffn);
+  printf(
+      "GatherRS: L = %d splits of the %d columns, tiles %d x %d; hardware: %s (G %d, c_max "
+      "%d)\n",
+      a->splits, p->hidden, a->comm_tile_m, a->comm_tile_n, calib ? calib : "built-in H200",
+      hw->sm_count, hw->c_max);
+  for (int32_t i = 0; i < n; i++) {
+    const tw_tp_plan_summary* x = &s[i];
+    printf(
+        "\nrank %d (group %d, TP index %d): rows %lld (padding %lld) in %d blocks, bands %lld, "
+        "tiles %lld (%lld per split)\n",
+        x->rank, x->group, x->tp_index, (long long)x->rows, (long long)x->padding_rows, x->tp,
+        (long long)x->bands, (long long)x->tiles, (long long)x->tiles_per_split);
+    if (x->tp > 1)
+      printf(
+          "  TP part (first paper's model, tw_tp_select): C = %d GatherRS CTAs; T = %.3f waves "
+          "x %.3f us = %.2f us; reduces %lld rows (%lld tiles per split), reads %.3f MB from "
+          "%d TP peer%s\n",
+          x->tp_comm_ctas, x->tp_predicted_waves, x->tp_wave_us, x->tp_predicted_us,
+          (long long)x->reduce_rows, (long long)x->comm_tiles_per_split,
+          (double)x->reduce_read_bytes / 1e6, x->tp - 1, x->tp > 2 ? "s" : "");
+    else
+      printf("  TP part: none (tp = 1: every row is whole on its rank)\n");
+    if (x->ep > 1)
+      printf(
+          "  EP part (our model, tw_plan_create): C = %d, mgb = %d; predicted %.2f us, sends "
+          "%.3f MB to owners in other groups\n",
+          x->ep_comm_ctas, x->ep_coalesce, x->ep_predicted_us, (double)x->ep_send_bytes / 1e6);
+    else
+      printf("  EP part: none (ep = 1: every reduced row is its reducer's own token)\n");
+    printf("  planned in %.3f us (layouts and both decisions)\n", x->solve_us);
+  }
+}
+
+/* Plans every asked rank of the TP x EP world of `prob` (world_size set here). */
+static int plan_tp_main(const plan_opts* o, tw_problem* prob, const tw_hardware* hw,
+                        const char* calib, const tw_plan_config* cfg) {
+  tw_parallel par = TW_PARALLEL_INIT;
+  par.tp = o->tp;
+  par.ep = o->ep;
+  par.splits = o->splits;
+  tw_status st = tw_parallel_validate(prob, &par);
+  if (st != TW_SUCCESS)
+    return tw__cli_usage_error("tilewave plan", "--tp %d --ep %d: %s", o->tp, o->ep,
+                               tw_last_error());
+  tw_routing_t rt = NULL;
+  if (o->routing_file)
+    st = tw_routing_read(prob, o->routing_file, &rt);
+  else
+    st = tw_routing_generate(prob, o->router, o->router_param, o->tokens, o->seed, &rt);
+  if (st != TW_SUCCESS) {
+    if (prob->experts % prob->world_size != 0)
+      return tw__cli_usage_error("tilewave plan",
+                                 "--tp %d --ep %d: routings are still built over the world's "
+                                 "ranks and need experts (%d) divisible by tp x ep (%d); choose "
+                                 "a world that divides them",
+                                 o->tp, o->ep, prob->experts, prob->world_size);
+    return plan_fail("building the routing", st);
+  }
+  const int32_t r0 = o->all_ranks ? 0 : o->rank;
+  const int32_t r1 = o->all_ranks ? prob->world_size - 1 : o->rank;
+  const int32_t n = r1 - r0 + 1;
+  tw_tp_plan_summary* s = calloc((size_t)n, sizeof *s);
+  if (s == NULL) st = TW_ERR_OUT_OF_MEMORY;
+  for (int32_t r = r0; st == TW_SUCCESS && r <= r1; r++) {
+    tw_tp_plan_t plan = NULL;
+    st = tw_tp_plan_create(prob, &par, rt, r, cfg, &plan);
+    tw_tp_plan_summary x = TW_TP_PLAN_SUMMARY_INIT;
+    if (st == TW_SUCCESS) st = tw_tp_plan_summary_get(plan, &x);
+    s[r - r0] = x;
+    tw_tp_plan_destroy(plan);
+  }
+  int rc = 0;
+  if (st != TW_SUCCESS)
+    rc = plan_fail("planning", st);
+  else {
+    par.ep = s[0].ep;
+    if (o->json)
+      print_tp_json(o, prob, &par, hw, calib, s, n);
+    else
+      print_tp_text(o, prob, &par, hw, calib, s, n);
+  }
+  free(s);
+  tw_routing_destroy(rt);
+  return rc;
+}
+
 int tw_cli_plan(int argc, char** argv) {
   plan_opts o;
   int rc = parse_args(argc, argv, &o);
@@ -413,7 +599,9 @@ int tw_cli_plan(int argc, char** argv) {
   prob.max_tokens = o.tokens;
   prob.tile_m = o.tile_m;
   prob.tile_n = o.tile_n;
-  st = tw_problem_validate(&prob);
+  /* A TP x EP problem divides its experts by ep, not by the world: tw_parallel_validate checks
+   * it (below, once the hardware is known). */
+  st = o.tp > 0 ? TW_SUCCESS : tw_problem_validate(&prob);
   if (st != TW_SUCCESS) return plan_fail("invalid problem", st);
 
   /* The hardware the plans use, resolved here so that the table spans its c_max. */
@@ -431,6 +619,8 @@ int tw_cli_plan(int argc, char** argv) {
   cfg.coalesce = o.coalesce;
   cfg.schedule = o.schedule;
   cfg.dataflow = o.dataflow;
+
+  if (o.tp > 0) return plan_tp_main(&o, &prob, &hw, calib, &cfg);
 
   tw_routing_t rt = NULL;
   if (o.routing_file)

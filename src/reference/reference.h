@@ -140,6 +140,25 @@ tw_status tw__ref_gemm2_combine_f32(tw_routing_t routing, const float* const* h,
  * |err| <= (gamma_F (1 + gamma_{k+1}) + gamma_{k+1}) * mag. Returns the factor. */
 double tw__ref_fp32_error_bound(int32_t ffn, int32_t top_k);
 
+/* TP x EP GEMM2 + GatherRS of the whole world (docs/model.md, "Tensor parallel"), from the same
+ * inputs as tw__ref_gemm2_combine_f32, in fp32 in one order. With tp ranks per EP group, rank
+ * (g, q) holds F slice q, [q F/tp, (q + 1) F/tp), of every expert of group g, and for a token t of
+ * owner o, slot j, expert e (group g_j):
+ *   p_q[n] = sum over f of slice q, ascending, of h[o][t][j][f] * w2[e][n][f]   (rank (g_j, q))
+ *            rounded to bf16 when partial_bf16 (the producer's bf16 store), else kept fp32;
+ *   y[n]   = p_0[n] + p_1[n] + ... + p_{tp-1}[n]   (GatherRS at rank (g_j, o % tp), TP order)
+ *   out[o][t][n] = bf16(sum over j = 0..k-1 of w[t][j] * y_j[n])  (the owner, slot order).
+ * With tp = 1 and partial_bf16 = 0 this is bf16(tw__ref_gemm2_combine_f32) bit for bit. Any
+ * hidden, ffn >= 1 with ffn % tp == 0 (no kernel alignment).
+ * [in]  routing the world's routing (W = tp x ep ranks)
+ * [in]  tp      TP ranks per EP group, dividing W and ffn
+ * [in]  h       (W) -> (tokens[r], top_k, ffn) GEMM2 inputs by owner (every TP rank of the
+ *               expert's group holds the row's F slice)
+ * [in]  w2      (experts, hidden, ffn)
+ * [out] out     (W) -> (tokens[r], hidden) bf16 bits */
+tw_status tw__ref_tp_gemm2_gatherrs(tw_routing_t routing, int32_t tp, int partial_bf16,
+                                    const float* const* h, const float* w2, uint16_t* const* out);
+
 /* ---------------------------------------------------------------------------------------- */
 /* CPU execution of planned GEMM2 + combine                                                  */
 /* ---------------------------------------------------------------------------------------- */

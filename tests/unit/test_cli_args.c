@@ -14,7 +14,7 @@
 #include "tw_test.h"
 
 typedef struct opts {
-  int hidden, ranks, json, schedule, tokens[4], ntokens, bench;
+  int hidden, ranks, json, schedule, tokens[4], ntokens, bench, tp, ep, splits;
   double tol;
   const char* file;
   int64_t seed;
@@ -41,6 +41,9 @@ static int parse(opts* o, const char* const* args) {
       tw__cli_seed(&o->seed),
       tw__cli_router_arg(&o->router),
       tw__cli_int("--bench-solve", &o->bench, 1, 100),
+      tw__cli_tp(&o->tp),
+      tw__cli_ep(&o->ep),
+      tw__cli_splits(&o->splits),
   };
   t[9].has_optional = 1, t[9].optional_value = 7;
   return tw__cli_parse("test", argc, argv, t, (int)(sizeof t / sizeof t[0]), NULL, NULL);
@@ -91,6 +94,18 @@ static void test_ranges(void) {
   CHECK(parse(&o, edge) == 0);
   CHECK(o.hidden == 65536 && o.ranks == 64);
   CHECK(o.router.router == TW_ROUTER_TARGET && o.router.param == 2.0);
+  /* The TP x EP concepts: tp within one NVLink domain, ep up to the ranks of a context. */
+  const char* tp_edge[] = {"--tp", "8", "--ep", "64", "--splits", "64", NULL};
+  CHECK(parse(&o, tp_edge) == 0);
+  CHECK(o.tp == TW_MAX_TP && o.ep == TW_MAX_RANKS && o.splits == 64);
+  const char* tp_hi[] = {"--tp", "9", NULL};
+  const char* tp_lo[] = {"--tp", "0", NULL};
+  const char* ep_hi[] = {"--ep", "65", NULL};
+  const char* splits_lo[] = {"--splits", "0", NULL};
+  CHECK(parse(&o, tp_hi) == 2);
+  CHECK(parse(&o, tp_lo) == 2);
+  CHECK(parse(&o, ep_hi) == 2);
+  CHECK(parse(&o, splits_lo) == 2);
 }
 
 static void test_optional_and_help(void) {
