@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "bench_common.h"
+#include "bench_cublas.h"
 #include "cli.h"
 #include "cli_args.h"
 #include "core.h"
@@ -503,19 +504,10 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
         for (int e : {4, 8, 16, 32, 64}) shapes.push_back({rows, 2048, n, e});
     shapes.push_back({8192, 1408, 2048, 30});
   }
-  int dev = 0;
   cudaDeviceProp prop;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
-    fprintf(stderr, "bench gemm: no usable CUDA device\n");
-    return 1;
-  }
   cublasHandle_t h;
   cudaStream_t s;
-  if (cudaStreamCreate(&s) != cudaSuccess || cublasCreate(&h) != CUBLAS_STATUS_SUCCESS) {
-    fprintf(stderr, "bench gemm: cannot create a stream or cuBLAS handle\n");
-    return 1;
-  }
-  cublasSetStream(h, s);
+  if (twb_cublas_setup("bench gemm", &prop, &s, &h) != 0) return 1;
   printf(
       "# bench gemm on %s (%d SMs), grid %d, variant %d, tm %d, %s layout, median of %d reps, "
       "%d us idle before each call\n",

@@ -29,6 +29,7 @@
 
 #include "baseline.h"
 #include "bench_common.h"
+#include "bench_cublas.h"
 #include "cli.h"
 #include "cli_args.h"
 #include "core.h"
@@ -381,19 +382,10 @@ extern "C" int tw_cli_bench_gemm1(int argc, char** argv) {
                                  "unknown --model; use qwen1.5-moe-a2.7b, mixtral-8x7b or "
                                  "deepseek-v3");
   }
-  int dev = 0;
   cudaDeviceProp prop;
-  if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) {
-    fprintf(stderr, "bench gemm1: no usable CUDA device\n");
-    return 1;
-  }
   cublasHandle_t hd;
   cudaStream_t s;
-  if (cudaStreamCreate(&s) != cudaSuccess || cublasCreate(&hd) != CUBLAS_STATUS_SUCCESS) {
-    fprintf(stderr, "bench gemm1: cannot create a stream or cuBLAS handle\n");
-    return 1;
-  }
-  cublasSetStream(hd, s);
+  if (twb_cublas_setup("bench gemm1", &prop, &s, &hd) != 0) return 1;
   printf(
       "# bench gemm1 on %s (%d SMs), grid %d, variant %d, tm %d, even layout, median of %d reps, "
       "%d us idle before each call; roofline at %.0f TFLOP/s and %.0f GB/s\n",
