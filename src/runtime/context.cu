@@ -971,22 +971,6 @@ extern "C" tw_status tw__context_call_state(tw_context_t ctx, cudaStream_t strea
   return TW_SUCCESS;
 }
 
-extern "C" tw_status tw__context_error_record(tw_context_t ctx, cudaStream_t stream,
-                                              int32_t* record5) {
-  tw__clear_error();
-  TW_CHECK_NULL(ctx);
-  TW_CHECK_NULL(record5);
-  TW_DEVICE_SCOPE(ctx);
-  TW_TRY(tw__sync_all(ctx));
-  TW_CUDA_TRY(cudaStreamSynchronize(stream));
-  tw_dev_error e;
-  TW_CUDA_TRY(cudaMemcpyAsync(&e, ctx->err, sizeof e, cudaMemcpyDeviceToHost, ctx->s_aux));
-  TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
-  record5[0] = e.status, record5[1] = e.where, record5[2] = e.index;
-  record5[3] = (int32_t)e.seen, record5[4] = (int32_t)e.target;
-  return TW_SUCCESS;
-}
-
 extern "C" tw_status tw__context_last_launch(tw_context_t ctx, tw__launch_record* record) {
   TW_CHECK_NULL(ctx);
   TW_CHECK_NULL(record);

@@ -41,9 +41,6 @@ tw_status tw__context_last_launch(tw_context_t ctx, tw__launch_record* record);
  * the arrivals counted in this rank's window (world entries each). */
 tw_status tw__context_call_state(tw_context_t ctx, cudaStream_t stream, uint32_t* epoch,
                                  uint32_t* targets, uint32_t* arrivals);
-/* This rank's device error record, raw (status, where, index, seen, target): tests that need
- * every rank's and not only the first failing one's. Waits as tw__context_call_state. */
-tw_status tw__context_error_record(tw_context_t ctx, cudaStream_t stream, int32_t* record5);
 
 /* Injects a consumer fault (tw_fault) into this rank's next overlapped/unfused call only. */
 tw_status tw__context_inject_fault(tw_context_t ctx, int kind, int index);
