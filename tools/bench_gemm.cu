@@ -25,7 +25,7 @@
 #include <vector>
 
 #include "bench_common.h"
-#include "bench_cublas.h"
+#include "bench_gemm_common.h"
 #include "cli.h"
 #include "cli_args.h"
 #include "core.h"
@@ -90,50 +90,6 @@ __global__ void bench_compare(const __nv_bfloat16* a, const __nv_bfloat16* b, si
     if (!(fabsf(x - y) <= (fabsf(y) + fabsf(x)) * (1.0f / 128) + abs_tol)) local++;
   }
   if (local) atomicAdd(wrong, local);
-}
-
-/* The mean of the two middle values for an even count (harness/bench_stats.h), 0 for none. */
-double median(const std::vector<float>& v) {
-  return v.empty() ? 0.0 : tw__stats_percentile_f(v.data(), (int)v.size(), 0.5);
-}
-
-/* Times the functions of `fns` (each returns 0 on success) interleaved rep by rep, so that
- * clock and power drift hit all of them alike, and with the starting function rotated every rep
- * (A B C, B C A, C A B, ...): the first call after the host's wait also pays the launch gap,
- * which must not always land on the same function. us[i] gets the median microseconds of
- * fns[i] over reps after warmup rounds. With delay_us > 0 every timed call follows that long a
- * nearly idle device (tw__bench_delay, outside the call's events), as in `tilewave bench`;
- * with 0 the calls run back to back, a sustained load. Returns false on a failure. */
-template <typename F>
-bool time_interleaved(const std::vector<F>& fns, int warmup, int reps, int delay_us, cudaStream_t s,
-                      std::vector<double>& us) {
-  const size_t n = fns.size();
-  for (int i = 0; i < warmup; i++)
-    for (size_t f = 0; f < n; f++)
-      if (fns[f]() != 0) return false;
-  /* ev[2j], ev[2j + 1]: the start and end of the rep's j-th call. */
-  std::vector<cudaEvent_t> ev(2 * n);
-  for (auto& e : ev) cudaEventCreate(&e);
-  std::vector<std::vector<float>> ms(n);
-  bool ok = true;
-  for (int i = 0; i < reps && ok; i++) {
-    for (size_t j = 0; j < n && ok; j++) {
-      ok = tw__bench_delay(s, delay_us) == TW_SUCCESS; /* nothing when delay_us is 0 */
-      cudaEventRecord(ev[2 * j], s);
-      ok = ok && fns[(j + i) % n]() == 0;
-      cudaEventRecord(ev[2 * j + 1], s);
-    }
-    cudaEventSynchronize(ev[2 * n - 1]);
-    for (size_t j = 0; j < n; j++) {
-      float t = 0;
-      cudaEventElapsedTime(&t, ev[2 * j], ev[2 * j + 1]);
-      ms[(j + i) % n].push_back(t);
-    }
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  us.resize(n);
-  for (size_t f = 0; f < n; f++) us[f] = median(ms[f]) * 1000.0;
-  return ok;
 }
 
 /* The planner's layout and schedule for rank 0 of a 2-rank balanced top-2 routing whose rank 0
@@ -387,7 +343,7 @@ int bench_shape(Shape sh, const BenchOpts& o, cublasHandle_t h, cudaStream_t s) 
   for (int c = 0; c < kNumCalls; c++)
     if (o.only >> c & 1) fns.push_back(all[c]);
   std::vector<double> timed;
-  if (!time_interleaved(fns, o.warmup, o.reps, o.delay_us, s, timed)) {
+  if (!twb_time_interleaved(fns, o.warmup, o.reps, o.delay_us, s, timed)) {
     fprintf(stderr, "bench gemm: a timed call failed: %s\n", tw_last_error());
     return -1;
   }

@@ -29,7 +29,7 @@
 
 #include "baseline.h"
 #include "bench_common.h"
-#include "bench_cublas.h"
+#include "bench_gemm_common.h"
 #include "cli.h"
 #include "cli_args.h"
 #include "core.h"
@@ -92,39 +92,6 @@ __global__ void g1_compare(const __nv_bfloat16* x, const __nv_bfloat16* y, size_
     if (!(fabsf(a - b) <= (fabsf(a) + fabsf(b)) * (1.0f / 64) + abs_tol)) local++;
   }
   if (local) atomicAdd(wrong, local);
-}
-
-/* Times fns interleaved rep by rep with the first call rotated every rep (bench gemm's
- * time_interleaved): us[i] = the median microseconds of fns[i]. */
-bool g1_time(const std::vector<std::function<int()>>& fns, int warmup, int reps, int delay_us,
-             cudaStream_t s, std::vector<double>& us) {
-  const size_t n = fns.size();
-  for (int i = 0; i < warmup; i++)
-    for (size_t f = 0; f < n; f++)
-      if (fns[f]() != 0) return false;
-  std::vector<cudaEvent_t> ev(2 * n);
-  for (auto& e : ev) cudaEventCreate(&e);
-  std::vector<std::vector<float>> ms(n);
-  bool ok = true;
-  for (int i = 0; i < reps && ok; i++) {
-    for (size_t j = 0; j < n && ok; j++) {
-      ok = tw__bench_delay(s, delay_us) == TW_SUCCESS;
-      cudaEventRecord(ev[2 * j], s);
-      ok = ok && fns[(j + i) % n]() == 0;
-      cudaEventRecord(ev[2 * j + 1], s);
-    }
-    cudaEventSynchronize(ev[2 * n - 1]);
-    for (size_t j = 0; j < n; j++) {
-      float t = 0;
-      cudaEventElapsedTime(&t, ev[2 * j], ev[2 * j + 1]);
-      ms[(j + i) % n].push_back(t);
-    }
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  us.resize(n);
-  for (size_t f = 0; f < n; f++)
-    us[f] = tw__stats_percentile_f(ms[f].data(), (int)ms[f].size(), 0.5) * 1000.0;
-  return ok;
 }
 
 int bench_shape(const Gemm1Shape& sh, const Gemm1Opts& o, cublasHandle_t hd, cudaStream_t s) {
@@ -274,7 +241,7 @@ int bench_shape(const Gemm1Shape& sh, const Gemm1Opts& o, cublasHandle_t hd, cud
   }
   const std::vector<std::function<int()>> fns = {ours, ours_unfused, loop, grouped, concat};
   std::vector<double> us;
-  if (!g1_time(fns, o.warmup, o.reps, o.delay_us, s, us)) {
+  if (!twb_time_interleaved(fns, o.warmup, o.reps, o.delay_us, s, us)) {
     fprintf(stderr, "bench gemm1: a timed call failed: %s\n", tw_last_error());
     return -1;
   }
