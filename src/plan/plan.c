@@ -237,6 +237,37 @@ tw_status tw__plan_create_from_counts(const tw_problem* problem, const int32_t* 
   return tw__plan_build(p, NULL, counts, rank, config, schedule, dataflow, tile_group, plan);
 }
 
+tw_status tw__plan_create_static(const tw_problem* problem, int32_t capacity, int32_t rank,
+                                 const tw_plan_config* config, tw_plan_t* plan) {
+  tw__clear_error();
+  TW_CHECK_NULL(plan);
+  *plan = NULL;
+  TW_TRY(tw_problem_validate(problem));
+  const tw_problem* p = problem;
+  const int32_t TM = tw__resolve_tile_m(p), W = p->world_size, ET = p->experts;
+  /* Rows of the layout: every (local expert, source) group is `capacity` rows. */
+  if (capacity < 1 || capacity % TM != 0 ||
+      (int64_t)capacity * (ET / W) * W > INT32_MAX)
+    return tw__fail(TW_ERR_INVALID_SIZE,
+                    "static plan: capacity %d rows per (expert, source); must be a positive "
+                    "multiple of the tile height %d with experts x capacity (%lld rows) within "
+                    "int32",
+                    capacity, TM, (long long)capacity * ET);
+  if (rank < 0 || rank >= W)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "rank %d is outside 0..%d (world_size %d)", rank,
+                    W - 1, W);
+  int32_t schedule = TW_SCHEDULE_AUTO, dataflow = TW_DATAFLOW_REDUCE;
+  int32_t tile_group = TW_TILE_GROUP_DEFAULT;
+  TW_TRY(tw__plan_config_resolve(p, config, &schedule, &dataflow, &tile_group));
+  int32_t* counts = malloc((size_t)W * (size_t)ET * sizeof(int32_t));
+  if (counts == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "static plan: out of host memory");
+  for (size_t i = 0; i < (size_t)W * (size_t)ET; i++) counts[i] = capacity;
+  const tw_status st =
+      tw__plan_build(p, NULL, counts, rank, config, schedule, dataflow, tile_group, plan);
+  free(counts);
+  return st;
+}
+
 tw_status tw_plan_summary_get(tw_plan_t plan, tw_plan_summary* summary) {
   tw__clear_error();
   TW_CHECK_NULL(plan);

@@ -188,6 +188,13 @@ tw_status tw__plan_layout_counts(struct tw_plan* plan, const int32_t* counts);
  * names an expert once). */
 tw_status tw__plan_create_from_counts(const tw_problem* problem, const int32_t* counts,
                                       int32_t rank, const tw_plan_config* config, tw_plan_t* plan);
+/* The capturable dispatch's static plan (plan.c): tw__plan_create_from_counts of the count
+ * matrix whose every entry is `capacity` (a positive multiple of the tile height), without the
+ * checks that make a count matrix a routing's (whole tokens, max_tokens, one expert per token):
+ * every group (local expert, source rank) is `capacity` rows, whatever the routing, so layout,
+ * bands, tiles, segments and receive offsets stay valid for every call. */
+tw_status tw__plan_create_static(const tw_problem* problem, int32_t capacity, int32_t rank,
+                                 const tw_plan_config* config, tw_plan_t* plan);
 /* Builds plan->segments for a coalescing factor (replaces any previous ones; the array is sized
  * for the worst case at plan creation, so rebuilding never allocates). Planner (segments.c). */
 tw_status tw__plan_build_segments(struct tw_plan* plan, int32_t coalesce);
