@@ -41,6 +41,10 @@ typedef struct tw_gemm_args {
   int32_t experts;
   const tw_tile* tiles; /* (num_tiles) device array, execution order */
   int32_t num_tiles;
+  /* Device int (NULL: off): the launch runs tiles [0, min(*live_tiles, num_tiles)), a count an
+   * earlier kernel on the stream wrote (the capturable dispatch's list of tiles with live rows,
+   * dispatch.h); the grid is still sized from num_tiles. */
+  const int32_t* live_tiles;
   int32_t tm, tn; /* tile shape the tiles were planned for */
   int32_t grid;   /* P: persistent CTAs (CTA j takes tiles j, j+P, ...); 0 = all SMs */
   tw_signal_scope scope;
@@ -131,6 +135,7 @@ typedef struct tw_gemm1_args {
                            expert of a band, col0 a multiple of TW_GEMM1_TN below ffn
                            (tw__plan_gemm1_tiles); band is not read */
   int32_t num_tiles;
+  const int32_t* live_tiles; /* as tw_gemm_args.live_tiles; NULL: all num_tiles */
   int32_t tm;      /* band height of the layout: 128 (128 x 128 tiles) or 64 (64 x 128 tiles) */
   int32_t grid;    /* P: persistent CTAs (CTA j takes tiles j, j+P, ...); 0 = all SMs */
   int32_t variant; /* 0 = default (5), 1 = simple (WMMA), 2..5 the wgmma epilogues of

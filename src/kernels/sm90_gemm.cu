@@ -93,6 +93,13 @@ __device__ __forceinline__ void v1_load_slice(__nv_bfloat16 (*dst)[kV1BK + kV1Pa
   }
 }
 
+/* Tiles a launch runs: the first *live_tiles of the list when the call computes it on the device
+ * (the capturable dispatch drops the tiles of bands without live rows, dispatch.cu), else all.
+ * A plain load: an earlier kernel on the stream wrote it. Every role of a CTA reads the same. */
+__device__ __forceinline__ int tw__tile_count(const tw_gemm_args& a) {
+  return a.live_tiles != nullptr ? min(*a.live_tiles, a.num_tiles) : a.num_tiles;
+}
+
 template <bool kSwiglu>
 __global__ void __launch_bounds__(kV1Threads) tw_gemm_v1_kernel(tw_gemm_args args) {
   using namespace nvcuda;
@@ -108,8 +115,9 @@ __global__ void __launch_bounds__(kV1Threads) tw_gemm_v1_kernel(tw_gemm_args arg
    * one warp holds the gate and the up value of the same output element. */
   const int out_cols_per_pass = kSwiglu ? kV1BN / 2 : kV1BN;
   const bool signal = args.band_counters != NULL && args.scope != TW_SIGNAL_NONE;
+  const int num_tiles = tw__tile_count(args);
 
-  for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
     const tw_tile tile = args.tiles[t];
     const int rows = min(tile.rows, args.tm);
     const __nv_bfloat16* Be = B + (int64_t)tile.expert * n_b * k;
@@ -469,6 +477,7 @@ __global__ void __launch_bounds__(384, 1)
   const bool epi_warp = kStaging || (EPI == kEpiSignalWarp && signal);
   const int wg = threadIdx.x / 128;
   const int nk = args.k / 64;
+  const int num_tiles = tw__tile_count(args);
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; s++) {
@@ -501,7 +510,7 @@ __global__ void __launch_bounds__(384, 1)
     if (EPI != kEpiDirect && threadIdx.x / 32 == 1 && epi_warp) {
       const int lane = threadIdx.x % 32;
       uint32_t it = 0;
-      for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x, it++) {
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, it++) {
         const tw_tile tile = args.tiles[t];
         tw__mbar_wait(epi_ready, it & 1); /* acquire (CTA): the consumers' part of tile t */
         if (EPI == kEpiStaged) {
@@ -575,7 +584,7 @@ __global__ void __launch_bounds__(384, 1)
       const int64_t n_b = SWIGLU ? 2 * (int64_t)args.n : args.n;
       int stage = 0;
       uint32_t phase = 0;
-      for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x) {
+      for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         const tw_tile tile = args.tiles[t];
         const int32_t brow = (int32_t)(tile.expert * n_b + tile.col0);
         for (int kb = 0; kb < nk; kb++) {
@@ -627,7 +636,7 @@ __global__ void __launch_bounds__(384, 1)
   uint32_t it = 0; /* this CTA's tile count, for the epi_ready / epi_done phases */
   float acc[Cfg::kAcc];
 
-  for (int t = blockIdx.x; t < args.num_tiles; t += gridDim.x, it++) {
+  for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, it++) {
     const tw_tile tile = args.tiles[t];
     if (threadIdx.x == 128) tw_trace_event(args.trace, TW_TRACE_TILE_BEGIN, blockIdx.x, t);
 #pragma unroll
@@ -1105,6 +1114,7 @@ extern "C" tw_status tw__gemm1_swiglu_launch(const tw_gemm1_args* args, cudaStre
   g.experts = args->experts;
   g.tiles = args->tiles;
   g.num_tiles = args->num_tiles;
+  g.live_tiles = args->live_tiles;
   g.tm = args->tm;
   g.tn = TW_GEMM1_TN;
   g.grid = args->grid;
