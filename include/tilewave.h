@@ -532,6 +532,18 @@ typedef struct tw_context_config {
    * (GEMM1's K slice). 0 (default): no layer. The same on every rank; the reduce dataflow only.
    * Appended after `dispatch`. */
   int32_t layer;
+  /* > 0: the capturable dispatch (implies dispatch = 1; the reduce dataflow; 1..max_tokens):
+   * every (local expert, source rank) group gets this many rows, rounded up to the tile height
+   * TM, whatever the routing (the design of DeepEP's low-latency mode), so tw_moe_dispatch and
+   * tw_moe_layer read no routing data on the host and can be captured in a CUDA graph (their
+   * comments say what changes). A source with more slots for one expert than the capacity fails
+   * the call (TW_ERR_CAPACITY from tw_context_check on every rank, naming the token). Memory: the
+   * buffers sized by rows (expert-input rows, GEMM2 output, h) hold at least E W C rows and the
+   * receive window at least (W - 1) E C rows (E = local experts, C = the rounded capacity), i.e.
+   * about (3 hidden + ffn) x 2 bytes x E W C on each rank; tw_context_memory_get has the totals.
+   * The work per call is that of the live rows plus at most one partial band per group.
+   * 0 (default): the eager dispatch. The same on every rank. Appended after `layer`. */
+  int32_t dispatch_capacity;
 } tw_context_config;
 
 /* How the consumer moves rows to a peer. */
@@ -547,7 +559,7 @@ typedef enum tw_consumer_copy {
 #define TW_CONTEXT_CONFIG_INIT                                                                     \
   {                                                                                                \
     sizeof(tw_context_config), TW_CONTEXT_CONFIG_MAGIC, TW_API_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0, \
-        0                                                                                          \
+        0, 0                                                                                       \
   }
 
 /* Creates a context for one rank. COLLECTIVE over `comm`: every rank calls it with the same

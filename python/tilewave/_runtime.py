@@ -23,7 +23,8 @@ class _CContextConfig(ctypes.Structure):
                 ("max_comm_ctas", ctypes.c_int32), ("timing", ctypes.c_int32),
                 ("unit_tiles", ctypes.c_int32), ("consumer_copy", ctypes.c_int32),
                 ("dataflow", ctypes.c_int32), ("sm_budget", ctypes.c_int32),
-                ("dispatch", ctypes.c_int32), ("layer", ctypes.c_int32)]
+                ("dispatch", ctypes.c_int32), ("layer", ctypes.c_int32),
+                ("dispatch_capacity", ctypes.c_int32)]
 
 
 class _CCombineOptions(ctypes.Structure):

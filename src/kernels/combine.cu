@@ -401,10 +401,14 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     const tw_band band = a.bands[band_i];
     const int c0 = ct0 * a.tn;
     const int ncols = a.hidden - c0 < unit_tiles * a.tn ? a.hidden - c0 : unit_tiles * a.tn;
+    /* The capturable dispatch's mask: only the band's live rows leave (the rest of a static
+     * plan's band holds no token this call). Written before the call's first kernel. */
+    const int valid = a.band_live == nullptr ? band.valid_rows
+                                             : min(band.valid_rows, max(0, a.band_live[band_i]));
     /* This part's rows of the band's valid ones: [r0, r0 + nrows). */
-    const int part_rows = (band.valid_rows + parts - 1) / parts;
+    const int part_rows = (valid + parts - 1) / parts;
     const int r0 = part * part_rows;
-    const int nrows = max(0, min(part_rows, band.valid_rows - r0));
+    const int nrows = max(0, min(part_rows, valid - r0));
     char* peer = s_peer[dest];
     if (!skip && nrows > 0) {
       const size_t at = (size_t)r0 * row_bytes + (size_t)c0 * 2;
@@ -484,8 +488,13 @@ cudaError_t tw__consumer_enable_smem() {
 
 __global__ void __launch_bounds__(1024)
     tw_call_begin_kernel(tw_call_state* state, const uint32_t* recv_units, int world,
-                         uint32_t* zero, int64_t zero_words) {
-  for (int64_t i = threadIdx.x; i < zero_words; i += blockDim.x) zero[i] = 0;
+                         uint32_t* zero, int64_t zero_words, const int32_t* band_live,
+                         int64_t band_word0, uint32_t dead) {
+  for (int64_t i = threadIdx.x; i < zero_words; i += blockDim.x) {
+    const int64_t b = i - band_word0;
+    /* A band without live rows is complete from the start (combine.h, tw__call_begin_launch). */
+    zero[i] = band_live != nullptr && b >= 0 && band_live[b] <= 0 ? dead : 0u;
+  }
   if (threadIdx.x == 0) {
     state->epoch += 1u;
     for (int s = 0; s < world; s++) state->arrive_target[s] += recv_units[s];
@@ -493,7 +502,8 @@ __global__ void __launch_bounds__(1024)
 }
 
 tw_status tw__call_begin_launch(tw_call_state* state, const uint32_t* recv_units, int world,
-                                uint32_t* zero, int64_t zero_words, cudaStream_t stream) {
+                                uint32_t* zero, int64_t zero_words, const int32_t* band_live,
+                                int64_t band_word0, uint32_t dead, cudaStream_t stream) {
   TW_CHECK_NULL(state);
   TW_CHECK_NULL(recv_units);
   TW_CHECK_NULL(zero);
@@ -501,7 +511,8 @@ tw_status tw__call_begin_launch(tw_call_state* state, const uint32_t* recv_units
     return tw__fail(TW_ERR_INTERNAL, "call begin: world %d, %lld words", world,
                     (long long)zero_words);
   const int threads = zero_words >= 1024 ? 1024 : zero_words >= 256 ? 256 : 32;
-  tw_call_begin_kernel<<<1, threads, 0, stream>>>(state, recv_units, world, zero, zero_words);
+  tw_call_begin_kernel<<<1, threads, 0, stream>>>(state, recv_units, world, zero, zero_words,
+                                                  band_live, band_word0, dead);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "call begin: launch failed: %s", cudaGetErrorString(e));

@@ -77,6 +77,10 @@ typedef struct tw_consumer_args {
   char* local_win;               /* this rank's window base (local pointer) */
   const uint16_t* c;             /* (rows, hidden) bf16 GEMM output */
   const tw_band* bands;          /* (num_bands) */
+  /* (num_bands) device, NULL = off: the live rows of each band this call (the capturable
+   * dispatch's mask, dispatch.h); a unit sends only the first min(valid_rows, live) rows of its
+   * band, none of a band without live rows (still announced, so the owners' targets hold). */
+  const int32_t* band_live;
   const tw_segment* segments;    /* (segments) in schedule order */
   const int32_t* seg_unit0;      /* (segments + 1) first unit of each segment; last = total */
   const int32_t* seg_split0;     /* (segments) first band of a segment cut into row parts */
@@ -128,9 +132,13 @@ typedef struct tw_reduce_args {
 
 /* The first kernel of a call (one CTA): zeroes `zero_words` words at `zero` (the unit claims
  * and band counters), then epoch += 1 and arrive_target[s] += recv_units[s] for s < world
- * (recv_units: device memory, the plan's units from each source per call). */
+ * (recv_units: device memory, the plan's units from each source per call). With band_live
+ * (NULL: off), word band_word0 + b is set to `dead` instead of 0 for every band b without live
+ * rows: the producer computes no tile of such a band (its live tile list omits them), and the
+ * consumer's wait for the band's col_tiles publishes passes at once. */
 tw_status tw__call_begin_launch(tw_call_state* state, const uint32_t* recv_units, int world,
-                                uint32_t* zero, int64_t zero_words, cudaStream_t stream);
+                                uint32_t* zero, int64_t zero_words, const int32_t* band_live,
+                                int64_t band_word0, uint32_t dead, cudaStream_t stream);
 /* Consumer: grid CTAs (1..TW_MAX_COMM_CTAS). */
 tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream);
 /* Weighted reduction; grid chosen from the work (at least one CTA: it always returns credits),

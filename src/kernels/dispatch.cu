@@ -20,6 +20,12 @@
  *    stores ordered before it. The destination's wait kernel acquires (.sys) and then fences
  *    the async proxy (the GEMM reads the rows with TMA) before it ends; the GEMM starts after it
  *    in stream order.
+ *  - Live counts (the capturable mode): CTA 0's threads store them into the destinations'
+ *    windows with its rows, after the credit, so the same chain (barrier, fence.sc.sys, the
+ *    completion counter, the last CTA's release) publishes them; the destination's mask kernel
+ *    reads them after its wait kernel's acquire, across a kernel boundary. A source writes them
+ *    in call e only after the destination's credit of call e, raised after the destination's
+ *    mask kernel of call e - 1 read them (stream order).
  */
 #include "dispatch.h"
 
@@ -75,10 +81,19 @@ __device__ void tw__scan_chunk(const tw_dispatch_scan_args& a, int32_t* s_cnt, i
     /* One lane per expert of this step (its highest) advances the expert's count. */
     if (g >= 0 && lane == 31 - __clz(same)) s_cnt[g] += __popc(same);
     __syncwarp();
-    if (kPlace && g >= 0) {
+    if (kPlace && g >= 0 && (a.capacity == 0 || pos < a.capacity)) {
       a.slot_row[i] = a.slot_base[g] + pos;
       a.send_row[i] = a.send_row0[g] + pos;
       a.weights_out[i] = __ldg(&a.weights_in[i]);
+    } else if (kPlace && i < end && a.capacity > 0) {
+      /* Not sent: past its group's capacity (the call fails, naming the token and the fix) or
+       * a bad id (already recorded by the count pass). Row 0 keeps the reduction in bounds. */
+      if (g >= 0)
+        tw_report_error(a.err, TW_ERR_CAPACITY, TW_CHECK_CAPACITY, (int32_t)i, (uint32_t)g,
+                        (uint32_t)a.capacity, a.rank);
+      a.slot_row[i] = 0;
+      a.send_row[i] = -1;
+      a.weights_out[i] = 0.f;
     }
   }
   if (!kPlace)
@@ -121,7 +136,8 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
   __shared__ int s_ok;
   if (threadIdx.x == 0) {
     bool ok = true;
-    if (a.slots > 0 && a.epochs != NULL) { /* nothing leaves this rank otherwise */
+    /* Nothing leaves this rank otherwise (the capturable mode always sends its live counts). */
+    if ((a.slots > 0 || a.capacity > 0) && a.epochs != NULL) {
       const uint32_t target = a.epochs[0];
       const uint32_t* credits = reinterpret_cast<const uint32_t*>(a.peers[a.rank] + a.lay.credit);
       for (int d = 0; d < a.world && ok; d++)
@@ -140,12 +156,22 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
     /* One warp per (token, slot): its token row to the slot's row at the expert's rank. x is
      * not written while the kernel runs (read-only path); the k reads of a row mostly hit L2. */
     for (int64_t i = warp; i < a.slots; i += warps) {
+      const int32_t row = a.send_row[i];
+      if (row < 0) continue; /* the capturable mode's unsent slots (warp-uniform) */
       const int32_t g = (int32_t)tw__load_id(a.ids, a.id64, i);
       const int4* src = reinterpret_cast<const int4*>(a.x + (i / a.top_k) * (int64_t)a.hidden);
       int4* dst = reinterpret_cast<int4*>(a.peers[g / a.local_experts] + a.lay.rows +
-                                          (size_t)a.send_row[i] * row_bytes);
+                                          (size_t)row * row_bytes);
       for (int v = lane; v < vpr; v += 32) dst[v] = __ldg(src + v);
     }
+    /* The capturable mode: this rank's live rows of every group, into the expert's rank's window
+     * beside the rows, so that the arrival release below covers them as it covers the rows. */
+    if (a.capacity > 0 && blockIdx.x == 0)
+      for (int g = threadIdx.x; g < a.experts; g += blockDim.x) {
+        const int d = g / a.local_experts, e = g - d * a.local_experts;
+        uint32_t* live = reinterpret_cast<uint32_t*>(a.peers[d] + a.lay.live);
+        live[(size_t)e * a.world + a.rank] = min(a.counts[g], (uint32_t)a.capacity);
+      }
     /* This rank's own padding rows, zero (computed by the GEMM, never sent). */
     const int n = a.pads[0];
     char* own = a.peers[a.rank] + a.lay.rows;
@@ -185,6 +211,58 @@ __global__ void tw_dispatch_wait_kernel(const tw_dispatch_signal_args a) {
     if (tw_wait_geq(&arrivals[s], target, true, a.timeout_ns, a.err, TW_WAIT_DISPATCH_ARRIVAL, s,
                     a.rank))
       asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
+}
+
+constexpr int kMaskThreads = 1024;
+
+/* Stable compaction of the tiles whose band has live rows (one CTA, kMaskThreads threads): a
+ * pass of kMaskThreads tiles at a time, each tile's slot from its warp's ballot and the warps'
+ * totals before it. Returns the count (every thread). */
+__device__ int tw__compact_tiles(const tw_tile* in, int n, const int32_t* band_live, tw_tile* out,
+                                 int* s_warp) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  int total = 0;
+  for (int base = 0; base < n; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    tw_tile tile;
+    bool keep = false;
+    if (t < n) {
+      tile = in[t];
+      keep = band_live[tile.band] > 0;
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+    if (lane == 0) s_warp[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, sum = 0;
+    for (int w = 0; w < warps; w++) {
+      before += w < warp ? s_warp[w] : 0;
+      sum += s_warp[w];
+    }
+    if (keep) out[total + before + __popc(ballot & ((1u << lane) - 1u))] = tile;
+    total += sum;
+    __syncthreads(); /* s_warp is rewritten by the next pass */
+  }
+  return total;
+}
+
+/* The capturable mode's mask (dispatch.h). The live words were written by the sources before
+ * their arrival releases, which the wait kernel before this one acquired (.sys): the kernel
+ * boundary orders those acquires before the plain loads here. */
+__global__ void __launch_bounds__(kMaskThreads) tw_dispatch_mask_kernel(const tw_dispatch_mask_args a) {
+  __shared__ int s_warp[kMaskThreads / 32];
+  for (int b = threadIdx.x; b < a.num_bands; b += blockDim.x) {
+    const int32_t n = (int32_t)a.live[a.band_group[b]] - a.band_first[b];
+    a.band_live[b] = max(0, min(n, a.bands[b].rows));
+  }
+  __syncthreads(); /* band_live (global) is read by every thread below: bar.sync orders it */
+  const int n2 = tw__compact_tiles(a.tiles, a.num_tiles, a.band_live, a.live_tiles, s_warp);
+  const int n1 = a.tiles1 != nullptr
+                     ? tw__compact_tiles(a.tiles1, a.num_tiles1, a.band_live, a.live_tiles1, s_warp)
+                     : 0;
+  if (threadIdx.x == 0) {
+    a.live_counts[0] = n2;
+    a.live_counts[1] = n1;
   }
 }
 
@@ -271,6 +349,18 @@ tw_status tw__dispatch_copy_launch(const tw_dispatch_copy_args* a, int sms, cuda
   if (grid > sms) grid = sms;
   tw_dispatch_copy_kernel<<<(unsigned)grid, kCopyThreads, 0, stream>>>(*a);
   return tw__check_launch("copy", (unsigned)grid);
+}
+
+tw_status tw__dispatch_mask_launch(const tw_dispatch_mask_args* a, cudaStream_t stream) {
+  TW_CHECK_NULL(a);
+  if (a->live == NULL || a->band_group == NULL || a->band_first == NULL || a->bands == NULL ||
+      a->tiles == NULL || a->live_tiles == NULL || a->band_live == NULL ||
+      a->live_counts == NULL || (a->tiles1 != NULL && a->live_tiles1 == NULL) ||
+      a->num_bands < 0 || a->num_tiles < 0 || a->num_tiles1 < 0)
+    return tw__fail(TW_ERR_INTERNAL, "dispatch: mask of %d bands, %d + %d tiles", a->num_bands,
+                    a->num_tiles, a->num_tiles1);
+  tw_dispatch_mask_kernel<<<1, kMaskThreads, 0, stream>>>(*a);
+  return tw__check_launch("mask", 1);
 }
 
 tw_status tw__dispatch_wait_launch(const tw_dispatch_signal_args* a, cudaStream_t stream) {

@@ -27,6 +27,16 @@
  *                all its CTAs have written their rows for the call (its last CTA, after
  *                system-scope fences); the destination's call ends with a wait for arrivals[s]
  *                >= e from every s, so the GEMM that follows it in stream order sees every row.
+ *
+ * The capturable mode (tw_context_config.dispatch_capacity > 0): the plan is static, every group
+ * (local expert e, source s) `capacity` rows (a multiple of TM) whatever the routing, so
+ * slot_base and send_row0 never change and no count leaves the device. The place pass fails a
+ * slot whose position p reaches the capacity (TW_CHECK_CAPACITY in the context's record; the
+ * slot is not sent). Each source's copy kernel (its CTA 0, with its rows, so before its arrival
+ * release) writes its live rows min(count, capacity) of every group into the expert's rank's
+ * `live` words; after the arrival wait, the mask kernel turns them into the live rows of every
+ * band and the lists of GEMM2's and GEMM1's tiles whose band has live rows (stable: the
+ * schedule's order), which the producers, the consumer and the call's first kernel read.
  */
 #ifndef TW_DISPATCH_H
 #define TW_DISPATCH_H
@@ -34,11 +44,17 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "plan.h" /* tw_band, tw_tile */
 #include "sync.cuh"
 #include "tilewave.h"
 
 /* Further kinds of device-side failure (tw_dev_error.where), after combine.h's. */
-enum { TW_CHECK_ID = 7, TW_WAIT_DISPATCH_CREDIT = 8, TW_WAIT_DISPATCH_ARRIVAL = 9 };
+enum {
+  TW_CHECK_ID = 7,
+  TW_WAIT_DISPATCH_CREDIT = 8,
+  TW_WAIT_DISPATCH_ARRIVAL = 9,
+  TW_CHECK_CAPACITY = 10 /* the capturable mode: a slot past its group's capacity */
+};
 
 /* Most chunks of the scan (the histograms are (chunks, experts) int32). */
 #define TW_DISPATCH_MAX_CHUNKS 256
@@ -48,6 +64,8 @@ typedef struct tw_dispatch_layout {
   uint64_t rows;   /* (rows_max, hidden) bf16 expert-input rows; offset 0 */
   uint64_t credit; /* (W) uint32 credits, by destination rank */
   uint64_t arrive; /* (W) uint32 arrivals, by source rank */
+  uint64_t live;   /* (E, W) uint32: the capturable mode's live rows of group (local expert e,
+                      source s) this call, written by s with its rows (below) */
   uint64_t bytes;  /* total */
 } tw_dispatch_layout;
 
@@ -69,6 +87,10 @@ typedef struct tw_dispatch_scan_args {
   int32_t* send_row;        /* (slots) out */
   tw_dev_error* err;        /* count pass: bad ids (TW_CHECK_ID); place pass: internal */
   int32_t rank;
+  /* The capturable mode's rows per group (0: eager): the place pass fails positions p >=
+   * capacity (TW_CHECK_CAPACITY) and gives every slot it does not send (a bad id, an overflow)
+   * send_row -1 and an in-bounds slot_row. */
+  int32_t capacity;
 } tw_dispatch_scan_args;
 
 typedef struct tw_dispatch_copy_args {
@@ -90,6 +112,12 @@ typedef struct tw_dispatch_copy_args {
   uint32_t* done;        /* CTA completion counter, zero between launches */
   tw_dev_error* err;
   uint64_t timeout_ns;
+  /* The capturable mode (capacity 0: eager): CTA 0 writes min(counts[g], capacity) into the
+   * live words of g's rank for every global expert g, also when this rank has no slots (so the
+   * credit wait is then not skipped). Slots with send_row < 0 are never sent. */
+  const uint32_t* counts; /* (experts) this rank's slots per global expert */
+  int32_t experts;
+  int32_t capacity;
 } tw_dispatch_copy_args;
 
 typedef struct tw_dispatch_signal_args {
@@ -101,6 +129,26 @@ typedef struct tw_dispatch_signal_args {
   tw_dev_error* err;
   uint64_t timeout_ns;
 } tw_dispatch_signal_args;
+
+/* The capturable mode's mask (one CTA), after the arrival wait: band_live[b] = the live rows of
+ * band b (its group's live count less the band's first row in the group, clamped to 0..rows),
+ * and the tiles of bands with live rows, in list order, for GEMM2 and (tiles1 non-NULL) GEMM1;
+ * their counts in live_counts[0] and [1]. Every tile's band indexes `bands`. */
+typedef struct tw_dispatch_mask_args {
+  const uint32_t* live;      /* (E, W) this rank's window: live rows of group (e, s) */
+  const int32_t* band_group; /* (num_bands) e * W + s of each band's group */
+  const int32_t* band_first; /* (num_bands) the band's first row within its group */
+  const tw_band* bands;      /* (num_bands) schedule order */
+  int32_t num_bands;
+  const tw_tile* tiles; /* (num_tiles) GEMM2's list */
+  int32_t num_tiles;
+  tw_tile* live_tiles;
+  const tw_tile* tiles1; /* (num_tiles1) GEMM1's list, band = a schedule band; NULL: none */
+  int32_t num_tiles1;
+  tw_tile* live_tiles1;
+  int32_t* band_live;   /* (num_bands) out */
+  int32_t* live_counts; /* (2) out */
+} tw_dispatch_mask_args;
 
 /* Chunks and slots per chunk of the scan for `slots` slots on at most `sms` CTAs. */
 void tw__dispatch_chunks(int32_t slots, int32_t* chunks, int32_t* chunk_slots);
@@ -117,5 +165,7 @@ tw_status tw__dispatch_credit_launch(const tw_dispatch_signal_args* args, cudaSt
 tw_status tw__dispatch_copy_launch(const tw_dispatch_copy_args* args, int sms, cudaStream_t stream);
 /* Waits until every rank's rows for this call have arrived (one CTA). */
 tw_status tw__dispatch_wait_launch(const tw_dispatch_signal_args* args, cudaStream_t stream);
+/* The capturable mode's mask (one CTA). */
+tw_status tw__dispatch_mask_launch(const tw_dispatch_mask_args* args, cudaStream_t stream);
 
 #endif /* TW_DISPATCH_H */

@@ -225,6 +225,12 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   TW_TRY(tw__gemm_args_init(&g, &shape, expert_in, w2, ctx->c, d->tiles, d->num_tiles, P,
                             TW_SIGNAL_GPU, ctx->band_counters));
   g.variant = ctx->gemm_variant;
+  /* The static plan of the capturable dispatch: the producer runs the tiles with live rows of
+   * the last dispatch into dplan (its mask kernel wrote them, earlier in stream order). */
+  if (d->is_static) {
+    g.tiles = d->live_tiles;
+    g.live_tiles = d->live_counts;
+  }
   /* Tracing (runtime.h): eager calls only, so that no graph keeps the buffer's address. */
   tw_trace* const trace = capturing ? NULL : ctx->trace;
   g.trace = trace;
@@ -272,6 +278,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ca.seg_unit0 = d->seg_unit0;
   ca.seg_split0 = d->seg_split0;
   ca.total_units = d->total_units;
+  ca.band_live = d->is_static ? d->band_live : NULL; /* the same mask: only live rows leave */
   ca.wait_bands = mode != TW_COMBINE_COMM_ONLY;
   ca.debug_tags = ctx->debug_tags;
   ca.trace = trace;
@@ -296,7 +303,8 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
    * call's producer is done here (stream order), and so is its consumer (the join before that
    * call's reduction). */
   TW_TRY(tw__call_begin_launch(ctx->call_state, d->recv_units, ctx->world, ctx->unit_next,
-                               (int64_t)kClaimWords + d->num_bands, stream));
+                               (int64_t)kClaimWords + d->num_bands, ca.band_live,
+                               (int64_t)kClaimWords, (uint32_t)ctx->col_tiles, stream));
   /* The add dataflow: the producer adds into this call's buffer, which the previous call zeroed
    * (on the zeroing stream, or in its producer: then ev_zeroed is older, or was never recorded,
    * and the wait is a no-op). */

@@ -39,6 +39,8 @@ static const char* tw__where_name(int where) {
       return "dispatch wait for a destination's credit";
     case TW_WAIT_DISPATCH_ARRIVAL:
       return "dispatch wait for a source's rows";
+    case TW_CHECK_CAPACITY:
+      return "dispatch capacity of a group";
     default:
       return "device wait";
   }
@@ -52,6 +54,25 @@ tw_status tw__report(tw_context_t ctx, const tw_dev_error* e, const char* how) {
                     "problems (every rank must plan from the same routing). Call "
                     "tw_context_reset() on every rank before the next call",
                     how, e->rank, tw__where_name(e->where), e->index, e->seen, e->target);
+  if (e->where == TW_CHECK_CAPACITY)
+    return tw__fail(TW_ERR_CAPACITY,
+                    "%s: rank %d: token %d (slot %d) is one more row for expert %u than its "
+                    "capacity of %u rows per source rank; nothing past the capacity was sent and "
+                    "the call's outputs are wrong. Create the contexts with a larger "
+                    "tw_context_config.dispatch_capacity, then call tw_context_reset() on every "
+                    "rank",
+                    how, e->rank, e->index / ctx->problem.top_k, e->index % ctx->problem.top_k,
+                    e->seen, e->target);
+  if (e->where == TW_CHECK_ID &&
+      (e->status == TW_ERR_EXPERT_ID || e->status == TW_ERR_DUPLICATE_EXPERT))
+    return tw__fail((tw_status)e->status,
+                    "%s: rank %d: topk_ids[%d] (token %d, slot %d) = %u is %s; its rows were not "
+                    "sent and the call's outputs are wrong. Fix the ids, then call "
+                    "tw_context_reset() on every rank",
+                    how, e->rank, e->index, e->index / ctx->problem.top_k,
+                    e->index % ctx->problem.top_k, e->seen,
+                    e->status == TW_ERR_EXPERT_ID ? "outside the experts"
+                                                  : "an expert the token names twice");
   tw_status s = e->status == TW_ERR_INTERNAL ? TW_ERR_INTERNAL : TW_ERR_TIMEOUT;
   if (e->where == TW_CHECK_ID)
     return tw__fail(s,
@@ -337,12 +358,22 @@ static tw_status tw__context_init(tw_context_t ctx) {
   ctx->bands_max = max_rows_tokens / ctx->tm + E * W + 1;
   ctx->slots_max = (int64_t)p->max_tokens * p->top_k;
   ctx->recv_rows_max = ctx->slots_max;
+  /* The capturable mode's static plan: E W groups of `capacity` rows, (W - 1) E of them received
+   * from the other ranks; every buffer sized by rows_max holds the larger of the two. */
+  if (ctx->capacity > 0) {
+    const int64_t static_rows = E * W * (int64_t)ctx->capacity;
+    if (static_rows > ctx->rows_max) ctx->rows_max = static_rows;
+    if (static_rows / ctx->tm > ctx->bands_max) ctx->bands_max = static_rows / ctx->tm;
+    if ((W - 1) * E * (int64_t)ctx->capacity > ctx->recv_rows_max)
+      ctx->recv_rows_max = (W - 1) * E * (int64_t)ctx->capacity;
+  }
   const int64_t gemm1_cols = ctx->layer ? tw__ceil_div(p->ffn, TW_GEMM1_TN) : 0;
   if (ctx->bands_max * ctx->col_tiles > INT32_MAX || ctx->bands_max * gemm1_cols > INT32_MAX ||
       ctx->rows_max > INT32_MAX)
     return tw__fail(TW_ERR_CAPACITY,
-                    "tw_context_create: max_tokens %d gives up to %lld rows per rank, beyond the "
-                    "int32 indices of the plan; lower max_tokens",
+                    "tw_context_create: max_tokens %d (and dispatch_capacity) give up to %lld rows "
+                    "per rank, beyond the int32 indices of the plan; lower max_tokens or the "
+                    "capacity",
                     p->max_tokens, (long long)ctx->rows_max);
 
   /* Reduce: the receive rows. Add: two output buffers, then the zeros peers copy from (up to 32
@@ -389,12 +420,13 @@ static tw_status tw__context_init(tw_context_t ctx) {
   /* Every rank must cut bands into the same units (the owners count them) and run the same
    * dataflow: compare (max of v and of -v tells min and max over the ranks). */
   {
-    int64_t v[12] = {ctx->tiles_per_unit, -ctx->tiles_per_unit, ctx->tail_bands, -ctx->tail_bands,
+    int64_t v[14] = {ctx->tiles_per_unit, -ctx->tiles_per_unit, ctx->tail_bands, -ctx->tail_bands,
                      ctx->tail_parts,     -ctx->tail_parts,     ctx->dataflow,   -ctx->dataflow,
-                     ctx->dispatch,       -ctx->dispatch,       ctx->layer,      -ctx->layer};
-    int64_t mine[12];
+                     ctx->dispatch,       -ctx->dispatch,       ctx->layer,      -ctx->layer,
+                     ctx->capacity,       -ctx->capacity};
+    int64_t mine[14];
     memcpy(mine, v, sizeof v);
-    TW_TRY(tw__team_max_i64(ctx->team, v, 12));
+    TW_TRY(tw__team_max_i64(ctx->team, v, 14));
     if (v[0] != mine[0] || v[1] != mine[1])
       return tw__fail(TW_ERR_INVALID_ARGUMENT,
                       "tw_context_create: ranks use different consumer unit widths (%lld here, "
@@ -423,6 +455,11 @@ static tw_status tw__context_init(tw_context_t ctx) {
                       "tw_context_create: tw_context_config.layer is %d here but differs on "
                       "another rank; give every rank the same",
                       ctx->layer);
+    if (v[12] != mine[12] || v[13] != mine[13])
+      return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                      "tw_context_create: the dispatch capacity is %d rows here (%lld..%lld over "
+                      "all ranks); give every rank the same tw_context_config.dispatch_capacity",
+                      ctx->capacity, (long long)-v[13], (long long)v[12]);
   }
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_comm, cudaStreamNonBlocking));
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_aux, cudaStreamNonBlocking));
@@ -453,7 +490,8 @@ static tw_status tw__context_init(tw_context_t ctx) {
     D->rows = 0;
     D->credit = tw__align((uint64_t)ctx->rows_max * H * 2, 4096);
     D->arrive = D->credit + tw__align((uint64_t)W * 4, 128);
-    D->bytes = tw__align(D->arrive + tw__align((uint64_t)W * 4, 128), 4096);
+    D->live = D->arrive + tw__align((uint64_t)W * 4, 128);
+    D->bytes = tw__align(D->live + tw__align((uint64_t)E * W * 4, 128), 4096);
     TW_TRY(ctx->team->ops->window_create(ctx->team, D->bytes, &ctx->dwin));
     TW_CUDA_TRY(cudaMalloc((void**)&ctx->dpeers, sizeof(char*) * (size_t)W));
     TW_CUDA_TRY(cudaMemcpy(ctx->dpeers, ctx->dwin.peers, sizeof(char*) * (size_t)W,
@@ -546,15 +584,18 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
   TW_TRY(tw_problem_validate(problem));
   tw_context_config cfg = TW_CONTEXT_CONFIG_INIT;
   if (config != NULL) {
-    /* A config that ends before `dataflow`, `sm_budget`, `dispatch` or `layer` (built against an
+    /* A config that ends before `dataflow`, `sm_budget`, `dispatch`, `layer` or
+     * `dispatch_capacity` (built against an
      * earlier tilewave.h) is read up to there; the rest keeps its defaults. */
     const size_t v1_size = offsetof(tw_context_config, dataflow);
     const size_t v2_size = offsetof(tw_context_config, sm_budget);
     const size_t v3_size = offsetof(tw_context_config, dispatch);
     const size_t v4_size = offsetof(tw_context_config, layer);
+    const size_t v5_size = offsetof(tw_context_config, dispatch_capacity);
     TW_TRY(tw__check_header("tw_context_config", config->size,
                             config->size == v1_size || config->size == v2_size ||
-                                    config->size == v3_size || config->size == v4_size
+                                    config->size == v3_size || config->size == v4_size ||
+                                    config->size == v5_size
                                 ? config->size
                                 : sizeof(tw_context_config),
                             config->magic, TW_CONTEXT_CONFIG_MAGIC, config->version));
@@ -575,8 +616,13 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
                     "of range",
                     cfg.timeout_ms, cfg.debug_tags, cfg.max_comm_ctas, TW_MAX_COMM_CTAS, cfg.timing,
                     cfg.unit_tiles, cfg.consumer_copy, cfg.dispatch, cfg.layer);
-  /* The layer runs the dispatch as its first step. */
-  if (cfg.layer) cfg.dispatch = 1;
+  if (cfg.dispatch_capacity < 0 || cfg.dispatch_capacity > problem->max_tokens)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_context_create: dispatch_capacity %d; give 0 (eager dispatch) or 1..%d "
+                    "(problem max_tokens: no source sends an expert more rows than it has tokens)",
+                    cfg.dispatch_capacity, problem->max_tokens);
+  /* The layer runs the dispatch as its first step; a capacity selects the dispatch's mode. */
+  if (cfg.layer || cfg.dispatch_capacity > 0) cfg.dispatch = 1;
   if (cfg.layer && problem->hidden % 64 != 0)
     return tw__fail(TW_ERR_ALIGNMENT,
                     "tw_context_create: layer = 1 needs hidden a multiple of 64 (GEMM1's K slice; "
@@ -691,6 +737,7 @@ static tw_status tw__context_create_checked(const tw_problem* problem, tw__team*
   ctx->zero_in_producer = zero_in_producer;
   ctx->dispatch = cfg.dispatch;
   ctx->layer = cfg.layer;
+  ctx->capacity = (int32_t)(tw__ceil_div(cfg.dispatch_capacity, ctx->tm) * ctx->tm);
   tw_status st = tw__context_init(ctx);
   if (st != TW_SUCCESS) {
     tw__context_free(ctx); /* releases the team view too */
@@ -854,13 +901,17 @@ extern "C" tw_status tw_context_check(tw_context_t ctx) {
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
   TW_TRY(tw__team_collective(
       ctx, ctx->team->ops->allgather(ctx->team, ctx->h_err, all, sizeof(tw_dev_error))));
-  int failing = 0, first = -1;
+  int failing = 0, first = -1, cause = -1;
   for (int r = 0; r < ctx->world; r++) {
     if (all[r].status != 0) {
       failing++;
       if (first < 0) first = r;
+      /* A rank's own failure (a capacity overflow, a bad id) makes its peers' waits for it time
+       * out: report the cause, not a consequence. */
+      if (cause < 0 && all[r].status != TW_ERR_TIMEOUT) cause = r;
     }
   }
+  if (cause >= 0) first = cause;
   if (first < 0) {
     if (ctx->failed_enqueue)
       return tw__fail(TW_ERR_STATE,

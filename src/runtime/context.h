@@ -98,6 +98,9 @@ struct tw_context {
                             (world, experts) */
   cudaEvent_t ev_counts; /* the counts and the record copied to h_row */
   uint32_t* d_epochs;    /* (2) the dispatch's targets (dispatch.h), zero after a reset */
+  /* The capturable mode (tw_context_config.dispatch_capacity > 0; 0 = eager): rows of every
+   * (local expert, source) group of the static plan, the capacity rounded up to TM. */
+  int32_t capacity;
 
   /* The layer (tw_context_config.layer = 1, which implies dispatch; 0 / NULL otherwise): GEMM1's
    * output, GEMM2's input of tw_moe_layer. */
@@ -157,6 +160,18 @@ struct tw_device_plan {
   tw_tile* gemm1_tiles;   /* (bands_max * ceil(ffn / TW_GEMM1_TN)) */
   tw_tile* h_gemm1_tiles; /* host staging, same size */
   int32_t num_gemm1_tiles;
+  /* The capturable mode (contexts with a dispatch capacity; NULL otherwise): is_static while the
+   * device plan holds the static plan uploaded at its creation (an upload replaces it); each
+   * band's group and first row in it (static), and the mask's outputs of the last dispatch
+   * (dispatch.h): live rows per band, the tiles of GEMM2 and GEMM1 with live rows, their counts.
+   * A GEMM1 tile's band indexes the schedule's bands here (the mask reads band_live by it). */
+  int is_static;
+  int32_t* band_group;      /* (bands_max) */
+  int32_t* band_first;      /* (bands_max) */
+  int32_t* band_live;       /* (bands_max) */
+  tw_tile* live_tiles;      /* (bands_max * col_tiles) */
+  tw_tile* live_gemm1_tiles; /* (bands_max * ceil(ffn / TW_GEMM1_TN)), layer contexts */
+  int32_t* live_counts;     /* (2) GEMM2's and GEMM1's live tiles */
 };
 
 /* Words ahead of the counts in a rank's row of the dispatch all-gather: the count pass's

@@ -5,8 +5,11 @@
  * for the worst case the context's problem allows, so that uploads never allocate. An upload
  * checks the plan against the context before any byte is copied, so that no remote or local
  * access of a later call can leave its buffer. A device plan that a captured call uses keeps
- * the sizes baked into the graph's kernel arguments; later uploads must match them.
+ * the sizes baked into the graph's kernel arguments; later uploads must match them. On a context
+ * with a dispatch capacity every device plan starts with the static plan (tw__device_plan_static),
+ * which the capturable dispatch needs and never replaces.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,7 +19,9 @@
  * context's problem. */
 typedef struct tw__dplan_layout {
   size_t tiles, bands, segs, unit0, slot, w, tok, rw, sb, sr0, pads, srow, units, g1, bytes;
+  size_t bg, bf, bl, lt, lg1, lc;          /* the capturable mode's arrays */
   size_t nt, nb, ns, nr, ne, np, nsr, ng1; /* element counts */
+  size_t ncb, nct, ncg1;                   /* the capturable mode's: bands, tiles, GEMM1 tiles */
 } tw__dplan_layout;
 
 static tw__dplan_layout tw__dplan_layout_of(const struct tw_context* ctx) {
@@ -47,12 +52,115 @@ static tw__dplan_layout tw__dplan_layout_of(const struct tw_context* ctx) {
   /* The layer: GEMM1's tiles, every band by ceil(ffn / TW_GEMM1_TN) column tiles. */
   L.ng1 = ctx->layer ? L.nb * (size_t)tw__ceil_div(ctx->problem.ffn, TW_GEMM1_TN) : 0;
   L.g1 = tw__align(L.units + TW_MAX_RANKS * 4, 256);
-  L.bytes = L.g1 + L.ng1 * sizeof(tw_tile);
+  /* The capturable mode: each band's group and first row, the mask's outputs (dispatch.h). */
+  const int cap = ctx->capacity > 0;
+  L.ncb = cap ? L.nb : 0;
+  L.nct = cap ? L.nt : 0;
+  L.ncg1 = cap ? L.ng1 : 0;
+  L.bg = tw__align(L.g1 + L.ng1 * sizeof(tw_tile), 256);
+  L.bf = tw__align(L.bg + L.ncb * 4, 256);
+  L.bl = tw__align(L.bf + L.ncb * 4, 256);
+  L.lt = tw__align(L.bl + L.ncb * 4, 256);
+  L.lg1 = tw__align(L.lt + L.nct * sizeof(tw_tile), 256);
+  L.lc = tw__align(L.lg1 + L.ncg1 * sizeof(tw_tile), 256);
+  L.bytes = L.lc + (cap ? 256 : 0);
   return L;
 }
 
 size_t tw__device_plan_bytes(const struct tw_context* ctx) {
   return tw__dplan_layout_of(ctx).bytes;
+}
+
+/* The capturable mode's static plan (tw__plan_create_static, planned for the context's budget)
+ * into a new device plan, with the dispatch's tables (slot_base, send_row0, no padding: every
+ * group is whole bands), each band's group and first row, GEMM1's tiles with schedule band
+ * indices, and a mask of no live rows until the first dispatch. Synchronous (set-up time), on
+ * the context's auxiliary stream: the legacy default stream could wait behind an in-process
+ * peer's kernels. */
+static tw_status tw__device_plan_static(tw_device_plan_t d) {
+  tw_context_t ctx = d->ctx;
+  const int32_t W = ctx->world, ET = ctx->problem.experts;
+  const int32_t cap = ctx->capacity, TM = ctx->tm, rank = ctx->rank;
+  tw_plan_config pc = TW_PLAN_CONFIG_INIT;
+  pc.dataflow = ctx->dataflow;
+  pc.sm_budget = ctx->sm_budget;
+  tw_plan_t plan = NULL;
+  TW_TRY(tw__plan_create_static(&ctx->problem, cap, rank, &pc, &plan));
+  int32_t* h = (int32_t*)malloc(((size_t)2 * plan->num_bands + (size_t)plan->rows / TM + 1) * 4);
+  tw_status st = h == NULL ? tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_device_plan_create: host memory")
+                           : TW_SUCCESS;
+  int64_t units = 0;
+  if (st == TW_SUCCESS) st = tw__device_plan_check(d, plan, 0, &units, "tw_device_plan_create");
+  /* Every write of a dispatch stays in bounds: cap rows from send_row0[g] at g's rank, from
+   * slot_base[g] here. */
+  for (int32_t g = 0; g < ET && st == TW_SUCCESS; g++)
+    if (plan->send_row0[g] < 0 || plan->send_row0[g] + (int64_t)cap > ctx->rows_max ||
+        plan->slot_base[g] < 0 ||
+        plan->slot_base[g] + (int64_t)cap > (int64_t)plan->recv_rows + plan->rows)
+      st = tw__fail(TW_ERR_INTERNAL, "tw_device_plan_create: static group of expert %d out of "
+                                     "bounds (send row %d, slot base %d)",
+                    g, plan->send_row0[g], plan->slot_base[g]);
+  /* Band b lies in group (e, o): the layout holds expert e's groups in owner order rank + 1, ...,
+   * rank (layout.c), each exactly cap rows. by_row maps a band's first row / TM to b. */
+  int32_t* band_group = h;
+  int32_t* band_first = h + plan->num_bands;
+  int32_t* by_row = h + 2 * plan->num_bands;
+  for (int32_t b = 0; b < plan->num_bands && st == TW_SUCCESS; b++) {
+    const tw_band* band = &plan->bands[b];
+    const int32_t off = band->row0 - plan->expert_row0[band->expert];
+    const int32_t q = off / cap, o = (rank + 1 + q) % W;
+    if (q >= W || band->row0 % TM != 0 || band->rows != TM || band->dest != o)
+      st = tw__fail(TW_ERR_INTERNAL, "tw_device_plan_create: static band %d (row %d, dest %d) is "
+                                     "not one band of group %d",
+                    b, band->row0, band->dest, q);
+    band_group[b] = band->expert * W + o;
+    band_first[b] = off - q * cap;
+    by_row[band->row0 / TM] = b;
+  }
+  if (st == TW_SUCCESS) {
+    tw__device_guard guard(ctx->device);
+    cudaStream_t s = ctx->s_aux;
+    d->h_pads[0] = 0;
+    st = tw__device_plan_copy(d, plan, 0, units, s);
+    for (int32_t i = 0; i < d->num_gemm1_tiles && st == TW_SUCCESS; i++)
+      d->h_gemm1_tiles[i].band = by_row[d->h_gemm1_tiles[i].row0 / TM];
+    cudaError_t e = cudaSuccess;
+    if (st == TW_SUCCESS && d->num_gemm1_tiles > 0)
+      e = cudaMemcpyAsync(d->gemm1_tiles, d->h_gemm1_tiles,
+                          (size_t)d->num_gemm1_tiles * sizeof(tw_tile), cudaMemcpyHostToDevice, s);
+    if (st == TW_SUCCESS && e == cudaSuccess)
+      e = cudaMemcpyAsync(d->slot_base, plan->slot_base, (size_t)ET * 4, cudaMemcpyHostToDevice, s);
+    if (st == TW_SUCCESS && e == cudaSuccess)
+      e = cudaMemcpyAsync(d->send_row0, plan->send_row0, (size_t)ET * 4, cudaMemcpyHostToDevice,
+                          s);
+    if (st == TW_SUCCESS && e == cudaSuccess)
+      e = cudaMemcpyAsync(d->pads, d->h_pads, 4, cudaMemcpyHostToDevice, s);
+    if (st == TW_SUCCESS && e == cudaSuccess && plan->num_bands > 0)
+      e = cudaMemcpyAsync(d->band_group, band_group, (size_t)plan->num_bands * 4,
+                          cudaMemcpyHostToDevice, s);
+    if (st == TW_SUCCESS && e == cudaSuccess && plan->num_bands > 0)
+      e = cudaMemcpyAsync(d->band_first, band_first, (size_t)plan->num_bands * 4,
+                          cudaMemcpyHostToDevice, s);
+    /* No live rows, no live tiles until the first dispatch. */
+    if (st == TW_SUCCESS && e == cudaSuccess && plan->num_bands > 0)
+      e = cudaMemsetAsync(d->band_live, 0, (size_t)plan->num_bands * 4, s);
+    if (st == TW_SUCCESS && e == cudaSuccess) e = cudaMemsetAsync(d->live_counts, 0, 8, s);
+    if (st == TW_SUCCESS && e == cudaSuccess) e = cudaStreamSynchronize(s);
+    if (st == TW_SUCCESS && e != cudaSuccess)
+      st = tw__fail(TW_ERR_CUDA, "tw_device_plan_create: static plan upload: %s",
+                    cudaGetErrorString(e));
+  }
+  if (st == TW_SUCCESS) {
+    d->pad_rows = 0;
+    d->is_static = 1;
+    d->uploaded = 1;
+    TW_INFO("device plan: rank %d static plan of %d rows (%d per expert and source), %d bands, "
+            "%d tiles, %d units",
+            rank, plan->rows, cap, plan->num_bands, plan->num_tiles, d->total_units);
+  }
+  free(h);
+  tw_plan_destroy(plan);
+  return st;
 }
 
 extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* out) {
@@ -112,6 +220,21 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
     d->send_row = (int32_t*)(m + off_srow);
   }
   if (L.ng1 > 0) d->gemm1_tiles = (tw_tile*)(m + L.g1);
+  if (ctx->capacity > 0) {
+    d->band_group = (int32_t*)(m + L.bg);
+    d->band_first = (int32_t*)(m + L.bf);
+    d->band_live = (int32_t*)(m + L.bl);
+    d->live_tiles = (tw_tile*)(m + L.lt);
+    if (L.ncg1 > 0) d->live_gemm1_tiles = (tw_tile*)(m + L.lg1);
+    d->live_counts = (int32_t*)(m + L.lc);
+    const tw_status st = tw__device_plan_static(d);
+    if (st != TW_SUCCESS) {
+      char why[512];
+      snprintf(why, sizeof why, "%s", tw_last_error());
+      tw_device_plan_destroy(d); /* clears the error: keep the message */
+      return tw__fail(st, "%s", why);
+    }
+  }
   *out = d;
   return TW_SUCCESS;
 }
@@ -281,6 +404,10 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
   TW_CHECK_NULL(routing);
   tw_context_t ctx = d->ctx;
   const tw_problem* p = &ctx->problem;
+  if (d->is_static && d->captured)
+    return tw__fail(TW_ERR_STATE,
+                    "tw_device_plan_upload: a captured capturable dispatch uses this device "
+                    "plan's static plan; upload into another device plan");
   if (plan->slot_row == NULL)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_device_plan_upload: the plan has no slot_row (a plan from counts); "
@@ -352,6 +479,7 @@ extern "C" tw_status tw_device_plan_upload(tw_device_plan_t d, tw_plan_t plan, t
 
   TW_DEVICE_SCOPE(ctx);
   d->uploaded = 0;
+  d->is_static = 0; /* a capturable dispatch into dplan now refuses (it needs the static plan) */
   TW_TRY(tw__device_plan_copy(d, plan, tokens, units, stream));
   if (nslots > 0) {
     TW_CUDA_TRY(cudaMemcpyAsync(d->slot_row, plan->slot_row, (size_t)nslots * 4,

@@ -151,6 +151,191 @@ static tw_status tw__dispatch_refusal(tw_context_t ctx, int32_t failing, int32_t
                   first, where, index);
 }
 
+/* The capturable mode (tw_context_config.dispatch_capacity > 0): the static plan uploaded at
+ * tw_device_plan_create, no host read of routing data, no event query under capture, no host
+ * collective, everything on the caller's stream S (no fork):
+ *   S: [eager: wait for the previous call] -> credit -> count + offsets -> place (slot_row,
+ *      weights, send_row: p < capacity, else TW_CHECK_CAPACITY) -> copy (rows, the live counts
+ *      into the experts' ranks' windows, arrivals) -> wait (every source's rows and counts) ->
+ *      mask (live rows per band, the tiles with live rows for GEMM2 and GEMM1)
+ * Deadlock freedom as the eager sequence's without the all-gather: in call e a copy kernel waits
+ * for the destinations' credits of call e, each raised by the destination's first kernel of call
+ * e, which waits for nothing but that rank's call e - 1 (ended, by induction); the wait kernel
+ * waits for the sources' copies of call e, which wait for nothing but those credits. Refusals
+ * here are local (no rank can tell the others before anything is sent): the peers' calls then
+ * time out, which tw_context_check reports; bad ids and overflows fail on the device, and the
+ * check reports the cause on every rank. */
+static tw_status tw__dispatch_run_static(tw_context_t ctx, tw_device_plan_t d, const void* x,
+                                         const void* topk_ids, tw_index_type id_type,
+                                         const float* topk_weights, int32_t tokens,
+                                         void** expert_in, const tw_dispatch_options* opt,
+                                         const tw__dispatch_extra* extra, cudaStream_t stream,
+                                         const char* who) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  {
+    const cudaError_t ce = cudaStreamIsCapturing(stream, &capture);
+    if (ce != cudaSuccess)
+      return tw__fail(TW_ERR_CUDA, "%s: cudaStreamIsCapturing: %s", who, cudaGetErrorString(ce));
+  }
+  if (capture == cudaStreamCaptureStatusInvalidated)
+    return tw__fail(TW_ERR_STATE,
+                    "%s: the stream's capture was invalidated by an earlier call; end it "
+                    "(cudaStreamEndCapture) and capture again",
+                    who);
+  const int capturing = capture == cudaStreamCaptureStatusActive;
+  if (opt->plan_config != NULL)
+    return tw__fail(TW_ERR_UNSUPPORTED,
+                    "%s: the context has a dispatch capacity, whose plan is static (made by "
+                    "tw_device_plan_create for the context's sm_budget); pass plan_config = NULL",
+                    who);
+  const int32_t budget = opt->sm_budget > 0 ? opt->sm_budget : ctx->sm_budget;
+  if (opt->sm_budget < 0 || budget < 2 || budget > ctx->sm_budget)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: sm_budget %d; must be 2..%d (the context's sm_budget), or 0 for the "
+                    "context's",
+                    who, opt->sm_budget, ctx->sm_budget);
+  if (!d->is_static)
+    return tw__fail(TW_ERR_STATE,
+                    "%s: the device plan no longer holds the static plan of the context's dispatch "
+                    "capacity (tw_device_plan_upload replaced it); create another device plan",
+                    who);
+  const tw_problem* p = &ctx->problem;
+  const int32_t K = p->top_k, ET = p->experts, rank = ctx->rank;
+  if (tokens < 0 || tokens > p->max_tokens)
+    return tw__fail(tokens < 0 ? TW_ERR_INVALID_SIZE : TW_ERR_CAPACITY,
+                    "%s: rank %d passed %d tokens; give 0..%d (problem max_tokens). Nothing was "
+                    "sent; the peers' calls time out",
+                    who, rank, tokens, p->max_tokens);
+  if (tokens > 0 && (x == NULL || topk_ids == NULL || topk_weights == NULL))
+    return tw__fail(TW_ERR_NULL_POINTER,
+                    "%s: rank %d passed a NULL x, topk_ids or topk_weights with %d tokens; nothing "
+                    "was sent; the peers' calls time out",
+                    who, rank, tokens);
+  if (tokens > 0 && ((uintptr_t)x & 15) != 0)
+    return tw__fail(TW_ERR_ALIGNMENT,
+                    "%s: rank %d's x is not 16-byte aligned; nothing was sent; the peers' calls "
+                    "time out",
+                    who, rank);
+  if (extra != NULL && extra->status != TW_SUCCESS)
+    return tw__fail((tw_status)extra->status,
+                    "%s: rank %d passed%s%s%s%s; give device buffers of the documented shapes, "
+                    "16-byte aligned. Nothing was sent; the peers' calls time out",
+                    who, rank, extra->bad & TW__LAYER_NULL_W13 ? " a NULL w13" : "",
+                    extra->bad & TW__LAYER_NULL_W2 ? " a NULL w2" : "",
+                    extra->bad & TW__LAYER_NULL_OUT ? " a NULL out with tokens > 0" : "",
+                    extra->bad & TW__LAYER_UNALIGNED ? " a w13, w2 or out not 16-byte aligned" : "");
+  if (ctx->failed)
+    return tw__fail(TW_ERR_STATE,
+                    "%s: an earlier call failed; call tw_context_check() and tw_context_reset() "
+                    "on every rank first",
+                    who);
+  /* A completed earlier call that failed (never blocks; not under capture). */
+  if (!capturing && ctx->have_call && cudaEventQuery(ctx->ev_err_copied) == cudaSuccess &&
+      ctx->h_err->status != 0) {
+    ctx->failed = 1;
+    return tw__report(ctx, ctx->h_err, who);
+  }
+  const int32_t slots = tokens * K; /* max_tokens * K fits int32 */
+  const uint64_t timeout_ns = (uint64_t)ctx->timeout_ms * 1000000ull;
+  TW_DEVICE_SCOPE(ctx);
+
+  /* Calls are ordered on the context (a captured call by its graph's stream, tilewave.h). From
+   * here a failure leaves the ranks' counters out of step. */
+  if (ctx->have_call && !capturing) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_call_done, 0));
+  if (!capturing) ctx->failed = ctx->failed_enqueue = 1;
+  tw_dispatch_signal_args sg;
+  memset(&sg, 0, sizeof sg);
+  sg.peers = ctx->dpeers;
+  sg.lay = ctx->dlay;
+  sg.rank = rank;
+  sg.world = ctx->world;
+  sg.epochs = ctx->d_epochs;
+  sg.err = ctx->err;
+  sg.timeout_ns = timeout_ns;
+  TW_TRY(tw__dispatch_credit_launch(&sg, stream));
+
+  /* Count and place on the device; a bad id or an overflow fails the context's record (no host
+   * sees the counts). */
+  tw_dispatch_scan_args sa;
+  memset(&sa, 0, sizeof sa);
+  sa.ids = topk_ids;
+  sa.id64 = id_type == TW_INDEX_INT64;
+  sa.slots = slots;
+  sa.top_k = K;
+  sa.experts = ET;
+  tw__dispatch_chunks(slots, &sa.chunks, &sa.chunk_slots);
+  sa.chunk_hist = ctx->d_chunk_hist;
+  sa.counts = ctx->d_counts;
+  sa.err = ctx->err;
+  sa.rank = rank;
+  sa.capacity = ctx->capacity;
+  TW_TRY(tw__dispatch_count_launch(&sa, budget, stream));
+  sa.slot_base = d->slot_base;
+  sa.send_row0 = d->send_row0;
+  sa.weights_in = topk_weights;
+  sa.slot_row = d->slot_row;
+  sa.weights_out = d->weights;
+  sa.send_row = d->send_row;
+  TW_TRY(tw__dispatch_place_launch(&sa, budget, stream));
+  tw_dispatch_copy_args cp;
+  memset(&cp, 0, sizeof cp);
+  cp.peers = ctx->dpeers;
+  cp.lay = ctx->dlay;
+  cp.x = (const uint16_t*)x;
+  cp.ids = topk_ids;
+  cp.id64 = sa.id64;
+  cp.send_row = d->send_row;
+  cp.pads = d->pads; /* none: every group of the static plan is whole bands */
+  cp.pad_rows = 0;
+  cp.slots = slots;
+  cp.top_k = K;
+  cp.hidden = p->hidden;
+  cp.local_experts = ctx->local_experts;
+  cp.rank = rank;
+  cp.world = ctx->world;
+  cp.epochs = ctx->d_epochs;
+  cp.err = ctx->err;
+  cp.timeout_ns = timeout_ns;
+  cp.done = ctx->d_done;
+  cp.counts = ctx->d_counts;
+  cp.experts = ET;
+  cp.capacity = ctx->capacity;
+  TW_TRY(tw__dispatch_copy_launch(&cp, budget, stream));
+  TW_TRY(tw__dispatch_wait_launch(&sg, stream));
+  tw_dispatch_mask_args ma;
+  memset(&ma, 0, sizeof ma);
+  ma.live = (const uint32_t*)((char*)ctx->dwin.local + ctx->dlay.live);
+  ma.band_group = d->band_group;
+  ma.band_first = d->band_first;
+  ma.bands = d->bands;
+  ma.num_bands = d->num_bands;
+  ma.tiles = d->tiles;
+  ma.num_tiles = d->num_tiles;
+  ma.live_tiles = d->live_tiles;
+  if (ctx->layer) {
+    ma.tiles1 = d->gemm1_tiles;
+    ma.num_tiles1 = d->num_gemm1_tiles;
+    ma.live_tiles1 = d->live_gemm1_tiles;
+  }
+  ma.band_live = d->band_live;
+  ma.live_counts = d->live_counts;
+  TW_TRY(tw__dispatch_mask_launch(&ma, stream));
+  d->tokens = tokens; /* the reduction's of the combine that follows */
+  if (expert_in != NULL) *expert_in = (char*)ctx->dwin.local + ctx->dlay.rows;
+  if (capturing) {
+    d->captured = 1; /* its arrays' addresses are in the graph */
+    return TW_SUCCESS;
+  }
+  TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));
+  TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_aux, ctx->ev_call_done, 0));
+  TW_CUDA_TRY(cudaMemcpyAsync(ctx->h_err, ctx->err, sizeof(tw_dev_error), cudaMemcpyDeviceToHost,
+                              ctx->s_aux));
+  TW_CUDA_TRY(cudaEventRecord(ctx->ev_err_copied, ctx->s_aux));
+  ctx->have_call = 1;
+  ctx->failed = ctx->failed_enqueue = 0;
+  return TW_SUCCESS;
+}
+
 tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
                            const void* topk_ids, tw_index_type id_type, const float* topk_weights,
                            int32_t tokens, void** expert_in, const tw_dispatch_options* options,
@@ -175,6 +360,9 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   if (id_type != TW_INDEX_INT32 && id_type != TW_INDEX_INT64)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "%s: id_type %d; give TW_INDEX_INT32 or TW_INDEX_INT64", who, (int)id_type);
+  if (ctx->capacity > 0)
+    return tw__dispatch_run_static(ctx, d, x, topk_ids, id_type, topk_weights, tokens, expert_in,
+                                   &opt, extra, stream, who);
   /* A failed context refuses the call, but through the all-gather below: the ranks may learn
    * of a failure at different times, and a rank that left early would leave the others
    * waiting in the collective. */

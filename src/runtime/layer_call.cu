@@ -19,6 +19,12 @@
  * because the plan is made for this budget). GEMM1 waits for nothing, so on an in-process team
  * it ends wherever it runs.
  *
+ * The capturable mode (a context with a dispatch capacity): the dispatch is dispatch_call.cu's
+ * static one (no host read, no collective), GEMM1 and GEMM2 run the tiles with live rows its mask
+ * kernel listed, and the whole call may be captured in a CUDA graph; S forks only inside the
+ * combine (combine_call.cu), which joins before it returns. Its refusals are local (the peers time
+ * out; tw_context_check reports).
+ *
  * Failures: whatever can differ between ranks (tokens, ids, pointers) is agreed on in the
  * dispatch's all-gather, so every rank refuses alike before anything is sent and the context
  * stays usable. Arguments that are the same on every rank in a correct program (the options,
@@ -57,6 +63,11 @@ extern "C" tw_status tw__layer_gemm1(tw_context_t ctx, tw_device_plan_t d, const
   TW_TRY(tw__gemm1_args_init(&g, expert_in, w13, h, d->rows, ctx->problem.hidden, ctx->problem.ffn,
                              ctx->local_experts, d->gemm1_tiles, d->num_gemm1_tiles, ctx->tm));
   g.grid = budget; /* persistent: CTA j takes tiles j, j + budget, ... (never more than tiles) */
+  /* The static plan: the tiles with live rows of the last dispatch (its mask kernel). */
+  if (d->is_static) {
+    g.tiles = d->live_gemm1_tiles;
+    g.live_tiles = d->live_counts + 1;
+  }
   return tw__gemm1_swiglu_launch(&g, stream);
 }
 
@@ -130,7 +141,14 @@ extern "C" tw_status tw_moe_layer_ex(tw_context_t ctx, tw_device_plan_t d, const
     }
   }
   pc.sm_budget = budget;
-  {
+  /* The capturable mode plans once (the static plan): no per-call config. */
+  if (ctx->capacity > 0 && opt.plan_config != NULL)
+    return tw__fail(TW_ERR_UNSUPPORTED,
+                    "tw_moe_layer: the context has a dispatch capacity, whose plan is static (made "
+                    "by tw_device_plan_create for the context's sm_budget); pass plan_config = "
+                    "NULL");
+  if (ctx->capacity > 0) plan_config = NULL;
+  if (ctx->capacity == 0) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     const cudaError_t ce = cudaStreamIsCapturing(stream, &capture);
     if (ce != cudaSuccess)
@@ -139,7 +157,8 @@ extern "C" tw_status tw_moe_layer_ex(tw_context_t ctx, tw_device_plan_t d, const
     if (capture != cudaStreamCaptureStatusNone)
       return tw__fail(TW_ERR_UNSUPPORTED,
                       "tw_moe_layer: the stream is capturing; the eager layer reads the counts "
-                      "on the host and cannot be captured in a CUDA graph");
+                      "on the host and cannot be captured in a CUDA graph (create the contexts "
+                      "with tw_context_config.dispatch_capacity > 0 for a capturable layer)");
   }
   /* The layer's own operands, refused through the dispatch's all-gather (they may differ
    * between ranks). */
@@ -177,7 +196,10 @@ extern "C" tw_status tw_moe_layer_ex(tw_context_t ctx, tw_device_plan_t d, const
   if (st != TW_SUCCESS) {
     char why[512];
     snprintf(why, sizeof why, "%s", tw_last_error());
-    ctx->failed = ctx->failed_enqueue = 1;
+    /* Under capture nothing has run: the capture fails, the context stays as it was. */
+    cudaStreamCaptureStatus cs = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &cs) != cudaSuccess || cs == cudaStreamCaptureStatusNone)
+      ctx->failed = ctx->failed_enqueue = 1;
     return tw__fail(st,
                     "tw_moe_layer: rank %d: the %s half failed after the dispatch (%s); the "
                     "peers' calls wait for this rank until their timeout. Call "
