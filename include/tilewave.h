@@ -704,7 +704,9 @@ typedef struct tw_combine_options {
  * its graph (cudaGraphInstantiate, cudaGraphUpload) before any rank launches one: both can wait
  * for the device, and on an in-process team that device runs the peers' spinning kernels. Every
  * rank captures and replays the same sequence. A capture that fails leaves the context as it
- * was. Verified on a world of 1; several ranks: see docs/runtime.md. */
+ * was. Verified on a world of 1; several ranks: see docs/runtime.md. On a device plan of the
+ * capturable dispatch (tw_context_config.dispatch_capacity) the call computes and sends the bands
+ * with live rows of the last dispatch into dplan (read on the device). */
 TW_API tw_status tw_moe_combine(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
                                 const void* w2, void* out, cudaStream_t stream);
 /* As tw_moe_combine, with options (NULL = defaults). */
@@ -769,7 +771,22 @@ TW_API tw_status tw_context_dispatch_buffer(tw_context_t ctx, void** rows, int64
  *                     that call (the context orders its own calls).
  * x, topk_ids and topk_weights must not change until the call's work completes. Device-side
  * failures (a wait past the timeout) surface as for tw_moe_combine. Needs the reduce dataflow
- * and tw_context_config.dispatch = 1. */
+ * and tw_context_config.dispatch = 1.
+ * Capturable mode (tw_context_config.dispatch_capacity = C > 0): the plan is the static one that
+ * tw_device_plan_create put into dplan (every (local expert, source) group C rows, rounded up to
+ * TM; an upload into dplan replaces it and the call then fails with TW_ERR_STATE). Steps 1 and 3
+ * run on the device alone: no copy to the host, no all-gather, no host wait, no event query
+ * under capture, every kernel on `stream`; the call may be captured in a CUDA graph (the rules
+ * of tw_moe_combine; `tokens` is baked into the graph, the contents of x, topk_ids and
+ * topk_weights are read at replay time). Each rank sends its live row count of every group with
+ * its rows; the combine that follows on dplan computes and sends only the bands with live rows.
+ * Differences: the rows of a group past its live ones are not written (stale, not zero; the
+ * computation never sends or reads their results), tw_device_plan_expert_rows gives the static
+ * layout (real_rows = the capacity), plan_config must be NULL (TW_ERR_UNSUPPORTED), and every
+ * refusal is local to the rank (its peers' calls then time out). A bad or repeated id, or a
+ * slot beyond C rows of its expert from this rank (TW_ERR_CAPACITY, naming the token: raise
+ * dispatch_capacity), fails on the device: tw_context_check then returns that status on every
+ * rank, and tw_context_reset makes the context usable again. */
 TW_API tw_status tw_moe_dispatch(tw_context_t ctx, tw_device_plan_t dplan, const void* x,
                                  const void* topk_ids, tw_index_type id_type,
                                  const float* topk_weights, int32_t tokens, void** expert_in,
@@ -827,7 +844,11 @@ typedef struct tw_layer_options {
  *                     bf16(h_j(t) w2[e_j]^T), accumulated in fp32; may be NULL when tokens = 0
  * [in]  stream:       the caller's stream; inputs ready in its order, `out` ready in its order
  *                     when the call's work completes. The call blocks the host until this
- *                     rank's counts are on it (as tw_moe_dispatch). Not capturable (eager mode).
+ *                     rank's counts are on it (as tw_moe_dispatch). Not capturable in the eager
+ *                     mode; with tw_context_config.dispatch_capacity > 0 it neither blocks nor
+ *                     reads routing data and may be captured in a CUDA graph (tw_moe_dispatch's
+ *                     capturable mode, then GEMM1 and GEMM2 + combine on the bands with live
+ *                     rows; plan_config must be NULL; refusals are local to the rank).
  * Refusals: a bad or repeated id, a token count out of range, a NULL or unaligned x, topk_ids,
  * topk_weights, w13, w2 or out on any rank fail the call on every rank with the same status,
  * naming the rank, before anything is sent; the context stays usable. A context without
