@@ -273,6 +273,17 @@ static tw_status tw__warm_up(tw_context_t ctx) {
       cp.err = ctx->err;
       st = tw__dispatch_copy_launch(&cp, 1, ctx->s_aux);
       if (st != TW_SUCCESS) goto done;
+      /* The capturable mode's mask: no bands, no tiles; writes its two counts into c. */
+      tw_dispatch_mask_args ma;
+      memset(&ma, 0, sizeof ma);
+      ma.live = (const uint32_t*)a;
+      ma.band_group = ma.band_first = (const int32_t*)a;
+      ma.bands = (const tw_band*)a;
+      ma.tiles = (const tw_tile*)a;
+      ma.live_tiles = (tw_tile*)c;
+      ma.band_live = ma.live_counts = (int32_t*)c;
+      st = tw__dispatch_mask_launch(&ma, ctx->s_aux);
+      if (st != TW_SUCCESS) goto done;
     }
     if (ctx->layer) {
       /* The kernel tw_moe_layer launches (variant 0, the context's band height). */
