@@ -148,6 +148,14 @@ extern "C" tw_status tw_moe_layer_ex(tw_context_t ctx, tw_device_plan_t d, const
                     "by tw_device_plan_create for the context's sm_budget); pass plan_config = "
                     "NULL");
   if (ctx->capacity > 0) plan_config = NULL;
+  /* The static plan's C was chosen for the context's budget: a smaller one must leave the
+   * producer SMs, or the combine half would refuse after the dispatch went out. */
+  if (ctx->capacity > 0 && d->is_static && d->total_units > 0 &&
+      (opt.comm_ctas > 0 ? opt.comm_ctas : d->comm_ctas) >= budget)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_moe_layer: the static plan's %d consumer CTAs leave none of the call's %d "
+                    "SMs to the producer; pass a larger sm_budget or a smaller comm_ctas",
+                    opt.comm_ctas > 0 ? opt.comm_ctas : d->comm_ctas, budget);
   if (ctx->capacity == 0) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     const cudaError_t ce = cudaStreamIsCapturing(stream, &capture);
