@@ -38,7 +38,7 @@
 #include "tilewave.h"
 
 /* Further kinds of device-side failure (tw_dev_error.where), after combine.h's. */
-enum { TW_CHECK_ID = 7, TW_WAIT_DISPATCH_CREDIT = 8, TW_WAIT_DISPATCH_ARRIVAL = 9 };
+enum { TW_WAIT_DISPATCH_CREDIT = 8, TW_WAIT_DISPATCH_ARRIVAL = 9, TW_CHECK_ID = 10 };
 
 /* Most chunks of the scan (the histograms are (chunks, experts) int32). */
 #define TW_DISPATCH_MAX_CHUNKS 256

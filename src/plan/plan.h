@@ -141,6 +141,11 @@ struct tw_plan {
   int32_t* slot_base; /* (E_total) */
   int32_t* send_row0; /* (E_total) -1 where it would not fit int32 */
 
+  /* What every rank's plan of one call must agree on, hashed (tw__plan_build): the problem, the
+   * tile shape, the dataflow and the count matrix, and for a plan from a routing every rank's
+   * expert ids too. Checked on the device where rows arrive (combine.h, plan_fp). */
+  uint64_t fingerprint;
+
   /* Partition decision. */
   int32_t comm_ctas;
   double predicted_us;
