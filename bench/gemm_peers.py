@@ -72,6 +72,7 @@ QUICK = [("deepseek-v3", 8, 4096, "balanced"), ("qwen3-235b", 8, 4096, "balanced
          ("deepseek-v3", 2, 16384, "balanced"), ("deepseek-v3", 8, 4096, "stress_skew")]
 DG_ALIGN = 128   # deep_gemm.get_mk_alignment_for_contiguous_layout() on SM90 (checked at run time)
 TORCH_ALIGN = 16  # torch._grouped_mm: group ends multiples of 16
+PREWARM_GB = 90  # GPU memory the compiling processes may hold together (of the H200's 139 GiB)
 BAR_ROOF, BAR_DG, BAR_DG_MANY, MANY_EXPERTS = 0.90, 1.00, 1.10, 16
 
 
@@ -466,38 +467,48 @@ def summary(results):
 # DeepGEMM's kernels compiled ahead, in parallel processes
 # ------------------------------------------------------------------------------------------------
 
-def _prewarm_one(spec):
-    """Compiles (JIT) DeepGEMM's kernel for one (rows, N, K, groups): its cache on disk is what
-    the timed process then loads. The layout is all padding, so the launch computes nothing."""
+def _prewarm_group(specs):
+    """Compiles (JIT) DeepGEMM's kernels for one (N, K, groups) at each of its row counts: its
+    cache on disk is what the timed process then loads. One process a group, its row counts in
+    turn, because row counts that pick the same configuration share a kernel (compiled once).
+    The layouts are all padding, so the launches compute nothing."""
     import torch
     import deep_gemm
-    m, n, k, g = spec
-    t0 = time.time()
-    a = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
-    b = torch.empty(g, n, k, dtype=torch.bfloat16, device="cuda")
-    d = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    idx = torch.full((m,), -1, dtype=torch.int32, device="cuda")
-    deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, idx)
-    torch.cuda.synchronize()
-    return time.time() - t0
+    for m, n, k, g in specs:
+        a = torch.empty(m, k, dtype=torch.bfloat16, device="cuda")
+        b = torch.empty(g, n, k, dtype=torch.bfloat16, device="cuda")
+        d = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        idx = torch.full((m,), -1, dtype=torch.int32, device="cuda")
+        deep_gemm.m_grouped_bf16_gemm_nt_contiguous(a, b, d, idx)
+        torch.cuda.synchronize()
+        del a, b, d, idx
+    return len(specs)
 
 
 def prewarm(points, gemms, jobs):
-    specs = set()
+    """Compiles DeepGEMM's kernels for every point ahead, in `jobs` processes: (seconds, shapes)."""
+    groups = {}
     for pt in points:
         hidden, ffn, _, _ = MODELS[pt["model"]]
         _, total, _ = layout(pt["rows"], DG_ALIGN)
         for g in gemms:
             n, k = (2 * ffn, hidden) if g == 1 else (hidden, ffn)
-            specs.add((total, n, k, len(pt["rows"])))
-    specs = sorted(specs)
-    if jobs <= 1 or not specs:
-        return 0, len(specs)
+            groups.setdefault((n, k, len(pt["rows"])), set()).add((total, n, k, len(pt["rows"])))
+    tasks = sorted((sorted(v) for v in groups.values()), key=len, reverse=True)
+    shapes = sum(len(t) for t in tasks)
+    # The processes' operands share the GPU: as many as fit in PREWARM_GB if the largest tasks
+    # ran at once (an input, all weights and an output per task, bf16).
+    foot = sorted((max(2 * (m * k + g * n * k + m * n) for m, n, k, g in t) for t in tasks),
+                  reverse=True)
+    while jobs > 1 and sum(foot[:jobs]) > PREWARM_GB * 2 ** 30:
+        jobs -= 1
+    if jobs <= 1 or not tasks:
+        return 0, shapes
     import multiprocessing as mp
     t0 = time.time()
-    with mp.get_context("spawn").Pool(min(jobs, len(specs))) as pool:
-        list(pool.imap_unordered(_prewarm_one, specs))
-    return time.time() - t0, len(specs)
+    with mp.get_context("spawn").Pool(min(jobs, len(tasks))) as pool:
+        list(pool.imap_unordered(_prewarm_group, tasks))
+    return time.time() - t0, shapes
 
 
 # ------------------------------------------------------------------------------------------------
@@ -598,9 +609,11 @@ def main():
                     help="the roofline's dense rate (default: measured here)")
     ap.add_argument("--hbm-gbps", type=float, default=4100.0)
     ap.add_argument("--no-deepgemm", action="store_true")
-    ap.add_argument("--prewarm-jobs", type=int, default=min(12, max(1, (os.cpu_count() or 2) - 2)),
+    ap.add_argument("--prewarm-jobs", type=int,
+                    default=min(16, max(1, (os.cpu_count() or 2) - 2)),
                     help="processes compiling DeepGEMM's kernels ahead (1: compile in line)")
     ap.add_argument("--json", help="write every measurement to this file")
+    ap.add_argument("--tables", metavar="JSON", help="print the tables of a --json file, no GPU")
     ap.add_argument("--self-test", action="store_true", help="host checks only, no GPU")
     args = ap.parse_args()
     args.lib = args.lib or os.path.join(args.build, "libtw_gemm_peer.so")
@@ -613,6 +626,15 @@ def main():
                                                                     list(ROUTERS)))
     if args.self_test:
         return self_test(args)
+    if args.tables:
+        with open(args.tables) as f:
+            d = json.load(f)
+        print("# gemm_peers on %s, torch %s; median of %d reps, %s%d us idle before each call; "
+              "roofline at %.0f TFLOP/s and %.0f GB/s" % (
+                  d["device"], d["torch"], d["reps"], "L2 flushed, " if d["flush"] else "",
+                  d["delay_us"], d["dense_tflops"], d["hbm_gbps"]))
+        render(d["results"])
+        return 0
 
     import torch  # after the argument checks: --help and --self-test need no torch
     if not torch.cuda.is_available():
@@ -645,25 +667,31 @@ def main():
               "" if args.dense_tflops else " (measured)", args.hbm_gbps, len(points), args.seed,
               nspecs, warm_s))
     results = []
-    for pt in points:
+    for i, pt in enumerate(points):
         try:
             results += run_point(pt, args, env)
         except Exception as ex:  # e.g. out of memory at one point: say so, go on
             print("* %s EP %d %d %s: point failed: %s" % (pt["model"], pt["ep"], pt["tokens"],
                                                           pt["router"], ex))
             torch.cuda.empty_cache()
-    for g in args.gemms:
+        print("point %d of %d done at %.0f s" % (i + 1, len(points), time.time() - t0),
+              file=sys.stderr)
+        if args.json:  # after every point: a run cut short keeps what it measured (--tables)
+            with open(args.json, "w") as f:
+                json.dump(dict(device=prop.name, torch=torch.__version__,
+                               dense_tflops=env["dense_tflops"], hbm_gbps=args.hbm_gbps,
+                               reps=args.reps, delay_us=args.delay_us, flush=not args.no_flush,
+                               seed=args.seed, results=results), f)
+    render(results)
+    print("\n%d results in %.0f s" % (len(results), time.time() - t0))
+    return 1 if any(any(v for v in r["wrong"].values()) for r in results) else 0
+
+
+def render(results):
+    for g in (1, 2):
         main_table(results, g)
     ab_table(results)
     summary(results)
-    print("\n%d results in %.0f s" % (len(results), time.time() - t0))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=prop.name, torch=torch.__version__,
-                           dense_tflops=env["dense_tflops"], hbm_gbps=args.hbm_gbps,
-                           reps=args.reps, delay_us=args.delay_us, flush=not args.no_flush,
-                           seed=args.seed, results=results), f)
-    return 1 if any(any(v for v in r["wrong"].values()) for r in results) else 0
 
 
 if __name__ == "__main__":
