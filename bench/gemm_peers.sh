@@ -41,8 +41,9 @@ fi
 # 2. Our two libraries (the rest of the tree is not needed here).
 if [ ! -f "$BUILD/build.ninja" ]; then
   NCCL_ROOT=$(python3 -c 'import nvidia.nccl as m; print(m.__path__[0])' 2>/dev/null || true)
-  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release ${NCCL_ROOT:+-DTW_NCCL_ROOT=$NCCL_ROOT} \
-    >"$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    ${NCCL_ROOT:+-DTW_NCCL_ROOT=$NCCL_ROOT} >"$OUT/build.log" 2>&1 ||
+    { tail -30 "$OUT/build.log"; exit 1; }
 fi
 cmake --build "$BUILD" -j "$(nproc)" --target tw_gemm_peer tilewave >>"$OUT/build.log" 2>&1 ||
   { tail -30 "$OUT/build.log"; exit 1; }
