@@ -662,7 +662,7 @@ def main():
     env["dense_tflops"] = args.dense_tflops or dense_tflops(torch, timer)
     print("# gemm_peers on %s (%d SMs), torch %s, DeepGEMM %s; median of %d reps, %s%d us idle "
           "before each call; roofline at %.0f TFLOP/s%s and %.0f GB/s; %d points, routing seed %d, "
-          "the busiest rank's rows; DeepGEMM kernels compiled ahead: %d in %.0f s" % (
+          "the busiest rank's rows; DeepGEMM's kernels of %d shapes compiled ahead in %.0f s" % (
               prop.name, prop.multi_processor_count, torch.__version__,
               getattr(dg, "__version__", "yes") if dg else "not used", args.reps,
               "" if args.no_flush else "L2 flushed, ", args.delay_us, env["dense_tflops"],

@@ -60,8 +60,9 @@ if ls "$DG_DIR"/deep_gemm/_C*.so >/dev/null 2>&1; then
 fi
 
 # 3. The grid (or --quick), with the levers beside ours' default.
+# The tables (stdout) into gemm-peers.md; progress and errors (stderr) shown and kept in a log.
 "${PEER_ENV[@]}" python3 bench/gemm_peers.py --build "$BUILD" --ab --json "$OUT/gemm-peers.json" \
-  "$@" 2>&1 | tee "$OUT/gemm-peers.md"
+  "$@" 2> >(tee "$OUT/gemm-peers.log" >&2) | tee "$OUT/gemm-peers.md"
 rc=${PIPESTATUS[0]}
 say "done, exit $rc"
 exit "$rc"
