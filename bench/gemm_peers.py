@@ -34,8 +34,9 @@ a miss comes from: partial last bands, or few tiles per SM.
 
 --ab adds the levers measured beside the default (same process, same inputs): the tile group
 (TW_TILE_GROUP: bands walked column by column together, i.e. the raster that keeps a weight
-panel in L2) at 16 and 32 against the default 8; 128-wide tiles where N is not a multiple of
-256 (gpt-oss's 2880); 64-row bands (64-row tiles) where the experts average at most 128 rows.
+panel in L2) at 16 and 32 against the default 8; GEMM2's 128-wide tiles against the planner's
+256 (finer waves, and less of a partial last column tile where N is not a multiple of 256, as
+gpt-oss's 2880); 64-row bands (64-row tiles) where the experts average at most 128 rows.
 
 Needs torch with a Hopper GPU, libtw_gemm_peer.so and libtilewave.so (the build directory,
 --build), and DeepGEMM on PYTHONPATH (bench/gemm_peers.sh builds it; without it, or with
@@ -296,7 +297,7 @@ def run_point(pt, args, env):
         if args.ab:
             for g in (16, 32):
                 handles["ours g%d" % g] = make_ours(tile_group=g)
-            if gemm == 2 and N % 256 != 0:
+            if gemm == 2:  # the planner's 256 here (hidden >= 2048): 128 is the other width
                 handles["ours tn128"] = make_ours(tn=128)
             if M <= 128 * E:  # short groups: a 128-row band would be half padding or more
                 handles["ours tm64"] = make_ours(tm=64)
