@@ -48,8 +48,8 @@ struct Peer {
 tw_status check_rows(const char* who, int64_t rows_total, int32_t experts, const int32_t* row0,
                      const int32_t* rows) {
   if (row0 == NULL || rows == NULL)
-    return tw__fail(TW_ERR_NULL_POINTER, "%s: row0 and rows must be host arrays of %d entries",
-                    who, experts);
+    return tw__fail(TW_ERR_NULL_POINTER, "%s: row0 and rows must be host arrays of %d entries", who,
+                    experts);
   if (rows_total < 0 || rows_total > INT32_MAX)
     return tw__fail(TW_ERR_INVALID_SIZE, "%s: rows_total %lld must be in 0..%d", who,
                     (long long)rows_total, INT32_MAX);
@@ -115,8 +115,10 @@ tw_status finish(const char* who, Peer* p, const std::vector<tw_tile>& tiles, vo
 tw_status resolve_group(const char* who, int32_t requested, int32_t* group) {
   if (requested == 0) return tw__tile_group_resolve(group);
   if (requested < 1 || requested > 64)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT, "%s: tile_group %d; pass 1..64, or 0 for the "
-                    "planner's (TW_TILE_GROUP, default %d)", who, requested, TW_TILE_GROUP_DEFAULT);
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: tile_group %d; pass 1..64, or 0 for the "
+                    "planner's (TW_TILE_GROUP, default %d)",
+                    who, requested, TW_TILE_GROUP_DEFAULT);
   *group = requested;
   return TW_SUCCESS;
 }
@@ -141,8 +143,10 @@ TWPEER_API int twpeer_gemm2_create(const void* a, const void* w, void* c, int64_
   if (a == NULL || w == NULL || c == NULL)
     return tw__fail(TW_ERR_NULL_POINTER, "%s: a, w and c must be device pointers", who);
   if (k < 64 || k % 64 != 0 || n < 8 || n % 8 != 0 || experts < 1)
-    return tw__fail(TW_ERR_ALIGNMENT, "%s: k %d (a multiple of 64), n %d (a multiple of 8), "
-                    "experts %d (>= 1)", who, k, n, experts);
+    return tw__fail(TW_ERR_ALIGNMENT,
+                    "%s: k %d (a multiple of 64), n %d (a multiple of 8), "
+                    "experts %d (>= 1)",
+                    who, k, n, experts);
   if (tm != 64 && tm != 128)
     return tw__fail(TW_ERR_UNSUPPORTED, "%s: tm %d; use 64 or 128", who, tm);
   if (tn == 0) {
@@ -167,8 +171,8 @@ TWPEER_API int twpeer_gemm2_create(const void* a, const void* w, void* c, int64_
       make_tiles(experts, row0, rows, tm, tn, (n + tn - 1) / tn, group);
   TW_TRY(finish(who, p, tiles, handle));
   const tw_gemm_shape gs = {(int32_t)rows_total, k, n, experts, tm, tn};
-  tw_status st = tw__gemm_args_init(&p->g2, &gs, a, w, c, p->tiles, p->num_tiles, grid,
-                                    TW_SIGNAL_NONE, NULL);
+  tw_status st =
+      tw__gemm_args_init(&p->g2, &gs, a, w, c, p->tiles, p->num_tiles, grid, TW_SIGNAL_NONE, NULL);
   p->g2.variant = variant;
   if (st != TW_SUCCESS) {
     cudaFree(p->tiles);
@@ -193,8 +197,10 @@ TWPEER_API int twpeer_gemm1_create(const void* a, const void* w13, void* h, int6
   if (a == NULL || w13 == NULL || h == NULL)
     return tw__fail(TW_ERR_NULL_POINTER, "%s: a, w13 and h must be device pointers", who);
   if (hidden < 64 || hidden % 64 != 0 || ffn < 8 || ffn % 8 != 0 || experts < 1)
-    return tw__fail(TW_ERR_ALIGNMENT, "%s: hidden %d (a multiple of 64), ffn %d (a multiple "
-                    "of 8), experts %d (>= 1)", who, hidden, ffn, experts);
+    return tw__fail(TW_ERR_ALIGNMENT,
+                    "%s: hidden %d (a multiple of 64), ffn %d (a multiple "
+                    "of 8), experts %d (>= 1)",
+                    who, hidden, ffn, experts);
   if (tm != 64 && tm != 128)
     return tw__fail(TW_ERR_UNSUPPORTED, "%s: tm %d; use 64 or 128", who, tm);
   if (grid < 0 || variant < 0 || variant > 5)
