@@ -3,7 +3,8 @@
 # torch._grouped_mm on identical inputs (bench/gemm_peers.py), GEMM1 + SwiGLU and GEMM2, over the
 # model x EP x tokens x router grid, in one go:
 #   1. unpacks and builds DeepGEMM 2.6.1 (.peers/deepgemm-2.6.1-src.tgz, the source tarball of
-#      the project's peer list; about 90 s) in the background, as its develop.sh does;
+#      the project's peer list; about 90 s) into BUILD_DIR/DeepGEMM in the background, as its
+#      develop.sh does (skipped when a build is there);
 #   2. meanwhile builds libtw_gemm_peer.so and libtilewave.so in BUILD_DIR (configured here
 #      against PyTorch's NCCL if BUILD_DIR has no build yet);
 #   3. runs the grid with the levers' A/B (--ab) and prints the markdown tables; DeepGEMM's
@@ -27,11 +28,13 @@ say() { echo "== $* ($(($(date +%s) - t0)) s)"; }
 say "environment: commit ${TW_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 
-# 1. DeepGEMM (its JIT needs LD_PRELOAD of the system libstdc++: without it std::regex segfaults).
-DG_SRC=.peers/deepgemm-2.6.1-src.tgz DG_DIR=/tmp/DeepGEMM dg_pid=
+# 1. DeepGEMM (its JIT needs LD_PRELOAD of the system libstdc++: without it std::regex segfaults),
+# built and JIT-cached inside BUILD_DIR, which a later call on the same machine finds again.
+mkdir -p "$BUILD"
+DG_SRC=.peers/deepgemm-2.6.1-src.tgz DG_DIR=$(cd "$BUILD" && pwd)/DeepGEMM dg_pid=
 if [ -f "$DG_SRC" ]; then
   if ! ls "$DG_DIR"/deep_gemm/_C*.so >/dev/null 2>&1; then
-    (tar xzf "$DG_SRC" -C /tmp && bash "$DG_DIR/develop.sh") >"$OUT/deepgemm-build.log" 2>&1 &
+    (tar xzf "$DG_SRC" -C "$BUILD" && bash "$DG_DIR/develop.sh") >"$OUT/deepgemm-build.log" 2>&1 &
     dg_pid=$!
   fi
 else
@@ -56,7 +59,7 @@ fi
 PEER_ENV=()
 if ls "$DG_DIR"/deep_gemm/_C*.so >/dev/null 2>&1; then
   PEER_ENV=(env "PYTHONPATH=$DG_DIR${PYTHONPATH:+:$PYTHONPATH}"
-            LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6 DG_JIT_CACHE_DIR=/tmp/deepgemm-jit)
+            LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6 "DG_JIT_CACHE_DIR=$DG_DIR-jit")
 fi
 
 # 3. The grid (or --quick), with the levers beside ours' default.
