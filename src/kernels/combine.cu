@@ -307,11 +307,11 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     tw_consumer_kernel(const tw_consumer_args a) {
   extern __shared__ __align__(128) char s_bulk[]; /* bulk: stages, then their barriers */
   __shared__ int s_ok;
-  __shared__ int s_unit;             /* the unit this CTA works on (claimed by thread 0) */
-  __shared__ int s_copied;           /* bulk: thread 0's copy of the unit did not time out */
-  __shared__ uint32_t s_pending[64]; /* (world) finished, not yet announced units per owner */
-  __shared__ uint32_t* s_arrive[64]; /* (world) our arrival counter in each owner's window */
-  __shared__ char* s_peer[64];       /* (world) every owner's window base */
+  __shared__ int s_unit;              /* the unit this CTA works on (claimed by thread 0) */
+  __shared__ int s_copied;            /* bulk: thread 0's copy of the unit did not time out */
+  __shared__ uint32_t s_pending[64];  /* (world) finished, not yet announced units per owner */
+  __shared__ uint32_t* s_arrive[64];  /* (world) our arrival counter in each owner's window */
+  __shared__ char* s_peer[64];        /* (world) every owner's window base */
   __shared__ uint64_t* s_fp_slot[64]; /* (world) our plan_fp slot in each owner's window */
   __shared__ uint64_t s_fp;           /* the value for them (tw_plan_fp_of_call) */
   const size_t row_bytes = (size_t)a.hidden * 2;

@@ -75,14 +75,14 @@ typedef struct tw_window_layout {
   uint64_t out_bytes; /* bytes of one output buffer (0 under the reduce dataflow) */
   uint64_t zeros;     /* (zeros_bytes) zeros, never written: what peers copy from (add) */
   uint64_t zeros_bytes;
-  uint64_t arrive; /* (W) uint32 arrivals, by source rank */
-  uint64_t credit; /* (W) uint32 credits, by owner rank */
-  uint64_t ready;  /* uint32: calls whose output buffer is zero, cumulative (add dataflow) */
+  uint64_t arrive;  /* (W) uint32 arrivals, by source rank */
+  uint64_t credit;  /* (W) uint32 credits, by owner rank */
+  uint64_t ready;   /* uint32: calls whose output buffer is zero, cumulative (add dataflow) */
   uint64_t plan_fp; /* (W) uint64, by source rank: tw_plan_fp_of_call of the source's plan in
                        its latest call that sent here, written before its arrivals */
-  uint64_t tags;   /* (recv_rows_max) uint32 debug tags */
-  uint64_t hits;   /* (recv_rows_max) uint32 debug arrival counts */
-  uint64_t bytes;  /* total */
+  uint64_t tags;    /* (recv_rows_max) uint32 debug tags */
+  uint64_t hits;    /* (recv_rows_max) uint32 debug arrival counts */
+  uint64_t bytes;   /* total */
 } tw_window_layout;
 
 typedef struct tw_consumer_args {
@@ -134,8 +134,8 @@ typedef struct tw_reduce_args {
   uint16_t* out;           /* (tokens, hidden) bf16 */
   int32_t tokens, top_k, hidden, recv_rows, rank, world, col_tiles;
   int32_t debug_tags;
-  uint32_t* debug_slots; /* (tokens, top_k) observed (tag << 16 | hits); debug mode only */
-  uint32_t* done;        /* CTA completion counter (zero between calls) */
+  uint32_t* debug_slots;      /* (tokens, top_k) observed (tag << 16 | hits); debug mode only */
+  uint32_t* done;             /* CTA completion counter (zero between calls) */
   const tw_call_state* state; /* arrivals awaited: state->arrive_target */
   /* The plan check (NULL = off): after the arrivals, each source that sends here this call
    * (recv_units[s] > 0) must have written tw_plan_fp_of_call(*plan_fp, epoch) into its slot:

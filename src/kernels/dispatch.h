@@ -73,8 +73,8 @@ typedef struct tw_dispatch_scan_args {
   int32_t* slot_row;        /* (slots) out */
   float* weights_out;       /* (slots) out: the device plan's copy */
   int32_t* send_row;        /* (slots) out */
-  tw_dev_error* err; /* count pass: bad ids (TW_CHECK_ID), weights (TW_CHECK_WEIGHT); place
-                        pass: internal */
+  tw_dev_error* err;        /* count pass: bad ids (TW_CHECK_ID), weights (TW_CHECK_WEIGHT); place
+                               pass: internal */
   int32_t rank;
 } tw_dispatch_scan_args;
 

@@ -131,7 +131,8 @@ __global__ void __launch_bounds__(kReduceThreads) tw_reduce_kernel(const tw_redu
     if (ok && a.plan_fp != nullptr) {
       const uint64_t mine = *a.plan_fp;
       const uint64_t want = tw_plan_fp_of_call(mine, a.state->epoch);
-      const volatile uint64_t* slot = reinterpret_cast<const volatile uint64_t*>(win + a.lay.plan_fp);
+      const volatile uint64_t* slot =
+          reinterpret_cast<const volatile uint64_t*>(win + a.lay.plan_fp);
       for (int s = 0; s < a.world && ok; s++) {
         if (s == a.rank || a.recv_units[s] == 0) continue;
         const uint64_t got = slot[s];

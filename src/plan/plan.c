@@ -141,11 +141,10 @@ static uint64_t tw__fnv_words(uint64_t h, const int32_t* v, size_t n) {
 static uint64_t tw__plan_fingerprint(const struct tw_plan* pl, const struct tw_routing* routing,
                                      const int32_t* counts) {
   const tw_problem* p = &pl->problem;
-  const int32_t head[] = {p->world_size, p->hidden, p->ffn,      p->experts, p->top_k,
+  const int32_t head[] = {p->world_size, p->hidden, p->ffn,       p->experts,     p->top_k,
                           pl->tm,        pl->tn,    pl->dataflow, routing != NULL};
   uint64_t h = tw__fnv_words(0xcbf29ce484222325ull, head, sizeof head / sizeof head[0]);
-  if (counts != NULL)
-    return tw__fnv_words(h, counts, (size_t)p->world_size * (size_t)p->experts);
+  if (counts != NULL) return tw__fnv_words(h, counts, (size_t)p->world_size * (size_t)p->experts);
   for (int32_t r = 0; r < p->world_size; r++) {
     const int32_t t = routing->tokens[r];
     h = tw__fnv_words(h, &t, 1);

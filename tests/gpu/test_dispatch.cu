@@ -26,7 +26,6 @@
 #include "context.h"
 #include "overlap_common.h"
 
-
 typedef struct tw_dispatch_cfg {
   int experts, hidden, top_k, max_tokens;
   tw_router router;
@@ -83,7 +82,6 @@ static void tw_dbuf_free(tw_dbuf* b) {
   free(b->h_i32);
   free(b->h_f32);
 }
-
 
 /* The GEMM input the host builds from a plan's row sources: x[owner][token] per row, zero
  * padding. */

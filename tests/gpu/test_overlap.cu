@@ -1004,8 +1004,9 @@ static void test_plans_disagree_same_counts(tw_rank_env* env) {
     CHECK_OK(tw_device_plan_upload(dp, plan, mine, env->stream));
     CHECK_OK(tw_moe_combine(ctx, dp, b.expert_in, b.w2, b.out, env->stream));
     const tw_status st = tw_context_check(ctx);
-    CHECKF(st == TW_ERR_INVALID_ARGUMENT, "rank %d: plans with equal counts that disagree gave %s (%s)",
-           env->rank, tw_status_string(st), tw_last_error());
+    CHECKF(st == TW_ERR_INVALID_ARGUMENT,
+           "rank %d: plans with equal counts that disagree gave %s (%s)", env->rank,
+           tw_status_string(st), tw_last_error());
     CHECK_OK(tw_context_reset(ctx));
     tw_fill_expert_in(good, 134, b.h_in);
     CHECK_CUDA(

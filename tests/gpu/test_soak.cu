@@ -80,7 +80,8 @@ static void tw_soak_first_diff(const uint16_t* a, const uint16_t* b, size_t n, c
     }
   if (first < n)
     snprintf(buf, len, "; %zu of %zu differ, first at token %zu col %zu: %g vs %g", diff, n,
-             first / kHidden, first % kHidden, (double)tw_bf2f(a[first]), (double)tw_bf2f(b[first]));
+             first / kHidden, first % kHidden, (double)tw_bf2f(a[first]),
+             (double)tw_bf2f(b[first]));
 }
 
 static int tw_soak_calls(void) {
