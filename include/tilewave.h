@@ -132,9 +132,11 @@ typedef struct tw_problem {
 /* Checks a problem; returns the first violation with a message naming the fix. */
 TW_API tw_status tw_problem_validate(const tw_problem* problem);
 
-/* Model presets from the papers: name -> hidden, ffn, experts, top_k (tokens are up to you).
- * Names: "granite-3.1-1b-a400m", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "m-gpt", "m-bert",
- * "m-trans-xl" (case-insensitive). Leaves world_size, max_tokens and tiles untouched. */
+/* Model presets: name -> hidden, ffn, experts, top_k (tokens are up to you). From the papers:
+ * "granite-3.1-1b-a400m", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "m-gpt", "m-bert",
+ * "m-trans-xl"; the routed experts of large models: "deepseek-v3", "qwen3-235b-a22b",
+ * "gpt-oss-120b", "mixtral-8x22b" (case-insensitive). Leaves world_size, max_tokens and tiles
+ * untouched. */
 TW_API tw_status tw_problem_preset(const char* name, tw_problem* problem);
 /* Number of presets and the i-th preset's name, for listings. */
 TW_API int tw_preset_count(void);
