@@ -279,6 +279,10 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints);
  * plan's choice, per point, W ranks on GPU 0 (the same setup as bench --in-process). */
 int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints);
 
+/* A progress line on stderr for point i (0-based) of npoints, from the second one on with the
+ * time so far and an estimate of the time left (the mean time of the points done). */
+void twb_progress(const char* cmd, int i, int npoints, const twb_point* pt, double t_begin);
+
 /* What a rank thread of an in-process team gets (the first member of its argument). */
 typedef struct twb_team_job {
   tw_team_t team, sums; /* the contexts' team, and one for the harness's own sums */

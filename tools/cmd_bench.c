@@ -220,6 +220,9 @@ static void twb_usage(FILE* f, int sweep) {
     fprintf(f,
             "`tilewave bench gemm ...` runs the GEMM benchmark (tools/bench_gemm.cu);\n"
             "`tilewave bench gemm1 ...` GEMM1 + SwiGLU against cuBLAS (tools/bench_gemm1.cu).\n"
+            "`tilewave bench layer ...` the whole layer against the sequential one, and\n"
+            "`tilewave bench dispatch ...` the dispatch against permute + copy all-to-all, on\n"
+            "one GPU (tools/bench_layer.c).\n"
             "Without GPUs (or fewer than 2, or than --ranks), or with --what-if, shows what the\n"
             "planner would pick at every point instead (C, mgb, schedule, predicted and\n"
             "sequential us; tilewave plan's choice for rank 0) and exits 0.\n\n"
@@ -603,6 +606,12 @@ int tw_cli_bench(int argc, char** argv) {
   }
   if (argc > 1 && strcmp(argv[1], "gemm1") == 0) {
     return tw_cli_bench_gemm1(argc - 1, argv + 1); /* tools/bench_gemm1.cu */
+  }
+  if (argc > 1 && strcmp(argv[1], "layer") == 0) {
+    return tw_cli_bench_layer(argc - 1, argv + 1); /* tools/bench_layer.c */
+  }
+  if (argc > 1 && strcmp(argv[1], "dispatch") == 0) {
+    return tw_cli_bench_dispatch(argc - 1, argv + 1); /* tools/bench_layer.c */
   }
   return twb_main(argc, argv, 0);
 }
