@@ -24,6 +24,7 @@
 #include "checks.h"
 #include "core.h"
 #include "seq_layer.h"
+#include "seq_layout.h"
 #include "swiglu.h"
 
 /* What every rank all-gathers at creation: where its peers copy to, and what they wait on. */
@@ -294,49 +295,15 @@ void tw__seq_layer_destroy(tw__seq_layer_t s) {
 
 /* ---- one call ---------------------------------------------------------------------------------- */
 
-/* The layout of this call from the all-gathered counts (host). */
+/* The layout of this call from the all-gathered counts (host; seq_layout.c). */
 static tw_status tw__seq_layout(tw__seq_layer_t s) {
-  const int W = s->W, E = s->E, ET = s->ET, me = s->rank;
-  const int32_t* c = s->all_counts;
-  int64_t sum = 0;
-  for (int g = 0; g < ET; g++) sum += c[(size_t)me * ET + g];
-  if (sum != (int64_t)s->tokens * s->K)
-    return tw__fail(TW_ERR_EXPERT_ID,
-                    "sequential layer: rank %d counted %lld slots of %lld (an id out of range)",
-                    me, (long long)sum, (long long)s->tokens * s->K);
-  for (int d = 0, g = 0; d < W; d++) {
-    s->send_off[d] = d == 0 ? 0 : s->send_off[d - 1] + s->send_rows[d - 1];
-    s->send_rows[d] = 0;
-    for (int e = 0; e < E; e++, g++) s->send_rows[d] += c[(size_t)me * ET + g];
-  }
-  s->recv_rows = 0;
-  s->ngroups = 0;
-  for (int src = 0; src < W; src++) {
-    s->recv_off[src] = s->recv_rows;
-    s->recv_from[src] = 0;
-    for (int e = 0; e < E; e++) {
-      const int32_t m = c[(size_t)src * ET + (size_t)me * E + e];
-      if (m > 0) {
-        s->g_e[s->ngroups] = e, s->g_m[s->ngroups] = m;
-        s->g_row0[s->ngroups++] = s->recv_rows + s->recv_from[src];
-      }
-      s->recv_from[src] += m;
-    }
-    s->recv_rows += s->recv_from[src];
-    /* where source src's rows for me start in its send order: its slots of lower experts */
-    int64_t before = 0;
-    for (int g = 0; g < me * E; g++) before += c[(size_t)src * ET + g];
-    s->at_src[src] = before;
-  }
-  if (s->recv_rows > s->recv_max)
-    return tw__fail(TW_ERR_CAPACITY, "sequential layer: rank %d receives %lld rows of %lld", me,
-                    (long long)s->recv_rows, (long long)s->recv_max);
-  for (int d = 0; d < W; d++) {
-    int64_t before = 0; /* the rows of lower source ranks for d */
-    for (int src = 0; src < me; src++)
-      for (int e = 0; e < E; e++) before += c[(size_t)src * ET + (size_t)d * E + e];
-    s->at_dest[d] = before;
-  }
+  tw__seq_offsets o = {s->send_off, s->send_rows, s->recv_off, s->recv_from, s->at_dest,
+                       s->at_src,   s->g_e,       s->g_m,      s->g_row0,    0,
+                       0};
+  TW_TRY(tw__seq_offsets_compute(s->W, s->E, s->rank, s->all_counts, (int64_t)s->tokens * s->K,
+                                 s->recv_max, &o));
+  s->ngroups = o.ngroups;
+  s->recv_rows = o.recv_rows;
   return TW_SUCCESS;
 }
 
