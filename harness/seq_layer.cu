@@ -39,10 +39,10 @@ struct tw__seq_layer {
   tw__team* team;
   int32_t W, rank, E, ET, H, F, K, max_tokens;
   int64_t slots_max, recv_max;
-  void *send, *recv, *gu, *h, *out2, *ret; /* recv == send and ret == out2 at world 1 */
-  int32_t* d_counts;                       /* (ET) */
-  int32_t* h_counts;                       /* (ET) pinned */
-  int32_t* all_counts;                     /* (W, ET) host */
+  void *send, *recv, *gu, *h, *out2, *ret;      /* recv == send and ret == out2 at world 1 */
+  int32_t* d_counts;                            /* (ET) */
+  int32_t* h_counts;                            /* (ET) pinned */
+  int32_t* all_counts;                          /* (W, ET) host */
   int32_t *keys_out, *vals_in, *vals_out, *pos; /* (slots_max) */
   void* sort_tmp;
   size_t sort_bytes;
@@ -72,7 +72,7 @@ struct tw__seq_layer {
   int64_t* g_row0;    /* (W x E) first receive row */
 };
 
-/* ---- kernels ----------------------------------------------------------------------------------- */
+/* ---- kernels --------------------------------------------------------------------------------- */
 
 /* counts[g] += slots naming expert g; ids out of range are not counted (the host then sees a sum
  * below tokens x top_k and fails). */
@@ -92,9 +92,10 @@ __global__ void tw__seq_hist_kernel(const int32_t* __restrict__ ids, int64_t n, 
 }
 
 /* One warp per sorted position p: the row of slot order[p]'s token to dst[p]; pos[slot] = p. */
-__global__ void tw__seq_scatter_kernel(const uint4* __restrict__ x, const int32_t* __restrict__ order,
-                                       int64_t n, int32_t top_k, int32_t vecs,
-                                       uint4* __restrict__ dst, int32_t* __restrict__ pos) {
+__global__ void tw__seq_scatter_kernel(const uint4* __restrict__ x,
+                                       const int32_t* __restrict__ order, int64_t n, int32_t top_k,
+                                       int32_t vecs, uint4* __restrict__ dst,
+                                       int32_t* __restrict__ pos) {
   const int lane = threadIdx.x & 31;
   const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
   for (int64_t p = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32; p < n; p += warps) {
@@ -172,14 +173,18 @@ static tw_status tw__seq_create(tw__seq_layer_t s, const tw_problem* p, int ffn)
   /* A token's k distinct experts put at most min(k, E) rows on one rank. */
   s->recv_max = W == 1 ? s->slots_max : (int64_t)W * T * (K < E ? K : E);
   TW_TRY(tw__seq_alloc(s, &s->send, (size_t)s->slots_max * H * 2));
-  if (W > 1) TW_TRY(tw__seq_alloc(s, &s->recv, (size_t)s->recv_max * H * 2));
-  else s->recv = s->send;
+  if (W > 1)
+    TW_TRY(tw__seq_alloc(s, &s->recv, (size_t)s->recv_max * H * 2));
+  else
+    s->recv = s->send;
   if (ffn > 0) {
     TW_TRY(tw__seq_alloc(s, &s->gu, (size_t)s->recv_max * 2 * ffn * 2));
     TW_TRY(tw__seq_alloc(s, &s->h, (size_t)s->recv_max * ffn * 2));
     TW_TRY(tw__seq_alloc(s, &s->out2, (size_t)s->recv_max * H * 2));
-    if (W > 1) TW_TRY(tw__seq_alloc(s, &s->ret, (size_t)s->slots_max * H * 2));
-    else s->ret = s->out2;
+    if (W > 1)
+      TW_TRY(tw__seq_alloc(s, &s->ret, (size_t)s->slots_max * H * 2));
+    else
+      s->ret = s->out2;
     if (cublasCreate(&s->blas) != CUBLAS_STATUS_SUCCESS) {
       s->blas = NULL;
       return tw__fail(TW_ERR_CUDA, "sequential layer: cublasCreate failed");
@@ -235,8 +240,7 @@ static tw_status tw__seq_create(tw__seq_layer_t s, const tw_problem* p, int ffn)
   return TW_SUCCESS;
 }
 
-tw_status tw__seq_layer_create(const tw_problem* p, tw__team* team, int ffn,
-                               tw__seq_layer_t* out) {
+tw_status tw__seq_layer_create(const tw_problem* p, tw__team* team, int ffn, tw__seq_layer_t* out) {
   TW_CHECK_NULL(p);
   TW_CHECK_NULL(team);
   TW_CHECK_NULL(out);
@@ -273,9 +277,13 @@ void tw__seq_layer_destroy(tw__seq_layer_t s) {
   if (s->ev_sent) cudaEventSynchronize(s->ev_sent);
   if (s->ev_copied) cudaEventSynchronize(s->ev_copied);
   if (s->ready) (void)tw__team_barrier(s->team);
-  void* dev[] = {s->send, s->W > 1 ? s->recv : NULL, s->gu, s->h, s->out2,
-                 s->W > 1 ? s->ret : NULL, s->d_counts, s->keys_out, s->vals_in, s->vals_out,
-                 s->pos, s->sort_tmp, s->d_ptrs};
+  void* dev[] = {s->send,     s->W > 1 ? s->recv : NULL,
+                 s->gu,       s->h,
+                 s->out2,     s->W > 1 ? s->ret : NULL,
+                 s->d_counts, s->keys_out,
+                 s->vals_in,  s->vals_out,
+                 s->pos,      s->sort_tmp,
+                 s->d_ptrs};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) cudaFree(dev[i]);
   cudaFreeHost(s->h_counts);
   cudaFreeHost(s->h_ptrs);
@@ -293,13 +301,15 @@ void tw__seq_layer_destroy(tw__seq_layer_t s) {
   free(s);
 }
 
-/* ---- one call ---------------------------------------------------------------------------------- */
+/* ---- one call -------------------------------------------------------------------------------- */
 
 /* The layout of this call from the all-gathered counts (host; seq_layout.c). */
 static tw_status tw__seq_layout(tw__seq_layer_t s) {
-  tw__seq_offsets o = {s->send_off, s->send_rows, s->recv_off, s->recv_from, s->at_dest,
-                       s->at_src,   s->g_e,       s->g_m,      s->g_row0,    0,
-                       0};
+  tw__seq_offsets o;
+  memset(&o, 0, sizeof o);
+  o.send_off = s->send_off, o.send_rows = s->send_rows, o.recv_off = s->recv_off;
+  o.recv_from = s->recv_from, o.at_dest = s->at_dest, o.at_src = s->at_src;
+  o.g_e = s->g_e, o.g_m = s->g_m, o.g_row0 = s->g_row0;
   TW_TRY(tw__seq_offsets_compute(s->W, s->E, s->rank, s->all_counts, (int64_t)s->tokens * s->K,
                                  s->recv_max, &o));
   s->ngroups = o.ngroups;
@@ -370,12 +380,12 @@ tw_status tw__seq_dispatch(tw__seq_layer_t s, const void* x, const int32_t* topk
   return tw__seq_permute_exchange(s, x, topk_ids, tokens, stream);
 }
 
-#define TW__SEQ_BLAS(expr)                                                              \
-  do {                                                                                  \
-    const cublasStatus_t tw__b = (expr);                                                \
-    if (tw__b != CUBLAS_STATUS_SUCCESS)                                                 \
+#define TW__SEQ_BLAS(expr)                                                                 \
+  do {                                                                                     \
+    const cublasStatus_t tw__b = (expr);                                                   \
+    if (tw__b != CUBLAS_STATUS_SUCCESS)                                                    \
       return tw__fail(TW_ERR_CUDA, "sequential layer: %s failed: cuBLAS status %d", #expr, \
-                      (int)tw__b);                                                      \
+                      (int)tw__b);                                                         \
   } while (0)
 
 /* One GEMM of the layer over the call's groups: C (m, n_out) = A (m, k) W_e^T, W (E, n_out, k),
@@ -415,10 +425,9 @@ static tw_status tw__seq_gemm(tw__seq_layer_t s, tw__seq_form form, int which, c
    * the host, i.e. after this copy. */
   TW_CUDA_TRY(cudaMemcpyAsync(dp, hp, 3 * cap * sizeof(void*), cudaMemcpyHostToDevice, stream));
   TW__SEQ_BLAS(cublasGemmGroupedBatchedEx(
-      s->blas, s->gop, s->gop + cap, gm, gn, gk, s->galpha,
-      (const void* const*)dp, CUDA_R_16BF, lda, (const void* const*)(dp + cap), CUDA_R_16BF, ldb,
-      s->galpha + cap, (void* const*)(dp + 2 * cap), CUDA_R_16BF, ldc, G, gsize,
-      CUBLAS_COMPUTE_32F));
+      s->blas, s->gop, s->gop + cap, gm, gn, gk, s->galpha, (const void* const*)dp, CUDA_R_16BF,
+      lda, (const void* const*)(dp + cap), CUDA_R_16BF, ldb, s->galpha + cap,
+      (void* const*)(dp + 2 * cap), CUDA_R_16BF, ldc, G, gsize, CUBLAS_COMPUTE_32F));
   return TW_SUCCESS;
 }
 
@@ -440,8 +449,8 @@ tw_status tw__seq_layer_run(tw__seq_layer_t s, const void* x, const int32_t* top
   TW_TRY(tw__seq_gemm(s, form, 1, w2, s->h, s->out2, s->H, s->F, stream));
   if (s->W > 1) TW_TRY(tw__seq_exchange(s, 1, stream));
   if (tokens > 0) {
-    tw__seq_wsum_kernel<<<(unsigned)tokens, 128, 0, stream>>>(
-        (const uint4*)s->ret, s->pos, weights, s->K, s->H / 8, (uint4*)out);
+    tw__seq_wsum_kernel<<<(unsigned)tokens, 128, 0, stream>>>((const uint4*)s->ret, s->pos, weights,
+                                                              s->K, s->H / 8, (uint4*)out);
     TW_CUDA_TRY(cudaGetLastError());
   }
   return TW_SUCCESS;
@@ -466,8 +475,8 @@ tw_status tw__seq_check_rows(const void* rows, int64_t nrows, const int32_t* src
   TW_CHECK_NULL(src);
   TW_CHECK_NULL(x_ranks);
   TW_CHECK_NULL(wrong);
-  tw__seq_check_kernel<<<tw__seq_blocks(nrows, 8), 256, 0, stream>>>(
-      (const uint4*)rows, nrows, src, x_ranks, hidden / 8, wrong);
+  tw__seq_check_kernel<<<tw__seq_blocks(nrows, 8), 256, 0, stream>>>((const uint4*)rows, nrows, src,
+                                                                     x_ranks, hidden / 8, wrong);
   TW_CUDA_TRY(cudaGetLastError());
   return TW_SUCCESS;
 }

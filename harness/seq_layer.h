@@ -58,8 +58,7 @@ typedef enum tw__seq_form {
  * max_tokens tokens per rank). COLLECTIVE over `team` (all-gathers the buffers' addresses).
  * ffn = 0: the dispatch half only (no GEMM buffers, no cuBLAS handle). The current device must
  * be the team's. */
-tw_status tw__seq_layer_create(const tw_problem* p, tw__team* team, int ffn,
-                               tw__seq_layer_t* out);
+tw_status tw__seq_layer_create(const tw_problem* p, tw__team* team, int ffn, tw__seq_layer_t* out);
 /* COLLECTIVE (its events): every rank destroys its own after all ranks' last calls. NULL: no-op. */
 void tw__seq_layer_destroy(tw__seq_layer_t s);
 

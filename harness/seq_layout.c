@@ -15,8 +15,8 @@ tw_status tw__seq_offsets_compute(int32_t world, int32_t local_experts, int32_t 
   for (size_t g = 0; g < ET; g++) sum += c[(size_t)me * ET + g];
   if (sum != slots)
     return tw__fail(TW_ERR_EXPERT_ID,
-                    "sequential layer: rank %d counted %lld slots of %lld (an id out of range)",
-                    me, (long long)sum, (long long)slots);
+                    "sequential layer: rank %d counted %lld slots of %lld (an id out of range)", me,
+                    (long long)sum, (long long)slots);
   for (int d = 0, g = 0; d < W; d++) {
     o->send_off[d] = d == 0 ? 0 : o->send_off[d - 1] + o->send_rows[d - 1];
     o->send_rows[d] = 0;

@@ -65,8 +65,8 @@ typedef struct twl_rank {
   const twb_point* pt;
   /* out: the same on every rank after the team's maxima and sums */
   double us[TWL_NLAYER];
-  double err[2];     /* layer: the loop's and the grouped form's difference to ours (max) */
-  int64_t wrong[2];  /* dispatch: wrong rows of ours and of the sequential one (sums) */
+  double err[2];    /* layer: the loop's and the grouped form's difference to ours (max) */
+  int64_t wrong[2]; /* dispatch: wrong rows of ours and of the sequential one (sums) */
   int64_t ours_bytes, seq_bytes; /* device memory of one rank (max over ranks) */
   double r_expert;
   int budget;
@@ -90,9 +90,9 @@ typedef struct twl_state {
   int32_t* ids;
   float* gw;
   uint32_t* scratch;
-  int32_t* src[2];        /* bench dispatch: (rows, 2) the row sources of ours and seq */
+  int32_t* src[2]; /* bench dispatch: (rows, 2) the row sources of ours and seq */
   int64_t src_rows[2];
-  void** x_ranks;         /* (W) device: every rank's x */
+  void** x_ranks;            /* (W) device: every rank's x */
   unsigned long long* wrong; /* (1) device */
   int32_t tokens;
 } twl_state;
@@ -103,16 +103,16 @@ typedef struct twl_state {
     if (st != TW_SUCCESS) goto teardown; \
   } while (0)
 
-#define TWL_CUDA(expr)                                                                           \
-  do {                                                                                           \
-    const cudaError_t e_ = (expr);                                                               \
-    if (e_ != cudaSuccess) {                                                                     \
+#define TWL_CUDA(expr)                                                                         \
+  do {                                                                                         \
+    const cudaError_t e_ = (expr);                                                             \
+    if (e_ != cudaSuccess) {                                                                   \
       st = tw__fail(TW_ERR_CUDA, "bench layer: %s failed: %s", #expr, cudaGetErrorString(e_)); \
-      goto teardown;                                                                             \
-    }                                                                                            \
+      goto teardown;                                                                           \
+    }                                                                                          \
   } while (0)
 
-/* ---- routings ---------------------------------------------------------------------------------- */
+/* ---- routings -------------------------------------------------------------------------------- */
 
 /* The point's routing on every rank (the same on each: the same seed). The hot router is
  * balanced with every token's first choice replaced by expert 0 (unless the token picked it
@@ -157,7 +157,7 @@ static tw_status twl_routing(const tw_problem* p, const twb_point* pt, uint64_t 
   return st;
 }
 
-/* ---- setup ------------------------------------------------------------------------------------- */
+/* ---- setup ----------------------------------------------------------------------------------- */
 
 /* Everything of one rank but the sequential layer (tw__seq_layer_create, collective, follows
  * once every rank has agreed that this part worked). */
@@ -202,17 +202,17 @@ static tw_status twl_setup(twl_state* t, const twl_opts* o, const twb_point* pt,
   TWL_CUDA(cudaMalloc((void**)&t->wrong, 256));
   TWL_CUDA(cudaMemcpy(t->ids, ids, T * K * 4, cudaMemcpyHostToDevice));
   TWL_CUDA(cudaMemcpy(t->gw, ws, T * K * 4, cudaMemcpyHostToDevice));
-  TWL_TRY(tw__baseline_fill_random(t->x, T * H, 7000 + (uint64_t)o->seed * 131 + job->rank, 1.f,
-                                   t->s));
+  TWL_TRY(
+      tw__baseline_fill_random(t->x, T * H, 7000 + (uint64_t)o->seed * 131 + job->rank, 1.f, t->s));
   if (layer) {
     TWL_CUDA(cudaMalloc(&t->w13, E * 2 * F * H * 2 + 16));
     TWL_CUDA(cudaMalloc(&t->w2, E * H * F * 2 + 16));
     for (int i = 0; i < 4; i++) TWL_CUDA(cudaMalloc(&t->out[i], T * H * 2 + 16));
     /* Projections of order 1 (x in [-1, 1)), where SwiGLU is neither linear nor zero. */
-    TWL_TRY(tw__baseline_fill_random(t->w13, E * 2 * F * H, 9100 + job->rank,
-                                     2.f / sqrtf((float)H), t->s));
-    TWL_TRY(tw__baseline_fill_random(t->w2, E * H * F, 9200 + job->rank, 2.f / sqrtf((float)F),
+    TWL_TRY(tw__baseline_fill_random(t->w13, E * 2 * F * H, 9100 + job->rank, 2.f / sqrtf((float)H),
                                      t->s));
+    TWL_TRY(
+        tw__baseline_fill_random(t->w2, E * H * F, 9200 + job->rank, 2.f / sqrtf((float)F), t->s));
   }
   TWL_CUDA(cudaStreamSynchronize(t->s));
 teardown:
@@ -225,9 +225,8 @@ static void twl_free(twl_state* t) {
   tw_routing_destroy(t->rt);
   tw_device_plan_destroy(t->dp);
   tw_context_destroy(t->ctx); /* collective */
-  void* dev[] = {t->x,      t->w13,    t->w2,     t->out[0], t->out[1], t->out[2],
-                 t->out[3], t->ids,    t->gw,     t->scratch, t->wrong,  t->src[0],
-                 t->src[1], t->x_ranks};
+  void* dev[] = {t->x,   t->w13, t->w2,      t->out[0], t->out[1], t->out[2], t->out[3],
+                 t->ids, t->gw,  t->scratch, t->wrong,  t->src[0], t->src[1], t->x_ranks};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) cudaFree(dev[i]);
   if (t->e0) cudaEventDestroy(t->e0);
   if (t->e1) cudaEventDestroy(t->e1);
@@ -236,7 +235,7 @@ static void twl_free(twl_state* t) {
   memset(t, 0, sizeof *t);
 }
 
-/* ---- policies ---------------------------------------------------------------------------------- */
+/* ---- policies -------------------------------------------------------------------------------- */
 
 /* Enqueues policy `pol` once on t->s (its output into t->out[out]). */
 static tw_status twl_enqueue(twl_state* t, int dispatch_bench, int pol, int out) {
@@ -249,13 +248,13 @@ static tw_status twl_enqueue(twl_state* t, int dispatch_bench, int pol, int out)
   switch (pol) {
     case TWL_OURS:
       if (dispatch_bench)
-        return tw_moe_dispatch_ex(t->ctx, t->dp, t->x, t->ids, TW_INDEX_INT32, t->gw, T,
-                                  &expert_in, &d, t->s);
+        return tw_moe_dispatch_ex(t->ctx, t->dp, t->x, t->ids, TW_INDEX_INT32, t->gw, T, &expert_in,
+                                  &d, t->s);
       {
         tw_layer_options lo = TW_LAYER_OPTIONS_INIT;
         lo.plan_config = &t->pc;
-        return tw_moe_layer_ex(t->ctx, t->dp, t->x, t->ids, TW_INDEX_INT32, t->gw, T, t->w13,
-                               t->w2, t->out[out], &lo, t->s);
+        return tw_moe_layer_ex(t->ctx, t->dp, t->x, t->ids, TW_INDEX_INT32, t->gw, T, t->w13, t->w2,
+                               t->out[out], &lo, t->s);
       }
     case TWL_SEQ_LOOP:
     case TWL_SEQ_GROUPED:
@@ -283,8 +282,8 @@ static tw_status twl_run(twl_state* t, int dispatch_bench, int pol, int out, cud
   TW_TRY(twl_enqueue(t, dispatch_bench, pol, out));
   if (done != NULL && cudaEventRecord(done, t->s) != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "bench layer: cudaEventRecord failed");
-  const int on_context = pol == TWL_OURS || pol == TWL_GEMM2 || pol == TWL_COMBINE ||
-                         pol == TWL_DISPATCH;
+  const int on_context =
+      pol == TWL_OURS || pol == TWL_GEMM2 || pol == TWL_COMBINE || pol == TWL_DISPATCH;
   return on_context ? tw_context_check(t->ctx) : TW_SUCCESS;
 }
 
@@ -513,7 +512,7 @@ teardown:
   return NULL;
 }
 
-/* ---- the table --------------------------------------------------------------------------------- */
+/* ---- the table ------------------------------------------------------------------------------- */
 
 static void twl_header(const twl_opts* o) {
   struct cudaDeviceProp prop;
@@ -530,15 +529,17 @@ static void twl_header(const twl_opts* o) {
     printf(
         "| H | E | top-k | ranks | tokens/rank | router | R_expert | ours us | ours GB/s | "
         "permute + copy all-to-all us | its GB/s | speedup | #wrong ours | #wrong seq |\n");
-    printf("| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | "
-           "---: | ---: |\n");
+    printf(
+        "| ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | "
+        "---: | ---: |\n");
   } else {
     printf(
         "| model | ranks | tokens/rank | router | ours us | sequential us (form) | speedup | "
         "GEMM1 us (TF/s) | GEMM2 us (TF/s) | dispatch us (GB/s) | combine us (GB/s) | ideal us | "
         "eff | ours MiB/rank | seq MiB/rank | err |\n");
-    printf("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-           "---: | ---: | ---: | ---: |\n");
+    printf(
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
+        "---: | ---: | ---: | ---: |\n");
   }
   fflush(stdout);
 }
@@ -550,12 +551,13 @@ static int twl_row(const twl_opts* o, const twb_point* pt, const twl_rank* r0) {
   const double bytes = rows * pt->hidden * 2.0;
   if (o->dispatch) {
     const int bad = r0->wrong[0] != 0 || r0->wrong[1] != 0;
-    printf("| %d | %d | %d | %d | %d | %s | %.2f | %.1f | %.0f | %.1f | %.0f | %.2fx | %lld | "
-           "%lld |\n",
-           pt->hidden, pt->experts, pt->topk, o->world, pt->tokens, tw__cli_router_name(pt->router),
-           r0->r_expert, u[TWL_OURS], bytes / u[TWL_OURS] * 1e-3, u[TWL_SEQ_LOOP],
-           bytes / u[TWL_SEQ_LOOP] * 1e-3, u[TWL_SEQ_LOOP] / u[TWL_OURS],
-           (long long)r0->wrong[0], (long long)r0->wrong[1]);
+    printf(
+        "| %d | %d | %d | %d | %d | %s | %.2f | %.1f | %.0f | %.1f | %.0f | %.2fx | %lld | "
+        "%lld |\n",
+        pt->hidden, pt->experts, pt->topk, o->world, pt->tokens, tw__cli_router_name(pt->router),
+        r0->r_expert, u[TWL_OURS], bytes / u[TWL_OURS] * 1e-3, u[TWL_SEQ_LOOP],
+        bytes / u[TWL_SEQ_LOOP] * 1e-3, u[TWL_SEQ_LOOP] / u[TWL_OURS], (long long)r0->wrong[0],
+        (long long)r0->wrong[1]);
     fflush(stdout);
     return bad;
   }
@@ -566,14 +568,15 @@ static int twl_row(const twl_opts* o, const twb_point* pt, const twl_rank* r0) {
   const double ideal = gemms > comm ? gemms : comm;
   const double err = r0->err[0] > r0->err[1] ? r0->err[0] : r0->err[1];
   const int bad = !(err <= o->tol);
-  printf("| %s | %d | %d | %s | %.1f | %.1f (%s) | %.2fx | %.1f (%.0f) | %.1f (%.0f) | %.1f (%.0f) "
-         "| %.1f (%.0f) | %.1f | %.3f | %.0f | %.0f | %.1e%s |\n",
-         pt->name, o->world, pt->tokens, tw__cli_router_name(pt->router), u[TWL_OURS], seq,
-         grouped ? "grouped" : "loop", seq / u[TWL_OURS], u[TWL_GEMM1], f1 / u[TWL_GEMM1] * 1e-6,
-         u[TWL_GEMM2], f2 / u[TWL_GEMM2] * 1e-6, u[TWL_DISPATCH], bytes / u[TWL_DISPATCH] * 1e-3,
-         u[TWL_COMBINE], bytes / u[TWL_COMBINE] * 1e-3, ideal, ideal / u[TWL_OURS],
-         (double)r0->ours_bytes / 1048576.0, (double)r0->seq_bytes / 1048576.0, err,
-         bad ? " FAIL" : "");
+  printf(
+      "| %s | %d | %d | %s | %.1f | %.1f (%s) | %.2fx | %.1f (%.0f) | %.1f (%.0f) | %.1f (%.0f) "
+      "| %.1f (%.0f) | %.1f | %.3f | %.0f | %.0f | %.1e%s |\n",
+      pt->name, o->world, pt->tokens, tw__cli_router_name(pt->router), u[TWL_OURS], seq,
+      grouped ? "grouped" : "loop", seq / u[TWL_OURS], u[TWL_GEMM1], f1 / u[TWL_GEMM1] * 1e-6,
+      u[TWL_GEMM2], f2 / u[TWL_GEMM2] * 1e-6, u[TWL_DISPATCH], bytes / u[TWL_DISPATCH] * 1e-3,
+      u[TWL_COMBINE], bytes / u[TWL_COMBINE] * 1e-3, ideal, ideal / u[TWL_OURS],
+      (double)r0->ours_bytes / 1048576.0, (double)r0->seq_bytes / 1048576.0, err,
+      bad ? " FAIL" : "");
   fflush(stdout);
   return bad;
 }
@@ -625,8 +628,8 @@ static int twl_run_points(const twl_opts* o, const twb_point* pts, int npoints) 
       bad = 1;
     }
     if (!bad)
-      fprintf(stderr, "[%s %d/%d] ours %.1f us, sequential %.1f us, %.1f s\n", cmd, i + 1,
-              npoints, ranks[0].us[TWL_OURS],
+      fprintf(stderr, "[%s %d/%d] ours %.1f us, sequential %.1f us, %.1f s\n", cmd, i + 1, npoints,
+              ranks[0].us[TWL_OURS],
               o->dispatch ? ranks[0].us[TWL_SEQ_LOOP]
                           : fmin(ranks[0].us[TWL_SEQ_LOOP], ranks[0].us[TWL_SEQ_GROUPED]),
               tw__now_seconds() - t0);
@@ -638,7 +641,7 @@ static int twl_run_points(const twl_opts* o, const twb_point* pts, int npoints) 
   return failed ? 1 : 0;
 }
 
-/* ---- command line ------------------------------------------------------------------------------ */
+/* ---- command line ---------------------------------------------------------------------------- */
 
 static const char* twl_parse_router(const char* v, void* dst) {
   tw_cli_router* r = (tw_cli_router*)dst;
@@ -654,30 +657,32 @@ static const char* twl_parse_router(const char* v, void* dst) {
 static void twl_usage(FILE* f, void* ctx) {
   const int dispatch = *(const int*)ctx;
   if (dispatch)
-    fprintf(f,
-            "usage: tilewave bench dispatch [--in-process W] [--model NAME | --hidden H --experts E\n"
-            "                               --topk K [--ffn F]] [--tokens T[,T...]] [--router R]\n\n"
-            "Latency and GB/s of tw_moe_dispatch against the sequential layer's permute (counts,\n"
-            "stable sort, row scatter) + copy all-to-all (one GPU: cudaMemcpyAsync between the\n"
-            "ranks' buffers) on the same inputs, W ranks (default 1) as threads on GPU 0. Every\n"
-            "row of both receive buffers is checked bit for bit against the token row it must\n"
-            "hold (#wrong columns; any wrong row fails the command). Default: the deepseek-v3\n"
-            "shape, tokens/rank 1024,2048,4096,8192,16384, routers balanced, stress_skew, hot.\n\n");
+    fprintf(
+        f,
+        "usage: tilewave bench dispatch [--in-process W] [--model NAME | --hidden H --experts E\n"
+        "                               --topk K [--ffn F]] [--tokens T[,T...]] [--router R]\n\n"
+        "Latency and GB/s of tw_moe_dispatch against the sequential layer's permute (counts,\n"
+        "stable sort, row scatter) + copy all-to-all (one GPU: cudaMemcpyAsync between the\n"
+        "ranks' buffers) on the same inputs, W ranks (default 1) as threads on GPU 0. Every\n"
+        "row of both receive buffers is checked bit for bit against the token row it must\n"
+        "hold (#wrong columns; any wrong row fails the command). Default: the deepseek-v3\n"
+        "shape, tokens/rank 1024,2048,4096,8192,16384, routers balanced, stress_skew, hot.\n\n");
   else
-    fprintf(f,
-            "usage: tilewave bench layer [--in-process W] (--model NAME | --hidden H --ffn F\n"
-            "                            --experts E --topk K) [--tokens T[,T...]] [--router R]\n\n"
-            "The whole MoE layer, tw_moe_layer, against the sequential layer in the same process\n"
-            "on the same inputs: permute + copy all-to-all (one GPU) + cuBLAS GEMM1 (per-group\n"
-            "loop or grouped, the faster shown) + SwiGLU + cuBLAS GEMM2 + copy all-to-all +\n"
-            "weighted sum; W ranks (default 1) as threads on GPU 0. Columns: ours, sequential,\n"
-            "speedup, ours' GEMM1 + SwiGLU alone and GEMM2 alone (us, TFLOP/s), dispatch alone and\n"
-            "combine alone (us, GB/s), ideal = max(GEMM1 + GEMM2, dispatch + combine), eff = ideal\n"
-            "/ ours, each rank's device memory (tw_context_memory_get; the sequential layer's\n"
-            "buffers, both sized for the worst case of the batch), and err: the normwise\n"
-            "difference of the sequential outputs to ours (max over ranks and both forms, before\n"
-            "and after timing); above --tol the point FAILS and the command exits 1.\n"
-            "Default tokens/rank 4096, router balanced.\n\n");
+    fprintf(
+        f,
+        "usage: tilewave bench layer [--in-process W] (--model NAME | --hidden H --ffn F\n"
+        "                            --experts E --topk K) [--tokens T[,T...]] [--router R]\n\n"
+        "The whole MoE layer, tw_moe_layer, against the sequential layer in the same process\n"
+        "on the same inputs: permute + copy all-to-all (one GPU) + cuBLAS GEMM1 (per-group\n"
+        "loop or grouped, the faster shown) + SwiGLU + cuBLAS GEMM2 + copy all-to-all +\n"
+        "weighted sum; W ranks (default 1) as threads on GPU 0. Columns: ours, sequential,\n"
+        "speedup, ours' GEMM1 + SwiGLU alone and GEMM2 alone (us, TFLOP/s), dispatch alone and\n"
+        "combine alone (us, GB/s), ideal = max(GEMM1 + GEMM2, dispatch + combine), eff = ideal\n"
+        "/ ours, each rank's device memory (tw_context_memory_get; the sequential layer's\n"
+        "buffers, both sized for the worst case of the batch), and err: the normwise\n"
+        "difference of the sequential outputs to ours (max over ranks and both forms, before\n"
+        "and after timing); above --tol the point FAILS and the command exits 1.\n"
+        "Default tokens/rank 4096, router balanced.\n\n");
   fprintf(f,
           "  --model NAME        preset (tilewave plan --list-models: deepseek-v3,\n"
           "                      qwen3-235b-a22b, gpt-oss-120b, mixtral-8x22b, ...); shape flags\n"
@@ -740,10 +745,10 @@ static int twl_main(int argc, char** argv, int dispatch) {
   if (o.experts) base.experts = o.experts;
   if (o.topk) base.topk = o.topk;
   if (!base.hidden || !base.ffn || !base.experts || !base.topk)
-    return tw__cli_usage_error(cmd,
-                               dispatch ? "a shape needs --hidden, --experts and --topk (or --model)"
-                                        : "give --model NAME or all of --hidden, --ffn, --experts "
-                                          "and --topk");
+    return tw__cli_usage_error(
+        cmd, dispatch ? "a shape needs --hidden, --experts and --topk (or --model)"
+                      : "give --model NAME or all of --hidden, --ffn, --experts "
+                        "and --topk");
   /* The layer's kernels: GEMM1's K slice and the producer's K are 64 columns. */
   if (!dispatch && (base.hidden % 64 != 0 || base.ffn % 64 != 0))
     return tw__cli_usage_error(cmd, "hidden %d and ffn %d must be multiples of 64 for the layer",

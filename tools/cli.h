@@ -18,8 +18,8 @@ extern "C" {
 int tw_cli_bench_gemm(int argc, char** argv);
 /* `tilewave bench gemm1`: GEMM1 + SwiGLU against cuBLAS + SwiGLU (tools/bench_gemm1.cu). */
 int tw_cli_bench_gemm1(int argc, char** argv);
-/* `tilewave bench layer`: tw_moe_layer against the sequential layer, and `tilewave bench
- * dispatch`: tw_moe_dispatch against permute + copy all-to-all, on one GPU (tools/bench_layer.c). */
+/* `tilewave bench layer` (tw_moe_layer against the sequential layer) and `bench dispatch`
+ * (tw_moe_dispatch against permute + copy all-to-all), on one GPU: tools/bench_layer.c. */
 int tw_cli_bench_layer(int argc, char** argv);
 int tw_cli_bench_dispatch(int argc, char** argv);
 /* `tilewave plan`: planner and resource model, no GPU needed (tools/cmd_plan.c). */

@@ -34,16 +34,11 @@ typedef struct tw__preset {
  * experts, experts per token; shared experts, biases and gpt-oss's clamped SwiGLU left out): the
  * shapes of the layer benchmark (`tilewave bench layer`). */
 static const tw__preset tw__presets[] = {
-    {"granite-3.1-1b-a400m", 1024, 512, 32, 8, 1},
-    {"qwen1.5-moe-a2.7b", 2048, 1408, 60, 4, 1},
-    {"deepseek-v2-lite", 2048, 1408, 64, 6, 1},
-    {"m-gpt", 768, 4 * 768, 64, 2, 1},
-    {"m-bert", 1024, 4 * 1024, 64, 2, 1},
-    {"m-trans-xl", 512, 4 * 512, 64, 2, 1},
-    {"deepseek-v3", 7168, 2048, 256, 8, 0},
-    {"qwen3-235b-a22b", 4096, 1536, 128, 8, 0},
-    {"gpt-oss-120b", 2880, 2880, 128, 4, 0},
-    {"mixtral-8x22b", 6144, 16384, 8, 2, 0},
+    {"granite-3.1-1b-a400m", 1024, 512, 32, 8, 1}, {"qwen1.5-moe-a2.7b", 2048, 1408, 60, 4, 1},
+    {"deepseek-v2-lite", 2048, 1408, 64, 6, 1},    {"m-gpt", 768, 4 * 768, 64, 2, 1},
+    {"m-bert", 1024, 4 * 1024, 64, 2, 1},          {"m-trans-xl", 512, 4 * 512, 64, 2, 1},
+    {"deepseek-v3", 7168, 2048, 256, 8, 0},        {"qwen3-235b-a22b", 4096, 1536, 128, 8, 0},
+    {"gpt-oss-120b", 2880, 2880, 128, 4, 0},       {"mixtral-8x22b", 6144, 16384, 8, 2, 0},
 };
 
 #define TW__NUM_PRESETS ((int)(sizeof tw__presets / sizeof tw__presets[0]))

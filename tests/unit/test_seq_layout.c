@@ -125,8 +125,8 @@ static void run_case(int W, int E, int K, int skew) {
       }
   for (int s = 0; s < W; s++)
     for (int i = 0; i < tokens[s] * K; i++)
-      CHECKF(ret[s][pos[s][i]] == SLOT(s, i), "W %d E %d K %d: rank %d slot %d comes back wrong",
-             W, E, K, s, i);
+      CHECKF(ret[s][pos[s][i]] == SLOT(s, i), "W %d E %d K %d: rank %d slot %d comes back wrong", W,
+             E, K, s, i);
   /* Refusals (once per world size: each logs a warning): a slot not counted, a receive side
    * over capacity. */
   static int refused[9];
