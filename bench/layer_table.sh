@@ -15,6 +15,8 @@ build=${1:?usage: bench/layer_table.sh BUILD_DIR [ITERS]}
 iters=${2:-10}
 tw="$build/tilewave"
 [ -x "$tw" ] || { echo "layer_table.sh: no $tw (build first)" >&2; exit 2; }
+# As bench/gpu_all.sh: every kernel loaded up front, none lazily while a peer's kernels spin.
+export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 failed=0
@@ -50,7 +52,8 @@ done
 for w in 1 2; do
   run "dispatch_w$w" dispatch --model deepseek-v3 --in-process "$w"
 done
-rev=$(git -C "$(dirname "$0")/.." rev-parse --short HEAD 2>/dev/null || echo "?")
+# The copy of the tree on a GPU machine may have no .git: the caller can pass TW_COMMIT.
+rev=${TW_COMMIT:-$(git -C "$(dirname "$0")/.." rev-parse --short HEAD 2>/dev/null || echo "?")}
 echo "## bench layer and bench dispatch, one GPU ($(date -u +%Y-%m-%d), $rev, $iters rounds)"
 echo
 for t in layer_w1 layer_w2 dispatch_w1 dispatch_w2; do table "$t"; done
