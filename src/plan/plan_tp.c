@@ -37,10 +37,9 @@ static void tw__tp_choices(const tw_problem* p, char* buf, size_t n) {
   if (buf[0] == '\0') snprintf(buf, n, "none");
 }
 
-/* Checks problem and parallel and fills `out` with the resolved description (ep, splits and comm
- * tiles set). */
-static tw_status tw__parallel_resolve(const tw_problem* problem, const tw_parallel* parallel,
-                                      tw_parallel* out) {
+/* Checks problem and parallel and fills `out` with the resolved description (plan_tp.h). */
+tw_status tw__parallel_resolve(const tw_problem* problem, const tw_parallel* parallel,
+                               tw_parallel* out) {
   TW_CHECK_NULL(problem);
   TW_CHECK_NULL(parallel);
   TW_TRY(tw__check_header("tw_parallel", parallel->size, sizeof(tw_parallel), parallel->magic,

@@ -84,6 +84,11 @@ struct tw_tp_plan {
   double tp_waves, tp_wave_us, solve_us;
 };
 
+/* Checks problem and parallel as tw_parallel_validate does and fills `out` with the resolved
+ * description (ep, splits and comm tiles set); the TP context sizes itself from it. */
+tw_status tw__parallel_resolve(const tw_problem* problem, const tw_parallel* parallel,
+                               tw_parallel* out);
+
 #ifdef __cplusplus
 }
 #endif
