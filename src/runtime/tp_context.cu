@@ -230,6 +230,8 @@ static tw_status tw__tp_warm_up(struct tw_tp_context* ctx) {
     ra.state = ctx->warm_state;
     int32_t grid = 0, cap = 0;
     if (st == TW_SUCCESS) st = tw__reduce_launch(&ra, 1, 1, &grid, &cap, ctx->s_aux);
+    /* The poisoning kernel tests run between calls (context.cu's warm-up does the same). */
+    if (st == TW_SUCCESS) st = tw__fill_bf16(c, 1, 0, ctx->s_aux);
     e = cudaStreamSynchronize(ctx->s_aux);
     if (st == TW_SUCCESS && e != cudaSuccess)
       st = tw__fail(TW_ERR_CUDA, "tw_tp_context_create: warm-up kernels failed: %s",
@@ -583,43 +585,6 @@ extern "C" tw_status tw_tp_device_plan_destroy(tw_tp_device_plan_t d) {
   return TW_SUCCESS;
 }
 
-/* Where each row of the rank's block goes (dst_rank, dst_row: gatherrs.h) from the plan's row
- * sources and its EP plan's bands; refuses a plan whose rows and bands disagree. */
-static tw_status tw__tp_destinations(const struct tw_tp_context* ctx, const struct tw_tp_plan* pl,
-                                     int32_t* dst_rank, int32_t* dst_row) {
-  const struct tw_plan* ep = pl->ep_plan;
-  const int32_t R0 = pl->block_row0[pl->tp_index], n = ep->rows, tp = pl->par.tp;
-  const int64_t row_bytes = (int64_t)ctx->problem.hidden * 2;
-  for (int32_t i = 0; i < n; i++) {
-    const int32_t owner = pl->row_src[R0 + i].owner;
-    dst_rank[i] = owner < 0 ? -1 : owner == ctx->rank ? ctx->rank : -2; /* -2: from a band */
-    dst_row[i] = owner == ctx->rank ? i : 0;
-  }
-  for (int32_t b = 0; b < ep->num_bands; b++) {
-    const tw_band* bd = &ep->bands[b];
-    if (bd->dest_offset < 0) continue; /* local band */
-    const int32_t owner = bd->dest * tp + pl->tp_index;
-    const int64_t first = bd->dest_offset / row_bytes;
-    for (int32_t r = 0; r < bd->valid_rows; r++) {
-      const int32_t i = bd->row0 + r;
-      if (i < 0 || i >= n || dst_rank[i] != -2 || pl->row_src[R0 + i].owner != owner ||
-          first + r >= ctx->recv_rows_max || bd->dest_offset % row_bytes != 0)
-        return tw__fail(TW_ERR_INTERNAL,
-                        "tw_tp_device_plan_upload: EP band %d sends row %d to rank %d, which the "
-                        "TP plan does not give that rank (or past its receive rows)",
-                        b, i, owner);
-      dst_rank[i] = owner;
-      dst_row[i] = (int32_t)(first + r);
-    }
-  }
-  for (int32_t i = 0; i < n; i++)
-    if (dst_rank[i] == -2)
-      return tw__fail(TW_ERR_INTERNAL,
-                      "tw_tp_device_plan_upload: row %d of the block (owner %d) is in no EP band",
-                      i, pl->row_src[R0 + i].owner);
-  return TW_SUCCESS;
-}
-
 extern "C" tw_status tw_tp_device_plan_upload(tw_tp_device_plan_t d, tw_tp_plan_t plan,
                                               tw_routing_t routing, cudaStream_t stream) {
   tw__clear_error();
@@ -710,7 +675,7 @@ extern "C" tw_status tw_tp_device_plan_upload(tw_tp_device_plan_t d, tw_tp_plan_
     h_tiles[i] = pl->tiles[i];
     h_tiles[i].band = per_split > 0 ? i / per_split : 0;
   }
-  tw_status st = tw__tp_destinations(ctx, pl, h_dst, h_dst + block_rows);
+  tw_status st = tw__tp_plan_destinations(pl, ctx->recv_rows_max, h_dst, h_dst + block_rows);
   {
     tw__device_guard guard(ctx->device);
     d->uploaded = 0;

@@ -95,7 +95,9 @@ static void tw_tp_run_case(tw_rank_env* env, const tw_tp_case* c, uint64_t seed)
     CHECK_OK(tw_make_routing(&p, TW_ROUTER_MODERATE_SKEW, tokens, seed * 131 + it, &rt));
     if (rt == NULL) break;
     tw_tp_plan_t plan = NULL;
-    CHECK_OK(tw_tp_plan_create(&p, &par, rt, env->rank, NULL, &plan));
+    tw_plan_config pc = TW_PLAN_CONFIG_INIT;
+    pc.dataflow = TW_DATAFLOW_REDUCE; /* whatever TW_COMBINE_DATAFLOW says */
+    CHECK_OK(tw_tp_plan_create(&p, &par, rt, env->rank, &pc, &plan));
     if (plan == NULL) {
       tw_routing_destroy(rt);
       break;
