@@ -35,12 +35,16 @@ typedef struct tw_tp_case {
 } tw_tp_case;
 
 /* |gpu - ref| for the bf16 output: one bf16 rounding of out apart (1/128 relative), plus the
- * GPU's extra rounding of each reduced row (half an ulp of y, |y| up to ~25 here) and a partial
- * sum whose bf16 rounding its other fp32 order inside a K slice may flip. A lost or misplaced
- * row or partial is off by the size of a row value (~5). */
-static int tw_tp_close(uint16_t gpu, uint16_t ref) {
-  const double a = tw_bf2f(gpu), r = tw_bf2f(ref);
-  return fabs(a - r) <= 0.08 + 0.012 * fabs(r);
+ * GPU's extra rounding of each reduced row (half an ulp of y; |y| reaches ~25 here). Returns 0
+ * within that, 1 within the loose bound, 2 beyond it. Between the two: a partial sum whose bf16
+ * rounding the producer's other fp32 order inside its K slice flipped (one ulp of a partial, up
+ * to 0.125 times a gate weight; about one in 10^5 partials), allowed at a few values per call. A
+ * lost, doubled or misplaced row or partial is off by the size of a row value (~5) over a whole
+ * row. */
+static int tw_tp_off(uint16_t gpu, uint16_t ref) {
+  const double a = tw_bf2f(gpu), r = tw_bf2f(ref), d = fabs(a - r);
+  if (d <= 0.08 + 0.012 * fabs(r)) return 0;
+  return d <= 0.5 + 0.02 * fabs(r) ? 1 : 2;
 }
 
 static void tw_tp_run_case(tw_rank_env* env, const tw_tp_case* c, uint64_t seed) {
@@ -145,17 +149,18 @@ static void tw_tp_run_case(tw_rank_env* env, const tw_tp_case* c, uint64_t seed)
             hf[r][((size_t)t * K + j) * F + f] = tw_h_value(salt_h, r, t, j, f);
     }
     CHECK_OK(tw__ref_tp_gemm2_gatherrs(rt, tp, 1, hf, w2f, ref));
-    int64_t bad = 0;
-    for (int64_t i = 0; i < (int64_t)n * H; i++)
-      if (!tw_tp_close(out_a[i], ref[env->rank][i])) {
-        if (bad < 4)
-          fprintf(stderr, "  rank %d tp %d it %d: token %lld col %lld: %g, reference %g\n",
-                  env->rank, tp, it, (long long)(i / H), (long long)(i % H), tw_bf2f(out_a[i]),
-                  tw_bf2f(ref[env->rank][i]));
-        bad++;
-      }
-    CHECKF(bad == 0, "rank %d: %lld of %lld values off the reference", env->rank, (long long)bad,
-           (long long)n * H);
+    int64_t off[3] = {0, 0, 0};
+    for (int64_t i = 0; i < (int64_t)n * H; i++) {
+      const int k = tw_tp_off(out_a[i], ref[env->rank][i]);
+      if (k > 0 && off[1] + off[2] < 4)
+        fprintf(stderr, "  rank %d tp %d it %d: token %lld col %lld: %g, reference %g\n",
+                env->rank, tp, it, (long long)(i / H), (long long)(i % H), tw_bf2f(out_a[i]),
+                tw_bf2f(ref[env->rank][i]));
+      off[k]++;
+    }
+    CHECKF(off[2] == 0 && off[1] <= 2 + (int64_t)n * H / 10000,
+           "rank %d: of %lld values %lld off the reference, %lld of them far", env->rank,
+           (long long)n * H, (long long)(off[1] + off[2]), (long long)off[2]);
     tw_tp_plan_destroy(plan);
     tw_routing_destroy(rt);
   }
