@@ -98,6 +98,9 @@ static void* twp_rank_main(void* arg) {
     st = tw__fail(TW_ERR_CUDA, "bench --tp: rank %d: no stream on GPU 0", rank);
     goto teardown;
   }
+  /* The delay kernel's first launch before any rank spins (docs/hardware.md, lazy loading). */
+  TWP_TRY(tw__bench_delay(s, 1));
+  TWP_CUDA(cudaStreamSynchronize(s));
   TWP_CUDA(cudaEventCreate(&e0));
   TWP_CUDA(cudaEventCreate(&e1));
   TWP_TRY(tw__team_local_join(r->job.sums, rank, &sums));
