@@ -753,7 +753,8 @@ TW_API tw_status tw_tp_device_plan_destroy(tw_tp_device_plan_t dplan);
  * [out] out:       (tokens of this rank, hidden) device bf16: out[t] = sum_j w[t][j] *
  *                  bf16(sum_q bf16(partial_q)), the TP sum and the slot sum in fp32, in order
  * [in]  options:   NULL = defaults; mode TW_COMBINE_OVERLAP or TW_COMBINE_UNFUSED (GatherRS after
- *                  the producer: the same bits), comm_ctas (0: the plan's tp_comm_ctas), sm_budget
+ *                  the producer: the same bits), comm_ctas (0: the plan's tp_comm_ctas, at most
+ *                  one CTA per GatherRS tile of the block), sm_budget
  * [in]  stream:    as for tw_moe_combine
  * The producer (P = budget - C CTAs) publishes every finished tile to its split's counter; the
  * GatherRS (C CTAs, an internal stream) sums each split of the rank's block over the TP group as

@@ -780,8 +780,12 @@ extern "C" tw_status tw_moe_combine_tp(tw_tp_context_t ctx, tw_tp_device_plan_t 
                     "tw_moe_combine_tp: comm_ctas %d; must be 0 (the plan's) or 1..%d (the "
                     "context's max_comm_ctas)",
                     opt.comm_ctas, ctx->max_comm_ctas);
-  /* The plan's C (0 when tp = 1 or the block is empty: one CTA still announces the call). */
-  int C = opt.comm_ctas > 0 ? opt.comm_ctas : d->comm_ctas > 0 ? d->comm_ctas : 1;
+  /* The plan's C, but no more CTAs than GatherRS tiles (the rest would only exit; the producer
+   * gets their SMs), and at least one (0 when tp = 1 or the block is empty: one CTA still
+   * announces the call). */
+  int C = opt.comm_ctas > 0 ? opt.comm_ctas : d->comm_ctas;
+  if (opt.comm_ctas == 0 && C > d->num_comm_tiles) C = d->num_comm_tiles;
+  if (C < 1) C = 1;
   if (opt.comm_ctas == 0 && C > ctx->max_comm_ctas) C = ctx->max_comm_ctas;
   if (C >= budget)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,

@@ -60,6 +60,10 @@ static void tw_tp_run_case(tw_rank_env* env, const tw_tp_case* c, uint64_t seed)
   CHECK_OK(tw_tp_device_plan_create(ctx, &dp));
   const int H = p.hidden, F = p.ffn, K = p.top_k, S = F / tp, E = p.experts / ep;
   const int g = env->rank / tp, q = env->rank % tp;
+  /* The context's default budget: the GPU's SMs, shared by the ranks of an in-process team. */
+  int sm_budget = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sm_budget, cudaDevAttrMultiProcessorCount, 0));
+  if (env->team != NULL) sm_budget /= W;
   const uint64_t salt_h = seed * 7 + 1, salt_w = seed * 7 + 2;
   /* Host inputs of the reference: every owner's h (tokens, K, F) and every expert's w2. */
   float* w2f = (float*)malloc((size_t)p.experts * H * F * sizeof(float));
@@ -101,6 +105,7 @@ static void tw_tp_run_case(tw_rank_env* env, const tw_tp_case* c, uint64_t seed)
     tw_tp_plan_t plan = NULL;
     tw_plan_config pc = TW_PLAN_CONFIG_INIT;
     pc.dataflow = TW_DATAFLOW_REDUCE; /* whatever TW_COMBINE_DATAFLOW says */
+    pc.sm_budget = sm_budget;         /* the TP model plans C for the SMs the call gets */
     CHECK_OK(tw_tp_plan_create(&p, &par, rt, env->rank, &pc, &plan));
     if (plan == NULL) {
       tw_routing_destroy(rt);
