@@ -15,7 +15,9 @@
  *  - refusals with the status that names the fix: tp x ep != world_size, an ffn that does not
  *    split into 64-wide K slices, experts % ep, a config the TP context has no use for, modes
  *    other than overlap / unfused, a plan of another rank or of another tw_parallel; the
- *    context works after them.
+ *    context works after them;
+ *  - a rank that does not call: the others' waits time out and tw_tp_context_check reports
+ *    TW_ERR_TIMEOUT on every rank, after which calls are refused.
  * Exits 77 without a GPU (in-process) or with fewer than 2 GPUs (NCCL).
  */
 #include "overlap_common.h"
@@ -307,11 +309,58 @@ static void test_tp_refusals(tw_rank_env* env) {
   cudaFree(d_out);
 }
 
+/* A rank that does not take part: every other rank's waits end at the timeout (the reduction
+ * waits for that rank's GatherRS), tw_tp_context_check then fails on every rank (the absent one
+ * learns it from the others' error words), and later calls are refused. */
+static void test_tp_missing_rank(tw_rank_env* env) {
+  const int W = env->nranks;
+  if (W < 2) return; /* nobody to wait for */
+  tw_problem p = tw_test_problem(W, 512, 512, 8, 2, 32, 0, 0);
+  tw_parallel par = TW_PARALLEL_INIT;
+  par.tp = W % 2 == 0 ? 2 : 1;
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  cc.timeout_ms = 300;
+  tw_tp_context_t ctx = NULL;
+  CHECK_OK(tw_tp_rank_context(env, &p, &par, &cc, &ctx));
+  if (ctx == NULL) return;
+  tw_tp_device_plan_t dp = NULL;
+  CHECK_OK(tw_tp_device_plan_create(ctx, &dp));
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < W; r++) tokens[r] = 20;
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, tokens, 9, &rt));
+  tw_tp_plan_t plan = NULL;
+  CHECK_OK(tw_tp_plan_create(&p, &par, rt, env->rank, NULL, &plan));
+  if (plan != NULL) CHECK_OK(tw_tp_device_plan_upload(dp, plan, rt, env->stream));
+  const int S = p.ffn / par.tp, H = p.hidden;
+  const size_t in_bytes = (size_t)(plan ? plan->rows : 1) * S * 2 + 16;
+  void *d_in = NULL, *d_w2 = NULL, *d_out = NULL;
+  CHECK_CUDA(cudaMalloc(&d_in, in_bytes));
+  CHECK_CUDA(cudaMalloc(&d_w2, (size_t)p.experts * H * S * 2));
+  CHECK_CUDA(cudaMalloc(&d_out, (size_t)p.max_tokens * H * 2));
+  CHECK_CUDA(cudaMemset(d_in, 0, in_bytes));
+  CHECK_CUDA(cudaMemset(d_w2, 0, (size_t)p.experts * H * S * 2));
+  if (env->rank != 0 && plan != NULL)
+    CHECK_OK(tw_moe_combine_tp(ctx, dp, d_in, d_w2, d_out, NULL, env->stream));
+  CHECK_STATUS(tw_tp_context_check(ctx), TW_ERR_TIMEOUT);
+  CHECK(strstr(tw_last_error(), "timed out") != NULL);
+  if (plan != NULL)
+    CHECK_STATUS(tw_moe_combine_tp(ctx, dp, d_in, d_w2, d_out, NULL, env->stream), TW_ERR_STATE);
+  tw_tp_plan_destroy(plan);
+  tw_routing_destroy(rt);
+  CHECK_OK(tw_tp_device_plan_destroy(dp));
+  CHECK_OK(tw_tp_context_destroy(ctx));
+  cudaFree(d_in);
+  cudaFree(d_w2);
+  cudaFree(d_out);
+}
+
 int main(int argc, char** argv) {
   static const tw_rank_case cases[] = {
       {"tp_refusals", test_tp_refusals},
       {"tp_against_reference", test_tp_against_reference},
       {"tp_wide_tiles", test_tp_wide_tiles},
+      {"tp_missing_rank", test_tp_missing_rank},
   };
   return tw_rank_test_main(argc, argv, cases, (int)(sizeof cases / sizeof cases[0]), 600);
 }
