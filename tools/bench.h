@@ -59,6 +59,7 @@ typedef struct twb_opts {
   int what_if;        /* bench --what-if: the planner's choices for the points, no GPU */
   int in_process;     /* bench --in-process W: W ranks as threads on GPU 0 (0: off) */
   int sm_budget;      /* bench --in-process: --sm-budget B (0: the team's default) */
+  int tp, ep;         /* bench --tp T [--ep E]: the TP x EP call (0: the EP call) */
 } twb_opts;
 
 typedef struct twb_point {
@@ -278,6 +279,14 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints);
 /* sweep --in-process W: ours at every C from 1 to --c-max (at most the budget - 1) against the
  * plan's choice, per point, W ranks on GPU 0 (the same setup as bench --in-process). */
 int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints);
+
+/* A progress line on stderr for point i (0-based) of npoints, from the second one on with the
+ * time so far and an estimate of the time left (the mean time of the points done). */
+void twb_progress(const char* cmd, int i, int npoints, const twb_point* pt, double t_begin);
+
+/* bench --tp T --in-process W (bench_tp.c): the TP x EP call, overlapped and unfused, per point,
+ * W = tp x ep ranks on GPU 0. */
+int twb_in_process_tp(const twb_opts* o, const twb_point* pts, int npoints);
 
 /* What a rank thread of an in-process team gets (the first member of its argument). */
 typedef struct twb_team_job {

@@ -299,8 +299,8 @@ teardown:
   return NULL;
 }
 
-/* A progress line on stderr: the point, and from the second one on an estimate of the time left. */
-static void twt_progress(const char* cmd, int i, int npoints, const twb_point* pt, double t_begin) {
+/* A progress line on stderr (bench.h). */
+void twb_progress(const char* cmd, int i, int npoints, const twb_point* pt, double t_begin) {
   const double now = tw__now_seconds();
   char eta[64] = "";
   if (i > 0)
@@ -337,7 +337,7 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
   const double t_begin = tw__now_seconds();
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    twt_progress("bench", i, npoints, pt, t_begin);
+    twb_progress("bench", i, npoints, pt, t_begin);
     memset(ranks, 0, sizeof ranks);
     for (int r = 0; r < W; r++) ranks[r].o = o, ranks[r].pt = pt;
     const tw_status st = twb_team_run(W, twt_rank_main, ranks, sizeof ranks[0]);
@@ -433,7 +433,7 @@ int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints) {
   const double t_begin = tw__now_seconds();
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    twt_progress("sweep", i, npoints, pt, t_begin);
+    twb_progress("sweep", i, npoints, pt, t_begin);
     memset(ranks, 0, sizeof ranks);
     int bad = 0;
     for (int r = 0; r < W; r++) {

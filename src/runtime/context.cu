@@ -35,6 +35,8 @@ static const char* tw__where_name(int where) {
       return "debug-tag check of a received row";
     case TW_CHECK_ARRIVALS:
       return "reduction's count of a source's arrivals";
+    case TW_CHECK_PLAN:
+      return "reduction's check of a source's plan";
     case TW_WAIT_DISPATCH_CREDIT:
       return "dispatch wait for a destination's credit";
     case TW_WAIT_DISPATCH_ARRIVAL:
@@ -54,6 +56,13 @@ tw_status tw__report(tw_context_t ctx, const tw_dev_error* e, const char* how) {
                     "problems (every rank must plan from the same routing). Call "
                     "tw_context_reset() on every rank before the next call",
                     how, e->rank, tw__where_name(e->where), e->index, e->seen, e->target);
+  if (e->where == TW_CHECK_PLAN)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: rank %d: %s: source rank %d sent rows planned with fingerprint %08x, "
+                    "this rank planned the call with %08x: the ranks planned this call from "
+                    "different routings, counts or problems (every rank must plan from the same "
+                    "one). Call tw_context_reset() on every rank before the next call",
+                    how, e->rank, tw__where_name(e->where), e->index, e->seen, e->target);
   if (e->where == TW_CHECK_CAPACITY)
     return tw__fail(TW_ERR_CAPACITY,
                     "%s: rank %d: token %d (slot %d) is one more row for expert %u than its "
@@ -63,6 +72,13 @@ tw_status tw__report(tw_context_t ctx, const tw_dev_error* e, const char* how) {
                     "rank",
                     how, e->rank, e->index / ctx->problem.top_k, e->index % ctx->problem.top_k,
                     e->seen, e->target);
+  if (e->where == TW_CHECK_WEIGHT)
+    return tw__fail((tw_status)e->status,
+                    "%s: rank %d: topk_weights[%d] (token %d, slot %d) is not finite (bits "
+                    "0x%08x); the call's outputs are wrong. Give finite gate weights, then call "
+                    "tw_context_reset() on every rank",
+                    how, e->rank, e->index, e->index / ctx->problem.top_k,
+                    e->index % ctx->problem.top_k, e->seen);
   if (e->where == TW_CHECK_ID &&
       (e->status == TW_ERR_EXPERT_ID || e->status == TW_ERR_DUPLICATE_EXPERT))
     return tw__fail((tw_status)e->status,
@@ -212,7 +228,7 @@ static tw_status tw__warm_up(tw_context_t ctx) {
     tw_consumer_args ca;
     tw__consumer_args_init(ctx, &ca);
     ca.timeout_ns = 1000000;
-    st = tw__consumer_launch(&ca, 1, ctx->s_aux);
+    st = tw__consumer_launch(&ca, 1, 0, ctx->s_aux);
     if (st != TW_SUCCESS) goto done;
 
     /* world = 1: no waits, no credits. */
@@ -403,7 +419,8 @@ static tw_status tw__context_init(tw_context_t ctx) {
   L->arrive = L->zeros + L->zeros_bytes;
   L->credit = L->arrive + tw__align((uint64_t)W * 4, 128);
   L->ready = L->credit + tw__align((uint64_t)W * 4, 128);
-  L->tags = L->ready + 128;
+  L->plan_fp = L->ready + 128;
+  L->tags = L->plan_fp + tw__align((uint64_t)W * 8, 128);
   L->hits = L->tags + tw__align((uint64_t)ctx->recv_rows_max * 4 + 4, 128);
   L->bytes = tw__align(L->hits + tw__align((uint64_t)ctx->recv_rows_max * 4 + 4, 128), 4096);
 

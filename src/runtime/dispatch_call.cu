@@ -140,6 +140,13 @@ static tw_status tw__dispatch_refusal(tw_context_t ctx, int32_t failing, int32_t
                     "context stays usable",
                     lead, first, index / K, row[3], row[4] % K, index % K, row[4], index, failing,
                     ctx->world);
+  if (where == TW_CHECK_WEIGHT)
+    return tw__fail(st,
+                    "%s: rank %d: topk_weights[%d] (token %d, slot %d) is not finite (bits "
+                    "0x%08x); give finite gate weights. %d of %d ranks refused, nothing was sent, "
+                    "the context stays usable",
+                    lead, first, index, index / K, index % K, (unsigned)row[3], failing,
+                    ctx->world);
   if (st == TW_ERR_EXPERT_ID)
     return tw__fail(st,
                     "%s: rank %d: topk_ids[%d] (token %d, slot %d) = %d is outside 0..%d; "
@@ -254,8 +261,8 @@ static tw_status tw__dispatch_run_static(tw_context_t ctx, tw_device_plan_t d, c
   sg.timeout_ns = timeout_ns;
   TW_TRY(tw__dispatch_credit_launch(&sg, stream));
 
-  /* Count and place on the device; a bad id or an overflow fails the context's record (no host
-   * sees the counts). */
+  /* Count and place on the device; a bad id or weight or an overflow fails the context's record
+   * (no host sees the counts). */
   tw_dispatch_scan_args sa;
   memset(&sa, 0, sizeof sa);
   sa.ids = topk_ids;
@@ -266,6 +273,7 @@ static tw_status tw__dispatch_run_static(tw_context_t ctx, tw_device_plan_t d, c
   tw__dispatch_chunks(slots, &sa.chunks, &sa.chunk_slots);
   sa.chunk_hist = ctx->d_chunk_hist;
   sa.counts = ctx->d_counts;
+  sa.weights_in = topk_weights; /* a NaN or infinite weight fails the call too */
   sa.err = ctx->err;
   sa.rank = rank;
   sa.capacity = ctx->capacity;
@@ -453,6 +461,7 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   tw__dispatch_chunks(slots, &sa.chunks, &sa.chunk_slots);
   sa.chunk_hist = ctx->d_chunk_hist;
   sa.counts = ctx->d_counts;
+  sa.weights_in = topk_weights;
   sa.err = ctx->d_verr;
   sa.rank = rank;
   TW_CUDA_TRY(cudaMemsetAsync(ctx->d_verr, 0, sizeof(tw_dev_error), stream));
