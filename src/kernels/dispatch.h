@@ -36,6 +36,7 @@
 
 #include "sync.cuh"
 #include "tilewave.h"
+#include "trace.h"
 
 /* Further kinds of device-side failure (tw_dev_error.where), after combine.h's. */
 enum { TW_CHECK_ID = 7, TW_WAIT_DISPATCH_CREDIT = 8, TW_WAIT_DISPATCH_ARRIVAL = 9 };
@@ -69,6 +70,7 @@ typedef struct tw_dispatch_scan_args {
   int32_t* send_row;        /* (slots) out */
   tw_dev_error* err;        /* count pass: bad ids (TW_CHECK_ID); place pass: internal */
   int32_t rank;
+  tw_trace* trace; /* device trace buffer (trace.h): each CTA's begin and end; NULL = off */
 } tw_dispatch_scan_args;
 
 typedef struct tw_dispatch_copy_args {
@@ -90,6 +92,8 @@ typedef struct tw_dispatch_copy_args {
   uint32_t* done;        /* CTA completion counter, zero between launches */
   tw_dev_error* err;
   uint64_t timeout_ns;
+  tw_trace* trace; /* device trace buffer (trace.h): each CTA's begin, credit wait and stores,
+                      the arrivals' release; NULL = off */
 } tw_dispatch_copy_args;
 
 typedef struct tw_dispatch_signal_args {
@@ -100,6 +104,8 @@ typedef struct tw_dispatch_signal_args {
                           waits for [1] arrivals from every rank; NULL in the warm-up */
   tw_dev_error* err;
   uint64_t timeout_ns;
+  tw_trace* trace; /* device trace buffer (trace.h): the wait kernel's begin and each source's
+                      arrival (the credit kernel records nothing); NULL = off */
 } tw_dispatch_signal_args;
 
 /* Chunks and slots per chunk of the scan for `slots` slots on at most `sms` CTAs. */

@@ -57,6 +57,7 @@ extern "C" tw_status tw__layer_gemm1(tw_context_t ctx, tw_device_plan_t d, const
   TW_TRY(tw__gemm1_args_init(&g, expert_in, w13, h, d->rows, ctx->problem.hidden, ctx->problem.ffn,
                              ctx->local_experts, d->gemm1_tiles, d->num_gemm1_tiles, ctx->tm));
   g.grid = budget; /* persistent: CTA j takes tiles j, j + budget, ... (never more than tiles) */
+  g.trace = ctx->trace; /* eager only: the layer is never captured */
   return tw__gemm1_swiglu_launch(&g, stream);
 }
 
