@@ -318,6 +318,8 @@ tw_status twb_team_rank_setup(twb_team_rank* t, const twb_opts* o, const twb_poi
 void twb_team_rank_free(twb_team_rank* t);
 /* The last call's output (tokens of this rank x H bf16, the whole of out) to host[0..n_out). */
 tw_status twb_team_output(const twb_team_rank* t, uint16_t* host);
+/* n bf16 values of a deterministic pattern in [-1, 1) (seeded by salt) copied to device dst. */
+tw_status twb_upload_random(void* dst, size_t n, uint64_t salt);
 /* TW_TRACE=1 in the environment: `bench --in-process` also times ours traced. */
 int twb_trace_env(void);
 /* Trace records one call can write (src/core/trace.h), with room to spare: 2 per tile, at most 4

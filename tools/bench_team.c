@@ -62,7 +62,7 @@ static uint16_t twt_bf16(uint64_t i, uint64_t salt) {
   return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
-static tw_status twt_upload_random(void* dst, size_t n, uint64_t salt) {
+tw_status twb_upload_random(void* dst, size_t n, uint64_t salt) {
   uint16_t* h = (uint16_t*)malloc(n * 2 + 2);
   if (h == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "bench --in-process: host memory");
   for (size_t i = 0; i < n; i++) h[i] = twt_bf16(i, salt);
@@ -160,8 +160,8 @@ tw_status twb_team_rank_setup(twb_team_rank* t, const twb_opts* o, const twb_poi
     st = tw__fail(TW_ERR_OUT_OF_MEMORY, "in-process team: rank %d: device memory", job->rank);
     goto teardown;
   }
-  TWT_TRY(twt_upload_random(t->in, n_in, 11 + (uint64_t)job->rank));
-  TWT_TRY(twt_upload_random(t->w2, n_w, 1000 + (uint64_t)job->rank));
+  TWT_TRY(twb_upload_random(t->in, n_in, 11 + (uint64_t)job->rank));
+  TWT_TRY(twb_upload_random(t->w2, n_w, 1000 + (uint64_t)job->rank));
   t->add = t->info.dataflow == TW_DATAFLOW_ADD;
   t->call_out = t->add ? NULL : t->out;
 teardown:
