@@ -25,6 +25,7 @@
 #include "core.h"
 #include "kernels.h"
 #include "plan.h"
+#include "progress.h"
 #include "runtime.h"
 #include "team.h"
 #include "tilewave.h"
@@ -299,16 +300,11 @@ teardown:
   return NULL;
 }
 
-/* A progress line on stderr: the point, and from the second one on an estimate of the time left. */
-static void twt_progress(const char* cmd, int i, int npoints, const twb_point* pt, double t_begin) {
-  const double now = tw__now_seconds();
-  char eta[64] = "";
-  if (i > 0)
-    snprintf(eta, sizeof eta, ", %.0f s so far, about %.0f s left", now - t_begin,
-             (now - t_begin) / i * (npoints - i));
-  fprintf(stderr, "[%s --in-process %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n", cmd, i + 1,
-          npoints, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-          tw__cli_router_name(pt->router), eta);
+/* The progress line of point i on stderr (progress.h: from the second point on with an estimate
+ * of the time left). */
+static void twt_progress(const twb_progress* pr, int i, const twb_point* pt) {
+  twb_progress_start(pr, i, "tokens/rank %d K %d N %d E %d top-%d %s", pt->tokens, pt->ffn,
+                     pt->hidden, pt->experts, pt->topk, tw__cli_router_name(pt->router));
 }
 
 int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
@@ -334,10 +330,11 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
   /* TW_TRACE=1: one row per point of the second table, printed after the first. */
   const int traced = twb_trace_env();
   char* trace_rows = traced ? (char*)calloc((size_t)npoints + 1, 256) : NULL;
-  const double t_begin = tw__now_seconds();
+  twb_progress pr;
+  twb_progress_begin(&pr, "bench --in-process", "point", npoints);
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    twt_progress("bench", i, npoints, pt, t_begin);
+    twt_progress(&pr, i, pt);
     memset(ranks, 0, sizeof ranks);
     for (int r = 0; r < W; r++) ranks[r].o = o, ranks[r].pt = pt;
     const tw_status st = twb_team_run(W, twt_rank_main, ranks, sizeof ranks[0]);
@@ -430,10 +427,11 @@ int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints) {
   fflush(stdout);
   int failed = 0;
   twt_rank ranks[8];
-  const double t_begin = tw__now_seconds();
+  twb_progress pr;
+  twb_progress_begin(&pr, "sweep --in-process", "point", npoints);
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    twt_progress("sweep", i, npoints, pt, t_begin);
+    twt_progress(&pr, i, pt);
     memset(ranks, 0, sizeof ranks);
     int bad = 0;
     for (int r = 0; r < W; r++) {
