@@ -1,7 +1,9 @@
 /*
  * oracle.c: workload matrices and summary arithmetic of `tilewave sweep --oracle` (oracle.h).
- * The full matrix takes the presets from the library's table (tw_preset_name), so a preset added
- * there joins it without an edit here.
+ * The full matrix takes the papers' presets from the library's table (tw_preset_name,
+ * tw__preset_from_papers), so a paper's preset added there joins it without an edit here; the
+ * large models' presets (for the layer benchmark) stay out, so that the matrix keeps its 114
+ * points and its regret numbers stay comparable between runs.
  */
 #include "oracle.h"
 
@@ -11,6 +13,7 @@
 #include <string.h>
 
 #include "bench_stats.h"
+#include "plan.h" /* tw__preset_from_papers */
 #include "tilewave.h"
 
 static int tw__oracle_add(tw__oracle_point* out, int cap, int* n, const char* name, int hidden,
@@ -48,7 +51,7 @@ int tw__oracle_matrix(const char* which, tw__oracle_point* out, int cap) {
   if (strcmp(which, "full") == 0) {
     const int preset_tokens[3] = {1024, 4096, 16384};
     for (int i = 0; i < tw_preset_count(); i++)
-      for (int t = 0; t < 3; t++)
+      for (int t = 0; t < 3 && tw__preset_from_papers(i); t++)
         for (int r = 0; r < 3; r++)
           if (tw__oracle_add_preset(out, cap, &n, tw_preset_name(i), preset_tokens[t],
                                     routers[r]) != 0)

@@ -132,9 +132,11 @@ typedef struct tw_problem {
 /* Checks a problem; returns the first violation with a message naming the fix. */
 TW_API tw_status tw_problem_validate(const tw_problem* problem);
 
-/* Model presets from the papers: name -> hidden, ffn, experts, top_k (tokens are up to you).
- * Names: "granite-3.1-1b-a400m", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "m-gpt", "m-bert",
- * "m-trans-xl" (case-insensitive). Leaves world_size, max_tokens and tiles untouched. */
+/* Model presets: name -> hidden, ffn, experts, top_k (tokens are up to you). From the papers:
+ * "granite-3.1-1b-a400m", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "m-gpt", "m-bert",
+ * "m-trans-xl"; the routed experts of large models: "deepseek-v3", "qwen3-235b-a22b",
+ * "gpt-oss-120b", "mixtral-8x22b" (case-insensitive). Leaves world_size, max_tokens and tiles
+ * untouched. */
 TW_API tw_status tw_problem_preset(const char* name, tw_problem* problem);
 /* Number of presets and the i-th preset's name, for listings. */
 TW_API int tw_preset_count(void);
@@ -362,7 +364,7 @@ TW_API tw_status tw_tp_select(const tw_tp_workload* workload, const tw_hardware*
                               int32_t* best_c, double* t);
 
 /* -------------------------------------------------------------------------------------------- */
-/* Tensor parallel x expert parallel (TP x EP): planning only, no runtime yet                    */
+/* Tensor parallel x expert parallel (TP x EP): the plan (its runtime: tw_moe_combine_tp)       */
 /* -------------------------------------------------------------------------------------------- */
 
 #define TW_PARALLEL_MAGIC 0x74775470u /* "twTp" */
@@ -699,6 +701,72 @@ TW_API tw_status tw_moe_combine(tw_context_t ctx, tw_device_plan_t dplan, const 
 TW_API tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
                                    const void* w2, void* out, const tw_combine_options* options,
                                    cudaStream_t stream);
+
+/* ---- Tensor parallel x expert parallel: GEMM2 + GatherRS + the owners' reduction ---------- */
+
+/* A context of one rank of a TP x EP world (tw_parallel) and its device plans. Apart from the
+ * EP context (tw_context_t): its window holds the rank's partial sums, which its TP peers read,
+ * and its GEMM2 has K = ffn / tp over experts / ep local experts. */
+typedef struct tw_tp_context* tw_tp_context_t;
+typedef struct tw_tp_device_plan* tw_tp_device_plan_t;
+
+/* Creates rank r's TP context. COLLECTIVE over `comm` (every rank, the same problem, parallel
+ * and config); problem->world_size = tp x ep = the communicator's size. tw_parallel_validate's
+ * refusals apply (tp x ep != world_size, ffn not a multiple of 64 tp, experts % ep, ...), and
+ * the config may set timeout_ms, max_comm_ctas and sm_budget only: the add dataflow, debug tags,
+ * timing, dispatch and layer are refused (TW_ERR_UNSUPPORTED). Allocates the window (the
+ * receive rows of max_tokens x top_k, the partial sums of tp blocks of an EP rank's worst case,
+ * counters), the reduced rows, two internal streams, and launches every kernel once.
+ * Synchronises the device. */
+TW_API tw_status tw_tp_context_create(const tw_problem* problem, const tw_parallel* parallel,
+                                      ncclComm_t comm, const tw_context_config* config,
+                                      tw_tp_context_t* ctx);
+/* As tw_tp_context_create, for rank `rank` of an in-process team (tw_team_create); COLLECTIVE
+ * over the team. The budgets of all ranks must fit in the GPU's SMs (default SMs / W). */
+TW_API tw_status tw_tp_context_create_on_team(const tw_problem* problem,
+                                              const tw_parallel* parallel, tw_team_t team,
+                                              int32_t rank, const tw_context_config* config,
+                                              tw_tp_context_t* ctx);
+/* Waits for the context's work and frees it. COLLECTIVE (the window). NULL is a no-op. */
+TW_API tw_status tw_tp_context_destroy(tw_tp_context_t ctx);
+/* COLLECTIVE, blocking: waits for the context's work, then TW_SUCCESS on every rank, or on every
+ * rank the first failing rank's device-side error (TW_ERR_TIMEOUT: a wait that expired). A
+ * failed context refuses further calls: destroy it on every rank and create another. */
+TW_API tw_status tw_tp_context_check(tw_tp_context_t ctx);
+
+/* Device copy of one rank's TP plan: its producer tiles, GatherRS tiles, where each reduced row
+ * goes, and its EP part's slot rows and this rank's gate weights. Sized for the worst case of
+ * the context's problem (uploads never allocate). Not collective. */
+TW_API tw_status tw_tp_device_plan_create(tw_tp_context_t ctx, tw_tp_device_plan_t* dplan);
+/* Copies `plan` (tw_tp_plan_create for this rank, with the context's problem and parallel) and
+ * this rank's gate weights from `routing` asynchronously on `stream`; the host objects may be
+ * freed when it returns. Calls on another stream must be ordered after it by the caller. */
+TW_API tw_status tw_tp_device_plan_upload(tw_tp_device_plan_t dplan, tw_tp_plan_t plan,
+                                          tw_routing_t routing, cudaStream_t stream);
+TW_API tw_status tw_tp_device_plan_destroy(tw_tp_device_plan_t dplan);
+
+/* GEMM2 + GatherRS + weighted reduction of one MoE layer under TP x EP. COLLECTIVE: every rank,
+ * in the same order, with its own device plan (all from one routing).
+ * [in]  dplan:     this rank's uploaded TP plan
+ * [in]  expert_in: (plan rows, ffn / tp) device bf16: GEMM2 input in the TP plan's row layout
+ *                  (its tp blocks), this rank's F slice; padding rows zero or finite
+ * [in]  w2:        (experts / ep, hidden, ffn / tp) device bf16: the F slice [q F/tp, (q+1) F/tp)
+ *                  of the down projection of the group's experts (q = rank % tp)
+ * [out] out:       (tokens of this rank, hidden) device bf16: out[t] = sum_j w[t][j] *
+ *                  bf16(sum_q bf16(partial_q)), the TP sum and the slot sum in fp32, in order
+ * [in]  options:   NULL = defaults; mode TW_COMBINE_OVERLAP or TW_COMBINE_UNFUSED (GatherRS after
+ *                  the producer: the same bits), comm_ctas (0: the plan's tp_comm_ctas, at most
+ *                  one CTA per GatherRS tile of the block), sm_budget
+ * [in]  stream:    as for tw_moe_combine
+ * The producer (P = budget - C CTAs) publishes every finished tile to its split's counter; the
+ * GatherRS (C CTAs, an internal stream) sums each split of the rank's block over the TP group as
+ * soon as the split is complete on every TP peer, and stores each reduced row at its owner (its
+ * receive rows, or this rank's own reduced rows); the owners' weighted reduction follows on
+ * `stream`. Not capturable in a CUDA graph. Device failures surface from tw_tp_context_check() or
+ * the next call (TW_ERR_TIMEOUT). */
+TW_API tw_status tw_moe_combine_tp(tw_tp_context_t ctx, tw_tp_device_plan_t dplan,
+                                   const void* expert_in, const void* w2, void* out,
+                                   const tw_combine_options* options, cudaStream_t stream);
 
 /* ---- Dispatch: from the engine's top-k on the GPU to the expert-input rows --------------- */
 

@@ -18,7 +18,8 @@
 
 #include "baseline.h"
 #include "bench_common.h"
-#include "team.h" /* tw__team */
+#include "progress.h" /* twb_progress */
+#include "team.h"     /* tw__team */
 #include "tilewave.h"
 
 #define TWB_MAX_TOKENS_LIST 8
@@ -59,6 +60,7 @@ typedef struct twb_opts {
   int what_if;        /* bench --what-if: the planner's choices for the points, no GPU */
   int in_process;     /* bench --in-process W: W ranks as threads on GPU 0 (0: off) */
   int sm_budget;      /* bench --in-process: --sm-budget B (0: the team's default) */
+  int tp, ep;         /* bench --tp T [--ep E]: the TP x EP call (0: the EP call) */
 } twb_opts;
 
 typedef struct twb_point {
@@ -278,6 +280,14 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints);
 /* sweep --in-process W: ours at every C from 1 to --c-max (at most the budget - 1) against the
  * plan's choice, per point, W ranks on GPU 0 (the same setup as bench --in-process). */
 int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints);
+
+/* The progress line on stderr as point i (0-based) of pr's run starts: its shape, and from the
+ * second point on the time so far and an estimate of the time left (progress.h). */
+void twb_point_progress(const twb_progress* pr, int i, const twb_point* pt);
+
+/* bench --tp T --in-process W (bench_tp.c): the TP x EP call, overlapped and unfused, per point,
+ * W = tp x ep ranks on GPU 0. */
+int twb_in_process_tp(const twb_opts* o, const twb_point* pts, int npoints);
 
 /* What a rank thread of an in-process team gets (the first member of its argument). */
 typedef struct twb_team_job {

@@ -300,9 +300,9 @@ teardown:
   return NULL;
 }
 
-/* The progress line of point i on stderr (progress.h: from the second point on with an estimate
- * of the time left). */
-static void twt_progress(const twb_progress* pr, int i, const twb_point* pt) {
+/* The progress line of point i on stderr (bench.h; progress.h: from the second point on with an
+ * estimate of the time left). */
+void twb_point_progress(const twb_progress* pr, int i, const twb_point* pt) {
   twb_progress_start(pr, i, "tokens/rank %d K %d N %d E %d top-%d %s", pt->tokens, pt->ffn,
                      pt->hidden, pt->experts, pt->topk, tw__cli_router_name(pt->router));
 }
@@ -334,7 +334,7 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
   twb_progress_begin(&pr, "bench --in-process", "point", npoints);
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    twt_progress(&pr, i, pt);
+    twb_point_progress(&pr, i, pt);
     memset(ranks, 0, sizeof ranks);
     for (int r = 0; r < W; r++) ranks[r].o = o, ranks[r].pt = pt;
     const tw_status st = twb_team_run(W, twt_rank_main, ranks, sizeof ranks[0]);
@@ -431,7 +431,7 @@ int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints) {
   twb_progress_begin(&pr, "sweep --in-process", "point", npoints);
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    twt_progress(&pr, i, pt);
+    twb_point_progress(&pr, i, pt);
     memset(ranks, 0, sizeof ranks);
     int bad = 0;
     for (int r = 0; r < W; r++) {

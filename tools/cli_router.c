@@ -42,6 +42,8 @@ const char* tw__cli_router_name(int router) {
       return "stress_skew";
     case TW_ROUTER_TARGET:
       return "target";
+    case TWB_ROUTER_HOT:
+      return "hot";
   }
   return "?";
 }

@@ -218,6 +218,9 @@ static void twb_usage(FILE* f, int sweep) {
     fprintf(f,
             "`tilewave bench gemm ...` runs the GEMM benchmark (tools/bench_gemm.cu);\n"
             "`tilewave bench gemm1 ...` GEMM1 + SwiGLU against cuBLAS (tools/bench_gemm1.cu).\n"
+            "`tilewave bench layer ...` the whole layer against the sequential one, and\n"
+            "`tilewave bench dispatch ...` the dispatch against permute + copy all-to-all, on\n"
+            "one GPU (tools/bench_layer.c).\n"
             "Without GPUs (or fewer than 2, or than --ranks), or with --what-if, shows what the\n"
             "planner would pick at every point instead (C, mgb, schedule, predicted and\n"
             "sequential us; tilewave plan's choice for rank 0) and exits 0.\n\n"
@@ -254,7 +257,9 @@ static void twb_usage(FILE* f, int sweep) {
             "  --phases            also time ours' phases (producer end, consumer end,\n"
             "                      reduction) with the context's events, --iters more calls\n"
             "  --what-if           plan the points on the host and show the planner's choices\n"
-            "                      (no GPU is touched; what runs without GPUs anyway)\n");
+            "                      (no GPU is touched; what runs without GPUs anyway)\n"
+            "  --tp T [--ep E]     with --in-process W (W = T x E): the tensor-parallel call\n"
+            "                      (GEMM2 over F slices + GatherRS), overlapped vs unfused\n");
   fprintf(f,
           "  --in-process W      W ranks (1..8) as threads of this process on GPU 0, over an\n"
           "                      in-process team: %s; one GPU's memory\n"
@@ -335,6 +340,8 @@ static int twb_parse(int argc, char** argv, int sweep, twb_opts* o, int* shape_g
     args[n++] = tw__cli_bool("--full", &o->full);
     args[n++] = tw__cli_bool("--phases", &o->phases);
     args[n++] = tw__cli_bool("--what-if", &o->what_if);
+    args[n++] = tw__cli_tp(&o->tp);
+    args[n++] = tw__cli_int("--ep", &o->ep, 1, TW_MAX_RANKS);
   }
   args[n++] = tw__cli_int("--in-process", &o->in_process, 1, 8);
   args[n++] = tw__cli_int("--sm-budget", &o->sm_budget, 2, 100000);
@@ -371,6 +378,26 @@ static int twb_check_opts(twb_opts* o, int sweep, int shape_given, const char* c
     return tw__cli_usage_error(cmd,
                                "sweep --in-process times one point's C sweep; the oracle matrix "
                                "(--oracle, --matrix, --points, --list) runs on one GPU per rank");
+  if (o->ep > 0 && o->tp == 0)
+    return tw__cli_usage_error(cmd, "--ep E sizes the TP x EP world; give it with --tp T");
+  if (o->tp > 0) {
+    /* The TP call runs in-process only so far (bench_tp.c). */
+    if (o->in_process == 0 || o->what_if)
+      return tw__cli_usage_error(cmd,
+                                 "--tp T times the TP x EP call with --in-process W (W = tp x ep "
+                                 "ranks on one GPU); its NCCL run and the cuBLAS + NCCL "
+                                 "reduce-scatter baseline are not built yet (for the plan alone: "
+                                 "`tilewave plan --tp T --ep E`)");
+    if (o->ep == 0 && o->in_process % o->tp != 0)
+      return tw__cli_usage_error(cmd, "--in-process %d is not a multiple of --tp %d",
+                                 o->in_process, o->tp);
+    if (o->ep == 0) o->ep = o->in_process / o->tp;
+    if (o->tp * o->ep != o->in_process)
+      return tw__cli_usage_error(cmd,
+                                 "--tp %d x --ep %d = %d ranks but --in-process %d; the world is "
+                                 "tp x ep",
+                                 o->tp, o->ep, o->tp * o->ep, o->in_process);
+  }
   if (o->versus > 0 && !o->oracle)
     return tw__cli_usage_error(cmd, "--versus-fixed needs a matrix (--oracle)");
   /* The confirmation re-times a matrix point's best cells: without --oracle there are none, and
@@ -547,8 +574,9 @@ static int twb_main(int argc, char** argv, int sweep) {
       free(job.points);
       return 1;
     }
-    rc = sweep ? twb_in_process_sweep(&o, job.points, job.npoints)
-               : twb_in_process(&o, job.points, job.npoints);
+    rc = sweep     ? twb_in_process_sweep(&o, job.points, job.npoints)
+         : o.tp > 0 ? twb_in_process_tp(&o, job.points, job.npoints)
+                    : twb_in_process(&o, job.points, job.npoints);
     free(job.points);
     return rc;
   }
@@ -601,6 +629,12 @@ int tw_cli_bench(int argc, char** argv) {
   }
   if (argc > 1 && strcmp(argv[1], "gemm1") == 0) {
     return tw_cli_bench_gemm1(argc - 1, argv + 1); /* tools/bench_gemm1.cu */
+  }
+  if (argc > 1 && strcmp(argv[1], "layer") == 0) {
+    return tw_cli_bench_layer(argc - 1, argv + 1); /* tools/bench_layer.c */
+  }
+  if (argc > 1 && strcmp(argv[1], "dispatch") == 0) {
+    return tw_cli_bench_dispatch(argc - 1, argv + 1); /* tools/bench_layer.c */
   }
   return twb_main(argc, argv, 0);
 }

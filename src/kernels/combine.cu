@@ -288,10 +288,14 @@ __device__ __forceinline__ bool tw__bulk_copy_unit(tw__bulk_pipe& pp, const tw__
  * With bulk copies, the peer writes must have completed first (wait_group 0, not .read). */
 template <bool kBulk>
 __device__ __forceinline__ void tw__announce(uint32_t* const* arrive, int world, uint32_t* pending,
+                                             uint64_t* const* fp_slot, uint64_t fp,
                                              tw_trace* trace) {
   if (kBulk) tw__bulk_wait_all();
   for (int d = 0; d < world; d++) {
     if (pending[d] == 0) continue;
+    /* The plan check's word, before the release below, which orders it for the owner's acquire
+     * of the arrivals (every announcing CTA writes the same value). */
+    if (fp_slot != nullptr) *reinterpret_cast<volatile uint64_t*>(fp_slot[d]) = fp;
     tw_red_release_sys(arrive[d], pending[d]);
     tw_trace_event(trace, TW_TRACE_ANNOUNCE, blockIdx.x, TW_TRACE_ANNOUNCE_INDEX(d, pending[d]));
     pending[d] = 0;
@@ -303,11 +307,13 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     tw_consumer_kernel(const tw_consumer_args a) {
   extern __shared__ __align__(128) char s_bulk[]; /* bulk: stages, then their barriers */
   __shared__ int s_ok;
-  __shared__ int s_unit;             /* the unit this CTA works on (claimed by thread 0) */
-  __shared__ int s_copied;           /* bulk: thread 0's copy of the unit did not time out */
-  __shared__ uint32_t s_pending[64]; /* (world) finished, not yet announced units per owner */
-  __shared__ uint32_t* s_arrive[64]; /* (world) our arrival counter in each owner's window */
-  __shared__ char* s_peer[64];       /* (world) every owner's window base */
+  __shared__ int s_unit;              /* the unit this CTA works on (claimed by thread 0) */
+  __shared__ int s_copied;            /* bulk: thread 0's copy of the unit did not time out */
+  __shared__ uint32_t s_pending[64];  /* (world) finished, not yet announced units per owner */
+  __shared__ uint32_t* s_arrive[64];  /* (world) our arrival counter in each owner's window */
+  __shared__ char* s_peer[64];        /* (world) every owner's window base */
+  __shared__ uint64_t* s_fp_slot[64]; /* (world) our plan_fp slot in each owner's window */
+  __shared__ uint64_t s_fp;           /* the value for them (tw_plan_fp_of_call) */
   const size_t row_bytes = (size_t)a.hidden * 2;
   const uint32_t* credits = reinterpret_cast<const uint32_t*>(a.local_win + a.lay.credit);
   const bool add = a.row_token != nullptr;
@@ -320,8 +326,11 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     s_pending[d] = 0;
     s_peer[d] = a.peers[d];
     s_arrive[d] = reinterpret_cast<uint32_t*>(s_peer[d] + a.lay.arrive) + a.rank;
+    s_fp_slot[d] = reinterpret_cast<uint64_t*>(s_peer[d] + a.lay.plan_fp) + a.rank;
   }
+  uint64_t* const* fp_slot = a.plan_fp != nullptr ? s_fp_slot : nullptr;
   if (threadIdx.x == 0) {
+    s_fp = a.plan_fp != nullptr ? tw_plan_fp_of_call(*a.plan_fp, a.state->epoch) : 0;
     s_copied = 1;
     s_unit = (int)atomicAdd(a.unit_next, 1u);
     tw_trace_event(a.trace, TW_TRACE_UNIT_CLAIM, blockIdx.x, (uint32_t)s_unit);
@@ -378,7 +387,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
       if (ok) tw_trace_event(a.trace, TW_TRACE_UNIT_BANDS, blockIdx.x, (uint32_t)u);
       if (ok && !((credited >> dest) & 1u)) {
         /* The credit wait may block: announce first (this happens at most W times). */
-        tw__announce<kBulk>(s_arrive, a.world, s_pending, a.trace);
+        tw__announce<kBulk>(s_arrive, a.world, s_pending, fp_slot, s_fp, a.trace);
         /* The add dataflow waits for the owner's own word instead: its output buffer of this
          * call is zero (combine.h). */
         const uint32_t* credit =
@@ -447,7 +456,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    tw__announce<kBulk>(s_arrive, a.world, s_pending, a.trace);
+    tw__announce<kBulk>(s_arrive, a.world, s_pending, fp_slot, s_fp, a.trace);
     /* The add dataflow's end of the call: the sources' adds into this rank's output. Our own
      * units are announced above, so no peer's CTA 0 waits on anything this wait holds back. The
      * acquire makes the peers' adds (complete before their release) visible, and the stream's
@@ -464,6 +473,11 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     }
     tw_trace_event(a.trace, TW_TRACE_CONSUMER_END, blockIdx.x, 0);
   }
+  /* Launched as the producer's programmatic dependent (after_producer in the launcher), this
+   * grid can end before the producer's local tiles are done: wait for the producer's end (and
+   * its writes' visibility), so that the reduction, ordered after this grid's end only, reads
+   * finished rows. Returns at once for a plain launch. */
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
 /* The bulk kernel's opt-in shared memory size is a per-device function attribute: set once per
@@ -508,7 +522,8 @@ tw_status tw__call_begin_launch(tw_call_state* state, const uint32_t* recv_units
   return TW_SUCCESS;
 }
 
-tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream) {
+tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, int after_producer,
+                              cudaStream_t stream) {
   TW_CHECK_NULL(args);
   if (grid < 1 || grid > TW_MAX_COMM_CTAS)
     return tw__fail(TW_ERR_INVALID_ARGUMENT, "consumer: %d CTAs; must be 1..%d", grid,
@@ -527,13 +542,24 @@ tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream
   if (args->hidden % 8 != 0 || args->tn % 8 != 0)
     return tw__fail(TW_ERR_ALIGNMENT, "consumer: hidden %d and tile_n %d must be multiples of 8",
                     args->hidden, args->tn);
-  cudaError_t e = cudaSuccess;
-  if (args->copy == TW_CONSUMER_COPY_BULK) {
-    e = tw__consumer_enable_smem();
-    if (e == cudaSuccess)
-      tw_consumer_kernel<true><<<grid, kConsumerThreads, kBulkSmemBytes, stream>>>(*args);
-  } else {
-    tw_consumer_kernel<false><<<grid, kConsumerThreads, 0, stream>>>(*args);
+  const bool bulk = args->copy == TW_CONSUMER_COPY_BULK;
+  cudaError_t e = bulk ? tw__consumer_enable_smem() : cudaSuccess;
+  if (e == cudaSuccess) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((unsigned)grid);
+    cfg.blockDim = dim3(kConsumerThreads);
+    cfg.dynamicSmemBytes = bulk ? kBulkSmemBytes : 0;
+    cfg.stream = stream;
+    /* after_producer: a programmatic dependent of the producer just launched on this stream,
+     * so that both run at once from one stream (hence one hardware queue, whatever a graph
+     * does with its branches); the producer triggers at its start. */
+    cudaLaunchAttribute attr = {};
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = after_producer ? 1 : 0;
+    e = bulk ? cudaLaunchKernelEx(&cfg, tw_consumer_kernel<true>, *args)
+             : cudaLaunchKernelEx(&cfg, tw_consumer_kernel<false>, *args);
   }
   if (e == cudaSuccess) e = cudaGetLastError();
   if (e != cudaSuccess)

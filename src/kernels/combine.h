@@ -47,7 +47,20 @@
 #include "trace.cuh"
 
 /* Further kinds of device-side failure (tw_dev_error.where), after sync.cuh's TW_WAIT_*. */
-enum { TW_WAIT_CREDIT = 4, TW_CHECK_TAGS = 5, TW_WAIT_COPY = 6, TW_CHECK_ARRIVALS = 7 };
+enum {
+  TW_WAIT_CREDIT = 4,
+  TW_CHECK_TAGS = 5,
+  TW_WAIT_COPY = 6,
+  TW_CHECK_ARRIVALS = 7,
+  TW_CHECK_PLAN = 11 /* dispatch.h has 8..10 */
+};
+
+/* The value a source writes into an owner's plan_fp slot in call `epoch`: its plan's fingerprint
+ * and the call, so that a slot left from an earlier call never matches. */
+__host__ __device__ __forceinline__ uint64_t tw_plan_fp_of_call(uint64_t fingerprint,
+                                                                uint32_t epoch) {
+  return fingerprint + (uint64_t)epoch * 0x9e3779b97f4a7c15ull;
+}
 
 /* Per-call protocol state on the device (combine.h top: call state). */
 typedef struct tw_call_state {
@@ -62,12 +75,14 @@ typedef struct tw_window_layout {
   uint64_t out_bytes; /* bytes of one output buffer (0 under the reduce dataflow) */
   uint64_t zeros;     /* (zeros_bytes) zeros, never written: what peers copy from (add) */
   uint64_t zeros_bytes;
-  uint64_t arrive; /* (W) uint32 arrivals, by source rank */
-  uint64_t credit; /* (W) uint32 credits, by owner rank */
-  uint64_t ready;  /* uint32: calls whose output buffer is zero, cumulative (add dataflow) */
-  uint64_t tags;   /* (recv_rows_max) uint32 debug tags */
-  uint64_t hits;   /* (recv_rows_max) uint32 debug arrival counts */
-  uint64_t bytes;  /* total */
+  uint64_t arrive;  /* (W) uint32 arrivals, by source rank */
+  uint64_t credit;  /* (W) uint32 credits, by owner rank */
+  uint64_t ready;   /* uint32: calls whose output buffer is zero, cumulative (add dataflow) */
+  uint64_t plan_fp; /* (W) uint64, by source rank: tw_plan_fp_of_call of the source's plan in
+                       its latest call that sent here, written before its arrivals */
+  uint64_t tags;    /* (recv_rows_max) uint32 debug tags */
+  uint64_t hits;    /* (recv_rows_max) uint32 debug arrival counts */
+  uint64_t bytes;   /* total */
 } tw_window_layout;
 
 typedef struct tw_consumer_args {
@@ -91,6 +106,8 @@ typedef struct tw_consumer_args {
   int32_t copy;           /* TW_CONSUMER_COPY_REGISTERS or _BULK (combine.cu) */
   int32_t rank, world;
   const tw_call_state* state; /* credits (or ready) awaited: state->epoch - 1 */
+  const uint64_t* plan_fp;    /* device: this rank's plan fingerprint, written with the units into
+                                 every owner's plan_fp slot; NULL = not written */
   int32_t debug_tags;
   /* The add dataflow (NULL: reduce): each row goes to out_offset + row_token[row] * row bytes of
    * the owner's window, added (bulk or register adds; no debug tags), after the owner's ready word
@@ -117,9 +134,14 @@ typedef struct tw_reduce_args {
   uint16_t* out;           /* (tokens, hidden) bf16 */
   int32_t tokens, top_k, hidden, recv_rows, rank, world, col_tiles;
   int32_t debug_tags;
-  uint32_t* debug_slots; /* (tokens, top_k) observed (tag << 16 | hits); debug mode only */
-  uint32_t* done;        /* CTA completion counter (zero between calls) */
+  uint32_t* debug_slots;      /* (tokens, top_k) observed (tag << 16 | hits); debug mode only */
+  uint32_t* done;             /* CTA completion counter (zero between calls) */
   const tw_call_state* state; /* arrivals awaited: state->arrive_target */
+  /* The plan check (NULL = off): after the arrivals, each source that sends here this call
+   * (recv_units[s] > 0) must have written tw_plan_fp_of_call(*plan_fp, epoch) into its slot:
+   * else the ranks planned differently (TW_CHECK_PLAN), even with equal unit counts. */
+  const uint64_t* plan_fp;
+  const uint32_t* recv_units; /* (world) device */
   tw_dev_error* err;
   uint64_t timeout_ns;
   tw_trace* trace; /* device trace buffer (trace.h): each CTA's begin, arrivals and end; NULL =
@@ -131,8 +153,11 @@ typedef struct tw_reduce_args {
  * (recv_units: device memory, the plan's units from each source per call). */
 tw_status tw__call_begin_launch(tw_call_state* state, const uint32_t* recv_units, int world,
                                 uint32_t* zero, int64_t zero_words, cudaStream_t stream);
-/* Consumer: grid CTAs (1..TW_MAX_COMM_CTAS). */
-tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, cudaStream_t stream);
+/* Consumer: grid CTAs (1..TW_MAX_COMM_CTAS). after_producer: launched as the programmatic
+ * dependent of the producer enqueued just before it on `stream` (both run at once; the consumer's
+ * end then also waits for the producer's); 0: a plain launch. */
+tw_status tw__consumer_launch(const tw_consumer_args* args, int grid, int after_producer,
+                              cudaStream_t stream);
 /* Weighted reduction; grid chosen from the work (at least one CTA: it always returns credits),
  * at most `sms` x ctas_per_sm CTAs (ctas_per_sm 0: as many per SM as fit and pay); the grid and
  * that cap are written to grid_out and cap_out. Not launched

@@ -72,6 +72,13 @@ __device__ void tw__scan_chunk(const tw_dispatch_scan_args& a, int32_t* s_cnt, i
         tw_report_error(a.err, kPlace ? TW_ERR_INTERNAL : TW_ERR_EXPERT_ID, TW_CHECK_ID, (int32_t)i,
                         (uint32_t)(uint64_t)v, (uint32_t)ET, a.rank);
       }
+      /* A NaN or infinite weight would spread through the owner's weighted sum. */
+      if (!kPlace && a.weights_in != nullptr) {
+        const float w = __ldg(&a.weights_in[i]);
+        if (!isfinite(w))
+          tw_report_error(a.err, TW_ERR_INVALID_ARGUMENT, TW_CHECK_WEIGHT, (int32_t)i,
+                          __float_as_uint(w), 0u, a.rank);
+      }
     }
     /* Lanes without an expert get keys no other lane has. */
     const unsigned same = __match_any_sync(0xffffffffu, g >= 0 ? g : ET + lane);

@@ -39,7 +39,12 @@
 #include "trace.h"
 
 /* Further kinds of device-side failure (tw_dev_error.where), after combine.h's. */
-enum { TW_CHECK_ID = 7, TW_WAIT_DISPATCH_CREDIT = 8, TW_WAIT_DISPATCH_ARRIVAL = 9 };
+enum {
+  TW_WAIT_DISPATCH_CREDIT = 8,
+  TW_WAIT_DISPATCH_ARRIVAL = 9,
+  TW_CHECK_ID = 10,
+  TW_CHECK_WEIGHT = 12 /* a gate weight that is NaN or infinite (count pass); 11 in combine.h */
+};
 
 /* Most chunks of the scan (the histograms are (chunks, experts) int32). */
 #define TW_DISPATCH_MAX_CHUNKS 256
@@ -64,11 +69,13 @@ typedef struct tw_dispatch_scan_args {
   /* Place pass (NULL in the count pass). */
   const int32_t* slot_base; /* (experts) plan.h */
   const int32_t* send_row0; /* (experts) plan.h */
-  const float* weights_in;  /* (slots) the caller's gate weights */
+  const float* weights_in;  /* (slots) the caller's gate weights; the count pass checks that each
+                               is finite (NULL: no check) */
   int32_t* slot_row;        /* (slots) out */
   float* weights_out;       /* (slots) out: the device plan's copy */
   int32_t* send_row;        /* (slots) out */
-  tw_dev_error* err;        /* count pass: bad ids (TW_CHECK_ID); place pass: internal */
+  tw_dev_error* err;        /* count pass: bad ids (TW_CHECK_ID), weights (TW_CHECK_WEIGHT); place
+                               pass: internal */
   int32_t rank;
   tw_trace* trace; /* device trace buffer (trace.h): each CTA's begin and end; NULL = off */
 } tw_dispatch_scan_args;

@@ -126,6 +126,23 @@ __global__ void __launch_bounds__(kReduceThreads) tw_reduce_kernel(const tw_redu
       if (s != a.rank)
         ok = tw_wait_arrivals_exact(&arrivals[s], a.state->arrive_target[s], a.timeout_ns, a.err, s,
                                     a.rank);
+    /* Every source that sent here planned this call as this rank did: its word arrived before
+     * its last arrivals (tw__announce), which the acquire above has seen. */
+    if (ok && a.plan_fp != nullptr) {
+      const uint64_t mine = *a.plan_fp;
+      const uint64_t want = tw_plan_fp_of_call(mine, a.state->epoch);
+      const volatile uint64_t* slot =
+          reinterpret_cast<const volatile uint64_t*>(win + a.lay.plan_fp);
+      for (int s = 0; s < a.world && ok; s++) {
+        if (s == a.rank || a.recv_units[s] == 0) continue;
+        const uint64_t got = slot[s];
+        if (got != want) {
+          tw_report_error(a.err, TW_ERR_INVALID_ARGUMENT, TW_CHECK_PLAN, s,
+                          (uint32_t)(got - (want - mine)), (uint32_t)mine, a.rank);
+          ok = false;
+        }
+      }
+    }
     if (ok) tw_trace_event(a.trace, TW_TRACE_REDUCE_ARRIVED, blockIdx.x, 0);
     s_ok = ok;
   }

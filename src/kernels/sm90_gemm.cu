@@ -113,6 +113,10 @@ __global__ void __launch_bounds__(kV1Threads) tw_gemm_v1_kernel(tw_gemm_args arg
   const __nv_bfloat16* B = static_cast<const __nv_bfloat16*>(args.b);
   __nv_bfloat16* C = static_cast<__nv_bfloat16*>(args.c);
   const int k = args.k, n = args.n;
+  /* A consumer launched as this grid's programmatic dependent (a captured combine call,
+   * combine_call.cu) may start once every CTA of this grid has run this: it waits for the tiles
+   * through the band counters, not for this grid's end. No effect on other launches. */
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int64_t n_b = kSwiglu ? 2 * (int64_t)n : n; /* B rows per expert */
   /* Gate and up halves are computed in separate passes of 64 columns each for SwiGLU so that
    * one warp holds the gate and the up value of the same output element. */
@@ -484,6 +488,10 @@ __global__ void __launch_bounds__(384, 1)
   const bool epi_warp = kStaging || (EPI == kEpiSignalWarp && signal);
   const int wg = threadIdx.x / 128;
   const int nk = args.k / 64;
+  /* A consumer launched as this grid's programmatic dependent (a captured combine call,
+   * combine_call.cu) may start once every CTA of this grid has run this: it waits for the tiles
+   * through the band counters, not for this grid's end. No effect on other launches. */
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; s++) {

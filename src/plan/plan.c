@@ -126,6 +126,33 @@ static tw_status tw__plan_config_resolve(const tw_problem* p, const tw_plan_conf
   return TW_SUCCESS;
 }
 
+/* FNV-1a over 32-bit words. */
+static uint64_t tw__fnv_words(uint64_t h, const int32_t* v, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    h ^= (uint32_t)v[i];
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+/* The plan's fingerprint (plan.h): every rank computes it from the same inputs of a call, so
+ * ranks that planned from different routings, problems or counts differ (but for a hash
+ * collision, about 2^-64). */
+static uint64_t tw__plan_fingerprint(const struct tw_plan* pl, const struct tw_routing* routing,
+                                     const int32_t* counts) {
+  const tw_problem* p = &pl->problem;
+  const int32_t head[] = {p->world_size, p->hidden, p->ffn,       p->experts,     p->top_k,
+                          pl->tm,        pl->tn,    pl->dataflow, routing != NULL};
+  uint64_t h = tw__fnv_words(0xcbf29ce484222325ull, head, sizeof head / sizeof head[0]);
+  if (counts != NULL) return tw__fnv_words(h, counts, (size_t)p->world_size * (size_t)p->experts);
+  for (int32_t r = 0; r < p->world_size; r++) {
+    const int32_t t = routing->tokens[r];
+    h = tw__fnv_words(h, &t, 1);
+    h = tw__fnv_words(h, routing->expert_ids[r], (size_t)t * (size_t)p->top_k);
+  }
+  return h;
+}
+
 /* Builds the plan once the inputs are checked: the layout from the routing, or from the count
  * matrix when routing is NULL, then the schedule and the model's partition. */
 static tw_status tw__plan_build(const tw_problem* p, const struct tw_routing* routing,
@@ -143,6 +170,7 @@ static tw_status tw__plan_build(const tw_problem* p, const struct tw_routing* ro
   pl->schedule_request = schedule;
   pl->dataflow = dataflow;
   pl->tile_group = tile_group;
+  pl->fingerprint = tw__plan_fingerprint(pl, routing, counts);
   tw_status st =
       routing != NULL ? tw__plan_layout(pl, routing) : tw__plan_layout_counts(pl, counts);
   /* The model tabulates an AUTO plan in remote-first order first (tw__model_choose). */

@@ -141,6 +141,11 @@ struct tw_plan {
   int32_t* slot_base; /* (E_total) */
   int32_t* send_row0; /* (E_total) -1 where it would not fit int32 */
 
+  /* What every rank's plan of one call must agree on, hashed (tw__plan_build): the problem, the
+   * tile shape, the dataflow and the count matrix, and for a plan from a routing every rank's
+   * expert ids too. Checked on the device where rows arrive (combine.h, plan_fp). */
+  uint64_t fingerprint;
+
   /* Partition decision. */
   int32_t comm_ctas;
   double predicted_us;
@@ -169,6 +174,9 @@ const char* tw__dataflow_name(int32_t dataflow);
 
 /* Internal helpers shared by plan sources. */
 int32_t tw__resolve_tile_n(const tw_problem* p);
+/* 1 when preset `index` (tw_preset_name) is a shape from the two papers, 0 for the large models
+ * added for the layer benchmark (and for an index out of range). */
+int tw__preset_from_papers(int index);
 int32_t tw__resolve_tile_m(const tw_problem* p);
 /* Builds the rank's row layout from the routing (layout.c): expert_row0 / rows / real_rows,
  * row_src, expert_order, layout_bands with expert_band0 / expert_local_band0, num_bands,

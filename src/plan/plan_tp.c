@@ -37,10 +37,9 @@ static void tw__tp_choices(const tw_problem* p, char* buf, size_t n) {
   if (buf[0] == '\0') snprintf(buf, n, "none");
 }
 
-/* Checks problem and parallel and fills `out` with the resolved description (ep, splits and comm
- * tiles set). */
-static tw_status tw__parallel_resolve(const tw_problem* problem, const tw_parallel* parallel,
-                                      tw_parallel* out) {
+/* Checks problem and parallel and fills `out` with the resolved description (plan_tp.h). */
+tw_status tw__parallel_resolve(const tw_problem* problem, const tw_parallel* parallel,
+                               tw_parallel* out) {
   TW_CHECK_NULL(problem);
   TW_CHECK_NULL(parallel);
   TW_TRY(tw__check_header("tw_parallel", parallel->size, sizeof(tw_parallel), parallel->magic,
@@ -452,5 +451,48 @@ tw_status tw_tp_plan_summary_get(tw_tp_plan_t plan, tw_tp_plan_summary* summary)
   s.ep_predicted_us = es.predicted_us;
   s.solve_us = pl->solve_us;
   *summary = s;
+  return TW_SUCCESS;
+}
+
+tw_status tw__tp_plan_destinations(const struct tw_tp_plan* pl, int64_t recv_rows_max,
+                                   int32_t* dst_rank, int32_t* dst_row) {
+  TW_CHECK_NULL(pl);
+  const struct tw_plan* ep = pl->ep_plan;
+  const int32_t R0 = pl->block_row0[pl->tp_index], n = ep->rows, tp = pl->par.tp;
+  const int64_t row_bytes = (int64_t)pl->problem.hidden * 2;
+  if (n != pl->block_row0[pl->tp_index + 1] - R0)
+    return tw__fail(TW_ERR_INTERNAL, "tp plan: block of %d rows, EP plan of %d",
+                    pl->block_row0[pl->tp_index + 1] - R0, n);
+  if (n > 0) {
+    TW_CHECK_NULL(dst_rank);
+    TW_CHECK_NULL(dst_row);
+  }
+  /* Own tokens stay (their EP layout row), padding goes nowhere, the rest from the bands. */
+  for (int32_t i = 0; i < n; i++) {
+    const int32_t owner = pl->row_src[R0 + i].owner;
+    dst_rank[i] = owner < 0 ? -1 : owner == pl->rank ? pl->rank : -2;
+    dst_row[i] = owner == pl->rank ? i : 0;
+  }
+  for (int32_t b = 0; b < ep->num_bands; b++) {
+    const tw_band* bd = &ep->bands[b];
+    if (bd->dest_offset < 0) continue; /* a local band */
+    const int32_t owner = bd->dest * tp + pl->tp_index;
+    const int64_t first = bd->dest_offset / row_bytes;
+    for (int32_t r = 0; r < bd->valid_rows; r++) {
+      const int32_t i = bd->row0 + r;
+      if (i < 0 || i >= n || dst_rank[i] != -2 || pl->row_src[R0 + i].owner != owner ||
+          first + r >= recv_rows_max || bd->dest_offset % row_bytes != 0)
+        return tw__fail(TW_ERR_INTERNAL,
+                        "tp plan: EP band %d sends block row %d to rank %d, which the TP plan "
+                        "does not give that rank (or past its %lld receive rows)",
+                        b, i, owner, (long long)recv_rows_max);
+      dst_rank[i] = owner;
+      dst_row[i] = (int32_t)(first + r);
+    }
+  }
+  for (int32_t i = 0; i < n; i++)
+    if (dst_rank[i] == -2)
+      return tw__fail(TW_ERR_INTERNAL, "tp plan: block row %d (owner %d) is in no EP band", i,
+                      pl->row_src[R0 + i].owner);
   return TW_SUCCESS;
 }

@@ -84,6 +84,20 @@ struct tw_tp_plan {
   double tp_waves, tp_wave_us, solve_us;
 };
 
+/* Checks problem and parallel as tw_parallel_validate does and fills `out` with the resolved
+ * description (ep, splits and comm tiles set); the TP context sizes itself from it. */
+tw_status tw__parallel_resolve(const tw_problem* problem, const tw_parallel* parallel,
+                               tw_parallel* out);
+
+/* Where the GatherRS of the plan's rank stores each row of its block (tp_context.cu): dst_rank[i]
+ * = the owner (world rank) of block row i, -1 for padding; dst_row[i] = its receive row at that
+ * owner (the EP plan's band dest_offset), or for the rank's own tokens i itself (the EP layout's
+ * local row, which the owner's reduction reads past recv_rows). Both arrays hold the block's rows
+ * (ep_plan->rows). TW_ERR_INTERNAL where rows and bands disagree or a receive row is at or past
+ * recv_rows_max. */
+tw_status tw__tp_plan_destinations(const struct tw_tp_plan* pl, int64_t recv_rows_max,
+                                   int32_t* dst_rank, int32_t* dst_row);
+
 #ifdef __cplusplus
 }
 #endif

@@ -24,15 +24,21 @@
 typedef struct tw__preset {
   const char* name;
   int32_t hidden, ffn, experts, top_k;
+  int32_t paper; /* 1: a shape from the two papers (the oracle matrices take only these) */
 } tw__preset;
 
 /* Shapes from the two papers. The second paper's Table 1 gives only the model width of M-GPT,
  * M-BERT and M-Trans-xl (64 experts, top-2); it does not state the expert FFN width, so these use
- * the transformer convention F = 4 H. */
+ * the transformer convention F = 4 H. Then the routed experts of today's large MoE models, from
+ * their published configs (hidden_size, moe_intermediate_size or intermediate_size, routed
+ * experts, experts per token; shared experts, biases and gpt-oss's clamped SwiGLU left out): the
+ * shapes of the layer benchmark (`tilewave bench layer`). */
 static const tw__preset tw__presets[] = {
-    {"granite-3.1-1b-a400m", 1024, 512, 32, 8}, {"qwen1.5-moe-a2.7b", 2048, 1408, 60, 4},
-    {"deepseek-v2-lite", 2048, 1408, 64, 6},    {"m-gpt", 768, 4 * 768, 64, 2},
-    {"m-bert", 1024, 4 * 1024, 64, 2},          {"m-trans-xl", 512, 4 * 512, 64, 2},
+    {"granite-3.1-1b-a400m", 1024, 512, 32, 8, 1}, {"qwen1.5-moe-a2.7b", 2048, 1408, 60, 4, 1},
+    {"deepseek-v2-lite", 2048, 1408, 64, 6, 1},    {"m-gpt", 768, 4 * 768, 64, 2, 1},
+    {"m-bert", 1024, 4 * 1024, 64, 2, 1},          {"m-trans-xl", 512, 4 * 512, 64, 2, 1},
+    {"deepseek-v3", 7168, 2048, 256, 8, 0},        {"qwen3-235b-a22b", 4096, 1536, 128, 8, 0},
+    {"gpt-oss-120b", 2880, 2880, 128, 4, 0},       {"mixtral-8x22b", 6144, 16384, 8, 2, 0},
 };
 
 #define TW__NUM_PRESETS ((int)(sizeof tw__presets / sizeof tw__presets[0]))
@@ -156,6 +162,10 @@ int tw_preset_count(void) {
 const char* tw_preset_name(int index) {
   if (index < 0 || index >= TW__NUM_PRESETS) return NULL;
   return tw__presets[index].name;
+}
+
+int tw__preset_from_papers(int index) {
+  return index >= 0 && index < TW__NUM_PRESETS && tw__presets[index].paper;
 }
 
 /* TW_COMBINE_DATAFLOW's choices (tunables.c: `reduce`, `add`) as tw_combine_dataflow values. */

@@ -16,9 +16,9 @@
  * CUDA graphs: what changes from call to call (the epoch, the arrival targets) lives on the
  * device (tw_call_state, advanced by the call's first kernel), so a captured call replays
  * correctly. Under capture the call makes no query, no wait on an event of an earlier eager call
- * and no copy of the error record (tw_context_check reads it), the producer is the fork and the
- * spinning kernels stay on S (tw__enqueue_captured), and K joins S before the call returns. A
- * failed capture enqueues nothing that runs: the context stays usable.
+ * and no copy of the error record (tw_context_check reads it), and every kernel is on S: the
+ * consumer is the producer's programmatic dependent (tw__enqueue_captured), so a graph of the
+ * call is one chain. A failed capture enqueues nothing that runs: the context stays usable.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -92,26 +92,18 @@ static tw_status tw__zero_next_output(tw_context_t ctx, int buf, int after_call)
   return TW_SUCCESS;
 }
 
-/* The producer and consumer of a captured call (reduce dataflow, no timing). The roles of the
- * streams swap: the producer goes to the fork (K) and the kernels that spin (the consumer, then
- * the reduction) stay on the caller's stream S, whose hardware queue is this rank's; a graph
- * runs its forks on internal streams of its own choosing, and a producer waits for nothing but
- * the call begin, so wherever it is queued it ends. Measured on an in-process team (dev/NOTES.md
- * section 29): with the consumer forked, replays stalled (runs 73-75); with this order 100
- * replays passed at W = 2 in a warm process (run 76). S joins K before the reduction, which
- * reads the local rows of the GEMM output. */
-static tw_status tw__enqueue_captured(tw_context_t ctx, const tw_gemm_args* g,
-                                      const tw_consumer_args* ca, int C, int mode,
-                                      cudaStream_t stream) {
+/* The producer and consumer of a captured call (reduce dataflow, no timing), on the caller's
+ * stream S alone: the consumer is the producer's programmatic dependent (it starts once every
+ * producer CTA has started, and its end waits for the producer's), so the graph is one chain and
+ * runs on the stream it is launched on. With a fork, a graph runs the branch on an internal
+ * stream of its choosing, whose hardware queue another rank's spinning kernels may hold on an
+ * in-process team: replays stalled at W >= 3 (dev/NOTES.md section 29). Unfused and comm-only
+ * calls are plain launches in order. */
+static tw_status tw__enqueue_captured(const tw_gemm_args* g, const tw_consumer_args* ca, int C,
+                                      int mode, cudaStream_t stream) {
   const int gemm = mode != TW_COMBINE_COMM_ONLY;
-  if (gemm) {
-    TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_comm, ctx->ev_start, 0));
-    TW_TRY(tw__gemm_launch(g, ctx->s_comm));
-    TW_CUDA_TRY(cudaEventRecord(ctx->ev_gemm_done, ctx->s_comm));
-    if (mode == TW_COMBINE_UNFUSED) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_gemm_done, 0));
-  }
-  if (C > 0) TW_TRY(tw__consumer_launch(ca, C, stream));
-  if (gemm) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_gemm_done, 0));
+  if (gemm) TW_TRY(tw__gemm_launch(g, stream));
+  if (C > 0) TW_TRY(tw__consumer_launch(ca, C, gemm && mode == TW_COMBINE_OVERLAP, stream));
   return TW_SUCCESS;
 }
 
@@ -272,6 +264,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   ca.seg_unit0 = d->seg_unit0;
   ca.seg_split0 = d->seg_split0;
   ca.total_units = d->total_units;
+  ca.plan_fp = d->plan_fp;
   ca.wait_bands = mode != TW_COMBINE_COMM_ONLY;
   ca.debug_tags = ctx->debug_tags;
   ca.trace = trace;
@@ -308,10 +301,10 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     g.zero = (char*)ctx->win.local + tw__out_offset(ctx, buf ^ 1);
     g.zero_vectors = ctx->dirty_tokens[buf ^ 1] * ctx->problem.hidden * 2 / 16;
   }
-  TW_CUDA_TRY(cudaEventRecord(ctx->ev_start, stream));
+  if (!capturing) TW_CUDA_TRY(cudaEventRecord(ctx->ev_start, stream));
   if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_start, stream));
   if (capturing) {
-    TW_TRY(tw__enqueue_captured(ctx, &g, &ca, C, mode, stream));
+    TW_TRY(tw__enqueue_captured(&g, &ca, C, mode, stream));
   } else {
     /* S: producer first (co-residency), K: consumer after `start` (or after the producer). */
     if (mode != TW_COMBINE_COMM_ONLY) TW_TRY(tw__gemm_launch(&g, stream));
@@ -325,7 +318,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     }
     if (C > 0) {
       if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_comm_start, ctx->s_comm));
-      TW_TRY(tw__consumer_launch(&ca, C, ctx->s_comm));
+      TW_TRY(tw__consumer_launch(&ca, C, 0, ctx->s_comm));
       if (timing) TW_CUDA_TRY(cudaEventRecord(ctx->t_comm_end, ctx->s_comm));
       TW_CUDA_TRY(cudaEventRecord(ctx->ev_comm_done, ctx->s_comm));
     } else if (timing) { /* nothing to move: no consumer, its phase is empty */
@@ -350,6 +343,8 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     ra.out = (uint16_t*)out;
     ra.tokens = d->tokens;
     ra.recv_rows = d->recv_rows;
+    ra.plan_fp = d->plan_fp;
+    ra.recv_units = d->recv_units;
     ra.rank = ctx->rank;
     ra.world = ctx->world;
     ra.debug_tags = ctx->debug_tags;

@@ -35,6 +35,8 @@ static const char* tw__where_name(int where) {
       return "debug-tag check of a received row";
     case TW_CHECK_ARRIVALS:
       return "reduction's count of a source's arrivals";
+    case TW_CHECK_PLAN:
+      return "reduction's check of a source's plan";
     case TW_WAIT_DISPATCH_CREDIT:
       return "dispatch wait for a destination's credit";
     case TW_WAIT_DISPATCH_ARRIVAL:
@@ -51,6 +53,13 @@ tw_status tw__report(tw_context_t ctx, const tw_dev_error* e, const char* how) {
                     "expects %u in total: the ranks planned this call from different routings or "
                     "problems (every rank must plan from the same routing). Call "
                     "tw_context_reset() on every rank before the next call",
+                    how, e->rank, tw__where_name(e->where), e->index, e->seen, e->target);
+  if (e->where == TW_CHECK_PLAN)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: rank %d: %s: source rank %d sent rows planned with fingerprint %08x, "
+                    "this rank planned the call with %08x: the ranks planned this call from "
+                    "different routings, counts or problems (every rank must plan from the same "
+                    "one). Call tw_context_reset() on every rank before the next call",
                     how, e->rank, tw__where_name(e->where), e->index, e->seen, e->target);
   tw_status s = e->status == TW_ERR_INTERNAL ? TW_ERR_INTERNAL : TW_ERR_TIMEOUT;
   if (e->where == TW_CHECK_ID)
@@ -191,7 +200,7 @@ static tw_status tw__warm_up(tw_context_t ctx) {
     tw_consumer_args ca;
     tw__consumer_args_init(ctx, &ca);
     ca.timeout_ns = 1000000;
-    st = tw__consumer_launch(&ca, 1, ctx->s_aux);
+    st = tw__consumer_launch(&ca, 1, 0, ctx->s_aux);
     if (st != TW_SUCCESS) goto done;
 
     /* world = 1: no waits, no credits. */
@@ -361,7 +370,8 @@ static tw_status tw__context_init(tw_context_t ctx) {
   L->arrive = L->zeros + L->zeros_bytes;
   L->credit = L->arrive + tw__align((uint64_t)W * 4, 128);
   L->ready = L->credit + tw__align((uint64_t)W * 4, 128);
-  L->tags = L->ready + 128;
+  L->plan_fp = L->ready + 128;
+  L->tags = L->plan_fp + tw__align((uint64_t)W * 8, 128);
   L->hits = L->tags + tw__align((uint64_t)ctx->recv_rows_max * 4 + 4, 128);
   L->bytes = tw__align(L->hits + tw__align((uint64_t)ctx->recv_rows_max * 4 + 4, 128), 4096);
 

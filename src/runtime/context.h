@@ -137,6 +137,7 @@ struct tw_device_plan {
   int32_t* h_seg_split0;  /* host staging of seg_split0 (in h_seg_unit0's allocation) */
   uint32_t* recv_units;   /* (TW_MAX_RANKS) device: units from each source per call */
   uint32_t* h_recv_units; /* host staging of recv_units (in h_seg_unit0's allocation) */
+  uint64_t* plan_fp;      /* device: the plan's fingerprint (struct tw_plan), after recv_units */
   int captured;           /* a captured call uses it: its sizes are fixed (tw_device_plan_upload) */
   int uploaded;
   int32_t rows, recv_rows, num_tiles, num_bands, total_units, tokens, comm_ctas;

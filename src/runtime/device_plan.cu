@@ -46,7 +46,8 @@ static tw__dplan_layout tw__dplan_layout_of(const struct tw_context* ctx) {
   L.units = tw__align(L.srow + L.nsr * 4 + 4, 256);
   /* The layer: GEMM1's tiles, every band by ceil(ffn / TW_GEMM1_TN) column tiles. */
   L.ng1 = ctx->layer ? L.nb * (size_t)tw__ceil_div(ctx->problem.ffn, TW_GEMM1_TN) : 0;
-  L.g1 = tw__align(L.units + TW_MAX_RANKS * 4, 256);
+  /* After the units: the plan's fingerprint (uint64, combine.h plan_fp). */
+  L.g1 = tw__align(L.units + TW_MAX_RANKS * 4 + 8, 256);
   L.bytes = L.g1 + L.ng1 * sizeof(tw_tile);
   return L;
 }
@@ -98,6 +99,7 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   d->h_seg_split0 = d->h_seg_unit0 + nb + 1;
   d->recv_units = (uint32_t*)(m + off_units);
   d->h_recv_units = (uint32_t*)(d->h_seg_split0 + nb);
+  d->plan_fp = (uint64_t*)(m + off_units + TW_MAX_RANKS * 4);
   d->slot_row = (int32_t*)(m + off_slot);
   d->weights = (float*)(m + off_w);
   if (nr > 0) {
@@ -252,6 +254,8 @@ tw_status tw__device_plan_copy(tw_device_plan_t d, const struct tw_plan* plan, i
     TW_CUDA_TRY(cudaMemcpyAsync(d->seg_split0, d->h_seg_split0, (size_t)plan->num_segments * 4,
                                 cudaMemcpyHostToDevice, stream));
   TW_CUDA_TRY(cudaMemcpyAsync(d->recv_units, d->h_recv_units, (size_t)ctx->world * 4,
+                              cudaMemcpyHostToDevice, stream));
+  TW_CUDA_TRY(cudaMemcpyAsync(d->plan_fp, &plan->fingerprint, sizeof(uint64_t),
                               cudaMemcpyHostToDevice, stream));
   if (g1 > 0)
     TW_CUDA_TRY(cudaMemcpyAsync(d->gemm1_tiles, d->h_gemm1_tiles, (size_t)g1 * sizeof(tw_tile),

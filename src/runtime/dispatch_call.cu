@@ -140,6 +140,13 @@ static tw_status tw__dispatch_refusal(tw_context_t ctx, int32_t failing, int32_t
                     "context stays usable",
                     lead, first, index / K, row[3], row[4] % K, index % K, row[4], index, failing,
                     ctx->world);
+  if (where == TW_CHECK_WEIGHT)
+    return tw__fail(st,
+                    "%s: rank %d: topk_weights[%d] (token %d, slot %d) is not finite (bits "
+                    "0x%08x); give finite gate weights. %d of %d ranks refused, nothing was sent, "
+                    "the context stays usable",
+                    lead, first, index, index / K, index % K, (unsigned)row[3], failing,
+                    ctx->world);
   if (st == TW_ERR_EXPERT_ID)
     return tw__fail(st,
                     "%s: rank %d: topk_ids[%d] (token %d, slot %d) = %d is outside 0..%d; "
@@ -266,6 +273,7 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   tw__dispatch_chunks(slots, &sa.chunks, &sa.chunk_slots);
   sa.chunk_hist = ctx->d_chunk_hist;
   sa.counts = ctx->d_counts;
+  sa.weights_in = topk_weights;
   sa.err = ctx->d_verr;
   sa.rank = rank;
   sa.trace = ctx->trace;

@@ -26,7 +26,6 @@
 #include "context.h"
 #include "overlap_common.h"
 
-
 typedef struct tw_dispatch_cfg {
   int experts, hidden, top_k, max_tokens;
   tw_router router;
@@ -83,7 +82,6 @@ static void tw_dbuf_free(tw_dbuf* b) {
   free(b->h_i32);
   free(b->h_f32);
 }
-
 
 /* The GEMM input the host builds from a plan's row sources: x[owner][token] per row, zero
  * padding. */
@@ -384,7 +382,7 @@ static void test_bad_ids_refused(tw_rank_env* env) {
   for (int r = 0; r < env->nranks; r++) tokens[r] = T;
   tw_routing_t rt = NULL;
   CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, tokens, 99, &rt));
-  for (int round = 0; rt != NULL && dp != NULL && round < 5; round++) {
+  for (int round = 0; rt != NULL && dp != NULL && round < 6; round++) {
     const int id64 = round % 2;
     tw_upload_routed_inputs(env, &p, rt, 11, id64, b.h_x, b.h_ids64, b.x, b.ids, b.w);
     tw_status want = TW_ERR_EXPERT_ID;
@@ -392,7 +390,7 @@ static void test_bad_ids_refused(tw_rank_env* env) {
     int32_t n = T;
     if (env->rank == culprit) {
       /* Rounds: id = experts; id = -1 (int64: a large negative); a repeated id; too many
-       * tokens; round 4: a valid call. */
+       * tokens; a NaN gate weight; round 5: a valid call. */
       const size_t at = (size_t)(T / 2) * K + (K - 1);
       if (round <= 1) {
         const int64_t bad = round == 0 ? ET : (int64_t)-5000000000LL;
@@ -411,6 +409,9 @@ static void test_bad_ids_refused(tw_rank_env* env) {
                                 cudaMemcpyDeviceToDevice));
       } else if (round == 3) {
         n = T + 1;
+      } else if (round == 4) {
+        const float nan = nanf("");
+        CHECK_CUDA(cudaMemcpy((float*)b.w + at, &nan, 4, cudaMemcpyHostToDevice));
       }
     }
     if (round == 2) {
@@ -419,8 +420,11 @@ static void test_bad_ids_refused(tw_rank_env* env) {
     } else if (round == 3) {
       want = TW_ERR_CAPACITY;
       what = "too many tokens";
+    } else if (round == 4) {
+      want = TW_ERR_INVALID_ARGUMENT;
+      what = "a NaN gate weight";
     }
-    if (round < 4) {
+    if (round < 5) {
       tw_expect_refusal(env, ctx, dp, &b, n, id64, want, culprit, what);
       continue;
     }

@@ -925,6 +925,104 @@ static void test_plans_disagree(tw_rank_env* env) {
   CHECK_OK(tw_context_destroy(ctx));
 }
 
+/* Ranks whose plans differ with equal counts: rank 0 plans from a routing in which two of rank
+ * 1's tokens swapped their experts, every other rank from the original. The count matrix, hence
+ * every layout size and unit count, is the same, so the exact arrival counts pass; before the
+ * plan fingerprint the owners then summed rows of the wrong tokens without a word. Now every
+ * owner that receives from a rank of the other plan reports TW_ERR_INVALID_ARGUMENT, every rank
+ * sees a failure at its check, and after a reset consistent plans work again. */
+static void test_plans_disagree_same_counts(tw_rank_env* env) {
+  if (env->nranks < 2) {
+    TW_TEST_SKIP_CASE("needs two ranks or more");
+    return;
+  }
+  tw_problem p = tw_rank_problem(env, 1024, 256, 16, 2, 512);
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  cc.timeout_ms = 2000;
+  tw_context_t ctx = NULL;
+  CHECK_OK(tw_rank_context_create(env, &p, &cc, &ctx));
+  if (ctx == NULL) return;
+  tw_device_plan_t dp = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  tw_buffers b;
+  CHECK(tw_alloc_buffers(&p, &b));
+  tw_upload_w2(&p, env->rank, 131, &b);
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = p.max_tokens;
+  tw_routing_t rt = NULL, rt_swapped = NULL;
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, tokens, 132, &rt));
+  /* The swapped routing: a copy of every rank's arrays, then rank 1's token 0 trades its experts
+   * with the first token whose expert set differs. */
+  int32_t* ids[TW_MAX_RANKS] = {NULL};
+  float* ws[TW_MAX_RANKS] = {NULL};
+  int swapped = 0;
+  for (int r = 0; r < env->nranks && rt != NULL; r++) {
+    int32_t n = 0;
+    const int32_t* rid = NULL;
+    const float* rw = NULL;
+    CHECK_OK(tw_routing_rank(rt, r, &n, &rid, &rw));
+    const size_t k = (size_t)p.top_k, len = (size_t)n * k;
+    ids[r] = (int32_t*)malloc(len * 4 + 4);
+    ws[r] = (float*)malloc(len * 4 + 4);
+    if (ids[r] == NULL || ws[r] == NULL || rid == NULL) continue;
+    memcpy(ids[r], rid, len * 4);
+    memcpy(ws[r], rw, len * 4);
+    if (r != 1) continue;
+    for (int32_t t = 1; t < n && !swapped; t++) {
+      int same = 1;
+      for (size_t j = 0; j < k; j++) {
+        int found = 0;
+        for (size_t q = 0; q < k; q++) found |= ids[r][t * k + j] == ids[r][q];
+        same &= found;
+      }
+      if (same) continue;
+      for (size_t j = 0; j < k; j++) {
+        const int32_t v = ids[r][j];
+        ids[r][j] = ids[r][t * k + j];
+        ids[r][t * k + j] = v;
+      }
+      swapped = 1;
+    }
+  }
+  CHECK(swapped);
+  if (swapped)
+    CHECK_OK(tw_routing_create(&p, tokens, (const int32_t* const*)ids, (const float* const*)ws,
+                               &rt_swapped));
+  for (int r = 0; r < env->nranks; r++) {
+    free(ids[r]);
+    free(ws[r]);
+  }
+  tw_routing_t mine = env->rank == 0 ? rt_swapped : rt;
+  tw_plan_t plan = NULL, good = NULL;
+  if (mine != NULL) CHECK_OK(tw_plan_create(&p, mine, env->rank, NULL, &plan));
+  if (rt != NULL) CHECK_OK(tw_plan_create(&p, rt, env->rank, NULL, &good));
+  if (plan != NULL && good != NULL && dp != NULL) {
+    CHECK(plan->rows == good->rows && plan->recv_rows == good->recv_rows);
+    tw_fill_expert_in(plan, 133, b.h_in);
+    CHECK_CUDA(
+        cudaMemcpy(b.expert_in, b.h_in, (size_t)plan->rows * p.ffn * 2, cudaMemcpyHostToDevice));
+    CHECK_OK(tw_device_plan_upload(dp, plan, mine, env->stream));
+    CHECK_OK(tw_moe_combine(ctx, dp, b.expert_in, b.w2, b.out, env->stream));
+    const tw_status st = tw_context_check(ctx);
+    CHECKF(st == TW_ERR_INVALID_ARGUMENT,
+           "rank %d: plans with equal counts that disagree gave %s (%s)", env->rank,
+           tw_status_string(st), tw_last_error());
+    CHECK_OK(tw_context_reset(ctx));
+    tw_fill_expert_in(good, 134, b.h_in);
+    CHECK_CUDA(
+        cudaMemcpy(b.expert_in, b.h_in, (size_t)good->rows * p.ffn * 2, cudaMemcpyHostToDevice));
+    CHECK_OK(tw_device_plan_upload(dp, good, rt, env->stream));
+    tw_run_mode(env, ctx, dp, &b, p.max_tokens, p.hidden, TW_COMBINE_OVERLAP, 0, b.h_out);
+  }
+  tw_plan_destroy(plan);
+  tw_plan_destroy(good);
+  tw_routing_destroy(rt);
+  tw_routing_destroy(rt_swapped);
+  tw_free_buffers(&b);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
 static const tw_rank_case kCases[] = {
     {"overlap_matches_unfused_and_reference", test_overlap_matches_unfused_and_reference},
     {"debug_tags_exactly_once", test_debug_tags_exactly_once},
@@ -935,6 +1033,7 @@ static const tw_rank_case kCases[] = {
     {"calls_on_two_streams", test_calls_on_two_streams},
     {"graph_replays", test_graph_replays},
     {"plans_disagree", test_plans_disagree},
+    {"plans_disagree_same_counts", test_plans_disagree_same_counts},
 };
 
 int main(int argc, char** argv) {

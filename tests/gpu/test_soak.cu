@@ -60,6 +60,30 @@ typedef struct tw_soak_stats {
   double wall_s, max_rel;
 } tw_soak_stats;
 
+/* Calls between checks: TW_SOAK_CHECK_EVERY (default kCheckEvery; 1 checks every call, for
+ * finding the first call that goes wrong). */
+static int tw_soak_check_every(void) {
+  const char* v = getenv("TW_SOAK_CHECK_EVERY");
+  const long n = v != NULL && v[0] != '\0' ? strtol(v, NULL, 10) : (long)kCheckEvery;
+  return n < 1 ? 1 : n > 1000000 ? 1000000 : (int)n;
+}
+
+/* Where two outputs first differ, for the failure message: "token t col c: a vs b", or "". */
+static void tw_soak_first_diff(const uint16_t* a, const uint16_t* b, size_t n, char* buf,
+                               size_t len) {
+  buf[0] = '\0';
+  size_t diff = 0, first = n;
+  for (size_t e = 0; e < n; e++)
+    if (a[e] != b[e]) {
+      if (first == n) first = e;
+      diff++;
+    }
+  if (first < n)
+    snprintf(buf, len, "; %zu of %zu differ, first at token %zu col %zu: %g vs %g", diff, n,
+             first / kHidden, first % kHidden, (double)tw_bf2f(a[first]),
+             (double)tw_bf2f(b[first]));
+}
+
 static int tw_soak_calls(void) {
   const char* v = getenv("TW_SOAK_CALLS");
   const long n = v != NULL && v[0] != '\0' ? strtol(v, NULL, 10) : 300;
@@ -260,9 +284,13 @@ static int tw_soak_verify(tw_rank_env* env, const tw_problem* p, tw_context_t ct
   tw_soak_output(ctx, dataflow, out, sp->tokens, s, h_b);
   stats->calls++;
   const size_t n = (size_t)sp->tokens * kHidden;
+  char where[160];
+  tw_soak_first_diff(h_a, h_b, n, where, sizeof where);
   CHECKF(memcmp(h_a, h_b, n * 2) == 0,
-         "rank %d call %ld (%s, C %d, %s): the output differs from the unfused call's", env->rank,
-         i, sp->name, c->C, c->mode == TW_COMBINE_UNFUSED ? "unfused" : "overlapped");
+         "rank %d call %ld (%s, C %d, %s, stream %d%s): the output differs from the unfused "
+         "call's%s",
+         env->rank, i, sp->name, c->C, c->mode == TW_COMBINE_UNFUSED ? "unfused" : "overlapped",
+         c->stream, c->rotating ? ", rotating device plan" : "", where);
   if (sp->golden == NULL) {
     sp->golden = (uint16_t*)malloc(n * 2 + 2);
     if (sp->golden != NULL) memcpy(sp->golden, h_a, n * 2);
@@ -279,7 +307,8 @@ static int tw_soak_verify(tw_rank_env* env, const tw_problem* p, tw_context_t ct
          sp->name, nan_seen);
   /* The reference on sampled tokens: first, last and seeded ones. */
   const int nt = sp->tokens, samples = nt < kSamples ? nt : kSamples;
-  double max_err = 0.0, max_ref = 0.0;
+  double max_err = 0.0, max_ref = 0.0, worst_got = 0.0, worst_ref = 0.0;
+  int worst_t = -1, worst_col = -1;
   double* ref = (double*)malloc(sizeof(double) * kHidden);
   for (int k = 0; k < samples && ref != NULL; k++) {
     const int t = k == 0   ? 0
@@ -287,16 +316,25 @@ static int tw_soak_verify(tw_rank_env* env, const tw_problem* p, tw_context_t ct
                            : (int)(tw_mix64((uint64_t)i * 977 + (uint64_t)k) % (uint64_t)nt);
     tw_reference_token(p, sp->rt, env->rank, t, sp->salt_h, salt_w, ref);
     for (int col = 0; col < kHidden; col++) {
-      const double e = fabs((double)tw_bf2f(h_a[(size_t)t * kHidden + col]) - ref[col]);
-      if (!(e <= max_err)) max_err = e; /* NaN sticks */
+      const double got = (double)tw_bf2f(h_a[(size_t)t * kHidden + col]);
+      const double e = fabs(got - ref[col]);
+      if (!(e <= max_err)) { /* NaN sticks */
+        max_err = e;
+        worst_t = t;
+        worst_col = col;
+        worst_got = got;
+        worst_ref = ref[col];
+      }
       if (fabs(ref[col]) > max_ref) max_ref = fabs(ref[col]);
     }
   }
   free(ref);
   if (samples > 0) {
     const double rel = max_ref > 0 ? max_err / max_ref : max_err;
-    CHECKF(rel < 8e-3, "rank %d call %ld (%s, C %d): relative error %.3e against the reference",
-           env->rank, i, sp->name, c->C, rel);
+    CHECKF(rel < 8e-3,
+           "rank %d call %ld (%s, C %d): relative error %.3e against the reference (token %d "
+           "col %d: %g, reference %g)",
+           env->rank, i, sp->name, c->C, rel, worst_t, worst_col, worst_got, worst_ref);
     if (!(rel <= stats->max_rel)) stats->max_rel = rel;
   }
   stats->checks++;
@@ -354,6 +392,7 @@ static void tw_soak_dataflow(tw_rank_env* env, int dataflow, tw_soak_stats* stat
     CHECK_CUDA(cudaStreamSynchronize(env->stream));
   }
   const long calls = tw_soak_calls();
+  const int check_every = tw_soak_check_every();
   const long progress_every = calls / 20 > 500 ? calls / 20 : 500;
   int go = nplans > 0 && streams[1] != NULL && w2 != NULL && h_a != NULL && h_b != NULL &&
            rot != NULL && ev_upload != NULL &&
@@ -364,7 +403,7 @@ static void tw_soak_dataflow(tw_rank_env* env, int dataflow, tw_soak_stats* stat
   int halted = 0; /* a call failed here: no more launches until the next check */
   for (long i = 0; go && i < calls; i++) {
     tw_soak_choice c = tw_soak_choose(i, nplans, env->rank, max_c);
-    const int check = (i + 1) % kCheckEvery == 0 || i + 1 == calls;
+    const int check = (i + 1) % check_every == 0 || i + 1 == calls;
     if (!halted && i % kRotateEvery == kRotateEvery - 1) {
       const int k = (int)(tw_mix64((uint64_t)i * 31 + 17) % (uint64_t)nplans);
       cudaStream_t up = streams[last_stream];

@@ -120,7 +120,8 @@ class TestBasics(unittest.TestCase):
     def test_presets(self):
         names = tw.presets()
         self.assertIn("deepseek-v2-lite", names)
-        self.assertEqual(len(names), 6)
+        self.assertEqual(len(names), 10)
+        self.assertIn("deepseek-v3", names)
         p = tw.Problem.preset("DeepSeek-V2-Lite", world_size=4, max_tokens=128)
         self.assertEqual((p.hidden, p.ffn, p.experts, p.top_k), (2048, 1408, 64, 6))
         self.assertEqual((p.world_size, p.max_tokens), (4, 128))

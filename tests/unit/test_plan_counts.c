@@ -214,10 +214,21 @@ static void test_counts_plan_equals_routing_plan(void) {
     }
     tw_plan_t* a = calloc((size_t)W, sizeof *a);
     int all = 1;
+    uint64_t fp_counts = 0;
     for (int32_t r = 0; r < W; r++) {
       tw_plan_t b = NULL;
       const tw_status sa = tw_plan_create(&p, rt, r, &cfg, &a[r]);
       const tw_status sb = tw__plan_create_from_counts(&p, counts, r, &cfg, &b);
+      /* The fingerprint (checked on the device where rows arrive): the same on every rank of
+       * one call, for either source of the plan. */
+      if (sa == TW_SUCCESS && a[0] != NULL)
+        CHECKF(a[r]->fingerprint == a[0]->fingerprint,
+               "iteration %d rank %d: routing plans' fingerprints differ across ranks", it, r);
+      if (sb == TW_SUCCESS) {
+        if (r == 0) fp_counts = b->fingerprint;
+        CHECKF(b->fingerprint == fp_counts,
+               "iteration %d rank %d: count plans' fingerprints differ across ranks", it, r);
+      }
       CHECKF(sa == sb, "iteration %d rank %d: statuses %d (routing) and %d (counts): %s", it, r,
              (int)sa, (int)sb, tw_last_error());
       all &= sa == TW_SUCCESS;
@@ -270,5 +281,37 @@ static void test_bad_counts_refused(void) {
   CHECK(pl == NULL);
 }
 
+/* Plans of one call that differ (other counts with the same totals, another problem, another
+ * dataflow) have other fingerprints, so the device check tells them apart. */
+static void test_fingerprints_tell_plans_apart(void) {
+  tw_problem p = TW_PROBLEM_INIT;
+  p.world_size = 2;
+  p.experts = 4;
+  p.top_k = 2;
+  p.hidden = 64;
+  p.ffn = 64;
+  p.max_tokens = 10;
+  int32_t c[8] = {3, 3, 2, 2, 1, 1, 0, 0};
+  int32_t moved[8] = {3, 2, 3, 2, 1, 1, 0, 0}; /* one slot of rank 0 to another expert */
+  tw_plan_t a = NULL, b = NULL, h = NULL, d = NULL;
+  CHECK_OK(tw__plan_create_from_counts(&p, c, 0, NULL, &a));
+  CHECK_OK(tw__plan_create_from_counts(&p, moved, 0, NULL, &b));
+  tw_problem q = p;
+  q.hidden = 128;
+  CHECK_OK(tw__plan_create_from_counts(&q, c, 0, NULL, &h));
+  tw_plan_config add = TW_PLAN_CONFIG_INIT;
+  add.dataflow = TW_DATAFLOW_ADD;
+  CHECK_OK(tw__plan_create_from_counts(&p, c, 0, &add, &d));
+  if (a != NULL && b != NULL && h != NULL && d != NULL) {
+    CHECK(a->fingerprint != b->fingerprint);
+    CHECK(a->fingerprint != h->fingerprint);
+    CHECK(a->fingerprint != d->fingerprint);
+  }
+  tw_plan_destroy(a);
+  tw_plan_destroy(b);
+  tw_plan_destroy(h);
+  tw_plan_destroy(d);
+}
+
 TW_TEST_MAIN(TW_TEST(tw_test_seed_setup), TW_TEST(test_counts_plan_equals_routing_plan),
-             TW_TEST(test_bad_counts_refused))
+             TW_TEST(test_bad_counts_refused), TW_TEST(test_fingerprints_tell_plans_apart))

@@ -7,7 +7,9 @@
  * produced by exactly one rank, the TP sum of every (token, slot) row is made by exactly one rank
  * (its reducer, the owner itself when ep = 1), whose EP part sends it to the token's owner; the
  * tile list covers every (band, column tile) once, split by split; the GatherRS tiles cover the
- * reducer's block once. The plans, executed on the CPU, give the reference bit for bit; the
+ * reducer's block once. The plans, executed on the CPU, give the reference bit for bit, both
+ * keyed by (owner, token, slot) and along the TP runtime's data path (where the GatherRS stores
+ * each reduced row, tw__tp_plan_destinations, and the owners' slot rows); the
  * reference equals the EP reference at tp = 1 and a direct double sum within a rounding bound.
  */
 #include <stdint.h>
@@ -216,15 +218,12 @@ static void test_invariants(void) {
   CHECK(g_rows_planned > 0);
 }
 
-/* Runs the plans on the CPU in the reference's arithmetic: each rank's partials of its layout
- * rows over its F slice, each reducer's sum over its TP peers of its block, in TP order, then at
- * each owner the weighted sum of its slots' reduced rows, found through the reducers' blocks. */
-static void plan_exec(const tw_problem* p, const tw_parallel* par, tw_routing_t rt,
-                      tw_tp_plan_t* pl, int partial_bf16, const float* const* h, const float* w2,
-                      uint16_t* const* out) {
+/* Every rank's partial sums of its layout rows over its F slice (padding rows zero), in the
+ * reference's order; part[r] is (rows of rank r, hidden). */
+static void tp_partials(const tw_problem* p, const tw_parallel* par, tw_tp_plan_t* pl,
+                        int partial_bf16, const float* const* h, const float* w2, float** part) {
   const int32_t W = p->world_size, tp = par->tp, H = p->hidden, F = p->ffn, K = p->top_k;
   const int32_t S = F / tp;
-  float* part[TW_MAX_RANKS];
   for (int32_t r = 0; r < W; r++) {
     const struct tw_tp_plan* x = pl[r];
     part[r] = calloc((size_t)x->rows * H + 1, sizeof(float));
@@ -243,6 +242,17 @@ static void plan_exec(const tw_problem* p, const tw_parallel* par, tw_routing_t 
       }
     }
   }
+}
+
+/* Runs the plans on the CPU in the reference's arithmetic: each rank's partials of its layout
+ * rows over its F slice, each reducer's sum over its TP peers of its block, in TP order, then at
+ * each owner the weighted sum of its slots' reduced rows, found through the reducers' blocks. */
+static void plan_exec(const tw_problem* p, const tw_parallel* par, tw_routing_t rt,
+                      tw_tp_plan_t* pl, int partial_bf16, const float* const* h, const float* w2,
+                      uint16_t* const* out) {
+  const int32_t W = p->world_size, tp = par->tp, H = p->hidden, K = p->top_k;
+  float* part[TW_MAX_RANKS];
+  tp_partials(p, par, pl, partial_bf16, h, w2, part);
   const size_t nkey = (size_t)W * p->max_tokens * K;
   float* y = calloc(nkey * (size_t)H + 1, sizeof(float));
   for (int32_t r = 0; r < W; r++) {
@@ -273,6 +283,74 @@ static void plan_exec(const tw_problem* p, const tw_parallel* par, tw_routing_t 
   free(y);
 }
 
+/* The TP runtime's data path on the CPU (tp_context.cu, gatherrs.cu, then reduce.cu): every
+ * reducer stores the TP sum of each row of its block where tw__tp_plan_destinations says, into
+ * the owner's receive rows or its own local rows, and every owner sums its slots through its EP
+ * plan's slot_row (receive rows below recv_rows, local rows above). The reduced rows are kept in
+ * fp32 here (the kernel rounds them to bf16), so the result must be the reference's bit for bit.
+ * Also checked: no receive row is written twice, and no slot reads a row nobody wrote. */
+static void runtime_exec(const tw_problem* p, const tw_parallel* par, tw_routing_t rt,
+                         tw_tp_plan_t* pl, int partial_bf16, const float* const* h,
+                         const float* w2, uint16_t* const* out) {
+  const int32_t W = p->world_size, tp = par->tp, H = p->hidden, K = p->top_k;
+  const int64_t recv_max = (int64_t)p->max_tokens * K;
+  float* part[TW_MAX_RANKS];
+  float *recv[TW_MAX_RANKS], *local[TW_MAX_RANKS];
+  int32_t* writes[TW_MAX_RANKS];
+  tp_partials(p, par, pl, partial_bf16, h, w2, part);
+  for (int32_t r = 0; r < W; r++) {
+    recv[r] = malloc(((size_t)recv_max * H + 1) * sizeof(float));
+    local[r] = malloc(((size_t)pl[r]->ep_plan->rows * H + 1) * sizeof(float));
+    writes[r] = calloc((size_t)recv_max + 1, sizeof(int32_t));
+    for (size_t i = 0; i < (size_t)recv_max * H; i++) recv[r][i] = NAN;
+    for (size_t i = 0; i < (size_t)pl[r]->ep_plan->rows * H; i++) local[r][i] = NAN;
+  }
+  int bad = 0;
+  for (int32_t r = 0; r < W; r++) {
+    const struct tw_tp_plan* x = pl[r];
+    const int32_t R0 = x->block_row0[x->tp_index], n = x->block_row0[x->tp_index + 1] - R0;
+    int32_t* dst = malloc(((size_t)n + 1) * 2 * sizeof(int32_t));
+    CHECK_OK(tw__tp_plan_destinations(x, recv_max, dst, dst + n));
+    for (int32_t i = 0; i < n; i++) {
+      const int32_t owner = dst[i], row = dst[n + i];
+      if (owner < 0) continue;
+      bad += owner != x->row_src[R0 + i].owner;
+      float* to = owner == r ? local[r] + (size_t)row * H : recv[owner] + (size_t)row * H;
+      if (owner != r) bad += writes[owner][row]++ != 0;
+      for (int32_t c = 0; c < H; c++) {
+        float acc = 0.0f;
+        for (int32_t qq = 0; qq < tp; qq++) {
+          const float v = part[x->group * tp + qq][(size_t)(R0 + i) * H + c];
+          acc = qq == 0 ? v : acc + v;
+        }
+        to[c] = acc;
+      }
+    }
+    free(dst);
+  }
+  CHECKF(bad == 0, "tp %d: %d rows sent to the wrong owner or written twice", tp, bad);
+  for (int32_t o = 0; o < W; o++) {
+    const struct tw_plan* ep = pl[o]->ep_plan;
+    for (int32_t t = 0; t < rt->tokens[o]; t++)
+      for (int32_t c = 0; c < H; c++) {
+        float acc = 0.0f;
+        for (int32_t j = 0; j < K; j++) {
+          const int32_t row = ep->slot_row[(size_t)t * K + j];
+          const float v = row < ep->recv_rows ? recv[o][(size_t)row * H + c]
+                                              : local[o][(size_t)(row - ep->recv_rows) * H + c];
+          acc += rt->weights[o][(size_t)t * K + j] * v;
+        }
+        out[o][(size_t)t * H + c] = tw__ref_f32_to_bf16(acc);
+      }
+  }
+  for (int32_t r = 0; r < W; r++) {
+    free(part[r]);
+    free(recv[r]);
+    free(local[r]);
+    free(writes[r]);
+  }
+}
+
 static void test_reference(void) {
   uint64_t s = tw_test_seed ^ 0x5151;
   for (int iter = 0; iter < 2; iter++)
@@ -291,7 +369,7 @@ static void test_reference(void) {
       float* w2 = malloc(sizeof(float) * (size_t)E * H * F);
       for (size_t i = 0; i < (size_t)E * H * F; i++) w2[i] = tw_test_rng_sym(&s);
       float *h[TW_MAX_RANKS], *ref32[TW_MAX_RANKS];
-      uint16_t *out[TW_MAX_RANKS], *out2[TW_MAX_RANKS];
+      uint16_t *out[TW_MAX_RANKS], *out2[TW_MAX_RANKS], *out3[TW_MAX_RANKS];
       double *exact[TW_MAX_RANKS], *mag[TW_MAX_RANKS];
       for (int32_t r = 0; r < W; r++) {
         const size_t n = (size_t)tokens[r] * H + 1;
@@ -300,6 +378,7 @@ static void test_reference(void) {
         ref32[r] = malloc(sizeof(float) * n);
         out[r] = malloc(sizeof(uint16_t) * n);
         out2[r] = malloc(sizeof(uint16_t) * n);
+        out3[r] = malloc(sizeof(uint16_t) * n);
         exact[r] = malloc(sizeof(double) * n);
         mag[r] = malloc(sizeof(double) * n);
       }
@@ -317,6 +396,16 @@ static void test_reference(void) {
         CHECK_OK(tw__ref_tp_gemm2_gatherrs(rt, tp, pb, (const float* const*)h, w2, out));
         int bad_ep = 0, bad_exact = 0, bad_plan = 0;
         if (planned) plan_exec(&p, &par, rt, pl, pb, (const float* const*)h, w2, out2);
+        int bad_runtime = 0;
+        if (planned) {
+          runtime_exec(&p, &par, rt, pl, pb, (const float* const*)h, w2, out3);
+          for (int32_t r = 0; r < W; r++)
+            for (size_t i = 0; i < (size_t)tokens[r] * H; i++) bad_runtime += out3[r][i] != out[r][i];
+        }
+        CHECKF(bad_runtime == 0,
+               "tp %d ep %d bf16 partials %d: the runtime's data path gives %d values other than "
+               "the reference",
+               tp, ep, pb, bad_runtime);
         for (int32_t r = 0; r < W; r++)
           for (size_t i = 0; i < (size_t)tokens[r] * H; i++) {
             const double v = tw__ref_bf16_to_f32(out[r][i]);
@@ -341,6 +430,7 @@ static void test_reference(void) {
         free(ref32[r]);
         free(out[r]);
         free(out2[r]);
+        free(out3[r]);
         free(exact[r]);
         free(mag[r]);
       }

@@ -264,7 +264,7 @@ static void test_stats_and_loads(void) {
 }
 
 static void test_presets(void) {
-  CHECK(tw_preset_count() == 6);
+  CHECK(tw_preset_count() == 10);
   for (int i = 0; i < tw_preset_count(); i++) {
     tw_problem p = TW_PROBLEM_INIT;
     p.world_size = 4;
@@ -282,7 +282,30 @@ static void test_presets(void) {
   CHECK(p.hidden == 1024 && p.ffn == 512 && p.experts == 32 && p.top_k == 8);
   CHECK_OK(tw_problem_preset("m-trans-xl", &p));
   CHECK(p.hidden == 512 && p.experts == 64 && p.top_k == 2);
-  CHECK(tw_preset_name(-1) == NULL && tw_preset_name(6) == NULL);
+  /* The large models of the layer benchmark (published configs; layer contexts need hidden a
+   * multiple of 64 and the producer ffn a multiple of 64). */
+  static const struct {
+    const char* name;
+    int hidden, ffn, experts, top_k;
+  } big[4] = {{"deepseek-v3", 7168, 2048, 256, 8},
+              {"Qwen3-235B-A22B", 4096, 1536, 128, 8},
+              {"gpt-oss-120b", 2880, 2880, 128, 4},
+              {"mixtral-8x22b", 6144, 16384, 8, 2}};
+  for (int i = 0; i < 4; i++) {
+    tw_problem q = TW_PROBLEM_INIT;
+    q.world_size = 2;
+    q.max_tokens = 16384;
+    CHECK_OK(tw_problem_preset(big[i].name, &q));
+    CHECKF(q.hidden == big[i].hidden && q.ffn == big[i].ffn && q.experts == big[i].experts &&
+               q.top_k == big[i].top_k,
+           "preset %s", big[i].name);
+    CHECK(q.hidden % 64 == 0 && q.ffn % 64 == 0);
+    CHECK_OK(tw_problem_validate(&q));
+  }
+  /* The papers' presets come first; the oracle matrices take only those. */
+  for (int i = 0; i < tw_preset_count(); i++) CHECK(tw__preset_from_papers(i) == (i < 6));
+  CHECK(!tw__preset_from_papers(-1) && !tw__preset_from_papers(10));
+  CHECK(tw_preset_name(-1) == NULL && tw_preset_name(10) == NULL);
   /* Tile defaults. */
   p.tile_m = 0, p.tile_n = 0, p.hidden = 2048;
   CHECK(tw__resolve_tile_m(&p) == 128 && tw__resolve_tile_n(&p) == 256);
