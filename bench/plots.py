@@ -4,9 +4,15 @@
     python3 bench/plots.py            # writes bench/results/plots/*.png (needs matplotlib)
     python3 bench/plots.py --check    # loads and validates the JSON inputs only (no matplotlib)
     bash bench/plots.sh               # installs matplotlib if it is missing, then plots
+    python3 bench/plots.py --layer-trace trace.json [--out DIR]
+                                      # the layer's phases of one `tilewave trace --op layer` file
 
-Every number drawn comes from the gzip JSON files named in SOURCES; the run, date, commit and GPU
-in the titles are the ones their .md result files state (checked by --check).
+Every number drawn comes from the gzip JSON files named in SOURCES (and LAYER_TRACES); the run,
+date, commit and GPU in the titles are the ones their .md result files state (checked by
+--check). The plots: the grid's speedup and efficiency (run 58), the add dataflow over the routers
+(run 59), the measured C sweep against the model (run 62) and its regret (run 62), the producer
+against cuBLAS and the roofline (run 58), and the layer's time by phase from a traced layer call
+(LAYER_TRACES; none committed yet: `tilewave trace --op layer` on a GPU writes one).
 """
 
 import argparse
@@ -49,6 +55,19 @@ SOURCES = {
         "command": "sweep_oracle", "points": 114, "dataflow": None,
     },
 }
+
+# Traced layer calls (`tilewave trace --op layer --out F`, then gzip F): the layer's time by phase
+# per rank. An entry names the file, the .md of its run and what that .md states, e.g.
+#   "runNN_layer": {"json": "2026-12-0D-runNN-trace-layer.json.gz", "md": "2026-12-0D-runNN.md",
+#                   "run": "run NN", "date": "2026-12-0D", "commit": "abcdef0",
+#                   "gpu": "1 x NVIDIA H200"},
+LAYER_TRACES = {}
+
+# The producer's roofline (plot_producer_roofline): the dense rate one concatenated cuBLAS GEMM
+# reaches (docs/hardware.md: bf16 8192^3, 793 TFLOP/s) and the weight-streaming rate of a
+# memory-bound grouped GEMM (docs/hardware.md, `bench gemm --hbm-gbps`'s default).
+ROOF_TFLOPS = 793.0
+ROOF_GBPS = 4100.0
 
 ROUTERS = ("balanced", "moderate_skew", "stress_skew")
 BENCH_FIELDS = ("dataflow", "tokens_per_rank", "ffn", "hidden", "experts", "top_k", "router",
@@ -105,6 +124,12 @@ def check_bench(src, pts):
              "%s: point %d speedup != seq / ours" % (src["json"], i))
         need(abs(p["efficiency"] - p["ideal_us"] / p["ours_us"]) < 2e-3,
              "%s: point %d efficiency != ideal / ours" % (src["json"], i))
+        pol = {q.get("name"): q for q in p.get("policies", [])}
+        for k in ("gemm", "cublas"):  # the producer alone and cuBLAS's GEMM (the roofline plot)
+            need(k in pol and pol[k].get("median_us", 0) > 0,
+                 "%s: point %d has no '%s' policy time" % (src["json"], i, k))
+        need(abs(pol["gemm"]["median_us"] - p["gemm_us"]) < 0.011,
+             "%s: point %d gemm_us != the gemm policy's median" % (src["json"], i))
     if src["points"] == 60:
         for r in ROUTERS:
             n = sum(1 for p in pts if p["router"] == r)
@@ -152,11 +177,91 @@ def load_all():
     return {k: load(k) for k in SOURCES}
 
 
+def read_json_any(path):
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+# The layer's phases, in call order: (name, the span names whose last end closes the phase).
+# Each phase runs from the end of the one before (the call's first record for the first) to the
+# last end of its spans on the rank: the gaps between kernels (launches, the host) fall into the
+# phase after them, except the host's planning between the count and the place passes, which is
+# its own phase (from the count pass's end to the place pass's first begin).
+LAYER_PHASES = (
+    ("count (scan pass 1)", ("count",)),
+    ("plan on the host", None),
+    ("place (scan pass 2)", ("place",)),
+    ("send rows", ("send CTA",)),
+    ("wait for the peers' rows", ("wait rows",)),
+    ("GEMM1 + SwiGLU", ("gemm1 tile",)),
+    ("GEMM2 + combine", ("tile", "consumer CTA")),
+    ("reduction", ("reduce CTA",)),
+)
+
+
+def layer_phases(doc):
+    """Per rank (pid): [(phase, us)] of a traced layer call (tilewave trace --op layer)."""
+    spans = {}
+    for e in doc.get("traceEvents", []):
+        if e.get("ph") != "X":
+            continue
+        spans.setdefault(e["pid"], {}).setdefault(e["name"], []).append(
+            (float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+    out = {}
+    for pid, by in sorted(spans.items()):
+        need("count" in by and "place" in by and "gemm1 tile" in by,
+             "rank %d: no count, place or gemm1 tile spans: not a layer trace" % pid)
+        t = min(b for v in by.values() for b, _ in v)
+        phases = []
+        for name, keys in LAYER_PHASES:
+            if keys is None:  # the host: from the count's end to the place's first begin
+                end = max(t, min(b for b, _ in by["place"]))
+            else:
+                ends = [e for k in keys for _, e in by.get(k, [])]
+                end = max([t] + ends)
+            phases.append((name, end - t))
+            t = end
+        out[pid] = phases
+    return out
+
+
+def check_layer_trace(name, doc):
+    meta = doc.get("metadata", {})
+    need(meta.get("op") == "layer", "%s: metadata.op is %r, not 'layer'" % (name, meta.get("op")))
+    for k in ("hidden", "ffn", "experts", "top_k", "tokens_per_rank", "world_size", "ranks"):
+        need(k in meta, "%s: metadata has no '%s'" % (name, k))
+    ph = layer_phases(doc)
+    need(len(ph) == meta["world_size"], "%s: %d ranks with spans, world_size %d" % (
+        name, len(ph), meta["world_size"]))
+    for r in meta["ranks"]:
+        need(r.get("dropped", 0) == 0, "%s: rank %d dropped records" % (name, r.get("rank", -1)))
+    return ph
+
+
+def load_layer_traces():
+    out = {}
+    for k, src in LAYER_TRACES.items():
+        doc = read_json_any(os.path.join(RESULTS, src["json"]))
+        with open(os.path.join(RESULTS, src["md"])) as f:
+            head = "\n".join(f.read().splitlines()[:12])
+        for word in (src["run"], src["date"], src["commit"]):
+            need(word in head, "%s: its header does not state '%s'" % (src["md"], word))
+        check_layer_trace(src["json"], doc)
+        out[k] = doc
+    return out
+
+
 # ---------------------------------------------------------------- plots (matplotlib from here)
 
 def title_of(key, what):
     s = SOURCES[key]
     return "%s\n%s, %s, commit %s, %s" % (what, s["run"], s["date"], s["commit"], s["gpu"])
+
+
+def title_of_layer(src):
+    return "One traced layer call by phase\n%s, %s, commit %s, %s" % (
+        src["run"], src["date"], src["commit"], src["gpu"])
 
 
 def grid_key(p):
@@ -378,13 +483,135 @@ def plot_regret(plt, data, written):
     save(plt, fig, "run62-regret.png", written)
 
 
+def roofline_us(p):
+    """The grouped GEMM2's bound at a bench point: max(its FLOPs at ROOF_TFLOPS, its bytes (every
+    local expert's weights, the rows in and out, bf16) at ROOF_GBPS); rows = tokens/rank x top-k
+    (what a rank computes under the balanced router, padding aside), 2 ranks."""
+    rows = p["tokens_per_rank"] * p["top_k"]
+    k, n, e = p["ffn"], p["hidden"], p["experts"] // 2
+    flops = 2.0 * rows * k * n
+    nbytes = 2.0 * (e * n * k + rows * k + rows * n)
+    t_flops, t_bytes = flops / (ROOF_TFLOPS * 1e6), nbytes / (ROOF_GBPS * 1e3)
+    return max(t_flops, t_bytes), ("flops" if t_flops >= t_bytes else "bytes")
+
+
+def plot_producer_roofline(plt, data, written):
+    pts = data["run58_reduce"]["points"]
+    by = {grid_key(p): p for p in pts}
+    keys = sorted(by)
+    x = list(range(len(keys)))
+    pol = [{q["name"]: q for q in by[k]["policies"]} for k in keys]
+    ours = [q["gemm"]["median_us"] for q in pol]
+    cub = [q["cublas"]["median_us"] for q in pol]
+    roof = [roofline_us(by[k]) for k in keys]
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 6.4), sharex=True)
+    a1.plot(x, ours, "o", ms=6, color="#4c72b0", label="ours: the producer alone (P = 132 - C SMs)")
+    a1.plot(x, cub, "s", ms=5, color="#dd8452", label="cuBLAS: the sequential baseline's GEMM (132 SMs)")
+    a1.plot(x, [r for r, _ in roof], "_", ms=16, mew=2, color="k",
+            label="roofline: max(FLOPs at %.0f TF/s, bytes at %.1f TB/s)" % (ROOF_TFLOPS,
+                                                                         ROOF_GBPS / 1e3))
+    a1.set_yscale("log")
+    a1.set_ylabel("GEMM2 us (log)", fontsize=8)
+    a1.grid(axis="y", alpha=0.3, which="both")
+    a1.legend(fontsize=7.5, loc="upper left")
+    for b in range(5, len(keys), 5):
+        a1.axvline(b - 0.5, color="0.75", lw=0.8)
+    fo = [r / t for (r, _), t in zip(roof, ours)]
+    fc = [r / t for (r, _), t in zip(roof, cub)]
+    a2.plot(x, fo, "o", ms=6, color="#4c72b0", label="ours")
+    a2.plot(x, fc, "s", ms=5, color="#dd8452", label="cuBLAS")
+    for i, (_, bound) in enumerate(roof):
+        if bound == "bytes":
+            a2.annotate("mem", (i, fo[i]), xytext=(0, 6), textcoords="offset points",
+                        ha="center", fontsize=6)
+    bar_line(a2, 0.90, len(keys))
+    lo = min(fo + fc)
+    a2.set_ylim(min(lo - 0.05, 0.6), 1.05)
+    a2.set_ylabel("roofline / time (1 = at the bound)", fontsize=8)
+    a2.grid(axis="y", alpha=0.3)
+    a2.legend(fontsize=8, loc="lower left", ncol=3)
+    axis_grid_labels(a2, keys)
+    a1.set_title(title_of("run58_reduce", "The producer GEMM inside the call against cuBLAS and "
+                          "the roofline (GEMM2, K 2048, top-2, balanced)"), fontsize=9)
+    fig.tight_layout()
+    save(plt, fig, "run58-producer-roofline.png", written)
+
+
+def plot_layer_phases(plt, doc, title, path, written):
+    """One horizontal bar per rank, the layer call's phases stacked in call order."""
+    ph = layer_phases(doc)
+    meta = doc.get("metadata", {})
+    colors = ["#8172b2", "#cccccc", "#64b5cd", "#4c72b0", "#c44e52", "#55a868", "#dd8452",
+              "#937860"]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.55 * len(ph) + 1.4))
+    ranks = sorted(ph)
+    for row, pid in enumerate(ranks):
+        left = 0.0
+        for j, (name, us) in enumerate(ph[pid]):
+            ax.barh(row, us, left=left, color=colors[j % len(colors)], edgecolor="white",
+                    label=name if row == 0 else None)
+            if us > 0.06 * sum(u for _, u in ph[pid]):
+                ax.text(left + us / 2, row, "%.0f" % us, ha="center", va="center", fontsize=7)
+            left += us
+        ax.text(left, row, " %.0f us" % left, va="center", fontsize=7)
+    ax.set_yticks(range(len(ranks)))
+    ax.set_yticklabels(["rank %d" % r for r in ranks], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("us from the rank's first record (numbers in the bars: each phase's us)",
+                  fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=4)
+    ax.set_title("%s\nH %s, F %s, %s experts, top-%s, %s tokens/rank, %s rank(s), %s" % (
+        title, meta.get("hidden"), meta.get("ffn"), meta.get("experts"), meta.get("top_k"),
+        meta.get("tokens_per_rank"), meta.get("world_size"), meta.get("device")), fontsize=9)
+    fig.tight_layout()
+    save_path(plt, fig, path, written)
+
+
+def save_path(plt, fig, path, written):
+    d, name = os.path.split(path)
+    global PLOTS
+    old = PLOTS
+    PLOTS = d or "."
+    try:
+        save(plt, fig, name, written)
+    finally:
+        PLOTS = old
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true",
                     help="only load and validate the JSON inputs (no matplotlib)")
+    ap.add_argument("--layer-trace", metavar="FILE",
+                    help="only the layer's phases of this `tilewave trace --op layer` file "
+                    "(.json or .json.gz), written to --out")
+    ap.add_argument("--out", metavar="DIR", default=".",
+                    help="where --layer-trace's PNG goes (default: the current directory)")
     args = ap.parse_args()
+    if args.layer_trace:
+        try:
+            doc = read_json_any(args.layer_trace)
+            ph = check_layer_trace(args.layer_trace, doc)
+        except (OSError, ValueError, KeyError, CheckError) as e:
+            print("plots.py: %s" % e, file=sys.stderr)
+            return 1
+        for pid, phases in sorted(ph.items()):
+            print("rank %d: %s" % (pid, ", ".join("%s %.1f us" % x for x in phases)))
+        if args.check:
+            return 0
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        base = os.path.basename(args.layer_trace).split(".json")[0]
+        written = []
+        plot_layer_phases(plt, doc, "One traced layer call by phase (%s)" % base,
+                          os.path.join(args.out, "layer-phases-%s.png" % base), written)
+        print("wrote %s (%d bytes)" % (written[0], os.path.getsize(written[0])))
+        return 0
     try:
         data = load_all()
+        layers = load_layer_traces()
     except (OSError, ValueError, KeyError, CheckError) as e:
         print("plots.py: %s" % e, file=sys.stderr)
         return 1
@@ -392,6 +619,12 @@ def main():
         for k, src in SOURCES.items():
             print("ok %s: %d points (%s, %s)" % (src["json"], len(data[k]["points"]), src["run"],
                                                  src["commit"]))
+        for k, src in LAYER_TRACES.items():
+            print("ok %s: a layer trace of %d rank(s) (%s, %s)" % (
+                src["json"], layers[k]["metadata"]["world_size"], src["run"], src["commit"]))
+        if not LAYER_TRACES:
+            print("no layer trace committed yet: the layer-phases plot needs one "
+                  "(tilewave trace --op layer on a GPU; LAYER_TRACES says how to add it)")
         return 0
     import matplotlib
     matplotlib.use("Agg")
@@ -402,6 +635,12 @@ def main():
     plot_routers(plt, data, written)
     chosen = plot_c_sweep(plt, data, written)
     plot_regret(plt, data, written)
+    plot_producer_roofline(plt, data, written)
+    for k, src in LAYER_TRACES.items():
+        plot_layer_phases(plt, layers[k], title_of_layer(src),
+                          os.path.join(PLOTS, "%s-layer-phases.png" % k.split("_")[0]), written)
+    if not LAYER_TRACES:
+        print("layer phases: no traced layer call committed (LAYER_TRACES): not drawn")
     for path in written:
         print("wrote %s (%d bytes)" % (os.path.relpath(path, os.path.dirname(HERE)),
                                        os.path.getsize(path)))

@@ -1,7 +1,8 @@
 /*
  * trace_json.c: a traced call's records as Chrome trace-event / Perfetto JSON (trace_json.h says
  * what the file holds). Records are matched per rank by (kind, index): a tile's begin with its
- * publish, a unit's claim with its waits and its copy, a reduction CTA's begin with its end.
+ * publish, a unit's claim with its waits and its copy, a reduction CTA's begin with its end; the
+ * dispatch's per CTA (scan and copy CTAs) and per source (the wait kernel).
  * Every record of one unit, and of one reduction CTA, is written by one thread (thread 0 of its
  * CTA), so their times are ordered; a tile's begin and publish come from two warps of one CTA,
  * ordered by the tile's own hand-off (the publish follows the stores that follow the math).
@@ -14,7 +15,17 @@
 
 #include "bench_stats.h"
 
-enum { TWJ_PRODUCER = 0, TWJ_CONSUMER = 1, TWJ_REDUCE = 2 };
+enum {
+  TWJ_PRODUCER = TW__TRACE_PRODUCER,
+  TWJ_CONSUMER = TW__TRACE_CONSUMER,
+  TWJ_REDUCE = TW__TRACE_REDUCE,
+  TWJ_GEMM1 = TW__TRACE_GEMM1,
+  TWJ_SCAN = TW__TRACE_SCAN,
+  TWJ_SEND = TW__TRACE_SEND,
+  TWJ_RECV = TW__TRACE_RECV
+};
+/* Sources of the dispatch's wait kernel a rank can have (its threads). */
+enum { TWJ_MAX_SOURCES = 256 };
 enum { TWJ_MAX_LANES = 16 };
 
 int32_t tw__trace_tid(int role, int cta, int lane) {
@@ -50,6 +61,24 @@ static const char* twj_kind_name(int kind) {
       return "arrivals complete";
     case TW_TRACE_REDUCE_END:
       return "reduce end";
+    case TW_TRACE_GEMM1_BEGIN:
+      return "gemm1 tile begin";
+    case TW_TRACE_GEMM1_PUBLISH:
+      return "gemm1 tile stored";
+    case TW_TRACE_SCAN_BEGIN:
+      return "scan begin";
+    case TW_TRACE_SCAN_END:
+      return "scan end";
+    case TW_TRACE_SEND_BEGIN:
+      return "send begin";
+    case TW_TRACE_SEND_CREDIT:
+      return "send credit";
+    case TW_TRACE_SEND_END:
+      return "send end";
+    case TW_TRACE_RECV_BEGIN:
+      return "wait begin";
+    case TW_TRACE_RECV_ARRIVED:
+      return "rows arrived";
     default:
       return "record";
   }
@@ -114,10 +143,12 @@ static tw__trace_event* twj_instant(twj_vec* e, int32_t pid, int32_t tid, int ki
 
 /* ---- matching records ---- */
 
-/* One slot per (kind, index) of a rank: time + 1 (0 = not seen) and the CTA. */
+/* One slot per (kind, index) of a rank: time + 1 (0 = not seen), the CTA and the record's
+ * index (where the slot is per CTA, the index is a value: rows sent). */
 typedef struct twj_slot {
   uint64_t t1;
   int32_t cta;
+  uint32_t val;
 } twj_slot;
 
 static void twj_put(twj_slot* s, uint64_t t, int cta, tw__trace_stats* st) {
@@ -170,6 +201,182 @@ static int twj_lane(twj_lanes* l, const twj_item* it, int64_t* opened) {
 
 static int64_t twj_rel(uint64_t t1, uint64_t t0) {
   return (int64_t)(t1 - 1 - t0);
+}
+
+/* Tiles of one GEMM (slots: begin, end per tile) as spans on lanes per CTA of `role`, the rest as
+ * instants; *built counts the spans. */
+static void twj_tiles(twj_vec* out, tw__trace_stats* st, int32_t pid, int role,
+                      const twj_slot* tile, int64_t T, const tw_tile* tiles, uint64_t t0,
+                      twj_item* items, const char* name, int begin_kind, int64_t* built,
+                      int64_t* opened) {
+  int64_t n = 0;
+  for (int64_t t = 0; t < T; t++) {
+    const twj_slot *b = &tile[2 * t], *p = &tile[2 * t + 1];
+    if (b->t1 && p->t1 && b->cta == p->cta) {
+      twj_item it = {b->cta, (int32_t)t, twj_rel(b->t1, t0), twj_rel(p->t1, t0)};
+      items[n++] = it;
+    } else {
+      for (int j = 0; j < 2; j++)
+        if (tile[2 * t + j].t1) {
+          st->partial++;
+          twj_instant(out, pid, tw__trace_tid(role, tile[2 * t + j].cta, 0), begin_kind + j,
+                      twj_rel(tile[2 * t + j].t1, t0), "tile", t);
+        }
+    }
+  }
+  qsort(items, (size_t)n, sizeof *items, twj_item_cmp);
+  twj_lanes lanes = {-1, 0, {0}};
+  for (int64_t i = 0; i < n; i++) {
+    const int lane = twj_lane(&lanes, &items[i], opened);
+    tw__trace_event* ev = twj_span(out, st, pid, tw__trace_tid(role, items[i].cta, lane), name,
+                                   items[i].b, items[i].e);
+    const int32_t t = items[i].index;
+    twj_arg(ev, "tile", t);
+    if (tiles != NULL) {
+      if (role == TWJ_PRODUCER) twj_arg(ev, "band", tiles[t].band);
+      twj_arg(ev, "expert", tiles[t].expert);
+      twj_arg(ev, "row0", tiles[t].row0);
+      twj_arg(ev, "col0", tiles[t].col0);
+    }
+    (*built)++;
+  }
+}
+
+/* The dispatch's and GEMM1's records of one rank (the layer's first half). */
+static int twj_dispatch(const tw__trace_rank* r, uint64_t t0, twj_vec* out, tw__trace_stats* st) {
+  const int64_t T1 = r->num_gemm1_tiles > 0 ? r->num_gemm1_tiles : 0;
+  int32_t max_scan = -1, max_send = -1;
+  int any = 0;
+  for (int64_t i = 0; i < r->count; i++) {
+    const tw_trace_record* x = &r->records[i];
+    if (x->kind < TW_TRACE_GEMM1_BEGIN || x->kind >= TW_TRACE_KIND_COUNT) continue;
+    any = 1;
+    if ((x->kind == TW_TRACE_SCAN_BEGIN || x->kind == TW_TRACE_SCAN_END) && x->cta > max_scan)
+      max_scan = x->cta;
+    if (x->kind >= TW_TRACE_SEND_BEGIN && x->kind <= TW_TRACE_SEND_ARRIVE && x->cta > max_send)
+      max_send = x->cta;
+  }
+  if (!any) return 0;
+  const int64_t SC = max_scan + 1, SD = max_send + 1;
+  /* GEMM1 tiles (begin, store), scan CTAs (begin, end per pass), send CTAs (begin, credit, end),
+   * the wait kernel (begin, then one per source) */
+  twj_slot* slots = (twj_slot*)calloc((size_t)(2 * T1 + 4 * SC + 3 * SD + 1 + TWJ_MAX_SOURCES + 1),
+                                      sizeof(twj_slot));
+  twj_item* items = (twj_item*)malloc((size_t)(T1 + 1) * sizeof(twj_item));
+  if (slots == NULL || items == NULL) {
+    free(slots);
+    free(items);
+    return -1;
+  }
+  twj_slot *g1 = slots, *scan = g1 + 2 * T1, *send = scan + 4 * SC, *recv = send + 3 * SD;
+  const int32_t pid = r->rank;
+  for (int64_t i = 0; i < r->count; i++) {
+    const tw_trace_record* x = &r->records[i];
+    const int64_t k = x->index;
+    switch (x->kind) {
+      case TW_TRACE_GEMM1_BEGIN:
+      case TW_TRACE_GEMM1_PUBLISH:
+        if (k >= T1)
+          st->foreign++;
+        else
+          twj_put(&g1[2 * k + (x->kind == TW_TRACE_GEMM1_PUBLISH)], x->ns, x->cta, st);
+        break;
+      case TW_TRACE_SCAN_BEGIN:
+      case TW_TRACE_SCAN_END:
+        if (k > 1)
+          st->foreign++;
+        else
+          twj_put(&scan[4 * x->cta + 2 * k + (x->kind == TW_TRACE_SCAN_END)], x->ns, x->cta, st);
+        break;
+      case TW_TRACE_SEND_BEGIN:
+      case TW_TRACE_SEND_CREDIT:
+      case TW_TRACE_SEND_END: {
+        twj_slot* sl = &send[3 * x->cta + (x->kind - TW_TRACE_SEND_BEGIN)];
+        twj_put(sl, x->ns, x->cta, st);
+        sl->val = x->index;
+        break;
+      }
+      case TW_TRACE_SEND_ARRIVE: {
+        tw__trace_event* ev = twj_instant(out, pid, tw__trace_tid(TWJ_SEND, x->cta, 0), x->kind,
+                                          twj_rel(x->ns + 1, t0), "ranks", k);
+        if (ev) ev->name = "arrivals released";
+        break;
+      }
+      case TW_TRACE_RECV_BEGIN:
+        twj_put(&recv[0], x->ns, x->cta, st);
+        break;
+      case TW_TRACE_RECV_ARRIVED:
+        if (k >= TWJ_MAX_SOURCES)
+          st->foreign++;
+        else
+          twj_put(&recv[1 + k], x->ns, x->cta, st);
+        break;
+      default:
+        break; /* the combine's kinds: twj_rank's */
+    }
+  }
+  twj_tiles(out, st, pid, TWJ_GEMM1, g1, T1, r->gemm1_tiles, t0, items, "gemm1 tile",
+            TW_TRACE_GEMM1_BEGIN, &st->gemm1_tiles, &st->overlap_tracks);
+  static const char* const kPass[2] = {"count", "place"};
+  for (int64_t c = 0; c < SC; c++)
+    for (int pass = 0; pass < 2; pass++) {
+      const twj_slot* sl = &scan[4 * c + 2 * pass];
+      const int32_t tid = tw__trace_tid(TWJ_SCAN, (int)c, 0);
+      if (sl[0].t1 && sl[1].t1) {
+        twj_arg(
+            twj_span(out, st, pid, tid, kPass[pass], twj_rel(sl[0].t1, t0), twj_rel(sl[1].t1, t0)),
+            "pass", pass);
+        st->scan_ctas += pass == 0;
+      } else {
+        for (int j = 0; j < 2; j++)
+          if (sl[j].t1) {
+            st->partial++;
+            twj_instant(out, pid, tid, TW_TRACE_SCAN_BEGIN + j, twj_rel(sl[j].t1, t0), "pass",
+                        pass);
+          }
+      }
+    }
+  for (int64_t c = 0; c < SD; c++) {
+    const twj_slot* sl = &send[3 * c];
+    const int32_t tid = tw__trace_tid(TWJ_SEND, (int)c, 0);
+    if (sl[0].t1 && sl[2].t1) {
+      const int64_t b = twj_rel(sl[0].t1, t0), e = twj_rel(sl[2].t1, t0);
+      twj_arg(twj_span(out, st, pid, tid, "send CTA", b, e), "rows", sl[2].val);
+      int64_t at = b;
+      if (sl[1].t1) {
+        at = twj_rel(sl[1].t1, t0);
+        twj_span(out, st, pid, tid, "wait credit", b, at);
+      }
+      twj_arg(twj_span(out, st, pid, tid, "copy rows", at, e), "rows", sl[2].val);
+      st->send_ctas++;
+    } else {
+      for (int j = 0; j < 3; j++)
+        if (sl[j].t1) {
+          st->partial++;
+          twj_instant(out, pid, tid, TW_TRACE_SEND_BEGIN + j, twj_rel(sl[j].t1, t0), NULL, 0);
+        }
+    }
+  }
+  {
+    const int32_t tid = tw__trace_tid(TWJ_RECV, 0, 0);
+    int64_t last = -1;
+    for (int s = 0; s < TWJ_MAX_SOURCES; s++)
+      if (recv[1 + s].t1) {
+        const int64_t a = twj_rel(recv[1 + s].t1, t0);
+        if (a > last) last = a;
+        twj_instant(out, pid, tid, TW_TRACE_RECV_ARRIVED, a, "source", s);
+      }
+    if (recv[0].t1 && last >= 0) {
+      twj_span(out, st, pid, tid, "wait rows", twj_rel(recv[0].t1, t0), last);
+      st->recv_waits++;
+    } else if (recv[0].t1) {
+      st->partial++; /* a wait that saw no source (a timeout) */
+      twj_instant(out, pid, tid, TW_TRACE_RECV_BEGIN, twj_rel(recv[0].t1, t0), NULL, 0);
+    }
+  }
+  free(slots);
+  free(items);
+  return out->oom ? -1 : 0;
 }
 
 /* The events of one rank. */
@@ -235,7 +442,8 @@ static int twj_rank(const tw__trace_rank* r, uint64_t t0, twj_vec* out, tw__trac
         twj_put(&rc[3 * x->cta + (x->kind - TW_TRACE_REDUCE_BEGIN)], x->ns, x->cta, st);
         break;
       default:
-        st->foreign++;
+        /* GEMM1's and the dispatch's: twj_dispatch's */
+        if (x->kind < TW_TRACE_GEMM1_BEGIN || x->kind >= TW_TRACE_KIND_COUNT) st->foreign++;
         break;
     }
     /* Each consumer CTA's first record opens its span. */
@@ -245,41 +453,11 @@ static int twj_rank(const tw__trace_rank* r, uint64_t t0, twj_vec* out, tw__trac
   }
 
   /* Producer: complete tiles on lanes per CTA, the rest as instants. */
-  int64_t n = 0;
-  for (int64_t t = 0; t < T; t++) {
-    const twj_slot *b = &tile[2 * t], *p = &tile[2 * t + 1];
-    if (b->t1 && p->t1 && b->cta == p->cta) {
-      twj_item it = {b->cta, (int32_t)t, twj_rel(b->t1, t0), twj_rel(p->t1, t0)};
-      items[n++] = it;
-    } else {
-      for (int j = 0; j < 2; j++)
-        if (tile[2 * t + j].t1) {
-          st->partial++;
-          twj_instant(out, pid, tw__trace_tid(TWJ_PRODUCER, tile[2 * t + j].cta, 0),
-                      j ? TW_TRACE_TILE_PUBLISH : TW_TRACE_TILE_BEGIN,
-                      twj_rel(tile[2 * t + j].t1, t0), "tile", t);
-        }
-    }
-  }
-  qsort(items, (size_t)n, sizeof *items, twj_item_cmp);
-  twj_lanes lanes = {-1, 0, {0}};
-  for (int64_t i = 0; i < n; i++) {
-    const int lane = twj_lane(&lanes, &items[i], &st->overlap_tracks);
-    tw__trace_event* ev = twj_span(out, st, pid, tw__trace_tid(TWJ_PRODUCER, items[i].cta, lane),
-                                   "tile", items[i].b, items[i].e);
-    const int32_t t = items[i].index;
-    twj_arg(ev, "tile", t);
-    if (r->tiles != NULL) {
-      twj_arg(ev, "band", r->tiles[t].band);
-      twj_arg(ev, "expert", r->tiles[t].expert);
-      twj_arg(ev, "row0", r->tiles[t].row0);
-      twj_arg(ev, "col0", r->tiles[t].col0);
-    }
-    st->tiles++;
-  }
+  twj_tiles(out, st, pid, TWJ_PRODUCER, tile, T, r->tiles, t0, items, "tile", TW_TRACE_TILE_BEGIN,
+            &st->tiles, &st->overlap_tracks);
 
   /* Consumer: units (claim .. copy) with their phases, CTA spans, and the partial units. */
-  n = 0;
+  int64_t n = 0;
   for (int64_t u = 0; u < U; u++) {
     const twj_slot* s = &unit[4 * u];
     if (s[0].t1 && s[3].t1 && s[0].cta == s[3].cta) {
@@ -295,7 +473,7 @@ static int twj_rank(const tw__trace_rank* r, uint64_t t0, twj_vec* out, tw__trac
     }
   }
   qsort(items, (size_t)n, sizeof *items, twj_item_cmp);
-  lanes.cta = -1;
+  twj_lanes lanes = {-1, 0, {0}};
   for (int64_t i = 0; i < n; i++) {
     const int lane = twj_lane(&lanes, &items[i], NULL);
     const int32_t tid = tw__trace_tid(TWJ_CONSUMER, items[i].cta, lane), u = items[i].index;
@@ -383,7 +561,10 @@ static void twj_names(twj_vec* e, const tw__trace_rank* ranks, int nranks) {
   }
   for (int64_t i = 0; i < n; i++) pairs[i] = ((int64_t)e->v[i].pid << 32) | (uint32_t)e->v[i].tid;
   qsort(pairs, (size_t)n, sizeof *pairs, twj_pair_cmp);
-  static const char* const kRole[3] = {"producer", "consumer", "reduce"};
+  static const char* const kRole[TW__TRACE_ROLES] = {
+      "producer", "consumer", "reduce", "gemm1", "dispatch scan", "dispatch send", "dispatch wait"};
+  /* Tracks in the order of the layer's kernels: the dispatch's, GEMM1, then the combine's. */
+  static const int kOrder[TW__TRACE_ROLES] = {4, 5, 6, 3, 0, 1, 2};
   for (int i = 0; i < nranks; i++) {
     tw__trace_event* ev = twj_push(e, 'M', ranks[i].rank, 0, "process_name");
     if (ev) snprintf(ev->label, sizeof ev->label, "rank %d", ranks[i].rank);
@@ -395,13 +576,16 @@ static void twj_names(twj_vec* e, const tw__trace_rank* ranks, int nranks) {
     const int32_t pid = (int32_t)(pairs[i] >> 32), tid = (int32_t)(uint32_t)pairs[i];
     int role, cta, lane;
     twj_tid_decode(tid, &role, &cta, &lane);
+    role = role % TW__TRACE_ROLES;
     tw__trace_event* ev = twj_push(e, 'M', pid, tid, "thread_name");
-    if (ev && lane > 0)
-      snprintf(ev->label, sizeof ev->label, "%s CTA %d (overlap %d)", kRole[role % 3], cta, lane);
+    if (ev && role == TWJ_RECV)
+      snprintf(ev->label, sizeof ev->label, "%s", kRole[role]); /* one kernel of one CTA */
+    else if (ev && lane > 0)
+      snprintf(ev->label, sizeof ev->label, "%s CTA %d (overlap %d)", kRole[role], cta, lane);
     else if (ev)
-      snprintf(ev->label, sizeof ev->label, "%s CTA %d", kRole[role % 3], cta);
+      snprintf(ev->label, sizeof ev->label, "%s CTA %d", kRole[role], cta);
     ev = twj_push(e, 'M', pid, tid, "thread_sort_index");
-    twj_arg(ev, "sort_index", tid);
+    twj_arg(ev, "sort_index", tw__trace_tid(kOrder[role], cta, lane));
   }
   free(pairs);
 }
@@ -420,7 +604,8 @@ int tw__trace_build(const tw__trace_rank* ranks, int n, tw__trace_event** events
   st.t0_ns = t0;
   twj_vec e = {NULL, 0, 0, 0};
   for (int i = 0; i < n && !e.oom; i++)
-    if (twj_rank(&ranks[i], t0, &e, &st) != 0) e.oom = 1;
+    if (twj_rank(&ranks[i], t0, &e, &st) != 0 || twj_dispatch(&ranks[i], t0, &e, &st) != 0)
+      e.oom = 1;
   if (!e.oom) twj_names(&e, ranks, n);
   twj_sorted* s = e.oom ? NULL : (twj_sorted*)malloc((size_t)(e.n + 1) * sizeof *s);
   if (s == NULL) {
@@ -506,6 +691,7 @@ static void twj_write_metadata(FILE* f, const tw__trace_info* in, const tw__trac
   twj_key_str(f, "team", in->team, 0);
   twj_key_str(f, "device", in->device, 0);
   twj_key_int(f, "warmup_calls", in->warmup, 0);
+  twj_key_str(f, "op", in->op, 0);
   tw__json_key(f, "ranks", 0);
   fputs("[", f);
   for (int i = 0; i < n; i++) {
@@ -515,11 +701,14 @@ static void twj_write_metadata(FILE* f, const tw__trace_info* in, const tw__trac
     twj_key_int(f, "budget", r->budget, 0);
     twj_key_int(f, "P", r->producer_ctas, 0);
     twj_key_int(f, "C", r->consumer_ctas, 0);
+    twj_key_int(f, "plan_C", r->plan_comm_ctas > 0 ? r->plan_comm_ctas : r->consumer_ctas, 0);
     twj_key_int(f, "reduce_ctas", r->reduce_ctas, 0);
     twj_key_str(f, "schedule", r->schedule, 0);
     twj_key_int(f, "coalesce", r->coalesce, 0);
     twj_key_int(f, "tiles", r->num_tiles, 0);
     twj_key_int(f, "units", r->total_units, 0);
+    twj_key_int(f, "gemm1_tiles", r->num_gemm1_tiles, 0);
+    twj_key_int(f, "gemm1_ctas", r->gemm1_ctas, 0);
     tw__json_key(f, "predicted_us", 0);
     tw__json_num(f, "%.3f", r->predicted_us > 0 ? r->predicted_us : NAN);
     twj_key_int(f, "records", r->count, 0);
@@ -533,6 +722,10 @@ static void twj_write_metadata(FILE* f, const tw__trace_info* in, const tw__trac
   twj_key_int(f, "units", st->units, 0);
   twj_key_int(f, "consumer_ctas", st->consumer_ctas, 0);
   twj_key_int(f, "reduce_ctas", st->reduce_ctas, 0);
+  twj_key_int(f, "gemm1_tiles", st->gemm1_tiles, 0);
+  twj_key_int(f, "scan_ctas", st->scan_ctas, 0);
+  twj_key_int(f, "send_ctas", st->send_ctas, 0);
+  twj_key_int(f, "recv_waits", st->recv_waits, 0);
   twj_key_int(f, "partial", st->partial, 0);
   twj_key_int(f, "duplicates", st->duplicates, 0);
   twj_key_int(f, "foreign", st->foreign, 0);

@@ -1,7 +1,8 @@
 /*
- * trace_json.h: a traced GEMM2 + combine call (the records of src/core/trace.h, one array per
- * rank) as Chrome trace-event / Perfetto JSON, what `tilewave trace` writes (docs/trace.md). Pure
- * host C, no CUDA, so that the unit tests check it on synthetic records.
+ * trace_json.h: a traced call (a GEMM2 + combine, a dispatch or a whole layer: the records of
+ * src/core/trace.h, one array per rank) as Chrome trace-event / Perfetto JSON, what `tilewave
+ * trace` writes (docs/trace.md). Pure host C, no CUDA, so that the unit tests check it on
+ * synthetic records.
  *
  * The file: {"displayTimeUnit": "ns", "metadata": {...}, "traceEvents": [...]}. One process per
  * rank ("rank r"), one thread per (role, CTA) ("producer CTA 12", "consumer CTA 3", "reduce CTA
@@ -17,6 +18,13 @@
  *              bands complete), "wait credit" (where the unit waited for an owner's credit) and
  *              "copy"; instant events "announce" (args owner, units).
  *   reduction: per CTA, "reduce CTA" with "wait arrivals" and "reduce" in it.
+ *   gemm1:     per GEMM1 tile, "gemm1 tile" from its begin to its store ("gemm1 CTA 3"; args
+ *              tile, expert, row0, col0), on lanes as the producer's.
+ *   dispatch:  per scan CTA ("dispatch scan CTA j") its "count" and "place" spans; per copy CTA
+ *              ("dispatch send CTA j") "send CTA" (args rows) with "wait credit" and "copy rows"
+ *              in it and an instant "arrivals released" (args ranks) on the last one; on
+ *              "dispatch wait" a span "wait rows" from the wait kernel's start to the last
+ *              source's rows, with an instant "rows arrived" (args source) per source.
  * An event whose other end is missing (a timeout, or a record dropped from a full buffer) is
  * written as an instant event ("tile begin", "unit claim", ...), never as a guessed span.
  */
@@ -43,7 +51,10 @@ typedef struct tw__trace_rank {
   int32_t num_tiles, total_units, coalesce;                  /* the plan */
   const char* schedule;                                      /* its name, or NULL */
   double predicted_us;                                       /* the model's time (0: unknown) */
-  const tw_tile* tiles; /* (num_tiles) the plan's tile list, for the tiles' args; or NULL */
+  const tw_tile* tiles;   /* (num_tiles) the plan's tile list, for the tiles' args; or NULL */
+  int32_t plan_comm_ctas; /* the plan's C (a dispatch launches no consumer) */
+  int32_t num_gemm1_tiles, gemm1_ctas; /* the layer's GEMM1: its tile list and grid (0: none) */
+  const tw_tile* gemm1_tiles;          /* (num_gemm1_tiles) or NULL */
 } tw__trace_rank;
 
 /* What the whole trace was: the shape and how it ran (strings may be NULL). */
@@ -56,6 +67,7 @@ typedef struct tw__trace_info {
   const char* team; /* "in-process", ... */
   const char* device;
   int32_t warmup; /* untraced calls before the traced one */
+  const char* op; /* "combine", "dispatch" or "layer" (NULL: not said) */
 } tw__trace_info;
 
 /* One event of the file, before it is written. */
@@ -73,7 +85,8 @@ typedef struct tw__trace_event {
 
 /* What the conversion found, beside the events. */
 typedef struct tw__trace_stats {
-  int64_t tiles, units, reduce_ctas, consumer_ctas; /* complete spans built */
+  int64_t tiles, units, reduce_ctas, consumer_ctas;      /* complete spans built */
+  int64_t gemm1_tiles, scan_ctas, send_ctas, recv_waits; /* ... of the layer's other kernels */
   int64_t partial;        /* events written as instants (their other end is missing) */
   int64_t duplicates;     /* records of a kind and index seen twice on a rank (ignored) */
   int64_t foreign;        /* records with an unknown kind or an index outside the plan (ignored) */
@@ -82,7 +95,19 @@ typedef struct tw__trace_stats {
   uint64_t t0_ns;         /* the earliest record */
 } tw__trace_stats;
 
-/* Track id of (role 0 producer / 1 consumer / 2 reduction, CTA, lane): also their sort order. */
+/* Track roles, in the order of their tracks. */
+enum {
+  TW__TRACE_PRODUCER = 0,
+  TW__TRACE_CONSUMER = 1,
+  TW__TRACE_REDUCE = 2,
+  TW__TRACE_GEMM1 = 3,
+  TW__TRACE_SCAN = 4,
+  TW__TRACE_SEND = 5,
+  TW__TRACE_RECV = 6,
+  TW__TRACE_ROLES = 7
+};
+
+/* Track id of (role, CTA, lane): also their sort order. */
 int32_t tw__trace_tid(int role, int cta, int lane);
 
 /* The events of `n` ranks, in file order: the metadata events first, then per rank and track

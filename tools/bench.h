@@ -18,7 +18,8 @@
 
 #include "baseline.h"
 #include "bench_common.h"
-#include "team.h" /* tw__team */
+#include "progress.h" /* twb_progress */
+#include "team.h"     /* tw__team */
 #include "tilewave.h"
 
 #define TWB_MAX_TOKENS_LIST 8
@@ -280,9 +281,9 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints);
  * plan's choice, per point, W ranks on GPU 0 (the same setup as bench --in-process). */
 int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints);
 
-/* A progress line on stderr for point i (0-based) of npoints, from the second one on with the
- * time so far and an estimate of the time left (the mean time of the points done). */
-void twb_progress(const char* cmd, int i, int npoints, const twb_point* pt, double t_begin);
+/* The progress line on stderr as point i (0-based) of pr's run starts: its shape, and from the
+ * second point on the time so far and an estimate of the time left (progress.h). */
+void twb_point_progress(const twb_progress* pr, int i, const twb_point* pt);
 
 /* bench --tp T --in-process W (bench_tp.c): the TP x EP call, overlapped and unfused, per point,
  * W = tp x ep ranks on GPU 0. */
@@ -327,6 +328,8 @@ tw_status twb_team_rank_setup(twb_team_rank* t, const twb_opts* o, const twb_poi
 void twb_team_rank_free(twb_team_rank* t);
 /* The last call's output (tokens of this rank x H bf16, the whole of out) to host[0..n_out). */
 tw_status twb_team_output(const twb_team_rank* t, uint16_t* host);
+/* n bf16 values of a deterministic pattern in [-1, 1) (seeded by salt) copied to device dst. */
+tw_status twb_upload_random(void* dst, size_t n, uint64_t salt);
 /* TW_TRACE=1 in the environment: `bench --in-process` also times ours traced. */
 int twb_trace_env(void);
 /* Trace records one call can write (src/core/trace.h), with room to spare: 2 per tile, at most 4

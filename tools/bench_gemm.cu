@@ -31,6 +31,7 @@
 #include "core.h"
 #include "kernels.h"
 #include "plan.h"
+#include "progress.h"
 
 namespace {
 
@@ -478,7 +479,11 @@ extern "C" int tw_cli_bench_gemm(int argc, char** argv) {
       "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
       "--- |\n");
   int rc = 0;
-  for (const Shape& sh : shapes) {
+  twb_progress pr;
+  twb_progress_begin(&pr, "bench gemm", "shape", (int)shapes.size());
+  for (size_t i = 0; i < shapes.size(); i++) {
+    const Shape& sh = shapes[i];
+    twb_progress_start(&pr, (int)i, "rows %d K %d N %d E %d", sh.rows, sh.k, sh.n, sh.experts);
     int r = bench_shape(sh, o, h, s);
     if (r < 0) {
       rc = 1;

@@ -35,6 +35,7 @@
 #include "core.h"
 #include "kernels.h"
 #include "plan.h"
+#include "progress.h"
 #include "swiglu.h"
 
 namespace {
@@ -364,7 +365,12 @@ extern "C" int tw_cli_bench_gemm1(int argc, char** argv) {
       "roofline/ours | best cuBLAS/ours | #wrong |\n");
   printf("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n");
   int rc = 0;
-  for (const Gemm1Shape& sh : shapes) {
+  twb_progress pr;
+  twb_progress_begin(&pr, "bench gemm1", "shape", (int)shapes.size());
+  for (size_t i = 0; i < shapes.size(); i++) {
+    const Gemm1Shape& sh = shapes[i];
+    twb_progress_start(&pr, (int)i, "%s rows %d H %d F %d E %d", sh.model, sh.rows, sh.hidden,
+                       sh.ffn, sh.experts);
     const int r = bench_shape(sh, o, hd, s);
     if (r < 0) {
       rc = 1;

@@ -594,10 +594,11 @@ static int twl_run_points(const twl_opts* o, const twb_point* pts, int npoints) 
   const char* cmd = o->dispatch ? "bench dispatch" : "bench layer";
   twl_rank ranks[8];
   int failed = 0;
-  const double t_begin = tw__now_seconds();
+  twb_progress pr;
+  twb_progress_begin(&pr, cmd, "point", npoints);
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    twb_progress(cmd, i, npoints, pt, t_begin);
+    twb_point_progress(&pr, i, pt);
     memset(ranks, 0, sizeof ranks);
     for (int r = 0; r < W; r++) ranks[r].o = o, ranks[r].pt = pt;
     const double t0 = tw__now_seconds();

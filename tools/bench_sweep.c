@@ -21,6 +21,7 @@
 #include "kernels.h"
 #include "oracle.h"
 #include "plan.h"
+#include "progress.h"
 #include "runtime.h"
 #include "spawn.h"
 #include "tilewave.h"
@@ -478,7 +479,8 @@ tw_status twb_versus_pass(twb_rank* s, const twb_opts* o, const twb_point* pts, 
   TW_TRY(twb_max_over_ranks(s, f, 2));
   fixed[0] = (int)f[0], fixed[1] = (int)f[1];
   if (fixed[0] < 1) return TW_SUCCESS; /* no fixed cell measured at every point */
-  const double t_start = tw__now_seconds();
+  twb_progress pr;
+  twb_progress_begin(&pr, "sweep --versus-fixed", "point", npoints);
   tw_status st = TW_SUCCESS;
   for (int i = 0; i < npoints && st == TW_SUCCESS; i++) {
     twb_versus one;
@@ -492,16 +494,15 @@ tw_status twb_versus_pass(twb_rank* s, const twb_opts* o, const twb_point* pts, 
     if (st != TW_SUCCESS) break;
     if (s->rank == 0) {
       v[i] = one;
-      const double el = tw__now_seconds() - t_start;
       if (one.identical)
-        fprintf(stderr, "[versus %d/%d] #%d %s: the model chose (%d, %d) itself\n", i + 1, npoints,
-                pts[i].index, pts[i].name, fixed[0], fixed[1]);
+        twb_progress_end(&pr, i, "#%d %s: the model chose (%d, %d) itself", pts[i].index,
+                         pts[i].name, fixed[0], fixed[1]);
       else
-        fprintf(stderr,
-                "[versus %d/%d] #%d %s: model %.1f us, fixed (%d, %d) %.1f us, model/fixed %.4f "
-                "[%.4f, %.4f]; elapsed %.0f s, ETA %.0f s\n",
-                i + 1, npoints, pts[i].index, pts[i].name, one.model_us, fixed[0], fixed[1],
-                one.fixed_us, one.ratio, one.lo, one.hi, el, el / (i + 1) * (npoints - i - 1));
+        twb_progress_end(&pr, i,
+                         "#%d %s: model %.1f us, fixed (%d, %d) %.1f us, model/fixed %.4f [%.4f, "
+                         "%.4f]",
+                         pts[i].index, pts[i].name, one.model_us, fixed[0], fixed[1], one.fixed_us,
+                         one.ratio, one.lo, one.hi);
     }
     *done = i + 1;
   }
@@ -603,13 +604,14 @@ static void twb_oracle_report(const twb_rank* s, const twb_opts* o, const twb_po
     fprintf(js, "}");
     fflush(js);
   }
-  const double el = tw__now_seconds() - acc->t_start;
-  fprintf(stderr,
-          "[oracle %d/%d] #%d %s: model C=%s mgb=%s %.1f us, oracle C=%d mgb=%d %.1f us, regret "
-          "%.2f%%%s%s; %.1f s; elapsed %.0f s, ETA %.0f s\n",
-          index + 1, npoints, pt->index, pt->name, mc, mm, r->t_model, b->c, s->mgbs[b->dplan],
-          r->t_oracle, 100 * r->regret, confirmed, pass ? "" : ", FAILED the check",
-          tw__now_seconds() - t0, el, el / (index + 1) * (npoints - index - 1));
+  /* The pass's clock started with the oracle (acc->t_start), not with this point. */
+  const twb_progress pr = {"oracle", "point", npoints, acc->t_start};
+  twb_progress_end(&pr, index,
+                   "#%d %s: model C=%s mgb=%s %.1f us, oracle C=%d mgb=%d %.1f us, regret "
+                   "%.2f%%%s%s; %.1f s",
+                   pt->index, pt->name, mc, mm, r->t_model, b->c, s->mgbs[b->dplan], r->t_oracle,
+                   100 * r->regret, confirmed, pass ? "" : ", FAILED the check",
+                   tw__now_seconds() - t0);
 }
 
 int twb_oracle_point(twb_rank* s, const twb_opts* o, const twb_point* pt, int index, int npoints,

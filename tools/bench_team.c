@@ -25,6 +25,7 @@
 #include "core.h"
 #include "kernels.h"
 #include "plan.h"
+#include "progress.h"
 #include "runtime.h"
 #include "team.h"
 #include "tilewave.h"
@@ -62,7 +63,7 @@ static uint16_t twt_bf16(uint64_t i, uint64_t salt) {
   return (uint16_t)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
 }
 
-static tw_status twt_upload_random(void* dst, size_t n, uint64_t salt) {
+tw_status twb_upload_random(void* dst, size_t n, uint64_t salt) {
   uint16_t* h = (uint16_t*)malloc(n * 2 + 2);
   if (h == NULL) return tw__fail(TW_ERR_OUT_OF_MEMORY, "bench --in-process: host memory");
   for (size_t i = 0; i < n; i++) h[i] = twt_bf16(i, salt);
@@ -160,8 +161,8 @@ tw_status twb_team_rank_setup(twb_team_rank* t, const twb_opts* o, const twb_poi
     st = tw__fail(TW_ERR_OUT_OF_MEMORY, "in-process team: rank %d: device memory", job->rank);
     goto teardown;
   }
-  TWT_TRY(twt_upload_random(t->in, n_in, 11 + (uint64_t)job->rank));
-  TWT_TRY(twt_upload_random(t->w2, n_w, 1000 + (uint64_t)job->rank));
+  TWT_TRY(twb_upload_random(t->in, n_in, 11 + (uint64_t)job->rank));
+  TWT_TRY(twb_upload_random(t->w2, n_w, 1000 + (uint64_t)job->rank));
   t->add = t->info.dataflow == TW_DATAFLOW_ADD;
   t->call_out = t->add ? NULL : t->out;
 teardown:
@@ -299,16 +300,11 @@ teardown:
   return NULL;
 }
 
-/* A progress line on stderr (bench.h). */
-void twb_progress(const char* cmd, int i, int npoints, const twb_point* pt, double t_begin) {
-  const double now = tw__now_seconds();
-  char eta[64] = "";
-  if (i > 0)
-    snprintf(eta, sizeof eta, ", %.0f s so far, about %.0f s left", now - t_begin,
-             (now - t_begin) / i * (npoints - i));
-  fprintf(stderr, "[%s --in-process %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n", cmd, i + 1,
-          npoints, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-          tw__cli_router_name(pt->router), eta);
+/* The progress line of point i on stderr (bench.h; progress.h: from the second point on with an
+ * estimate of the time left). */
+void twb_point_progress(const twb_progress* pr, int i, const twb_point* pt) {
+  twb_progress_start(pr, i, "tokens/rank %d K %d N %d E %d top-%d %s", pt->tokens, pt->ffn,
+                     pt->hidden, pt->experts, pt->topk, tw__cli_router_name(pt->router));
 }
 
 int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
@@ -334,10 +330,11 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
   /* TW_TRACE=1: one row per point of the second table, printed after the first. */
   const int traced = twb_trace_env();
   char* trace_rows = traced ? (char*)calloc((size_t)npoints + 1, 256) : NULL;
-  const double t_begin = tw__now_seconds();
+  twb_progress pr;
+  twb_progress_begin(&pr, "bench --in-process", "point", npoints);
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    twb_progress("bench", i, npoints, pt, t_begin);
+    twb_point_progress(&pr, i, pt);
     memset(ranks, 0, sizeof ranks);
     for (int r = 0; r < W; r++) ranks[r].o = o, ranks[r].pt = pt;
     const tw_status st = twb_team_run(W, twt_rank_main, ranks, sizeof ranks[0]);
@@ -430,10 +427,11 @@ int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints) {
   fflush(stdout);
   int failed = 0;
   twt_rank ranks[8];
-  const double t_begin = tw__now_seconds();
+  twb_progress pr;
+  twb_progress_begin(&pr, "sweep --in-process", "point", npoints);
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    twb_progress("sweep", i, npoints, pt, t_begin);
+    twb_point_progress(&pr, i, pt);
     memset(ranks, 0, sizeof ranks);
     int bad = 0;
     for (int r = 0; r < W; r++) {

@@ -214,11 +214,11 @@ int twb_in_process_tp(const twb_opts* o, const twb_point* pts, int npoints) {
   fflush(stdout);
   int failed = 0;
   twp_rank ranks[8];
+  twb_progress pr;
+  twb_progress_begin(&pr, "bench --tp", "point", npoints);
   for (int i = 0; i < npoints; i++) {
     const twb_point* pt = &pts[i];
-    fprintf(stderr, "[bench --tp %d --in-process %d %d/%d] tokens/rank %d K %d N %d E %d top-%d %s\n",
-            o->tp, W, i + 1, npoints, pt->tokens, pt->ffn, pt->hidden, pt->experts, pt->topk,
-            tw__cli_router_name(pt->router));
+    twb_point_progress(&pr, i, pt);
     memset(ranks, 0, sizeof ranks);
     for (int r = 0; r < W; r++) ranks[r].o = o, ranks[r].pt = pt;
     const tw_status st = twb_team_run(W, twp_rank_main, ranks, sizeof ranks[0]);

@@ -35,6 +35,7 @@
 #include "bench_common.h"
 #include "checks.h"
 #include "cli.h"
+#include "progress.h"
 #include "cli_args.h"
 #include "core.h"
 #include "kernels.h"
@@ -103,20 +104,18 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
     acc.regret_c = acc.t_model + 6 * n;
     twb_oracle_begin(o, nranks, js);
   }
-  const double t_begin = tw__now_seconds();
+  twb_progress pr;
+  twb_progress_begin(&pr,
+                     o->oracle  ? "sweep --oracle"
+                     : o->sweep ? "sweep"
+                                : "bench",
+                     "point", job->npoints);
   for (int i = 0; i < job->npoints && st == TW_SUCCESS && res; i++) {
     const twb_point* pt = &job->points[i];
     const double t0 = tw__now_seconds();
-    if (rank == 0) {
-      /* Progress with an estimate of the time left: the mean time of the points done so far. */
-      char eta[64] = "";
-      if (i > 0)
-        snprintf(eta, sizeof eta, ", %.0f s so far, about %.0f s left", t0 - t_begin,
-                 (t0 - t_begin) / i * (job->npoints - i));
-      fprintf(stderr, "[%s %d/%d] tokens/rank %d K %d N %d E %d top-%d %s%s\n",
-              o->sweep ? "sweep" : "bench", i + 1, job->npoints, pt->tokens, pt->ffn, pt->hidden,
-              pt->experts, pt->topk, tw__cli_router_name(pt->router), eta);
-    }
+    if (rank == 0)
+      twb_progress_start(&pr, i, "tokens/rank %d K %d N %d E %d top-%d %s", pt->tokens, pt->ffn,
+                         pt->hidden, pt->experts, pt->topk, tw__cli_router_name(pt->router));
     if (o->oracle) {
       if (!twb_oracle_point(&s, o, pt, i, job->npoints, &acc, js, &st)) failures++;
     } else if (o->sweep) {
@@ -129,10 +128,9 @@ static int twb_rank_main(int rank, int nranks, const ncclUniqueId* id, void* arg
         twb_derived d;
         twb_derive(o, res, &d);
         if (!d.pass) failures++;
-        fprintf(stderr,
-                "[bench %d/%d] seq %.1f us, ours %.1f us (C=%d mgb=%d), %.2fx, err %.2e, %.1f s\n",
-                i + 1, job->npoints, d.seq, d.ours, res->c, res->mgb, d.speedup, d.max_err,
-                tw__now_seconds() - t0);
+        twb_progress_end(&pr, i, "seq %.1f us, ours %.1f us (C=%d mgb=%d), %.2fx, err %.2e, %.1f s",
+                         d.seq, d.ours, res->c, res->mgb, d.speedup, d.max_err,
+                         tw__now_seconds() - t0);
       }
     }
     twb_rank_free(&s);

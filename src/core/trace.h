@@ -1,12 +1,13 @@
 /*
  * trace.h: the record format of a traced call (internal; C and CUDA). With a trace buffer in the
- * kernels' arguments (tw_gemm_args.trace, tw_consumer_args.trace, tw_reduce_args.trace; NULL =
- * off), one thread per event takes a slot with one atomicAdd on the buffer's cursor and writes a
- * 16-byte record: the device's %globaltimer in ns (one clock for every SM of a GPU, so in-process
- * ranks on one GPU share it), the event's kind, the CTA and an index (tile, unit, owner...). A
- * full buffer drops the record; the cursor keeps counting, so cursor - capacity records were
- * dropped and nothing is written out of bounds. `tilewave trace` turns the records into a Chrome
- * trace-event / Perfetto JSON file (harness/trace_json.h, docs/trace.md).
+ * kernels' arguments (tw_gemm_args.trace, tw_gemm1_args.trace, tw_consumer_args.trace,
+ * tw_reduce_args.trace, the dispatch's tw_dispatch_*_args.trace; NULL = off), one thread per event
+ * takes a slot with one atomicAdd on the buffer's cursor and writes a 16-byte record: the device's
+ * %globaltimer in ns (one clock for every SM of a GPU, so in-process ranks on one GPU share it),
+ * the event's kind, the CTA and an index (tile, unit, owner...). A full buffer drops the record;
+ * the cursor keeps counting, so cursor - capacity records were dropped and nothing is written out
+ * of bounds. `tilewave trace` turns the records into a Chrome trace-event / Perfetto JSON file
+ * (harness/trace_json.h, docs/trace.md).
  *
  * Device buffer layout (one allocation, 16-byte aligned):
  *   [0, 16)                    tw_trace header: cursor, capacity, 2 words unused
@@ -42,7 +43,23 @@ typedef enum tw_trace_kind {
   TW_TRACE_REDUCE_BEGIN = 9,    /* the CTA starts */
   TW_TRACE_REDUCE_ARRIVED = 10, /* thread 0's wait for every source's arrivals ended */
   TW_TRACE_REDUCE_END = 11,     /* the CTA has reduced its rows (and, the last, sent credits) */
-  TW_TRACE_KIND_COUNT = 12
+  /* GEMM1 + SwiGLU of the layer (sm90_gemm.cu with SwiGLU), index = position of the tile in
+   * GEMM1's tile list */
+  TW_TRACE_GEMM1_BEGIN = 12,   /* the CTA starts the tile's main loop */
+  TW_TRACE_GEMM1_PUBLISH = 13, /* the tile's h is stored (GEMM1 signals nothing) */
+  /* dispatch (dispatch.cu), thread 0 of a CTA unless said otherwise */
+  TW_TRACE_SCAN_BEGIN = 14,   /* a scan CTA starts; index = pass (0 count, 1 place) */
+  TW_TRACE_SCAN_END = 15,     /* every warp of the scan CTA is done; index = pass */
+  TW_TRACE_SEND_BEGIN = 16,   /* a copy CTA starts; index 0 */
+  TW_TRACE_SEND_CREDIT = 17,  /* its wait for every destination's credit ended (or there was none
+                                 to wait for); index 0 */
+  TW_TRACE_SEND_END = 18,     /* every row of the CTA is stored (its barrier); index = the token
+                                 rows the CTA sent */
+  TW_TRACE_SEND_ARRIVE = 19,  /* the last copy CTA released this rank's arrivals at every rank;
+                                 index = the ranks */
+  TW_TRACE_RECV_BEGIN = 20,   /* the wait kernel starts; index 0 */
+  TW_TRACE_RECV_ARRIVED = 21, /* thread s: every row from source rank s has arrived; index = s */
+  TW_TRACE_KIND_COUNT = 22
 } tw_trace_kind;
 
 /* One event: 16 bytes. */

@@ -26,10 +26,15 @@
  *    reads them after its wait kernel's acquire, across a kernel boundary. A source writes them
  *    in call e only after the destination's credit of call e, raised after the destination's
  *    mask kernel of call e - 1 read them (stream order).
+ *
+ * Trace (trace.h; the args' trace pointer, NULL = off): each scan CTA's begin and end, each copy
+ * CTA's begin, the end of its credit wait and the end of its stores (with the rows it sent), the
+ * release of the arrivals, and in the wait kernel its begin and each source's arrival.
  */
 #include "dispatch.h"
 
 #include "core.h"
+#include "trace.cuh"
 
 namespace {
 
@@ -113,8 +118,13 @@ __global__ void tw_dispatch_scan_kernel(const tw_dispatch_scan_args a) {
   extern __shared__ int32_t s_scan[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
   int32_t* s_cnt = s_scan + (size_t)warp * a.experts;
+  if (threadIdx.x == 0) tw_trace_event(a.trace, TW_TRACE_SCAN_BEGIN, blockIdx.x, kPlace);
   for (int c = blockIdx.x * warps + warp; c < a.chunks; c += gridDim.x * warps)
     tw__scan_chunk<kPlace>(a, s_cnt, c, lane);
+  if (tw_trace_on(a.trace)) { /* the warps are independent: the end is after all of them */
+    __syncthreads();
+    if (threadIdx.x == 0) tw_trace_event(a.trace, TW_TRACE_SCAN_END, blockIdx.x, kPlace);
+  }
 }
 
 /* Per expert: exclusive prefix of the chunk histograms, in place, and the total. */
@@ -142,6 +152,7 @@ __global__ void tw_dispatch_credit_kernel(const tw_dispatch_signal_args a) {
 __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
   __shared__ int s_ok;
   if (threadIdx.x == 0) {
+    tw_trace_event(a.trace, TW_TRACE_SEND_BEGIN, blockIdx.x, 0);
     bool ok = true;
     /* Nothing leaves this rank otherwise (the capturable mode always sends its live counts). */
     if ((a.slots > 0 || a.capacity > 0) && a.epochs != NULL) {
@@ -151,6 +162,7 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
         ok = tw_wait_geq(&credits[d], target, true, a.timeout_ns, a.err, TW_WAIT_DISPATCH_CREDIT, d,
                          a.rank);
     }
+    if (ok) tw_trace_event(a.trace, TW_TRACE_SEND_CREDIT, blockIdx.x, 0);
     s_ok = ok;
   }
   __syncthreads();
@@ -196,14 +208,24 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
    * is back at zero after every launch. */
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (tw_trace_on(a.trace)) {
+      /* The token rows this CTA's warps sent: warp w takes slots w, w + warps, ... */
+      const int64_t wpc = blockDim.x / 32, w0 = (int64_t)blockIdx.x * wpc;
+      int64_t rows = 0;
+      for (int64_t w = w0; s_ok && w < w0 + wpc && w < a.slots; w++)
+        rows += (a.slots - 1 - w) / warps + 1;
+      tw_trace_event(a.trace, TW_TRACE_SEND_END, blockIdx.x, (uint32_t)rows);
+    }
     __threadfence_system();
     if (atomicAdd(a.done, 1u) == gridDim.x - 1) {
       __threadfence_system();
       *a.done = 0;
       if (a.epochs != NULL) a.epochs[1] += 1u; /* the wait kernel's target, failed call or not */
-      if (*(volatile int32_t*)&a.err->status == 0)
+      if (*(volatile int32_t*)&a.err->status == 0) {
         for (int d = 0; d < a.world; d++)
           tw_red_release_sys(reinterpret_cast<uint32_t*>(a.peers[d] + a.lay.arrive) + a.rank, 1u);
+        tw_trace_event(a.trace, TW_TRACE_SEND_ARRIVE, blockIdx.x, (uint32_t)a.world);
+      }
     }
   }
 }
@@ -211,13 +233,16 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
 /* Waits (one thread per source) until every rank's rows for this call have arrived. */
 __global__ void tw_dispatch_wait_kernel(const tw_dispatch_signal_args a) {
   const int s = threadIdx.x;
+  if (s == 0) tw_trace_event(a.trace, TW_TRACE_RECV_BEGIN, 0, 0);
   if (s < a.world && a.epochs != NULL) {
     const uint32_t target = a.epochs[1];
     const uint32_t* arrivals = reinterpret_cast<const uint32_t*>(a.peers[a.rank] + a.lay.arrive);
     /* The GEMM after this kernel reads the rows with TMA (the async proxy). */
     if (tw_wait_geq(&arrivals[s], target, true, a.timeout_ns, a.err, TW_WAIT_DISPATCH_ARRIVAL, s,
-                    a.rank))
+                    a.rank)) {
       asm volatile("fence.proxy.async.global;" ::: "memory");
+      tw_trace_event(a.trace, TW_TRACE_RECV_ARRIVED, 0, (uint32_t)s);
+    }
   }
 }
 

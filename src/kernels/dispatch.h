@@ -47,6 +47,7 @@
 #include "plan.h" /* tw_band, tw_tile */
 #include "sync.cuh"
 #include "tilewave.h"
+#include "trace.h"
 
 /* Further kinds of device-side failure (tw_dev_error.where), after combine.h's. */
 enum {
@@ -94,6 +95,7 @@ typedef struct tw_dispatch_scan_args {
    * capacity (TW_CHECK_CAPACITY) and gives every slot it does not send (a bad id, an overflow)
    * send_row -1 and an in-bounds slot_row. */
   int32_t capacity;
+  tw_trace* trace; /* device trace buffer (trace.h): each CTA's begin and end; NULL = off */
 } tw_dispatch_scan_args;
 
 typedef struct tw_dispatch_copy_args {
@@ -121,6 +123,8 @@ typedef struct tw_dispatch_copy_args {
   const uint32_t* counts; /* (experts) this rank's slots per global expert */
   int32_t experts;
   int32_t capacity;
+  tw_trace* trace; /* device trace buffer (trace.h): each CTA's begin, credit wait and stores,
+                      the arrivals' release; NULL = off */
 } tw_dispatch_copy_args;
 
 typedef struct tw_dispatch_signal_args {
@@ -131,6 +135,8 @@ typedef struct tw_dispatch_signal_args {
                           waits for [1] arrivals from every rank; NULL in the warm-up */
   tw_dev_error* err;
   uint64_t timeout_ns;
+  tw_trace* trace; /* device trace buffer (trace.h): the wait kernel's begin and each source's
+                      arrival (the credit kernel records nothing); NULL = off */
 } tw_dispatch_signal_args;
 
 /* The capturable mode's mask (one CTA), after the arrival wait: band_live[b] = the live rows of

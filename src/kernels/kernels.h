@@ -140,10 +140,12 @@ typedef struct tw_gemm1_args {
   int32_t grid;    /* P: persistent CTAs (CTA j takes tiles j, j+P, ...); 0 = all SMs */
   int32_t variant; /* 0 = default (5), 1 = simple (WMMA), 2..5 the wgmma epilogues of
                       tw_gemm_args.variant; all give the same bits but 1 */
+  tw_trace* trace; /* device trace buffer (trace.h): each tile's begin and store
+                      (TW_TRACE_GEMM1_*); NULL = off */
 } tw_gemm1_args;
 
-/* Sets *g from the operands and the shape (zeroing the rest: grid 0, variant 0). Returns
- * TW_ERR_NULL_POINTER for a NULL g; the launcher checks the values. */
+/* Sets *g from the operands and the shape (zeroing the rest: grid 0, variant 0, trace NULL).
+ * Returns TW_ERR_NULL_POINTER for a NULL g; the launcher checks the values. */
 tw_status tw__gemm1_args_init(tw_gemm1_args* g, const void* a, const void* w13, void* h,
                               int32_t rows, int32_t hidden, int32_t ffn, int32_t experts,
                               const tw_tile* tiles, int32_t num_tiles, int32_t tm);

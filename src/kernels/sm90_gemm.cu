@@ -63,6 +63,16 @@ constexpr int tw__default_variant(int tn) {
   return tn == 128 ? 5 : 4;
 }
 
+/* A tile's trace kinds (trace.h): GEMM1's when the kernel computes SwiGLU, else GEMM2's. */
+template <bool kSwiglu>
+constexpr uint32_t tw__tile_begin_kind() {
+  return kSwiglu ? TW_TRACE_GEMM1_BEGIN : TW_TRACE_TILE_BEGIN;
+}
+template <bool kSwiglu>
+constexpr uint32_t tw__tile_publish_kind() {
+  return kSwiglu ? TW_TRACE_GEMM1_PUBLISH : TW_TRACE_TILE_PUBLISH;
+}
+
 /* v1 geometry: a CTA of 8 warps computes a 128 x 128 sub-tile per pass (a 4 x 2 grid of warps,
  * each 32 x 64 = 2 x 4 WMMA fragments); a tn = 256 tile is two passes, a tm = 64 tile masks the
  * lower half. K advances 32 at a time. */
@@ -125,7 +135,7 @@ __global__ void __launch_bounds__(kV1Threads) tw_gemm_v1_kernel(tw_gemm_args arg
     const tw_tile tile = args.tiles[t];
     const int rows = min(tile.rows, args.tm);
     const __nv_bfloat16* Be = B + (int64_t)tile.expert * n_b * k;
-    if (threadIdx.x == 0) tw_trace_event(args.trace, TW_TRACE_TILE_BEGIN, blockIdx.x, t);
+    if (threadIdx.x == 0) tw_trace_event(args.trace, tw__tile_begin_kind<kSwiglu>(), blockIdx.x, t);
     for (int pass = 0; pass * out_cols_per_pass < args.tn; pass++) {
       const int col0 = tile.col0 + pass * out_cols_per_pass;
       wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][4];
@@ -238,6 +248,11 @@ __global__ void __launch_bounds__(kV1Threads) tw_gemm_v1_kernel(tw_gemm_args arg
           tw_red_release_gpu(args.band_counters + tile.band, 1u);
         tw_trace_event(args.trace, TW_TRACE_TILE_PUBLISH, blockIdx.x, t);
       }
+    } else if (tw_trace_on(args.trace)) {
+      /* No counter to release (GEMM1): the tile is stored once every thread has passed. */
+      __syncthreads();
+      if (threadIdx.x == 0)
+        tw_trace_event(args.trace, tw__tile_publish_kind<kSwiglu>(), blockIdx.x, t);
     }
   }
 }
@@ -582,8 +597,10 @@ __global__ void __launch_bounds__(384, 1)
               tw_red_release_sys(args.band_counters + tile.band, 1u);
             else
               tw_red_release_gpu(args.band_counters + tile.band, 1u);
-            tw_trace_event(args.trace, TW_TRACE_TILE_PUBLISH, blockIdx.x, t);
           }
+          /* Published (signal) or stored (GEMM1: its stores done above, or the consumers'
+           * acquired through epi_ready). */
+          tw_trace_event(args.trace, tw__tile_publish_kind<SWIGLU>(), blockIdx.x, t);
           tw__mbar_arrive(epi_done); /* staging buffer free / tile published */
         }
       }
@@ -646,7 +663,8 @@ __global__ void __launch_bounds__(384, 1)
 
   for (int t = blockIdx.x; t < num_tiles; t += gridDim.x, it++) {
     const tw_tile tile = args.tiles[t];
-    if (threadIdx.x == 128) tw_trace_event(args.trace, TW_TRACE_TILE_BEGIN, blockIdx.x, t);
+    if (threadIdx.x == 128)
+      tw_trace_event(args.trace, tw__tile_begin_kind<SWIGLU>(), blockIdx.x, t);
 #pragma unroll
     for (int i = 0; i < Cfg::kAcc; i++) acc[i] = 0.f;
     int prev_stage = -1;
@@ -758,6 +776,12 @@ __global__ void __launch_bounds__(384, 1)
           tw_red_release_gpu(args.band_counters + tile.band, 1u);
         tw_trace_event(args.trace, TW_TRACE_TILE_PUBLISH, blockIdx.x, t);
       }
+    } else if (tw_trace_on(args.trace)) {
+      /* No counter and no epilogue warp (GEMM1 on variants 2, 3): stored once both consumer
+       * warpgroups have passed. */
+      tw__consumer_bar();
+      if (threadIdx.x == 128)
+        tw_trace_event(args.trace, tw__tile_publish_kind<SWIGLU>(), blockIdx.x, t);
     }
   }
 }
@@ -1129,6 +1153,7 @@ extern "C" tw_status tw__gemm1_swiglu_launch(const tw_gemm1_args* args, cudaStre
   g.scope = TW_SIGNAL_NONE;
   g.epilogue = TW_EPILOGUE_SWIGLU;
   g.variant = args->variant;
+  g.trace = args->trace;
   return tw__gemm_launch(&g, stream);
 }
 

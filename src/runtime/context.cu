@@ -1103,11 +1103,24 @@ extern "C" tw_status tw_context_dispatch_buffer(tw_context_t ctx, void** rows, i
 /* The cursor is 32 bits and the buffer is one allocation. */
 static const int64_t kTraceCapacityMax = (int64_t)1 << 28;
 
+#ifndef TW_TRACE_HOOKS
+#define TW_TRACE_HOOKS 1
+#endif
+
+extern "C" int tw__trace_hooks(void) {
+  return TW_TRACE_HOOKS;
+}
+
 extern "C" tw_status tw__context_trace(tw_context_t ctx, int64_t capacity) {
   TW_CHECK_NULL(ctx);
   if (capacity < 0 || capacity > kTraceCapacityMax)
     return tw__fail(TW_ERR_INVALID_SIZE, "tw__context_trace: capacity %lld; must be 0..%lld",
                     (long long)capacity, (long long)kTraceCapacityMax);
+  /* Without the hooks the kernels would record nothing: say so instead of an empty trace. */
+  if (capacity > 0 && !TW_TRACE_HOOKS)
+    return tw__fail(TW_ERR_UNSUPPORTED,
+                    "tw__context_trace: this build has the trace hooks compiled out "
+                    "(-DTW_TRACE_HOOKS=OFF); rebuild with -DTW_TRACE_HOOKS=ON (the default)");
   TW_DEVICE_SCOPE(ctx);
   TW_TRY(tw__sync_all(ctx)); /* no kernel of this context still writes into the old buffer */
   /* Stream-ordered allocation on the context's own stream: cudaMalloc / cudaFree may wait for

@@ -523,6 +523,18 @@ extern "C" tw_status tw__device_plan_work(tw_device_plan_t d, int32_t* tiles, in
   return TW_SUCCESS;
 }
 
+extern "C" tw_status tw__device_plan_gemm1_tiles(tw_device_plan_t d, const tw_tile** tiles,
+                                                 int32_t* num_tiles) {
+  TW_CHECK_NULL(d);
+  TW_CHECK_NULL(tiles);
+  TW_CHECK_NULL(num_tiles);
+  if (!d->uploaded)
+    return tw__fail(TW_ERR_STATE, "tw__device_plan_gemm1_tiles: upload a plan first");
+  *tiles = d->h_gemm1_tiles;
+  *num_tiles = d->h_gemm1_tiles != NULL ? d->num_gemm1_tiles : 0;
+  return TW_SUCCESS;
+}
+
 extern "C" tw_status tw_device_plan_expert_rows(tw_device_plan_t d, int32_t* row0, int32_t* rows,
                                                 int32_t* real_rows) {
   tw__clear_error();

@@ -448,6 +448,7 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   sg.epochs = ctx->d_epochs;
   sg.err = ctx->err;
   sg.timeout_ns = timeout_ns;
+  sg.trace = ctx->trace; /* an eager call (the dispatch is never captured) */
   TW_TRY(tw__dispatch_credit_launch(&sg, stream));
 
   /* Count pass and offsets, then the counts and the record to the host. */
@@ -464,6 +465,7 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   sa.weights_in = topk_weights;
   sa.err = ctx->d_verr;
   sa.rank = rank;
+  sa.trace = ctx->trace;
   TW_CUDA_TRY(cudaMemsetAsync(ctx->d_verr, 0, sizeof(tw_dev_error), stream));
   TW_TRY(tw__dispatch_count_launch(&sa, budget, stream));
   int32_t* row = ctx->h_row;
@@ -565,6 +567,7 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   cp.err = ctx->err;
   cp.timeout_ns = timeout_ns;
   cp.done = ctx->d_done;
+  cp.trace = ctx->trace;
   TW_TRY(tw__dispatch_copy_launch(&cp, budget, stream));
   TW_TRY(tw__dispatch_wait_launch(&sg, stream));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));

@@ -68,6 +68,9 @@ extern "C" tw_status tw__layer_gemm1(tw_context_t ctx, tw_device_plan_t d, const
     g.tiles = d->live_gemm1_tiles;
     g.live_tiles = d->live_counts + 1;
   }
+  /* Eager layers only: a capturable one may be captured, and no graph may keep the buffer's
+   * address. */
+  g.trace = ctx->capacity > 0 ? NULL : ctx->trace;
   return tw__gemm1_swiglu_launch(&g, stream);
 }
 

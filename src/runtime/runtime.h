@@ -61,6 +61,10 @@ tw_status tw__context_timeline(tw_context_t ctx, tw_combine_timings* t, float* c
 /* The work of the uploaded plan: producer tiles and consumer transfer units per call (the index
  * ranges of the trace's tile and unit records). */
 tw_status tw__device_plan_work(tw_device_plan_t d, int32_t* tiles, int32_t* units);
+/* The GEMM1 tile list of the uploaded plan (layer contexts; host copy, valid until the next
+ * upload or dispatch): *num_tiles of them (0 and NULL on other contexts). */
+tw_status tw__device_plan_gemm1_tiles(tw_device_plan_t d, const tw_tile** tiles,
+                                      int32_t* num_tiles);
 
 /* The layer's GEMM1 + SwiGLU alone, as tw_moe_layer runs it between its dispatch and its
  * combine: h (rows, ffn) = silu(expert_in w_gate^T) * (expert_in w_up^T) over dplan's GEMM1 tile
@@ -74,10 +78,13 @@ tw_status tw__context_layer_h(tw_context_t ctx, void** h);
 
 /* Tracing (src/core/trace.h; what `tilewave trace` uses). capacity > 0: a device buffer of that
  * many 16-byte records (replacing any earlier one, empty), which every eager call of this context
- * fills from then on (producer, consumer and reduction events; a call captured in a CUDA graph is
- * never traced, so no graph holds the buffer); 0: tracing off, the buffer freed. Waits for the
- * context's work first. Not collective. */
+ * fills from then on (producer, consumer, reduction, dispatch and GEMM1 events; a call captured in
+ * a CUDA graph is never traced, so no graph holds the buffer); 0: tracing off, the buffer freed.
+ * Waits for the context's work first. Not collective. */
 tw_status tw__context_trace(tw_context_t ctx, int64_t capacity);
+/* 1 where the kernels' trace hooks are compiled in (the default), 0 in a -DTW_TRACE_HOOKS=OFF
+ * build, where tw__context_trace refuses capacities > 0 (TW_ERR_UNSUPPORTED). */
+int tw__trace_hooks(void);
 /* Empties the buffer in `stream` order, after the context's last call (the next call's records
  * start at slot 0). TW_ERR_STATE when tracing is off. */
 tw_status tw__context_trace_clear(tw_context_t ctx, cudaStream_t stream);

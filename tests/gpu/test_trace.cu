@@ -9,8 +9,19 @@
  *  - a full buffer keeps `capacity` records and counts the rest as dropped (the output still
  *    identical); a call captured in a CUDA graph is not traced; tracing off again leaves the
  *    buffer alone.
- * Both consumer copy modes and both dataflows. Two ranks on two GPUs over NCCL, or --in-process W
- * on one GPU; exits 77 without the GPUs.
+ * Both consumer copy modes and both dataflows. A whole layer call (tw_moe_layer: dispatch, GEMM1 +
+ * SwiGLU, GEMM2 + combine) traced gives the untraced out and h bit for bit, and its records
+ * account for every kernel's work exactly once:
+ *  - the dispatch: each scan CTA begins and ends once per pass (count, place; the same CTAs in
+ *    both), each copy CTA begins, ends its credit wait and ends once, in that order, their rows
+ *    adding up to the rank's slots, one release of the arrivals (index W); the wait kernel begins
+ *    once and sees every source once;
+ *  - every GEMM1 tile of the uploaded list begins and is stored once, on CTA t mod its grid;
+ *  - the combine's records as above;
+ *  - stream order holds between the kernels: the place pass before the copy, every source's rows
+ *    before GEMM1's first tile, GEMM1's last tile before GEMM2's first.
+ * Two ranks on two GPUs over NCCL, or --in-process W on one GPU (W = 1 too); exits 77 without
+ * the GPUs, or in a build whose trace hooks are compiled out (-DTW_TRACE_HOOKS=OFF).
  */
 #include "overlap_common.h"
 
@@ -303,12 +314,293 @@ static void test_captured_call_not_traced(tw_rank_env* env) {
   tw_tr_free(&fx);
 }
 
+/* ---- the whole layer ---- */
+
+/* One layer call, out poisoned first; out (tokens x H) and h (rows x F) to the host. */
+static void tw_tr_layer_call(tw_rank_env* env, tw_context_t ctx, tw_device_plan_t dp,
+                             const tw_problem* p, int32_t tokens, void* x, void* ids, void* w,
+                             void* w13, void* w2, void* out, uint16_t* h_out, uint16_t* h_h,
+                             size_t* n_h) {
+  const size_t n_out = (size_t)tokens * p->hidden;
+  CHECK_OK(tw__fill_bf16(out, n_out + 8, 0xFFFF, env->stream));
+  CHECK_OK(tw_moe_layer(ctx, dp, x, ids, TW_INDEX_INT32, (const float*)w, tokens, w13, w2, out,
+                        env->stream));
+  CHECK_OK(tw_context_check(ctx));
+  if (n_out > 0) CHECK_CUDA(cudaMemcpy(h_out, out, n_out * 2, cudaMemcpyDeviceToHost));
+  tw_plan_summary sum;
+  CHECK_OK(tw_device_plan_summary_get(dp, &sum));
+  void* h = NULL;
+  CHECK_OK(tw__context_layer_h(ctx, &h));
+  *n_h = (size_t)sum.rows * p->ffn;
+  if (*n_h > 0) CHECK_CUDA(cudaMemcpy(h_h, h, *n_h * 2, cudaMemcpyDeviceToHost));
+}
+
+/* Per CTA of `kind` (index ignored): how many records and the time of the last one; the CTAs
+ * seen are 0..*ctas-1. Records of CTAs >= max are counted in *beyond. */
+static void tw_tr_per_cta(const tw_trace_record* rec, int64_t n, int kind, int match_index,
+                          uint32_t index, int max, int* count, uint64_t* ns, int* ctas,
+                          int* beyond) {
+  memset(count, 0, sizeof(int) * (size_t)max);
+  *ctas = 0;
+  *beyond = 0;
+  for (int64_t i = 0; i < n; i++) {
+    if (rec[i].kind != kind || (match_index && rec[i].index != index)) continue;
+    if (rec[i].cta >= max) {
+      (*beyond)++;
+      continue;
+    }
+    count[rec[i].cta]++;
+    ns[rec[i].cta] = rec[i].ns;
+    if (rec[i].cta + 1 > *ctas) *ctas = rec[i].cta + 1;
+  }
+}
+
+/* The earliest / latest record of a kind (UINT64_MAX / 0 when there is none). */
+static uint64_t tw_tr_first(const tw_trace_record* rec, int64_t n, int kind) {
+  uint64_t t = UINT64_MAX;
+  for (int64_t i = 0; i < n; i++)
+    if (rec[i].kind == kind && rec[i].ns < t) t = rec[i].ns;
+  return t;
+}
+static uint64_t tw_tr_last(const tw_trace_record* rec, int64_t n, int kind) {
+  uint64_t t = 0;
+  for (int64_t i = 0; i < n; i++)
+    if (rec[i].kind == kind && rec[i].ns > t) t = rec[i].ns;
+  return t;
+}
+
+/* The dispatch's and GEMM1's records of a traced layer call. */
+static void tw_tr_check_layer_records(tw_rank_env* env, tw_context_t ctx, tw_device_plan_t dp,
+                                      int32_t slots, int budget, const tw_trace_record* rec,
+                                      int64_t n) {
+  enum { kMax = 1024 };
+  int* c = (int*)calloc(kMax, sizeof(int));
+  int* c2 = (int*)calloc(kMax, sizeof(int));
+  int* c3 = (int*)calloc(kMax, sizeof(int));
+  uint64_t* t1 = (uint64_t*)calloc(kMax, 8);
+  uint64_t* t2 = (uint64_t*)calloc(kMax, 8);
+  uint64_t* t3 = (uint64_t*)calloc(kMax, 8);
+  if (!c || !c2 || !c3 || !t1 || !t2 || !t3) {
+    CHECK(!"host memory");
+    goto done;
+  }
+  {
+    /* Scan: per pass, CTAs 0..n-1 begin and end once each, begin before end; both passes on the
+     * same CTAs, within the budget. */
+    int ctas[2] = {0, 0};
+    for (int pass = 0; pass < 2; pass++) {
+      int nb = 0, ne = 0, beyond = 0;
+      tw_tr_per_cta(rec, n, TW_TRACE_SCAN_BEGIN, 1, (uint32_t)pass, kMax, c, t1, &nb, &beyond);
+      tw_tr_per_cta(rec, n, TW_TRACE_SCAN_END, 1, (uint32_t)pass, kMax, c2, t2, &ne, &beyond);
+      CHECK(beyond == 0);
+      int bad = 0;
+      for (int k = 0; k < nb || k < ne; k++) bad += c[k] != 1 || c2[k] != 1 || t1[k] > t2[k];
+      CHECKF(bad == 0 && nb == ne && nb <= budget && (slots == 0 || nb >= 1),
+             "rank %d scan pass %d: %d CTAs begin, %d end, %d not once (budget %d)", env->rank,
+             pass, nb, ne, bad, budget);
+      ctas[pass] = nb;
+    }
+    CHECKF(ctas[0] == ctas[1], "rank %d: count pass on %d CTAs, place on %d", env->rank, ctas[0],
+           ctas[1]);
+    for (int64_t i = 0; i < n; i++)
+      if (rec[i].kind == TW_TRACE_SCAN_BEGIN || rec[i].kind == TW_TRACE_SCAN_END)
+        CHECK(rec[i].index <= 1);
+  }
+  {
+    /* Copy CTAs: begin, credit, end once each, in order; their rows are the rank's slots. */
+    int nb = 0, nc = 0, ne = 0, beyond = 0;
+    tw_tr_per_cta(rec, n, TW_TRACE_SEND_BEGIN, 0, 0, kMax, c, t1, &nb, &beyond);
+    tw_tr_per_cta(rec, n, TW_TRACE_SEND_CREDIT, 0, 0, kMax, c2, t2, &nc, &beyond);
+    tw_tr_per_cta(rec, n, TW_TRACE_SEND_END, 0, 0, kMax, c3, t3, &ne, &beyond);
+    CHECK(beyond == 0);
+    int bad = 0;
+    for (int k = 0; k < nb || k < nc || k < ne; k++)
+      bad += c[k] != 1 || c2[k] != 1 || c3[k] != 1 || t1[k] > t2[k] || t2[k] > t3[k];
+    CHECKF(bad == 0 && nb == nc && nb == ne && nb >= 1 && nb <= budget,
+           "rank %d: copy CTAs %d/%d/%d, %d not once in order (budget %d)", env->rank, nb, nc, ne,
+           bad, budget);
+    int64_t rows = 0, arrive = 0;
+    for (int64_t i = 0; i < n; i++) {
+      if (rec[i].kind == TW_TRACE_SEND_END) rows += rec[i].index;
+      if (rec[i].kind == TW_TRACE_SEND_ARRIVE) {
+        arrive++;
+        CHECK((int)rec[i].index == env->nranks);
+      }
+    }
+    CHECKF(rows == slots, "rank %d: the copy CTAs sent %lld rows, the rank has %d slots", env->rank,
+           (long long)rows, slots);
+    CHECKF(arrive == 1, "rank %d: %lld releases of the arrivals", env->rank, (long long)arrive);
+    /* The copy follows the place pass in stream order. */
+    CHECK(tw_tr_last(rec, n, TW_TRACE_SCAN_END) <= tw_tr_first(rec, n, TW_TRACE_SEND_BEGIN));
+  }
+  {
+    /* The wait: one begin, every source's arrival once, after it. */
+    int begins = 0;
+    uint64_t t0 = 0;
+    memset(c, 0, sizeof(int) * kMax);
+    for (int64_t i = 0; i < n; i++) {
+      if (rec[i].kind == TW_TRACE_RECV_BEGIN) begins++, t0 = rec[i].ns;
+      if (rec[i].kind == TW_TRACE_RECV_ARRIVED && rec[i].index < (uint32_t)kMax) {
+        c[rec[i].index]++;
+        t1[rec[i].index] = rec[i].ns;
+      }
+    }
+    CHECK(begins == 1);
+    int bad = 0;
+    for (int s = 0; s < kMax; s++) bad += c[s] != (s < env->nranks) || (c[s] && t1[s] < t0);
+    CHECKF(bad == 0, "rank %d: %d sources not seen exactly once after the wait began", env->rank,
+           bad);
+  }
+  {
+    /* GEMM1: every tile of the list once, on CTA t mod its grid, begin before store; after every
+     * source's rows, and before GEMM2's first tile. */
+    const tw_tile* g1 = NULL;
+    int32_t T1 = 0;
+    CHECK_OK(tw__device_plan_gemm1_tiles(dp, &g1, &T1));
+    tw__launch_record l;
+    CHECK_OK(tw__context_last_launch(ctx, &l));
+    int* cb = (int*)calloc((size_t)T1 + 1, sizeof(int));
+    int* cp = (int*)calloc((size_t)T1 + 1, sizeof(int));
+    int* kb = (int*)calloc((size_t)T1 + 1, sizeof(int));
+    int* kp = (int*)calloc((size_t)T1 + 1, sizeof(int));
+    uint64_t* tb = (uint64_t*)calloc((size_t)T1 + 1, 8);
+    uint64_t* tp = (uint64_t*)calloc((size_t)T1 + 1, 8);
+    int foreign = 0, max_cta = -1;
+    for (int64_t i = 0; cb && cp && kb && kp && tb && tp && i < n; i++) {
+      if (rec[i].kind != TW_TRACE_GEMM1_BEGIN && rec[i].kind != TW_TRACE_GEMM1_PUBLISH) continue;
+      if (rec[i].index >= (uint32_t)T1) {
+        foreign++;
+        continue;
+      }
+      const int pub = rec[i].kind == TW_TRACE_GEMM1_PUBLISH;
+      (pub ? cp : cb)[rec[i].index]++;
+      (pub ? kp : kb)[rec[i].index] = rec[i].cta;
+      (pub ? tp : tb)[rec[i].index] = rec[i].ns;
+      if (rec[i].cta > max_cta) max_cta = rec[i].cta;
+    }
+    const int grid = T1 < budget ? T1 : budget;
+    CHECKF(l.gemm1_ctas == grid, "rank %d: GEMM1 ran on %d CTAs, %d tiles on a budget of %d",
+           env->rank, l.gemm1_ctas, T1, budget);
+    int bad = 0;
+    for (int32_t t = 0; cb && cp && kb && kp && tb && tp && t < T1; t++) {
+      const int ok =
+          cb[t] == 1 && cp[t] == 1 && kb[t] == kp[t] && kb[t] == t % grid && tb[t] <= tp[t];
+      if (!ok && bad++ < 5)
+        fprintf(stderr, "  rank %d GEMM1 tile %d: %d begins, %d stores, CTAs %d/%d (grid %d)\n",
+                env->rank, t, cb[t], cp[t], kb[t], kp[t], grid);
+    }
+    CHECKF(bad == 0 && foreign == 0,
+           "rank %d: %d of %d GEMM1 tiles not traced exactly once, %d "
+           "outside the list",
+           env->rank, bad, T1, foreign);
+    CHECK(max_cta < grid);
+    if (T1 > 0) {
+      CHECK(tw_tr_last(rec, n, TW_TRACE_RECV_ARRIVED) <= tw_tr_first(rec, n, TW_TRACE_GEMM1_BEGIN));
+      const uint64_t g2 = tw_tr_first(rec, n, TW_TRACE_TILE_BEGIN);
+      if (g2 != UINT64_MAX) CHECK(tw_tr_last(rec, n, TW_TRACE_GEMM1_PUBLISH) <= g2);
+    }
+    free(cb), free(cp), free(kb), free(kp), free(tb), free(tp);
+  }
+done:
+  free(c), free(c2), free(c3), free(t1), free(t2), free(t3);
+}
+
+static void test_traced_layer_identical_and_complete(tw_rank_env* env) {
+  const tw_problem p = tw_rank_problem(env, 1024, 512, 8, 2, 256);
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  cc.layer = 1;
+  cc.dataflow = TW_DATAFLOW_REDUCE;
+  tw_context_t ctx = NULL;
+  CHECK_OK(tw_rank_context_create(env, &p, &cc, &ctx));
+  if (ctx == NULL) return;
+  tw_context_info info;
+  CHECK_OK(tw_context_info_get(ctx, &info));
+  tw_device_plan_t dp = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  int64_t rows_max = 0;
+  CHECK_OK(tw_context_dispatch_buffer(ctx, NULL, &rows_max));
+  const size_t T = (size_t)p.max_tokens, H = (size_t)p.hidden, F = (size_t)p.ffn;
+  const size_t K = (size_t)p.top_k, E = (size_t)(p.experts / p.world_size);
+  void *x = NULL, *ids = NULL, *w = NULL, *w13 = NULL, *w2 = NULL, *out = NULL;
+  CHECK_CUDA(cudaMalloc(&x, T * H * 2 + 16));
+  CHECK_CUDA(cudaMalloc(&ids, T * K * 8 + 8));
+  CHECK_CUDA(cudaMalloc(&w, T * K * 4 + 4));
+  CHECK_CUDA(cudaMalloc(&w13, E * 2 * F * H * 2));
+  CHECK_CUDA(cudaMalloc(&w2, E * H * F * 2));
+  CHECK_CUDA(cudaMalloc(&out, T * H * 2 + 16));
+  uint16_t* h_x = (uint16_t*)malloc(T * H * 2 + 16);
+  int64_t* h_ids64 = (int64_t*)malloc(T * K * 8 + 8);
+  uint16_t* h_w13 = (uint16_t*)malloc(E * 2 * F * H * 2);
+  uint16_t* h_w2 = (uint16_t*)malloc(E * H * F * 2);
+  uint16_t *ref = (uint16_t*)malloc(T * H * 2 + 16), *now = (uint16_t*)malloc(T * H * 2 + 16);
+  uint16_t* ref_h = (uint16_t*)malloc((size_t)rows_max * F * 2 + 16);
+  uint16_t* now_h = (uint16_t*)malloc((size_t)rows_max * F * 2 + 16);
+  tw_routing_t rt = NULL;
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = r % 2 ? p.max_tokens - 37 : p.max_tokens;
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_MODERATE_SKEW, tokens, 777, &rt));
+  if (dp != NULL && rt != NULL && h_x && h_ids64 && h_w13 && h_w2 && ref && now && ref_h && now_h) {
+    /* Weights times 2^-4 (exact in bf16): SwiGLU in its curved part, no overflow. */
+    for (size_t i = 0; i < E * 2 * F * H; i++)
+      h_w13[i] = tw_f2bf(0.0625f * tw_uniform_bf16(91, (uint64_t)env->rank, i, 3));
+    for (size_t i = 0; i < E * H * F; i++)
+      h_w2[i] = tw_f2bf(0.0625f * tw_uniform_bf16(92, (uint64_t)env->rank, i, 4));
+    CHECK_CUDA(cudaMemcpy(w13, h_w13, E * 2 * F * H * 2, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(w2, h_w2, E * H * F * 2, cudaMemcpyHostToDevice));
+    tw_upload_routed_inputs(env, &p, rt, 4321, 0, h_x, h_ids64, x, ids, w);
+    const int32_t nt = tokens[env->rank];
+    size_t n_h = 0, n_h2 = 0;
+    tw_tr_layer_call(env, ctx, dp, &p, nt, x, ids, w, w13, w2, out, ref, ref_h, &n_h); /* off */
+    const int64_t cap = 1 << 17;
+    CHECK_OK(tw__context_trace(ctx, cap));
+    tw_trace_record* rec = (tw_trace_record*)malloc(sizeof(tw_trace_record) * (size_t)cap);
+    for (int round = 0; round < 2 && rec != NULL; round++) {
+      CHECK_OK(tw__context_trace_clear(ctx, env->stream));
+      tw_tr_layer_call(env, ctx, dp, &p, nt, x, ids, w, w13, w2, out, now, now_h, &n_h2);
+      CHECKF(memcmp(ref, now, (size_t)nt * H * 2) == 0,
+             "rank %d round %d: the traced layer's out differs from the untraced one", env->rank,
+             round);
+      CHECKF(n_h == n_h2 && memcmp(ref_h, now_h, n_h * 2) == 0,
+             "rank %d round %d: the traced layer's h differs from the untraced one", env->rank,
+             round);
+      int64_t n = 0, dropped = -1;
+      CHECK_OK(tw__context_trace_read(ctx, rec, cap, &n, &dropped));
+      CHECK(dropped == 0);
+      tw_tr_fixture fx;
+      memset(&fx, 0, sizeof fx);
+      fx.ctx = ctx;
+      CHECK_OK(tw__device_plan_work(dp, &fx.tiles, &fx.units));
+      tw_tr_check_records(env, &fx, rec, n);
+      tw_tr_check_layer_records(env, ctx, dp, nt * p.top_k, info.sm_budget, rec, n);
+      if (env->rank == 0 && round == 0)
+        printf("  layer: %d tiles, %d units, %lld records\n", fx.tiles, fx.units, (long long)n);
+    }
+    /* Off again: the same bits, nothing recorded. */
+    CHECK_OK(tw__context_trace(ctx, 0));
+    tw_tr_layer_call(env, ctx, dp, &p, nt, x, ids, w, w13, w2, out, now, now_h, &n_h2);
+    CHECK(memcmp(ref, now, (size_t)nt * H * 2) == 0);
+    free(rec);
+  }
+  tw_routing_destroy(rt);
+  void* dev[] = {x, ids, w, w13, w2, out};
+  for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) cudaFree(dev[i]);
+  free(h_x), free(h_ids64), free(h_w13), free(h_w2), free(ref), free(now), free(ref_h);
+  free(now_h);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
 static const tw_rank_case kCases[] = {
     {"traced_call_identical_and_complete", test_traced_call_identical_and_complete},
     {"traced_call_add_dataflow", test_traced_call_add_dataflow},
     {"captured_call_not_traced", test_captured_call_not_traced},
+    {"traced_layer_identical_and_complete", test_traced_layer_identical_and_complete},
 };
 
 int main(int argc, char** argv) {
+  if (!tw__trace_hooks()) {
+    printf("the trace hooks are compiled out (-DTW_TRACE_HOOKS=OFF): skipped\n");
+    return 77;
+  }
   return tw_rank_test_main(argc, argv, kCases, (int)(sizeof kCases / sizeof kCases[0]), 600);
 }

@@ -1,8 +1,9 @@
 /*
  * test_trace_json.c: the conversion of a traced call's records into trace-event JSON
- * (harness/trace_json.c), on synthetic records of two ranks: the spans built from them (names,
- * tracks, times, durations, nesting), what is left as instants, the metadata events, and the
- * file. `test_trace_json --out FILE` also keeps the file, which ctest then hands to
+ * (harness/trace_json.c), on synthetic records of two ranks of a combine and a third of a layer's
+ * first half (dispatch scan, send, wait, GEMM1): the spans built from them (names, tracks, times,
+ * durations, nesting), what is left as instants, the metadata events, and the file.
+ * `test_trace_json --out FILE` also keeps the file, which ctest then hands to
  * tests/python/trace_check.py (the format's own checks, by a JSON parser).
  */
 #include <stdint.h>
@@ -31,9 +32,57 @@ static tw_trace_record rec(uint64_t ns_from_t0, int kind, int cta, uint32_t inde
  * track), C = 2 consumer CTAs with 3 units (unit 0 waits for a credit), 2 reduction CTAs; the
  * records out of order, one duplicate and one foreign record. Rank 1: one tile, one unit that
  * only got claimed (a timeout), one reduction CTA without its end. */
-static tw_trace_record r0[64], r1[16];
-static int n0, n1;
-static tw_tile tiles0[4];
+static tw_trace_record r0[64], r1[16], r2[32];
+static int n0, n1, n2;
+static tw_tile tiles0[4], g1tiles2[3];
+
+/* Rank 2, a layer's dispatch and GEMM1: two scan CTAs (count on both, place on CTA 0), two copy
+ * CTAs (CTA 0 releases the arrivals), the wait for three sources, three GEMM1 tiles on P = 2
+ * (CTA 0's tile 2 begins before tile 0 is stored: a second track) and one GEMM1 record outside
+ * the tile list. */
+static void build_layer_records(void) {
+  n2 = 0;
+  r2[n2++] = rec(0, TW_TRACE_SCAN_BEGIN, 0, 0);
+  r2[n2++] = rec(800, TW_TRACE_SCAN_END, 0, 0);
+  r2[n2++] = rec(10, TW_TRACE_SCAN_BEGIN, 1, 0);
+  r2[n2++] = rec(700, TW_TRACE_SCAN_END, 1, 0);
+  r2[n2++] = rec(5000, TW_TRACE_SCAN_BEGIN, 0, 1);
+  r2[n2++] = rec(5600, TW_TRACE_SCAN_END, 0, 1);
+  r2[n2++] = rec(6000, TW_TRACE_SEND_BEGIN, 0, 0);
+  r2[n2++] = rec(6100, TW_TRACE_SEND_CREDIT, 0, 0);
+  r2[n2++] = rec(9000, TW_TRACE_SEND_END, 0, 40);
+  r2[n2++] = rec(6010, TW_TRACE_SEND_BEGIN, 1, 0);
+  r2[n2++] = rec(6500, TW_TRACE_SEND_CREDIT, 1, 0);
+  r2[n2++] = rec(8800, TW_TRACE_SEND_END, 1, 38);
+  r2[n2++] = rec(9050, TW_TRACE_SEND_ARRIVE, 0, 3);
+  r2[n2++] = rec(6020, TW_TRACE_RECV_BEGIN, 0, 0);
+  r2[n2++] = rec(9400, TW_TRACE_RECV_ARRIVED, 0, 1);
+  r2[n2++] = rec(9100, TW_TRACE_RECV_ARRIVED, 0, 0);
+  r2[n2++] = rec(9800, TW_TRACE_RECV_ARRIVED, 0, 2);
+  r2[n2++] = rec(10000, TW_TRACE_GEMM1_BEGIN, 0, 0);
+  r2[n2++] = rec(12000, TW_TRACE_GEMM1_PUBLISH, 0, 0);
+  r2[n2++] = rec(11500, TW_TRACE_GEMM1_BEGIN, 0, 2);
+  r2[n2++] = rec(14000, TW_TRACE_GEMM1_PUBLISH, 0, 2);
+  r2[n2++] = rec(10100, TW_TRACE_GEMM1_BEGIN, 1, 1);
+  r2[n2++] = rec(12100, TW_TRACE_GEMM1_PUBLISH, 1, 1);
+  r2[n2++] = rec(13000, TW_TRACE_GEMM1_PUBLISH, 1, 5); /* not in the list */
+  for (int t = 0; t < 3; t++) {
+    memset(&g1tiles2[t], 0, sizeof g1tiles2[t]);
+    g1tiles2[t].expert = t;
+    g1tiles2[t].row0 = t * 128;
+    g1tiles2[t].col0 = 128 * (t % 2);
+  }
+}
+
+static void layer_rank_of(tw__trace_rank* r) {
+  memset(r, 0, sizeof *r);
+  r->rank = 2;
+  r->records = r2;
+  r->count = n2;
+  r->budget = 66, r->gemm1_ctas = 2;
+  r->num_gemm1_tiles = 3;
+  r->gemm1_tiles = g1tiles2;
+}
 
 static void build_records(void) {
   n0 = n1 = 0;
@@ -134,6 +183,8 @@ static const char* thread_label(const tw__trace_event* ev, int64_t n, int pid, i
   return NULL;
 }
 
+static void check_file_order(const tw__trace_event* ev, int64_t n);
+
 static void test_spans_and_tracks(void) {
   build_records();
   tw__trace_rank ranks[2];
@@ -209,8 +260,13 @@ static void test_spans_and_tracks(void) {
       procs += strcmp(ev[i].label, ev[i].pid == 0 ? "rank 0" : "rank 1") == 0;
   CHECK(procs == 2);
 
-  /* File order: metadata first; then per (pid, tid) by time, longer first; durations >= 0; the
-   * X events of a track nest; every track with events is named. */
+  check_file_order(ev, n);
+  free(ev);
+}
+
+/* File order: metadata first; then per (pid, tid) by time, longer first; durations >= 0; the X
+ * events of a track nest; every track with events is named. */
+static void check_file_order(const tw__trace_event* ev, int64_t n) {
   int64_t first_plain = -1;
   for (int64_t i = 0; i < n; i++) {
     if (ev[i].ph != 'M' && first_plain < 0) first_plain = i;
@@ -237,6 +293,72 @@ static void test_spans_and_tracks(void) {
       break;
     }
   }
+}
+
+static void test_layer_tracks(void) {
+  build_layer_records();
+  tw__trace_rank r;
+  layer_rank_of(&r);
+  tw__trace_event* ev = NULL;
+  int64_t n = 0;
+  tw__trace_stats st;
+  CHECK(tw__trace_build(&r, 1, &ev, &n, &st) == 0);
+  if (ev == NULL) return;
+  CHECK(st.t0_ns == T0);
+  CHECK(st.gemm1_tiles == 3 && st.tiles == 0 && st.units == 0);
+  CHECKF(st.scan_ctas == 2 && st.send_ctas == 2 && st.recv_waits == 1, "scan %lld send %lld",
+         (long long)st.scan_ctas, (long long)st.send_ctas);
+  CHECK(st.foreign == 1 && st.duplicates == 0 && st.partial == 0 && st.clamped == 0);
+  CHECK(st.overlap_tracks == 1);
+  const int32_t g0 = tw__trace_tid(TW__TRACE_GEMM1, 0, 0),
+                g0b = tw__trace_tid(TW__TRACE_GEMM1, 0, 1),
+                g1 = tw__trace_tid(TW__TRACE_GEMM1, 1, 0);
+  const int32_t s0 = tw__trace_tid(TW__TRACE_SCAN, 0, 0), s1 = tw__trace_tid(TW__TRACE_SCAN, 1, 0);
+  const int32_t d0 = tw__trace_tid(TW__TRACE_SEND, 0, 0), d1 = tw__trace_tid(TW__TRACE_SEND, 1, 0);
+  const int32_t w0 = tw__trace_tid(TW__TRACE_RECV, 0, 0);
+  const tw__trace_event* e = find(ev, n, 2, g0, "gemm1 tile", 10000);
+  CHECK(e != NULL && e->dur == 2000 && arg_of(e, "tile") == 0 && arg_of(e, "band") == -1);
+  e = find(ev, n, 2, g0b, "gemm1 tile", 11500);
+  CHECK(e != NULL && e->dur == 2500 && arg_of(e, "expert") == 2 && arg_of(e, "row0") == 256);
+  e = find(ev, n, 2, g1, "gemm1 tile", 10100);
+  CHECK(e != NULL && e->dur == 2000 && arg_of(e, "col0") == 128);
+  e = find(ev, n, 2, s0, "count", 0);
+  CHECK(e != NULL && e->dur == 800 && arg_of(e, "pass") == 0);
+  e = find(ev, n, 2, s0, "place", 5000);
+  CHECK(e != NULL && e->dur == 600 && arg_of(e, "pass") == 1);
+  e = find(ev, n, 2, s1, "count", 10);
+  CHECK(e != NULL && e->dur == 690);
+  e = find(ev, n, 2, d0, "send CTA", 6000);
+  CHECK(e != NULL && e->dur == 3000 && arg_of(e, "rows") == 40);
+  e = find(ev, n, 2, d0, "wait credit", 6000);
+  CHECK(e != NULL && e->dur == 100);
+  e = find(ev, n, 2, d0, "copy rows", 6100);
+  CHECK(e != NULL && e->dur == 2900 && arg_of(e, "rows") == 40);
+  e = find(ev, n, 2, d1, "copy rows", 6500);
+  CHECK(e != NULL && e->dur == 2300 && arg_of(e, "rows") == 38);
+  e = find(ev, n, 2, d0, "arrivals released", 9050);
+  CHECK(e != NULL && e->ph == 'i' && arg_of(e, "ranks") == 3);
+  e = find(ev, n, 2, w0, "wait rows", 6020);
+  CHECK(e != NULL && e->ph == 'X' && e->dur == 3780);
+  e = find(ev, n, 2, w0, "rows arrived", 9400);
+  CHECK(e != NULL && e->ph == 'i' && arg_of(e, "source") == 1);
+  CHECK(thread_label(ev, n, 2, g0) && strcmp(thread_label(ev, n, 2, g0), "gemm1 CTA 0") == 0);
+  CHECK(thread_label(ev, n, 2, g0b) &&
+        strcmp(thread_label(ev, n, 2, g0b), "gemm1 CTA 0 (overlap 1)") == 0);
+  CHECK(thread_label(ev, n, 2, s1) &&
+        strcmp(thread_label(ev, n, 2, s1), "dispatch scan CTA 1") == 0);
+  CHECK(thread_label(ev, n, 2, d0) &&
+        strcmp(thread_label(ev, n, 2, d0), "dispatch send CTA 0") == 0);
+  CHECK(thread_label(ev, n, 2, w0) && strcmp(thread_label(ev, n, 2, w0), "dispatch wait") == 0);
+  /* The tracks sort in the layer's order: the dispatch's before GEMM1's before the producer's. */
+  int64_t si_scan = -1, si_g1 = -1;
+  for (int64_t i = 0; i < n; i++)
+    if (ev[i].ph == 'M' && strcmp(ev[i].name, "thread_sort_index") == 0) {
+      if (ev[i].tid == s0) si_scan = arg_of(&ev[i], "sort_index");
+      if (ev[i].tid == g0) si_g1 = arg_of(&ev[i], "sort_index");
+    }
+  CHECK(si_scan >= 0 && si_g1 > si_scan);
+  check_file_order(ev, n);
   free(ev);
 }
 
@@ -264,8 +386,10 @@ static int json_balanced(const char* s) {
 
 static void test_json_file(void) {
   build_records();
-  tw__trace_rank ranks[2];
+  build_layer_records();
+  tw__trace_rank ranks[3];
   ranks_of(ranks);
+  layer_rank_of(&ranks[2]);
   tw__trace_info info;
   memset(&info, 0, sizeof info);
   info.model = "granite-3.1-1b-a400m";
@@ -274,12 +398,13 @@ static void test_json_file(void) {
   info.router = "balanced", info.dataflow = "reduce", info.team = "in-process";
   info.device = "test \"device\"\n"; /* escaped in the file */
   info.warmup = 3;
+  info.op = "layer";
   FILE* f = g_out ? fopen(g_out, "w+") : tmpfile();
   CHECK(f != NULL);
   if (f == NULL) return;
   tw__trace_stats st;
-  CHECK(tw__trace_write_json(f, &info, ranks, 2, &st) == 0);
-  CHECK(st.tiles == 5 && st.units == 3);
+  CHECK(tw__trace_write_json(f, &info, ranks, 3, &st) == 0);
+  CHECK(st.tiles == 5 && st.units == 3 && st.gemm1_tiles == 3 && st.send_ctas == 2);
   const long size = ftell(f);
   char* text = (char*)malloc((size_t)size + 1);
   rewind(f);
@@ -294,6 +419,7 @@ static void test_json_file(void) {
   CHECK(strstr(text, "\"budget\": 66") != NULL && strstr(text, "\"schedule\": \"remote-first\""));
   CHECK(strstr(text, "\"predicted_us\": 12.500") != NULL);
   CHECK(strstr(text, "\"dropped\": 3") != NULL);
+  CHECK(strstr(text, "\"op\": \"layer\"") != NULL && strstr(text, "\"gemm1_tiles\": 3") != NULL);
   CHECK(strstr(text, "test \\\"device\\\"\\u000a") != NULL);
   /* Microseconds with 3 decimals: tile 2 of rank 0 at 4 us for 5 us. */
   CHECK(strstr(text,
@@ -340,6 +466,7 @@ int main(int argc, char** argv) {
   }
   static const tw_test_case cases[] = {
       TW_TEST(test_spans_and_tracks),
+      TW_TEST(test_layer_tracks),
       TW_TEST(test_json_file),
       TW_TEST(test_empty_and_clamped),
   };
