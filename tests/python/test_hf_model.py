@@ -189,6 +189,9 @@ class ExpertsSwap:
         self.blocks = []
         for name, block in sparse_blocks(model):
             hf = block.experts
+            if isinstance(hf, TilewaveExperts):
+                raise UnsupportedExperts("%s.experts is already replaced; use('hf') on the swap "
+                                         "that replaced it first" % name)
             if isinstance(hf, torch.nn.ModuleList):
                 raise UnsupportedExperts(
                     "%s.experts is a per-expert nn.ModuleList: the block's forward calls each "
@@ -580,9 +583,13 @@ class TestMapping(unittest.TestCase):
         with self.assertRaisesRegex(UnsupportedExperts, r"ffn .* 1400: .*multiple of 64"):
             check_tilewave_shapes(2048, 1400)
         check_tilewave_shapes(2048, 1408)
+        model = build(*tiny(mixtral), torch.float32, "cpu", SEED)
+        swap = ExpertsSwap(model, PyTorchMoELayer)
         with self.assertRaisesRegex(ValueError, r"'hf' or 'tilewave'"):
-            ExpertsSwap(build(*tiny(mixtral), torch.float32, "cpu", SEED),
-                        PyTorchMoELayer).use("tw")
+            swap.use("tw")
+        swap.use("tilewave")
+        with self.assertRaisesRegex(UnsupportedExperts, r"already replaced"):
+            ExpertsSwap(model, PyTorchMoELayer)
 
     def test_real_shapes_fit_tilewave(self):
         # The GPU run's models, by their configs alone: expert shapes tilewave accepts, and the
