@@ -694,8 +694,10 @@ typedef struct tw_combine_options {
  * without synchronising. Device-side failures (a wait that exceeded the timeout) surface as
  * TW_ERR_TIMEOUT from tw_context_check() or from the next call on this context once this one
  * has completed; after that every call returns TW_ERR_STATE until tw_context_reset(). Ranks whose
- * plans disagree (planned from different routings) are caught where rows arrive: a source that
- * delivers more than the owner's plan expects fails the call with TW_ERR_INVALID_ARGUMENT.
+ * plans disagree (planned from different routings, counts or problems) are caught where rows
+ * arrive: a source that delivers more than the owner's plan expects, or whose plan's fingerprint
+ * differs from the owner's, fails the call with TW_ERR_INVALID_ARGUMENT on the owner (and
+ * through tw_context_check on every rank).
  * CUDA graphs (reduce dataflow, timing off): the call may be captured on `stream`; each replay
  * is one call, with the inputs' and dplan's contents at replay time. Rules: (1) launch the graph
  * on one stream, or order its launches after every other call on the context yourself (a
@@ -705,10 +707,11 @@ typedef struct tw_combine_options {
  * reported by tw_context_check(), not by the next call; (4) every rank instantiates and uploads
  * its graph (cudaGraphInstantiate, cudaGraphUpload) before any rank launches one: both can wait
  * for the device, and on an in-process team that device runs the peers' spinning kernels. Every
- * rank captures and replays the same sequence. A capture that fails leaves the context as it
- * was. Verified on a world of 1; several ranks: see docs/runtime.md. On a device plan of the
- * capturable dispatch (tw_context_config.dispatch_capacity) the call computes and sends the bands
- * with live rows of the last dispatch into dplan (read on the device). */
+ * rank captures and replays the same sequence. A captured call is one chain of kernels on
+ * `stream` (the consumer runs beside the producer as its programmatic dependent), so a graph
+ * of it forks nothing. A capture that fails leaves the context as it was. On a device plan of
+ * the capturable dispatch (tw_context_config.dispatch_capacity) the call computes and sends the
+ * bands with live rows of the last dispatch into dplan (read on the device). */
 TW_API tw_status tw_moe_combine(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
                                 const void* w2, void* out, cudaStream_t stream);
 /* As tw_moe_combine, with options (NULL = defaults). */
