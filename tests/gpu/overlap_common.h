@@ -42,6 +42,7 @@ typedef struct tw_rank_env {
   int rank, nranks;
   ncclComm_t comm;   /* NCCL team: this rank's communicator (NULL in-process) */
   tw_team_t team;    /* in-process team the contexts are created on (NULL over NCCL) */
+  tw_team_t team2;   /* in-process: a second team, for a second context per rank */
   tw__team* verdict; /* in-process: this rank's view of a second team, for the harness's sums */
   cudaStream_t stream;
   int32_t* d_flag; /* one int for agreeing on verdicts */
@@ -52,6 +53,15 @@ static inline tw_status tw_rank_context_create(const tw_rank_env* env, const tw_
                                                const tw_context_config* cc, tw_context_t* ctx) {
   return env->team != NULL ? tw_context_create_on_team(p, env->team, env->rank, cc, ctx)
                            : tw_context_create(p, env->comm, cc, ctx);
+}
+
+/* A second context of this rank, beside the first (an in-process team holds one context per
+ * rank; a communicator holds several). */
+static inline tw_status tw_rank_context_create_second(const tw_rank_env* env, const tw_problem* p,
+                                                      const tw_context_config* cc,
+                                                      tw_context_t* ctx) {
+  return env->team2 != NULL ? tw_context_create_on_team(p, env->team2, env->rank, cc, ctx)
+                            : tw_context_create(p, env->comm, cc, ctx);
 }
 
 /* A test problem for this run's world: the expert count rounded up to a multiple of the ranks
@@ -207,8 +217,9 @@ static inline int tw_in_process_main(const tw_rank_case* cases, int n, int world
     printf("needs 1 GPU, found 0: skipped\n0 passed, 0 failed\n");
     return TW_TEST_SKIP;
   }
-  tw_team_t team = NULL, verdicts = NULL;
+  tw_team_t team = NULL, team2 = NULL, verdicts = NULL;
   tw_status st = tw_team_create(world, 0, &team);
+  if (st == TW_SUCCESS) st = tw_team_create(world, 0, &team2);
   if (st == TW_SUCCESS) st = tw_team_create(world, 0, &verdicts);
   if (st != TW_SUCCESS) {
     printf("FAILED: tw_team_create(%d): %s (%s)\n", world, tw_status_string(st), tw_last_error());
@@ -223,6 +234,7 @@ static inline int tw_in_process_main(const tw_rank_case* cases, int n, int world
     ranks[r].env.rank = r;
     ranks[r].env.nranks = world;
     ranks[r].env.team = team;
+    ranks[r].env.team2 = team2;
     ranks[r].cases = &l;
     if (tw__team_local_join(verdicts, r, &ranks[r].env.verdict) != TW_SUCCESS) {
       printf("FAILED: joining the verdict team: %s\n", tw_last_error());
@@ -239,7 +251,8 @@ static inline int tw_in_process_main(const tw_rank_case* cases, int n, int world
     failed += ranks[r].failed != 0;
     ranks[r].env.verdict->ops->release(ranks[r].env.verdict);
   }
-  if (tw_team_destroy(team) != TW_SUCCESS || tw_team_destroy(verdicts) != TW_SUCCESS) {
+  if (tw_team_destroy(team) != TW_SUCCESS || tw_team_destroy(team2) != TW_SUCCESS ||
+      tw_team_destroy(verdicts) != TW_SUCCESS) {
     printf("FAILED: tw_team_destroy: %s\n", tw_last_error());
     failed++;
   }

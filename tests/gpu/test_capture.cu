@@ -108,7 +108,7 @@ static tw_status tw_cap_contexts(tw_rank_env* env, const tw_problem* p, const tw
   tw_status st = tw_rank_context_create(env, p, &cc, eager);
   if (st != TW_SUCCESS) return st;
   cc.dispatch_capacity = c->capacity;
-  return tw_rank_context_create(env, p, &cc, capt);
+  return tw_rank_context_create_second(env, p, &cc, capt);
 }
 
 /* One call of either mode into out: dispatch + combine, or the layer. */
