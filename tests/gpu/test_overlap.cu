@@ -868,6 +868,54 @@ static void test_graph_replays(tw_rank_env* env) {
   CHECK_OK(tw_context_destroy(ctx));
 }
 
+/* The disagreement cases' common part, on a context of its own (2 s timeout): this rank plans
+ * from `mine` (its peers from theirs); within `calls` calls tw_context_check must report
+ * TW_ERR_INVALID_ARGUMENT on every rank; after a reset every rank's plan from `good` runs and
+ * its output is checked (tw_run_mode). same_sizes: the two plans must have equal sizes (the
+ * arrival counts cannot tell them apart). */
+static void tw_expect_disagreement(tw_rank_env* env, const tw_problem* p, tw_routing_t mine,
+                                   tw_routing_t good_rt, int calls, int same_sizes, uint64_t salt,
+                                   const char* what) {
+  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
+  cc.timeout_ms = 2000;
+  tw_context_t ctx = NULL;
+  CHECK_OK(tw_rank_context_create(env, p, &cc, &ctx));
+  if (ctx == NULL) return;
+  tw_device_plan_t dp = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  tw_buffers b;
+  CHECK(tw_alloc_buffers(p, &b));
+  tw_upload_w2(p, env->rank, salt, &b);
+  tw_plan_t plan = NULL, good = NULL;
+  if (mine != NULL) CHECK_OK(tw_plan_create(p, mine, env->rank, NULL, &plan));
+  if (good_rt != NULL) CHECK_OK(tw_plan_create(p, good_rt, env->rank, NULL, &good));
+  if (plan != NULL && good != NULL && dp != NULL) {
+    if (same_sizes) CHECK(plan->rows == good->rows && plan->recv_rows == good->recv_rows);
+    tw_fill_expert_in(plan, salt + 1, b.h_in);
+    CHECK_CUDA(
+        cudaMemcpy(b.expert_in, b.h_in, (size_t)plan->rows * p->ffn * 2, cudaMemcpyHostToDevice));
+    CHECK_OK(tw_device_plan_upload(dp, plan, mine, env->stream));
+    tw_status st = TW_SUCCESS;
+    for (int call = 0; call < calls && st == TW_SUCCESS; call++) {
+      CHECK_OK(tw_moe_combine(ctx, dp, b.expert_in, b.w2, b.out, env->stream));
+      st = tw_context_check(ctx);
+    }
+    CHECKF(st == TW_ERR_INVALID_ARGUMENT, "rank %d: %s gave %s (%s)", env->rank, what,
+           tw_status_string(st), tw_last_error());
+    CHECK_OK(tw_context_reset(ctx));
+    tw_fill_expert_in(good, salt + 2, b.h_in);
+    CHECK_CUDA(
+        cudaMemcpy(b.expert_in, b.h_in, (size_t)good->rows * p->ffn * 2, cudaMemcpyHostToDevice));
+    CHECK_OK(tw_device_plan_upload(dp, good, good_rt, env->stream));
+    tw_run_mode(env, ctx, dp, &b, p->max_tokens, p->hidden, TW_COMBINE_OVERLAP, 0, b.h_out);
+  }
+  tw_plan_destroy(plan);
+  tw_plan_destroy(good);
+  tw_free_buffers(&b);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
 /* Ranks that plan a call from different routings: rank 0 plans as if rank 1 held every token,
  * the others as if it held one (all else equal), so rank 0 sends rank 1 far more units than
  * rank 1's plan expects. Before, owners compared running totals with >= and passed, reading rows
@@ -880,52 +928,16 @@ static void test_plans_disagree(tw_rank_env* env) {
     return;
   }
   tw_problem p = tw_rank_problem(env, 1024, 256, 16, 2, 512);
-  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
-  cc.timeout_ms = 2000;
-  tw_context_t ctx = NULL;
-  CHECK_OK(tw_rank_context_create(env, &p, &cc, &ctx));
-  if (ctx == NULL) return;
-  tw_device_plan_t dp = NULL;
-  CHECK_OK(tw_device_plan_create(ctx, &dp));
-  tw_buffers b;
-  CHECK(tw_alloc_buffers(&p, &b));
-  tw_upload_w2(&p, env->rank, 121, &b);
   int32_t full[TW_MAX_RANKS], one[TW_MAX_RANKS];
   for (int r = 0; r < env->nranks; r++) full[r] = one[r] = p.max_tokens;
   one[1] = 1;
   tw_routing_t rt_full = NULL, rt_one = NULL;
   CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, full, 122, &rt_full));
   CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, one, 122, &rt_one));
-  tw_routing_t mine = env->rank == 0 ? rt_full : rt_one;
-  tw_plan_t plan = NULL, good = NULL;
-  if (mine != NULL) CHECK_OK(tw_plan_create(&p, mine, env->rank, NULL, &plan));
-  if (rt_full != NULL) CHECK_OK(tw_plan_create(&p, rt_full, env->rank, NULL, &good));
-  if (plan != NULL && good != NULL && dp != NULL) {
-    tw_fill_expert_in(plan, 123, b.h_in);
-    CHECK_CUDA(
-        cudaMemcpy(b.expert_in, b.h_in, (size_t)plan->rows * p.ffn * 2, cudaMemcpyHostToDevice));
-    CHECK_OK(tw_device_plan_upload(dp, plan, mine, env->stream));
-    tw_status st = TW_SUCCESS;
-    for (int call = 0; call < 2 && st == TW_SUCCESS; call++) {
-      CHECK_OK(tw_moe_combine(ctx, dp, b.expert_in, b.w2, b.out, env->stream));
-      st = tw_context_check(ctx);
-    }
-    CHECKF(st == TW_ERR_INVALID_ARGUMENT, "rank %d: plans that disagree gave %s (%s)", env->rank,
-           tw_status_string(st), tw_last_error());
-    CHECK_OK(tw_context_reset(ctx));
-    tw_fill_expert_in(good, 124, b.h_in);
-    CHECK_CUDA(
-        cudaMemcpy(b.expert_in, b.h_in, (size_t)good->rows * p.ffn * 2, cudaMemcpyHostToDevice));
-    CHECK_OK(tw_device_plan_upload(dp, good, rt_full, env->stream));
-    tw_run_mode(env, ctx, dp, &b, p.max_tokens, p.hidden, TW_COMBINE_OVERLAP, 0, b.h_out);
-  }
-  tw_plan_destroy(plan);
-  tw_plan_destroy(good);
+  tw_expect_disagreement(env, &p, env->rank == 0 ? rt_full : rt_one, rt_full, 2, 0, 121,
+                         "plans that disagree");
   tw_routing_destroy(rt_full);
   tw_routing_destroy(rt_one);
-  tw_free_buffers(&b);
-  CHECK_OK(tw_device_plan_destroy(dp));
-  CHECK_OK(tw_context_destroy(ctx));
 }
 
 /* Ranks whose plans differ with equal counts: rank 0 plans from a routing in which two of rank
@@ -940,16 +952,6 @@ static void test_plans_disagree_same_counts(tw_rank_env* env) {
     return;
   }
   tw_problem p = tw_rank_problem(env, 1024, 256, 16, 2, 512);
-  tw_context_config cc = TW_CONTEXT_CONFIG_INIT;
-  cc.timeout_ms = 2000;
-  tw_context_t ctx = NULL;
-  CHECK_OK(tw_rank_context_create(env, &p, &cc, &ctx));
-  if (ctx == NULL) return;
-  tw_device_plan_t dp = NULL;
-  CHECK_OK(tw_device_plan_create(ctx, &dp));
-  tw_buffers b;
-  CHECK(tw_alloc_buffers(&p, &b));
-  tw_upload_w2(&p, env->rank, 131, &b);
   int32_t tokens[TW_MAX_RANKS];
   for (int r = 0; r < env->nranks; r++) tokens[r] = p.max_tokens;
   tw_routing_t rt = NULL, rt_swapped = NULL;
@@ -995,35 +997,10 @@ static void test_plans_disagree_same_counts(tw_rank_env* env) {
     free(ids[r]);
     free(ws[r]);
   }
-  tw_routing_t mine = env->rank == 0 ? rt_swapped : rt;
-  tw_plan_t plan = NULL, good = NULL;
-  if (mine != NULL) CHECK_OK(tw_plan_create(&p, mine, env->rank, NULL, &plan));
-  if (rt != NULL) CHECK_OK(tw_plan_create(&p, rt, env->rank, NULL, &good));
-  if (plan != NULL && good != NULL && dp != NULL) {
-    CHECK(plan->rows == good->rows && plan->recv_rows == good->recv_rows);
-    tw_fill_expert_in(plan, 133, b.h_in);
-    CHECK_CUDA(
-        cudaMemcpy(b.expert_in, b.h_in, (size_t)plan->rows * p.ffn * 2, cudaMemcpyHostToDevice));
-    CHECK_OK(tw_device_plan_upload(dp, plan, mine, env->stream));
-    CHECK_OK(tw_moe_combine(ctx, dp, b.expert_in, b.w2, b.out, env->stream));
-    const tw_status st = tw_context_check(ctx);
-    CHECKF(st == TW_ERR_INVALID_ARGUMENT,
-           "rank %d: plans with equal counts that disagree gave %s (%s)", env->rank,
-           tw_status_string(st), tw_last_error());
-    CHECK_OK(tw_context_reset(ctx));
-    tw_fill_expert_in(good, 134, b.h_in);
-    CHECK_CUDA(
-        cudaMemcpy(b.expert_in, b.h_in, (size_t)good->rows * p.ffn * 2, cudaMemcpyHostToDevice));
-    CHECK_OK(tw_device_plan_upload(dp, good, rt, env->stream));
-    tw_run_mode(env, ctx, dp, &b, p.max_tokens, p.hidden, TW_COMBINE_OVERLAP, 0, b.h_out);
-  }
-  tw_plan_destroy(plan);
-  tw_plan_destroy(good);
+  tw_expect_disagreement(env, &p, env->rank == 0 ? rt_swapped : rt, rt, 1, 1, 131,
+                         "plans with equal counts that disagree");
   tw_routing_destroy(rt);
   tw_routing_destroy(rt_swapped);
-  tw_free_buffers(&b);
-  CHECK_OK(tw_device_plan_destroy(dp));
-  CHECK_OK(tw_context_destroy(ctx));
 }
 
 static const tw_rank_case kCases[] = {
