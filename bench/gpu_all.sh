@@ -89,12 +89,35 @@ if [ "$gpus" -lt 2 ]; then
       >"$OUT/sanitizer-$t-in-process-memcheck.txt" 2>&1
     echo "$t --in-process 2 memcheck: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-$t-in-process-memcheck.txt" | tr '\n' ' ')"
   done
+  step "one GPU: the layer and dispatch tables (bench/layer_table.sh)"
+  timeout 400 bench/layer_table.sh "$BUILD" 10 >"$OUT/layer-table.md" 2>"$OUT/layer-table.err"
+  echo "layer_table exit $?"; cat "$OUT/layer-table.md"
+  step "one GPU: the trace's cost when off (a build with the hooks compiled out)"
+  cmake -S . -B "$BUILD-nohooks" -G Ninja -DCMAKE_BUILD_TYPE=Release -DTW_TRACE_HOOKS=OFF \
+    ${NCCL_ROOT:+-DTW_NCCL_ROOT=$NCCL_ROOT} >"$OUT/build-nohooks.log" 2>&1 &&
+    cmake --build "$BUILD-nohooks" -j "$(nproc)" --target tilewave_cli >>"$OUT/build-nohooks.log" 2>&1 &&
+    timeout 300 bench/trace_cost.sh "$BUILD" "$BUILD-nohooks" 7 >"$OUT/trace-cost.md" 2>&1
+  echo "trace_cost exit $?"; cat "$OUT/trace-cost.md"
+  step "one GPU: a Hugging Face MoE model with its experts on the layer (bench/hf_model.sh)"
+  timeout 500 bench/hf_model.sh "$BUILD" >"$OUT/hf-model.txt" 2>&1
+  echo "hf_model exit $?"; tail -30 "$OUT/hf-model.txt"
   step "one GPU: compute-sanitizer on the in-process overlap test, full size"
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck initcheck; do
     TW_TIMEOUT_MS=300000 TW_TEAM_TIMEOUT_MS=1500000 timeout 900 compute-sanitizer --tool $tool \
       --report-api-errors no --error-exitcode 9 "$BUILD/test_overlap" --in-process 2 \
       >"$OUT/sanitizer-overlap-in-process-$tool.txt" 2>&1
     echo "test_overlap --in-process 2 $tool: exit $? $(grep -E 'SUMMARY' "$OUT/sanitizer-overlap-in-process-$tool.txt" | tr '\n' ' ')"
+  done
+  step "one GPU: compute-sanitizer on the add-dataflow and timeout tests, in-process, full size"
+  for t in test_combine_add test_timeout; do
+    for tool in memcheck racecheck synccheck initcheck; do
+      # The timeout test needs its own short device timeouts; only the host side is widened.
+      if [ $t = test_timeout ]; then tmo=""; else tmo="TW_TIMEOUT_MS=300000"; fi
+      env $tmo TW_TEAM_TIMEOUT_MS=1500000 timeout 600 compute-sanitizer --tool $tool \
+        --report-api-errors no --error-exitcode 9 "$BUILD/$t" --in-process 2 \
+        >"$OUT/sanitizer-$t-in-process-$tool.txt" 2>&1
+      echo "$t --in-process 2 $tool: exit $? $(grep -E 'SUMMARY' "$OUT/sanitizer-$t-in-process-$tool.txt" | tr '\n' ' ')"
+    done
   done
   exit 0
 fi
