@@ -258,14 +258,18 @@ class Context:
     device: a CUDA device index or torch.device (default: torch.cuda.current_device()).
     layer: True (default) allocates what moe_layer needs (hidden must be a multiple of 64);
     False allows dispatch and combine only. sm_budget, timeout_ms, debug_tags, max_comm_ctas:
-    tw_context_config's fields (0 / False = the library's defaults).
+    tw_context_config's fields (0 / False = the library's defaults). dispatch_capacity > 0: the
+    capturable mode (tw_context_config.dispatch_capacity: that many rows per expert and source
+    rank, no host read of the counts, so moe_layer, dispatch and combine may run inside
+    torch.cuda.graph capture; a token count per captured graph).
 
     close() frees it; on more than one rank destruction is collective, so call close() on every
     rank (or use `with`); garbage collection closes a world-1 context only."""
 
     def __init__(self, *, hidden, ffn, experts, top_k, max_tokens, team=None, rank=0,
                  nccl_comm=None, device=None, layer=True, sm_budget=0, timeout_ms=0,
-                 debug_tags=False, max_comm_ctas=0, tile_m=0, tile_n=0, _owned_comm=None):
+                 debug_tags=False, max_comm_ctas=0, tile_m=0, tile_n=0, dispatch_capacity=0,
+                 _owned_comm=None):
         self._h = None
         self._dplan = None
         self._team = None
@@ -307,7 +311,8 @@ class Context:
                               _tw._API_VERSION, _int32("timeout_ms", timeout_ms),
                               1 if debug_tags else 0, _int32("max_comm_ctas", max_comm_ctas), 0, 0,
                               0, _DATAFLOW_REDUCE, _int32("sm_budget", sm_budget), 1,
-                              1 if layer else 0)
+                              1 if layer else 0, _int32("dispatch_capacity", dispatch_capacity))
+        self.dispatch_capacity = int(dispatch_capacity)
         h = ctypes.c_void_p()
         with torch.cuda.device(self.device):
             if nccl_comm is not None:
@@ -377,6 +382,7 @@ class Context:
         self.problem, self.device, self.layer = problem, device, layer
         self.rank, self.world_size = 0, problem.world_size
         self.local_experts = problem.experts // problem.world_size
+        self.dispatch_capacity = 0
         self._tokens = self._rows = self._rows_base = None
         return self
 
@@ -532,10 +538,11 @@ def _stream(ctx):
                             "default stream, which every rank shares: each rank would wait "
                             "behind the others' waits. Run each rank under `with "
                             "torch.cuda.stream(torch.cuda.Stream())`" % ctx.rank)
-    if torch.cuda.is_current_stream_capturing():
+    if ctx.dispatch_capacity == 0 and torch.cuda.is_current_stream_capturing():
         raise TilewaveError("TW_ERR_UNSUPPORTED", "the current stream is capturing a CUDA graph; "
                             "the eager layer reads the expert counts on the host and cannot be "
-                            "captured")
+                            "captured; create the Context with dispatch_capacity > 0 for a "
+                            "capturable one")
     return s.cuda_stream
 
 
