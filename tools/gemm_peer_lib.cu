@@ -123,6 +123,20 @@ tw_status resolve_group(const char* who, int32_t requested, int32_t* group) {
   return TW_SUCCESS;
 }
 
+/* The checks both creators share (tile height, variant, grid, tile group, row ranges); on
+ * success *group is the tile group to use. */
+tw_status check_common(const char* who, int32_t tm, int32_t variant, int32_t grid,
+                       int32_t tile_group, int64_t rows_total, int32_t experts, const int32_t* row0,
+                       const int32_t* rows, int32_t* group) {
+  if (tm != 64 && tm != 128)
+    return tw__fail(TW_ERR_UNSUPPORTED, "%s: tm %d; use 64 or 128", who, tm);
+  if (grid < 0 || variant < 0 || variant > 5)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT, "%s: grid %d (>= 0), variant %d (0..5)", who, grid,
+                    variant);
+  TW_TRY(resolve_group(who, tile_group, group));
+  return check_rows(who, rows_total, experts, row0, rows);
+}
+
 }  // namespace
 
 /* GEMM2: c (rows_total, n) = a (rows_total, k) w_e^T for the rows [row0[e], row0[e] + rows[e]) of
@@ -147,8 +161,6 @@ TWPEER_API int twpeer_gemm2_create(const void* a, const void* w, void* c, int64_
                     "%s: k %d (a multiple of 64), n %d (a multiple of 8), "
                     "experts %d (>= 1)",
                     who, k, n, experts);
-  if (tm != 64 && tm != 128)
-    return tw__fail(TW_ERR_UNSUPPORTED, "%s: tm %d; use 64 or 128", who, tm);
   if (tn == 0) {
     tw_problem p = TW_PROBLEM_INIT;
     p.hidden = n; /* GEMM2's output width is the model's hidden size */
@@ -156,12 +168,8 @@ TWPEER_API int twpeer_gemm2_create(const void* a, const void* w, void* c, int64_
   }
   if (tn != 128 && tn != 256)
     return tw__fail(TW_ERR_UNSUPPORTED, "%s: tn %d; use 128, 256 or 0", who, tn);
-  if (grid < 0 || variant < 0 || variant > 5)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT, "%s: grid %d (>= 0), variant %d (0..5)", who, grid,
-                    variant);
   int32_t group = 0;
-  TW_TRY(resolve_group(who, tile_group, &group));
-  TW_TRY(check_rows(who, rows_total, experts, row0, rows));
+  TW_TRY(check_common(who, tm, variant, grid, tile_group, rows_total, experts, row0, rows, &group));
   Peer* p = new Peer();
   p->kind = kGemm2;
   p->tm = tm;
@@ -201,14 +209,8 @@ TWPEER_API int twpeer_gemm1_create(const void* a, const void* w13, void* h, int6
                     "%s: hidden %d (a multiple of 64), ffn %d (a multiple "
                     "of 8), experts %d (>= 1)",
                     who, hidden, ffn, experts);
-  if (tm != 64 && tm != 128)
-    return tw__fail(TW_ERR_UNSUPPORTED, "%s: tm %d; use 64 or 128", who, tm);
-  if (grid < 0 || variant < 0 || variant > 5)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT, "%s: grid %d (>= 0), variant %d (0..5)", who, grid,
-                    variant);
   int32_t group = 0;
-  TW_TRY(resolve_group(who, tile_group, &group));
-  TW_TRY(check_rows(who, rows_total, experts, row0, rows));
+  TW_TRY(check_common(who, tm, variant, grid, tile_group, rows_total, experts, row0, rows, &group));
   Peer* p = new Peer();
   p->kind = kGemm1;
   p->tm = tm;
