@@ -293,7 +293,15 @@ int twb_in_process_tp(const twb_opts* o, const twb_point* pts, int npoints);
 typedef struct twb_team_job {
   tw_team_t team, sums; /* the contexts' team, and one for the harness's own sums */
   int rank, world;
+  tw_status st;  /* out: the rank's result (twb_team_done) */
+  char why[600]; /* out: tw_last_error() when st failed */
 } twb_team_job;
+
+/* A rank thread's last step: records st and, when it failed, the thread's last error. */
+void twb_team_done(twb_team_job* job, tw_status st);
+/* After twb_team_run: prints "cmd: rank r: status: why" on stderr for each failed rank (ranks +
+ * r * stride, a twb_team_job first) and returns how many failed. */
+int twb_team_failures(const char* cmd, int world, const void* ranks, size_t stride);
 
 /* Runs fn on `world` threads, thread r on ranks + r * stride, whose first member is a twb_team_job
  * that this fills (two fresh in-process teams of `world` ranks), and joins them. The caller has

@@ -70,8 +70,6 @@ typedef struct twl_rank {
   int64_t ours_bytes, seq_bytes; /* device memory of one rank (max over ranks) */
   double r_expert;
   int budget;
-  tw_status st;
-  char why[600];
 } twl_rank;
 
 /* One rank's state for one point. */
@@ -506,8 +504,7 @@ static void* twl_rank_main(void* arg) {
     TWL_TRY(twl_check_layer(&t, r->err)); /* after timing as well */
   }
 teardown:
-  if (st != TW_SUCCESS) snprintf(r->why, sizeof r->why, "%s", tw_last_error());
-  r->st = st;
+  twb_team_done(&r->job, st);
   twl_free(&t);
   return NULL;
 }
@@ -607,13 +604,9 @@ static int twl_run_points(const twl_opts* o, const twb_point* pts, int npoints) 
       fprintf(stderr, "tilewave %s: %s: %s\n", cmd, tw_status_string(st), tw_last_error());
       return 1;
     }
-    int bad = 0;
-    for (int r = 0; r < W; r++)
-      if (ranks[r].st != TW_SUCCESS) {
-        fprintf(stderr, "tilewave %s: rank %d: %s: %s\n", cmd, r, tw_status_string(ranks[r].st),
-                ranks[r].why);
-        bad = 1;
-      }
+    char who[64];
+    snprintf(who, sizeof who, "tilewave %s", cmd);
+    int bad = twb_team_failures(who, W, ranks, sizeof ranks[0]) > 0;
     if (!bad && twl_row(o, pt, &ranks[0])) {
       if (o->dispatch)
         fprintf(stderr,

@@ -46,8 +46,6 @@ typedef struct twt_rank {
   /* sweep: sweep_us[c - 1] at C = c for c <= cmax (the overlapped call); #wrong over all C */
   int sweep, cmax;
   double* sweep_us;
-  tw_status st;
-  char why[600];
 } twt_rank;
 
 /* A deterministic bf16 pattern in [-1, 1) (the values do not matter to the timing; they make the
@@ -197,6 +195,22 @@ tw_status twb_team_output(const twb_team_rank* t, uint16_t* host) {
   return twt_output(t->ctx, t->add, t->out, host, t->n_out);
 }
 
+void twb_team_done(twb_team_job* job, tw_status st) {
+  if (st != TW_SUCCESS) snprintf(job->why, sizeof job->why, "%s", tw_last_error());
+  job->st = st;
+}
+
+int twb_team_failures(const char* cmd, int world, const void* ranks, size_t stride) {
+  int failed = 0;
+  for (int r = 0; r < world; r++) {
+    const twb_team_job* job = (const twb_team_job*)((const char*)ranks + (size_t)r * stride);
+    if (job->st == TW_SUCCESS) continue;
+    fprintf(stderr, "%s: rank %d: %s: %s\n", cmd, r, tw_status_string(job->st), job->why);
+    failed++;
+  }
+  return failed;
+}
+
 tw_status twb_team_run(int world, void* (*fn)(void*), void* ranks, size_t stride) {
   tw_team_t team = NULL, sums = NULL;
   tw_status st = tw_team_create(world, 0, &team);
@@ -292,8 +306,7 @@ static void* twt_rank_main(void* arg) {
     }
   }
 teardown:
-  if (st != TW_SUCCESS) snprintf(r->why, sizeof r->why, "%s", tw_last_error());
-  r->st = st;
+  twb_team_done(&r->job, st);
   twb_team_rank_free(&t);
   free(h_a);
   free(h_b);
@@ -342,13 +355,7 @@ int twb_in_process(const twb_opts* o, const twb_point* pts, int npoints) {
       fprintf(stderr, "tilewave bench: %s: %s\n", tw_status_string(st), tw_last_error());
       return 1;
     }
-    int bad = 0;
-    for (int r = 0; r < W; r++)
-      if (ranks[r].st != TW_SUCCESS) {
-        fprintf(stderr, "tilewave bench: rank %d: %s: %s\n", r, tw_status_string(ranks[r].st),
-                ranks[r].why);
-        bad = 1;
-      }
+    const int bad = twb_team_failures("tilewave bench", W, ranks, sizeof ranks[0]) > 0;
     if (bad) {
       failed++;
       continue;
@@ -445,12 +452,7 @@ int twb_in_process_sweep(const twb_opts* o, const twb_point* pts, int npoints) {
       fprintf(stderr, "tilewave sweep: %s: %s\n", tw_status_string(st), tw_last_error());
       bad = 1;
     }
-    for (int r = 0; r < W && !bad; r++)
-      if (ranks[r].st != TW_SUCCESS) {
-        fprintf(stderr, "tilewave sweep: rank %d: %s: %s\n", r, tw_status_string(ranks[r].st),
-                ranks[r].why);
-        bad = 1;
-      }
+    if (!bad) bad = twb_team_failures("tilewave sweep", W, ranks, sizeof ranks[0]) > 0;
     if (!bad) {
       /* The times are the slowest rank's (every rank holds the same): rank 0's are printed. */
       const twt_rank* r0 = &ranks[0];

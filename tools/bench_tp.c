@@ -35,8 +35,6 @@ typedef struct twp_rank {
   double us[TWP_NMODES]; /* slowest rank's medians */
   int comm_ctas, budget;
   int64_t wrong;
-  tw_status st;
-  char why[600];
 } twp_rank;
 
 /* A deterministic bf16 pattern in [-1, 1) (bench_team.c's). */
@@ -67,13 +65,13 @@ static tw_status twp_upload_random(void* dst, size_t n, uint64_t salt) {
     if (st != TW_SUCCESS) goto teardown; \
   } while (0)
 
-#define TWP_CUDA(expr)                                                                  \
-  do {                                                                                  \
-    const cudaError_t twp_e_ = (expr);                                                  \
-    if (twp_e_ != cudaSuccess) {                                                        \
+#define TWP_CUDA(expr)                                                                     \
+  do {                                                                                     \
+    const cudaError_t twp_e_ = (expr);                                                     \
+    if (twp_e_ != cudaSuccess) {                                                           \
       st = tw__fail(TW_ERR_CUDA, "bench --tp: %s: %s", #expr, cudaGetErrorString(twp_e_)); \
-      goto teardown;                                                                    \
-    }                                                                                   \
+      goto teardown;                                                                       \
+    }                                                                                      \
   } while (0)
 
 static void* twp_rank_main(void* arg) {
@@ -90,7 +88,7 @@ static void* twp_rank_main(void* arg) {
   tw_routing_t rt = NULL;
   tw_tp_plan_t plan = NULL;
   void *in = NULL, *w2 = NULL, *out = NULL;
-  uint16_t *h_out[TWP_NMODES] = {NULL, NULL};
+  uint16_t* h_out[TWP_NMODES] = {NULL, NULL};
   float* t[TWP_NMODES] = {NULL, NULL};
   size_t n_out = 0;
   if (cudaSetDevice(0) != cudaSuccess || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)) {
@@ -116,8 +114,8 @@ static void* twp_rank_main(void* arg) {
     cc.sm_budget = o->sm_budget;
     TWP_TRY(tw_tp_context_create_on_team(&p, &par, r->job.team, rank, &cc, &ctx));
     TWP_TRY(tw_tp_device_plan_create(ctx, &dp));
-    TWP_TRY(tw_routing_generate(&p, (tw_router)pt->router, pt->router_param, pt->tokens, o->seed,
-                                &rt));
+    TWP_TRY(
+        tw_routing_generate(&p, (tw_router)pt->router, pt->router_param, pt->tokens, o->seed, &rt));
     tw_plan_config pc = TW_PLAN_CONFIG_INIT;
     pc.dataflow = TW_DATAFLOW_REDUCE;
     pc.sm_budget = r->budget; /* the TP model plans C for the SMs the call gets */
@@ -178,8 +176,7 @@ static void* twp_rank_main(void* arg) {
     }
   }
 teardown:
-  if (st != TW_SUCCESS) snprintf(r->why, sizeof r->why, "%s", tw_last_error());
-  r->st = st;
+  twb_team_done(&r->job, st);
   if (s) cudaStreamSynchronize(s);
   tw_tp_plan_destroy(plan);
   tw_routing_destroy(rt);
@@ -210,7 +207,9 @@ int twb_in_process_tp(const twb_opts* o, const twb_point* pts, int npoints) {
   printf(
       "| tokens/rank | K | N | E | top-k | router | tp x ep | budget | C | ours us | unfused us | "
       "unfused / ours | #wrong |\n");
-  printf("| ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  printf(
+      "| ---: | ---: | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: "
+      "|\n");
   fflush(stdout);
   int failed = 0;
   twp_rank ranks[8];
@@ -226,13 +225,7 @@ int twb_in_process_tp(const twb_opts* o, const twb_point* pts, int npoints) {
       fprintf(stderr, "tilewave bench --tp: %s: %s\n", tw_status_string(st), tw_last_error());
       return 1;
     }
-    int bad = 0;
-    for (int r = 0; r < W; r++)
-      if (ranks[r].st != TW_SUCCESS) {
-        fprintf(stderr, "tilewave bench --tp: rank %d: %s: %s\n", r, tw_status_string(ranks[r].st),
-                ranks[r].why);
-        bad = 1;
-      }
+    const int bad = twb_team_failures("tilewave bench --tp", W, ranks, sizeof ranks[0]) > 0;
     if (bad) {
       failed++;
       continue;

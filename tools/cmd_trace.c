@@ -36,8 +36,6 @@ typedef struct twtr_rank {
   int op;           /* TWTR_* */
   int64_t capacity; /* --capacity, 0: from the plan */
   /* out */
-  tw_status st;
-  char why[600];
   tw_trace_record* records;
   int64_t count, dropped;
   tw__launch_record launch;
@@ -119,8 +117,7 @@ static void* twtr_rank_main(void* arg) {
   for (size_t i = 0; i < n_check; i++) r->wrong += h_ref[i] != h_tr[i];
   TWTR_TRY(tw__context_trace(t.ctx, 0));
 teardown:
-  if (st != TW_SUCCESS) snprintf(r->why, sizeof r->why, "%s", tw_last_error());
-  r->st = st;
+  twb_team_done(&r->job, st);
   twb_team_rank_free(&t);
   free(h_ref);
   free(h_tr);
@@ -340,8 +337,7 @@ static void* twtr_engine_main(void* arg) {
   for (size_t i = 0; i < n_tr; i++) r->wrong += h_ref[i] != h_tr[i];
   TWTR_TRY(tw__context_trace(e.ctx, 0));
 teardown:
-  if (st != TW_SUCCESS) snprintf(r->why, sizeof r->why, "%s", tw_last_error());
-  r->st = st;
+  twb_team_done(&r->job, st);
   twtr_engine_free(&e);
   free(h_ref);
   free(h_tr);
@@ -502,12 +498,7 @@ int tw_cli_trace(int argc, char** argv) {
     fprintf(stderr, "%s: %s: %s\n", cmd, tw_status_string(st), tw_last_error());
     failed = 1;
   }
-  for (int r = 0; r < W && !failed; r++) {
-    if (ranks[r].st != TW_SUCCESS) {
-      fprintf(stderr, "%s: rank %d: %s: %s\n", cmd, r, tw_status_string(ranks[r].st), ranks[r].why);
-      failed = 1;
-    }
-  }
+  if (!failed) failed = twb_team_failures(cmd, W, ranks, sizeof ranks[0]) > 0;
   tw__trace_rank tr[8];
   memset(tr, 0, sizeof tr);
   for (int r = 0; r < W && !failed; r++) {
