@@ -36,6 +36,8 @@ import sys
 import time
 import unittest
 
+from hopper import missing_hopper
+
 SKIP = 77
 MODE = "--gpu" if "--gpu" in sys.argv[1:] else "--mapping"
 
@@ -855,13 +857,9 @@ def main():
         return SKIP
     loader = unittest.defaultTestLoader
     if MODE == "--gpu":
-        if not torch.cuda.is_available():
-            print("skipped: torch sees no CUDA GPU (torch.cuda.is_available() is False)")
-            return SKIP
-        cap = torch.cuda.get_device_capability()
-        if cap != (9, 0):
-            print("skipped: GPU %s is sm_%d%d; tilewave's kernels are built for sm_90a (Hopper)"
-                  % (torch.cuda.get_device_name(), *cap))
+        why = missing_hopper(torch)
+        if why is not None:
+            print("skipped: " + why)
             return SKIP
         print("GPU %s; models %s; shapes %s" % (torch.cuda.get_device_name(), ",".join(MODELS),
                                                 ",".join("%dx%d" % s for s in SHAPES)))

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import unittest
 
+from hopper import missing_hopper
+
 SKIP = 77
 MODE = "--gpu" if "--gpu" in sys.argv[1:] else "--checks"
 
@@ -657,13 +659,9 @@ def main():
     print("seed %d (TW_TEST_SEED to repeat); torch %s" % (SEED, torch.__version__))
     loader = unittest.defaultTestLoader
     if MODE == "--gpu":
-        if not torch.cuda.is_available():
-            print("skipped: torch sees no CUDA GPU (torch.cuda.is_available() is False)")
-            return SKIP
-        cap = torch.cuda.get_device_capability()
-        if cap != (9, 0):
-            print("skipped: GPU %s is sm_%d%d; tilewave's kernels are built for sm_90a (Hopper)"
-                  % (torch.cuda.get_device_name(), *cap))
+        why = missing_hopper(torch)
+        if why is not None:
+            print("skipped: " + why)
             return SKIP
         suite = loader.loadTestsFromTestCase(TestGpu)
     else:
