@@ -176,12 +176,8 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     ctx->failed = 1;
     return tw__report(ctx, ctx->h_err, "tw_moe_combine: an earlier call failed");
   }
-  const int32_t budget = opt.sm_budget > 0 ? opt.sm_budget : ctx->sm_budget;
-  if (opt.sm_budget < 0 || budget < 2 || budget > ctx->sm_budget)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw_moe_combine: sm_budget %d; must be 2..%d (the context's sm_budget), or 0 "
-                    "for the context's",
-                    opt.sm_budget, ctx->sm_budget);
+  int32_t budget = 0;
+  TW_TRY(tw__call_budget("tw_moe_combine", opt.sm_budget, ctx->sm_budget, &budget));
   /* A call that sends nothing needs no consumer, unless the add dataflow receives rows: there
    * the consumer's CTA 0 waits for the arrivals that end the call. */
   int receives = 0;

@@ -172,6 +172,17 @@ void tw__consumer_args_init(const struct tw_context* ctx, tw_consumer_args* ca) 
   ca->err = ctx->err;
 }
 
+tw_status tw__call_budget(const char* who, int32_t requested, int32_t context_budget,
+                          int32_t* budget) {
+  *budget = requested > 0 ? requested : context_budget;
+  if (requested < 0 || *budget < 2 || *budget > context_budget)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "%s: sm_budget %d; must be 2..%d (the context's sm_budget), or 0 for the "
+                    "context's",
+                    who, requested, context_budget);
+  return TW_SUCCESS;
+}
+
 void tw__reduce_args_init(const struct tw_context* ctx, tw_reduce_args* ra) {
   memset(ra, 0, sizeof *ra);
   ra->lay = ctx->lay;

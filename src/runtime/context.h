@@ -217,6 +217,10 @@ tw_status tw__report(tw_context_t ctx, const tw_dev_error* e, const char* how);
  * shape, error word); callers add the plan's part and the timeout. */
 void tw__consumer_args_init(const struct tw_context* ctx, tw_consumer_args* ca);
 void tw__reduce_args_init(const struct tw_context* ctx, tw_reduce_args* ra);
+/* A call's SM budget: `requested` (the call's option; 0 = the context's), which must lie in
+ * 2..context_budget (TW_ERR_INVALID_ARGUMENT naming the range otherwise). */
+tw_status tw__call_budget(const char* who, int32_t requested, int32_t context_budget,
+                          int32_t* budget);
 /* Checks a plan against the context and the device plan's capacity (rank, problem, dataflow,
  * tokens, sizes, every band and segment in bounds) and cuts its segments into consumer units
  * (d->h_seg_unit0 / h_seg_split0); *units = their count. `what` leads the messages. */

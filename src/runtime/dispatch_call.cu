@@ -195,12 +195,8 @@ static tw_status tw__dispatch_run_static(tw_context_t ctx, tw_device_plan_t d, c
                     "%s: the context has a dispatch capacity, whose plan is static (made by "
                     "tw_device_plan_create for the context's sm_budget); pass plan_config = NULL",
                     who);
-  const int32_t budget = opt->sm_budget > 0 ? opt->sm_budget : ctx->sm_budget;
-  if (opt->sm_budget < 0 || budget < 2 || budget > ctx->sm_budget)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "%s: sm_budget %d; must be 2..%d (the context's sm_budget), or 0 for the "
-                    "context's",
-                    who, opt->sm_budget, ctx->sm_budget);
+  int32_t budget = 0;
+  TW_TRY(tw__call_budget(who, opt->sm_budget, ctx->sm_budget, &budget));
   if (!d->is_static)
     return tw__fail(TW_ERR_STATE,
                     "%s: the device plan no longer holds the static plan of the context's dispatch "
@@ -377,12 +373,8 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   const int earlier = !ctx->failed && ctx->have_call &&
                       cudaEventQuery(ctx->ev_err_copied) == cudaSuccess && ctx->h_err->status != 0;
   const int was_failed = ctx->failed || earlier;
-  const int32_t budget = opt.sm_budget > 0 ? opt.sm_budget : ctx->sm_budget;
-  if (opt.sm_budget < 0 || budget < 2 || budget > ctx->sm_budget)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "%s: sm_budget %d; must be 2..%d (the context's sm_budget), or 0 "
-                    "for the context's",
-                    who, opt.sm_budget, ctx->sm_budget);
+  int32_t budget = 0;
+  TW_TRY(tw__call_budget(who, opt.sm_budget, ctx->sm_budget, &budget));
   /* The plan's config: the caller's (checked as tw_plan_create checks it), planned for the
    * context's dataflow. */
   tw_plan_config pc = TW_PLAN_CONFIG_INIT;

@@ -110,12 +110,8 @@ extern "C" tw_status tw_moe_layer_ex(tw_context_t ctx, tw_device_plan_t d, const
                     "tw_moe_layer: mode %d; give TW_COMBINE_OVERLAP or TW_COMBINE_UNFUSED (the "
                     "GEMM-only and comm-only modes are timing modes of tw_moe_combine_ex)",
                     (int)opt.mode);
-  const int32_t budget = opt.sm_budget > 0 ? opt.sm_budget : ctx->sm_budget;
-  if (opt.sm_budget < 0 || budget < 2 || budget > ctx->sm_budget)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw_moe_layer: sm_budget %d; must be 2..%d (the context's sm_budget), or 0 "
-                    "for the context's",
-                    opt.sm_budget, ctx->sm_budget);
+  int32_t budget = 0;
+  TW_TRY(tw__call_budget("tw_moe_layer", opt.sm_budget, ctx->sm_budget, &budget));
   if (opt.comm_ctas < 0 || opt.comm_ctas > ctx->max_comm_ctas || opt.comm_ctas >= budget)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_moe_layer: comm_ctas %d; must be 0 (the plan's) or 1..%d (the context's "

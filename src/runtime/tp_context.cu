@@ -769,12 +769,8 @@ extern "C" tw_status tw_moe_combine_tp(tw_tp_context_t ctx, tw_tp_device_plan_t 
     ctx->failed = 1;
     return tw__tp_report(ctx, ctx->h_err, "tw_moe_combine_tp: an earlier call failed");
   }
-  const int32_t budget = opt.sm_budget > 0 ? opt.sm_budget : ctx->sm_budget;
-  if (opt.sm_budget < 0 || budget < 2 || budget > ctx->sm_budget)
-    return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw_moe_combine_tp: sm_budget %d; must be 2..%d (the context's sm_budget), or "
-                    "0 for the context's",
-                    opt.sm_budget, ctx->sm_budget);
+  int32_t budget = 0;
+  TW_TRY(tw__call_budget("tw_moe_combine_tp", opt.sm_budget, ctx->sm_budget, &budget));
   if (opt.comm_ctas < 0 || opt.comm_ctas > ctx->max_comm_ctas)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_moe_combine_tp: comm_ctas %d; must be 0 (the plan's) or 1..%d (the "
