@@ -389,8 +389,8 @@ static int twb_check_opts(twb_opts* o, int sweep, int shape_given, const char* c
                                  "reduce-scatter baseline are not built yet (for the plan alone: "
                                  "`tilewave plan --tp T --ep E`)");
     if (o->ep == 0 && o->in_process % o->tp != 0)
-      return tw__cli_usage_error(cmd, "--in-process %d is not a multiple of --tp %d",
-                                 o->in_process, o->tp);
+      return tw__cli_usage_error(cmd, "--in-process %d is not a multiple of --tp %d", o->in_process,
+                                 o->tp);
     if (o->ep == 0) o->ep = o->in_process / o->tp;
     if (o->tp * o->ep != o->in_process)
       return tw__cli_usage_error(cmd,
@@ -574,7 +574,7 @@ static int twb_main(int argc, char** argv, int sweep) {
       free(job.points);
       return 1;
     }
-    rc = sweep     ? twb_in_process_sweep(&o, job.points, job.npoints)
+    rc = sweep      ? twb_in_process_sweep(&o, job.points, job.npoints)
          : o.tp > 0 ? twb_in_process_tp(&o, job.points, job.npoints)
                     : twb_in_process(&o, job.points, job.npoints);
     free(job.points);

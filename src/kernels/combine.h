@@ -89,9 +89,9 @@ typedef struct tw_consumer_args {
   char* const* peers; /* (world) device array: every rank's window base, as this GPU addresses
                          it (the team's peer pointers; peers[rank] == local_win) */
   tw_window_layout lay;
-  char* local_win;               /* this rank's window base (local pointer) */
-  const uint16_t* c;             /* (rows, hidden) bf16 GEMM output */
-  const tw_band* bands;          /* (num_bands) */
+  char* local_win;      /* this rank's window base (local pointer) */
+  const uint16_t* c;    /* (rows, hidden) bf16 GEMM output */
+  const tw_band* bands; /* (num_bands) */
   /* (num_bands) device, NULL = off: the live rows of each band this call (the capturable
    * dispatch's mask, dispatch.h); a unit sends only the first min(valid_rows, live) rows of its
    * band, none of a band without live rows (still announced, so the owners' targets hold). */

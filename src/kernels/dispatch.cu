@@ -281,7 +281,8 @@ __device__ int tw__compact_tiles(const tw_tile* in, int n, const int32_t* band_l
 /* The capturable mode's mask (dispatch.h). The live words were written by the sources before
  * their arrival releases, which the wait kernel before this one acquired (.sys): the kernel
  * boundary orders those acquires before the plain loads here. */
-__global__ void __launch_bounds__(kMaskThreads) tw_dispatch_mask_kernel(const tw_dispatch_mask_args a) {
+__global__ void __launch_bounds__(kMaskThreads)
+    tw_dispatch_mask_kernel(const tw_dispatch_mask_args a) {
   __shared__ int s_warp[kMaskThreads / 32];
   for (int b = threadIdx.x; b < a.num_bands; b += blockDim.x) {
     const int32_t n = (int32_t)a.live[a.band_group[b]] - a.band_first[b];
@@ -386,9 +387,9 @@ tw_status tw__dispatch_copy_launch(const tw_dispatch_copy_args* a, int sms, cuda
 tw_status tw__dispatch_mask_launch(const tw_dispatch_mask_args* a, cudaStream_t stream) {
   TW_CHECK_NULL(a);
   if (a->live == NULL || a->band_group == NULL || a->band_first == NULL || a->bands == NULL ||
-      a->tiles == NULL || a->live_tiles == NULL || a->band_live == NULL ||
-      a->live_counts == NULL || (a->tiles1 != NULL && a->live_tiles1 == NULL) ||
-      a->num_bands < 0 || a->num_tiles < 0 || a->num_tiles1 < 0)
+      a->tiles == NULL || a->live_tiles == NULL || a->band_live == NULL || a->live_counts == NULL ||
+      (a->tiles1 != NULL && a->live_tiles1 == NULL) || a->num_bands < 0 || a->num_tiles < 0 ||
+      a->num_tiles1 < 0)
     return tw__fail(TW_ERR_INTERNAL, "dispatch: mask of %d bands, %d + %d tiles", a->num_bands,
                     a->num_tiles, a->num_tiles1);
   tw_dispatch_mask_kernel<<<1, kMaskThreads, 0, stream>>>(*a);

@@ -54,7 +54,7 @@ enum {
   TW_WAIT_DISPATCH_CREDIT = 8,
   TW_WAIT_DISPATCH_ARRIVAL = 9,
   TW_CHECK_ID = 10,
-  TW_CHECK_WEIGHT = 12, /* a gate weight that is NaN or infinite (count pass); 11 in combine.h */
+  TW_CHECK_WEIGHT = 12,  /* a gate weight that is NaN or infinite (count pass); 11 in combine.h */
   TW_CHECK_CAPACITY = 13 /* the capturable mode: a slot past its group's capacity */
 };
 

@@ -82,8 +82,8 @@ __device__ void tw__gather_tile(const tw_gatherrs_args& a, const tw_tp_comm_tile
     __align__(16) __nv_bfloat162 o[4];
 #pragma unroll
     for (int i = 0; i < 4; i++) o[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-    const size_t dst = (size_t)__ldg(&a.dst_row[lr]) * row_bytes + (size_t)t.col0 * 2 +
-                       (size_t)v * 16;
+    const size_t dst =
+        (size_t)__ldg(&a.dst_row[lr]) * row_bytes + (size_t)t.col0 * 2 + (size_t)v * 16;
     char* base = owner == a.rank ? reinterpret_cast<char*>(a.red) : a.peers[owner] + a.data_off;
     *reinterpret_cast<int4*>(base + dst) = *reinterpret_cast<const int4*>(o);
   }
@@ -98,8 +98,8 @@ __global__ void __launch_bounds__(kGatherThreads) tw_gatherrs_kernel(const tw_ga
     bool ok = true;
     for (int d = 0; d < a.world && ok; d++)
       if (d != a.rank)
-        ok = tw_wait_geq(&credits[d], want, true, a.timeout_ns, a.err, TW_WAIT_TP_CREDIT, d,
-                         a.rank);
+        ok =
+            tw_wait_geq(&credits[d], want, true, a.timeout_ns, a.err, TW_WAIT_TP_CREDIT, d, a.rank);
     s_ok = ok;
   }
   __syncthreads();
@@ -132,8 +132,7 @@ __global__ void __launch_bounds__(kGatherThreads) tw_gatherrs_kernel(const tw_ga
       if (*(volatile int32_t*)&a.err->status == 0)
         for (int d = 0; d < a.world; d++)
           if (d != a.rank)
-            tw_red_release_sys(reinterpret_cast<uint32_t*>(a.peers[d] + a.arrive_off) + a.rank,
-                               1u);
+            tw_red_release_sys(reinterpret_cast<uint32_t*>(a.peers[d] + a.arrive_off) + a.rank, 1u);
     }
   }
 }

@@ -49,7 +49,7 @@ typedef struct tw_gatherrs_args {
   int32_t block_row0;      /* first layout row of this rank's block */
   uint16_t* red;           /* (block rows, hidden) bf16: reduced rows of this rank's tokens */
   int32_t hidden, tp, group, rank, world;
-  uint32_t seg_target;     /* segment counts every TP peer must reach (cumulative) */
+  uint32_t seg_target;        /* segment counts every TP peer must reach (cumulative) */
   const tw_call_state* state; /* epoch of this call: credits awaited are epoch - 1 */
   uint32_t* done;             /* CTA completion counter, zero between launches */
   tw_dev_error* err;

@@ -81,14 +81,14 @@ tw_status tw__report(tw_context_t ctx, const tw_dev_error* e, const char* how) {
                     e->index % ctx->problem.top_k, e->seen);
   if (e->where == TW_CHECK_ID &&
       (e->status == TW_ERR_EXPERT_ID || e->status == TW_ERR_DUPLICATE_EXPERT))
-    return tw__fail((tw_status)e->status,
-                    "%s: rank %d: topk_ids[%d] (token %d, slot %d) = %u is %s; its rows were not "
-                    "sent and the call's outputs are wrong. Fix the ids, then call "
-                    "tw_context_reset() on every rank",
-                    how, e->rank, e->index, e->index / ctx->problem.top_k,
-                    e->index % ctx->problem.top_k, e->seen,
-                    e->status == TW_ERR_EXPERT_ID ? "outside the experts"
-                                                  : "an expert the token names twice");
+    return tw__fail(
+        (tw_status)e->status,
+        "%s: rank %d: topk_ids[%d] (token %d, slot %d) = %u is %s; its rows were not "
+        "sent and the call's outputs are wrong. Fix the ids, then call "
+        "tw_context_reset() on every rank",
+        how, e->rank, e->index, e->index / ctx->problem.top_k, e->index % ctx->problem.top_k,
+        e->seen,
+        e->status == TW_ERR_EXPERT_ID ? "outside the experts" : "an expert the token names twice");
   tw_status s = e->status == TW_ERR_INTERNAL ? TW_ERR_INTERNAL : TW_ERR_TIMEOUT;
   if (e->where == TW_CHECK_ID)
     return tw__fail(s,

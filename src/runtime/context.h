@@ -146,7 +146,7 @@ struct tw_device_plan {
   int32_t rows, recv_rows, num_tiles, num_bands, total_units, tokens, comm_ctas;
   int32_t recv_bands[TW_MAX_RANKS];
   tw_plan_summary summary; /* of the plan last uploaded */
-  int32_t* h_expert_rows;   /* (3, local experts): row0, rows, real_rows of the plan last uploaded */
+  int32_t* h_expert_rows;  /* (3, local experts): row0, rows, real_rows of the plan last uploaded */
   /* Dispatch (contexts with dispatch only; NULL otherwise): the count-plan's tables and the
    * scan's per-slot destination rows. */
   int32_t* slot_base; /* (experts) */
@@ -167,12 +167,12 @@ struct tw_device_plan {
    * (dispatch.h): live rows per band, the tiles of GEMM2 and GEMM1 with live rows, their counts.
    * A GEMM1 tile's band indexes the schedule's bands here (the mask reads band_live by it). */
   int is_static;
-  int32_t* band_group;      /* (bands_max) */
-  int32_t* band_first;      /* (bands_max) */
-  int32_t* band_live;       /* (bands_max) */
-  tw_tile* live_tiles;      /* (bands_max * col_tiles) */
+  int32_t* band_group;       /* (bands_max) */
+  int32_t* band_first;       /* (bands_max) */
+  int32_t* band_live;        /* (bands_max) */
+  tw_tile* live_tiles;       /* (bands_max * col_tiles) */
   tw_tile* live_gemm1_tiles; /* (bands_max * ceil(ffn / TW_GEMM1_TN)), layer contexts */
-  int32_t* live_counts;     /* (2) GEMM2's and GEMM1's live tiles */
+  int32_t* live_counts;      /* (2) GEMM2's and GEMM1's live tiles */
 };
 
 /* Words ahead of the counts in a rank's row of the dispatch all-gather: the count pass's

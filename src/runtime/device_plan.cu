@@ -88,8 +88,8 @@ static tw_status tw__device_plan_static(tw_device_plan_t d) {
   tw_plan_t plan = NULL;
   TW_TRY(tw__plan_create_static(&ctx->problem, cap, rank, &pc, &plan));
   int32_t* h = (int32_t*)malloc(((size_t)2 * plan->num_bands + (size_t)plan->rows / TM + 1) * 4);
-  tw_status st = h == NULL ? tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_device_plan_create: host memory")
-                           : TW_SUCCESS;
+  tw_status st =
+      h == NULL ? tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_device_plan_create: host memory") : TW_SUCCESS;
   int64_t units = 0;
   if (st == TW_SUCCESS) st = tw__device_plan_check(d, plan, 0, &units, "tw_device_plan_create");
   /* Every write of a dispatch stays in bounds: cap rows from send_row0[g] at g's rank, from
@@ -98,8 +98,9 @@ static tw_status tw__device_plan_static(tw_device_plan_t d) {
     if (plan->send_row0[g] < 0 || plan->send_row0[g] + (int64_t)cap > ctx->rows_max ||
         plan->slot_base[g] < 0 ||
         plan->slot_base[g] + (int64_t)cap > (int64_t)plan->recv_rows + plan->rows)
-      st = tw__fail(TW_ERR_INTERNAL, "tw_device_plan_create: static group of expert %d out of "
-                                     "bounds (send row %d, slot base %d)",
+      st = tw__fail(TW_ERR_INTERNAL,
+                    "tw_device_plan_create: static group of expert %d out of "
+                    "bounds (send row %d, slot base %d)",
                     g, plan->send_row0[g], plan->slot_base[g]);
   /* Band b lies in group (e, o): the layout holds expert e's groups in owner order rank + 1, ...,
    * rank (layout.c), each exactly cap rows. by_row maps a band's first row / TM to b. */
@@ -111,8 +112,9 @@ static tw_status tw__device_plan_static(tw_device_plan_t d) {
     const int32_t off = band->row0 - plan->expert_row0[band->expert];
     const int32_t q = off / cap, o = (rank + 1 + q) % W;
     if (q >= W || band->row0 % TM != 0 || band->rows != TM || band->dest != o)
-      st = tw__fail(TW_ERR_INTERNAL, "tw_device_plan_create: static band %d (row %d, dest %d) is "
-                                     "not one band of group %d",
+      st = tw__fail(TW_ERR_INTERNAL,
+                    "tw_device_plan_create: static band %d (row %d, dest %d) is "
+                    "not one band of group %d",
                     b, band->row0, band->dest, q);
     band_group[b] = band->expert * W + o;
     band_first[b] = off - q * cap;
@@ -132,8 +134,7 @@ static tw_status tw__device_plan_static(tw_device_plan_t d) {
     if (st == TW_SUCCESS && e == cudaSuccess)
       e = cudaMemcpyAsync(d->slot_base, plan->slot_base, (size_t)ET * 4, cudaMemcpyHostToDevice, s);
     if (st == TW_SUCCESS && e == cudaSuccess)
-      e = cudaMemcpyAsync(d->send_row0, plan->send_row0, (size_t)ET * 4, cudaMemcpyHostToDevice,
-                          s);
+      e = cudaMemcpyAsync(d->send_row0, plan->send_row0, (size_t)ET * 4, cudaMemcpyHostToDevice, s);
     if (st == TW_SUCCESS && e == cudaSuccess)
       e = cudaMemcpyAsync(d->pads, d->h_pads, 4, cudaMemcpyHostToDevice, s);
     if (st == TW_SUCCESS && e == cudaSuccess && plan->num_bands > 0)
@@ -155,9 +156,10 @@ static tw_status tw__device_plan_static(tw_device_plan_t d) {
     d->pad_rows = 0;
     d->is_static = 1;
     d->uploaded = 1;
-    TW_INFO("device plan: rank %d static plan of %d rows (%d per expert and source), %d bands, "
-            "%d tiles, %d units",
-            rank, plan->rows, cap, plan->num_bands, plan->num_tiles, d->total_units);
+    TW_INFO(
+        "device plan: rank %d static plan of %d rows (%d per expert and source), %d bands, "
+        "%d tiles, %d units",
+        rank, plan->rows, cap, plan->num_bands, plan->num_tiles, d->total_units);
   }
   free(h);
   tw_plan_destroy(plan);

@@ -220,13 +220,14 @@ static tw_status tw__dispatch_run_static(tw_context_t ctx, tw_device_plan_t d, c
                     "time out",
                     who, rank);
   if (extra != NULL && extra->status != TW_SUCCESS)
-    return tw__fail((tw_status)extra->status,
-                    "%s: rank %d passed%s%s%s%s; give device buffers of the documented shapes, "
-                    "16-byte aligned. Nothing was sent; the peers' calls time out",
-                    who, rank, extra->bad & TW__LAYER_NULL_W13 ? " a NULL w13" : "",
-                    extra->bad & TW__LAYER_NULL_W2 ? " a NULL w2" : "",
-                    extra->bad & TW__LAYER_NULL_OUT ? " a NULL out with tokens > 0" : "",
-                    extra->bad & TW__LAYER_UNALIGNED ? " a w13, w2 or out not 16-byte aligned" : "");
+    return tw__fail(
+        (tw_status)extra->status,
+        "%s: rank %d passed%s%s%s%s; give device buffers of the documented shapes, "
+        "16-byte aligned. Nothing was sent; the peers' calls time out",
+        who, rank, extra->bad & TW__LAYER_NULL_W13 ? " a NULL w13" : "",
+        extra->bad & TW__LAYER_NULL_W2 ? " a NULL w2" : "",
+        extra->bad & TW__LAYER_NULL_OUT ? " a NULL out with tokens > 0" : "",
+        extra->bad & TW__LAYER_UNALIGNED ? " a w13, w2 or out not 16-byte aligned" : "");
   if (ctx->failed)
     return tw__fail(TW_ERR_STATE,
                     "%s: an earlier call failed; call tw_context_check() and tw_context_reset() "

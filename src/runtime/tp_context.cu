@@ -212,8 +212,8 @@ static tw_status tw__tp_warm_up(struct tw_tp_context* ctx) {
     st = tw__gemm_args_init(&g, &shape, a, b, c, tile, 1, 1, TW_SIGNAL_SYS, ctx->gather_done);
     if (st == TW_SUCCESS) st = tw__gemm_launch(&g, ctx->s_aux);
     if (st == TW_SUCCESS)
-      st = tw__call_begin_launch(ctx->warm_state, ctx->recv_units, 1, ctx->gather_done, 1, NULL,
-                                 0, 0, ctx->s_aux);
+      st = tw__call_begin_launch(ctx->warm_state, ctx->recv_units, 1, ctx->gather_done, 1, NULL, 0,
+                                 0, ctx->s_aux);
     /* World 1, no tiles: no credit wait, no arrivals. */
     tw_gatherrs_args ga;
     tw__tp_gather_args_init(ctx, &ga);
@@ -275,8 +275,8 @@ static tw_status tw__tp_context_init(struct tw_tp_context* ctx) {
   tw_window_layout* L = &ctx->lay;
   memset(L, 0, sizeof *L);
   L->data = 0;
-  ctx->part_off = tw__align((uint64_t)(ctx->recv_rows_max > 0 ? ctx->recv_rows_max : 1) * H * 2,
-                            4096);
+  ctx->part_off =
+      tw__align((uint64_t)(ctx->recv_rows_max > 0 ? ctx->recv_rows_max : 1) * H * 2, 4096);
   ctx->seg_off = ctx->part_off + tw__align((uint64_t)ctx->rows_max * H * 2, 4096);
   L->arrive = ctx->seg_off + tw__align((uint64_t)ctx->col_tiles * 4, 128);
   L->credit = L->arrive + tw__align((uint64_t)W * 4, 128);
@@ -285,8 +285,8 @@ static tw_status tw__tp_context_init(struct tw_tp_context* ctx) {
 
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_comm, cudaStreamNonBlocking));
   TW_CUDA_TRY(cudaStreamCreateWithFlags(&ctx->s_aux, cudaStreamNonBlocking));
-  cudaEvent_t* evs[] = {&ctx->ev_start, &ctx->ev_gemm_done, &ctx->ev_comm_done,
-                        &ctx->ev_call_done, &ctx->ev_err_copied};
+  cudaEvent_t* evs[] = {&ctx->ev_start, &ctx->ev_gemm_done, &ctx->ev_comm_done, &ctx->ev_call_done,
+                        &ctx->ev_err_copied};
   for (size_t i = 0; i < sizeof evs / sizeof evs[0]; i++)
     TW_CUDA_TRY(cudaEventCreateWithFlags(evs[i], cudaEventDisableTiming));
 
@@ -317,8 +317,8 @@ static tw_status tw__tp_context_init(struct tw_tp_context* ctx) {
   TW_CUDA_TRY(cudaMemsetAsync(ctx->state_mem, 0, state_bytes, ctx->s_aux));
   uint32_t units[TW_MAX_RANKS];
   for (int32_t s = 0; s < ctx->world; s++) units[s] = s == ctx->rank ? 0u : 1u;
-  TW_CUDA_TRY(cudaMemcpyAsync(ctx->recv_units, units, (size_t)W * 4, cudaMemcpyHostToDevice,
-                              ctx->s_aux));
+  TW_CUDA_TRY(
+      cudaMemcpyAsync(ctx->recv_units, units, (size_t)W * 4, cudaMemcpyHostToDevice, ctx->s_aux));
   TW_CUDA_TRY(cudaHostAlloc((void**)&ctx->h_err, sizeof(tw_dev_error), cudaHostAllocDefault));
   memset(ctx->h_err, 0, sizeof(tw_dev_error));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
@@ -368,10 +368,10 @@ static tw_status tw__tp_context_create(const tw_problem* problem, const tw_paral
                   "sm_budget %d (>= 0): one is out of range",
                   cfg.timeout_ms, cfg.max_comm_ctas, TW_MAX_COMM_CTAS, cfg.sm_budget);
   if (st == TW_SUCCESS) {
-    const char* what = cfg.dataflow == TW_DATAFLOW_ADD ? "the add dataflow (dataflow = ADD)"
-                       : cfg.debug_tags               ? "debug tags (debug_tags)"
-                       : cfg.timing                   ? "timing events (timing)"
-                       : cfg.dispatch || cfg.layer    ? "the dispatch and the layer calls"
+    const char* what = cfg.dataflow == TW_DATAFLOW_ADD       ? "the add dataflow (dataflow = ADD)"
+                       : cfg.debug_tags                      ? "debug tags (debug_tags)"
+                       : cfg.timing                          ? "timing events (timing)"
+                       : cfg.dispatch || cfg.layer           ? "the dispatch and the layer calls"
                        : cfg.unit_tiles || cfg.consumer_copy ? "the EP consumer's unit_tiles and "
                                                                "consumer_copy"
                                                              : NULL;
@@ -390,7 +390,8 @@ static tw_status tw__tp_context_create(const tw_problem* problem, const tw_paral
   struct tw_tp_context* ctx = NULL;
   if (st == TW_SUCCESS) {
     ctx = (struct tw_tp_context*)calloc(1, sizeof *ctx);
-    if (ctx == NULL) st = tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_tp_context_create: out of host memory");
+    if (ctx == NULL)
+      st = tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_tp_context_create: out of host memory");
   }
   if (st != TW_SUCCESS) {
     team->ops->release(team);
@@ -423,10 +424,21 @@ static tw_status tw__tp_context_create(const tw_problem* problem, const tw_paral
              : tw__fail(TW_ERR_CUDA, "tw_tp_context_create: cudaSetDevice(%d): %s", ctx->device,
                         cudaGetErrorString(guard.status));
     /* Every rank must run the same problem and parallel: compare max of v and of -v. */
-    int64_t v[16] = {problem->hidden, -problem->hidden, problem->ffn, -problem->ffn,
-                     problem->experts, -problem->experts, problem->top_k, -problem->top_k,
-                     problem->max_tokens, -problem->max_tokens, par.tp, -par.tp,
-                     par.splits, -par.splits, (int64_t)par.comm_tile_m << 32 | par.comm_tile_n,
+    int64_t v[16] = {problem->hidden,
+                     -problem->hidden,
+                     problem->ffn,
+                     -problem->ffn,
+                     problem->experts,
+                     -problem->experts,
+                     problem->top_k,
+                     -problem->top_k,
+                     problem->max_tokens,
+                     -problem->max_tokens,
+                     par.tp,
+                     -par.tp,
+                     par.splits,
+                     -par.splits,
+                     (int64_t)par.comm_tile_m << 32 | par.comm_tile_n,
                      -((int64_t)par.comm_tile_m << 32 | par.comm_tile_n)};
     int64_t mine[16];
     memcpy(mine, v, sizeof v);
@@ -442,10 +454,11 @@ static tw_status tw__tp_context_create(const tw_problem* problem, const tw_paral
     tw__tp_context_free(ctx);
     return st;
   }
-  TW_INFO("tp context: rank %d/%d = (group %d, tp index %d) of tp %d x ep %d, %d of %d SMs, window "
-          "%llu bytes",
-          ctx->rank, ctx->world, ctx->group, ctx->tp_index, par.tp, par.ep, ctx->sm_budget,
-          ctx->sm_count, (unsigned long long)ctx->lay.bytes);
+  TW_INFO(
+      "tp context: rank %d/%d = (group %d, tp index %d) of tp %d x ep %d, %d of %d SMs, window "
+      "%llu bytes",
+      ctx->rank, ctx->world, ctx->group, ctx->tp_index, par.tp, par.ep, ctx->sm_budget,
+      ctx->sm_count, (unsigned long long)ctx->lay.bytes);
   *out = ctx;
   return TW_SUCCESS;
 }
@@ -538,7 +551,8 @@ extern "C" tw_status tw_tp_context_check(tw_tp_context_t ctx) {
   return tw__tp_report(ctx, &all[first], how);
 }
 
-/* ---- device plans ----------------------------------------------------------------------------- */
+/* ---- device plans -----------------------------------------------------------------------------
+ */
 
 extern "C" tw_status tw_tp_device_plan_create(tw_tp_context_t ctx, tw_tp_device_plan_t* out) {
   tw__clear_error();
@@ -609,9 +623,8 @@ extern "C" tw_status tw_tp_device_plan_upload(tw_tp_device_plan_t d, tw_tp_plan_
                     "%d, %d); plan with the context's problem",
                     q->world_size, q->hidden, q->ffn, q->experts, q->top_k, q->max_tokens,
                     p->world_size, p->hidden, p->ffn, p->experts, p->top_k, p->max_tokens);
-  if (pl->par.tp != ctx->par.tp || pl->par.ep != ctx->par.ep ||
-      pl->par.splits != ctx->par.splits || pl->par.comm_tile_m != ctx->par.comm_tile_m ||
-      pl->par.comm_tile_n != ctx->par.comm_tile_n)
+  if (pl->par.tp != ctx->par.tp || pl->par.ep != ctx->par.ep || pl->par.splits != ctx->par.splits ||
+      pl->par.comm_tile_m != ctx->par.comm_tile_m || pl->par.comm_tile_n != ctx->par.comm_tile_n)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_tp_device_plan_upload: the plan's tw_parallel (tp %d, ep %d, splits %d, "
                     "comm tile %d x %d) is not the context's (%d, %d, %d, %d x %d); plan with the "
@@ -641,8 +654,8 @@ extern "C" tw_status tw_tp_device_plan_upload(tw_tp_device_plan_t d, tw_tp_plan_
   TW_TRY(tw_routing_rank(routing, ctx->rank, &tokens, &ids, &weights));
   if (tokens > p->max_tokens)
     return tw__fail(TW_ERR_CAPACITY,
-                    "tw_tp_device_plan_upload: rank %d has %d tokens, above max_tokens %d", ctx->rank,
-                    tokens, p->max_tokens);
+                    "tw_tp_device_plan_upload: rank %d has %d tokens, above max_tokens %d",
+                    ctx->rank, tokens, p->max_tokens);
   const int64_t nslots = (int64_t)tokens * p->top_k;
   for (int64_t i = 0; i < nslots; i++)
     if (ep->slot_row[i] < 0 || ep->slot_row[i] >= ep->recv_rows + ep->rows)
@@ -654,8 +667,9 @@ extern "C" tw_status tw_tp_device_plan_upload(tw_tp_device_plan_t d, tw_tp_plan_
   const int32_t per_split = pl->num_segments > 0 ? pl->segments[0].ntiles : 0;
   for (int32_t s = 0; s < pl->num_segments; s++)
     if (pl->segments[s].ntiles != per_split || pl->segments[s].tile0 != s * per_split)
-      return tw__fail(TW_ERR_INTERNAL, "tw_tp_device_plan_upload: split %d has %d tiles, split 0 %d",
-                      s, pl->segments[s].ntiles, per_split);
+      return tw__fail(TW_ERR_INTERNAL,
+                      "tw_tp_device_plan_upload: split %d has %d tiles, split 0 %d", s,
+                      pl->segments[s].ntiles, per_split);
   for (int32_t c = 0; c < pl->num_comm_tiles; c++) {
     const tw_tp_comm_tile* t = &pl->comm_tiles[c];
     if (t->row0 < R0 || t->rows < 1 || t->row0 + t->rows > R0 + block_rows || t->col0 < 0 ||

@@ -157,8 +157,7 @@ static void tw_cap_compare(tw_rank_env* env, const tw_cbuf* b, size_t n_out, int
          "rank %d %s: the capturable call differs from the eager one (first at token %zu, "
          "column %zu: %04x vs %04x)",
          env->rank, what, first / (size_t)hidden, first % (size_t)hidden,
-         first < n_out ? b->h_c[first] : 0,
-         first < n_out ? b->h_e[first] : 0);
+         first < n_out ? b->h_c[first] : 0, first < n_out ? b->h_e[first] : 0);
 }
 
 /* Mean time per call of `reps` calls of one mode on the same inputs, us. */
@@ -193,8 +192,8 @@ static tw_status tw_cap_routing(const tw_problem* p, int it, uint64_t seed, int3
 /* A CUDA graph of one capturable call (tokens[rank] tokens), replayed `replays` times with a new
  * routing of the same token counts each time, against an eager call on the same inputs. */
 static void tw_cap_graph(tw_rank_env* env, const tw_problem* p, const tw_cap_cfg* c,
-                         tw_context_t ce, tw_device_plan_t de, tw_context_t cg,
-                         tw_device_plan_t dg, tw_cbuf* b, int replays) {
+                         tw_context_t ce, tw_device_plan_t de, tw_context_t cg, tw_device_plan_t dg,
+                         tw_cbuf* b, int replays) {
   int32_t tokens[TW_MAX_RANKS];
   for (int r = 0; r < env->nranks; r++) tokens[r] = p->max_tokens - 1 - r % 3;
   const int32_t nt = tokens[env->rank];
@@ -236,7 +235,8 @@ static void tw_cap_graph(tw_rank_env* env, const tw_problem* p, const tw_cap_cfg
     replay_s += tw__now_seconds() - t0;
     if (n_out > 0) CHECK_CUDA(cudaMemcpy(b->h_c, b->out_c, n_out * 2, cudaMemcpyDeviceToHost));
     if (i % 20 == 19) CHECK_OK(tw_context_check(cg));
-    tw_cap_checked(env, ce, de, c, b, nt, TW_INDEX_INT32, b->out_e, b->h_e, "eager beside a replay");
+    tw_cap_checked(env, ce, de, c, b, nt, TW_INDEX_INT32, b->out_e, b->h_e,
+                   "eager beside a replay");
     int diff = 0;
     for (size_t k = 0; k < n_out; k++) diff |= b->h_c[k] != b->h_e[k];
     wrong += diff;
@@ -278,11 +278,12 @@ static void tw_run_cap_cfg(tw_rank_env* env, const tw_cap_cfg* c, int ci) {
     CHECK_OK(tw_device_plan_summary_get(dg, &s));
     CHECK(s.rows == E * p.world_size * C);
     if (env->rank == 0)
-      printf("  cfg %d (%s, E %d H %d F %d k %d, tokens <= %d, capacity %d): capturable context "
-             "%.2f MiB per rank, static plan %lld rows, %lld tiles\n",
-             ci, c->layer ? "layer" : "dispatch + combine", p.experts, p.hidden, p.ffn, p.top_k,
-             p.max_tokens, c->capacity, m.total_bytes / 1048576.0, (long long)s.rows,
-             (long long)s.tiles);
+      printf(
+          "  cfg %d (%s, E %d H %d F %d k %d, tokens <= %d, capacity %d): capturable context "
+          "%.2f MiB per rank, static plan %lld rows, %lld tiles\n",
+          ci, c->layer ? "layer" : "dispatch + combine", p.experts, p.hidden, p.ffn, p.top_k,
+          p.max_tokens, c->capacity, m.total_bytes / 1048576.0, (long long)s.rows,
+          (long long)s.tiles);
   }
   for (int it = 0; ok && it < c->iters; it++) {
     int32_t tokens[TW_MAX_RANKS];
@@ -319,9 +320,10 @@ static void tw_run_cap_cfg(tw_rank_env* env, const tw_cap_cfg* c, int ci) {
       (void)tw_cap_time(env, cg, dg, c, &b, p.max_tokens, b.out_c, 2);
       const double tc = tw_cap_time(env, cg, dg, c, &b, p.max_tokens, b.out_c, reps);
       if (env->rank == 0)
-        printf("  cfg %d time per call, %d tokens per rank: eager %.1f us, capturable %.1f us "
-               "(%.2fx)\n",
-               ci, p.max_tokens, te, tc, te > 0 ? tc / te : 0.0);
+        printf(
+            "  cfg %d time per call, %d tokens per rank: eager %.1f us, capturable %.1f us "
+            "(%.2fx)\n",
+            ci, p.max_tokens, te, tc, te > 0 ? tc / te : 0.0);
       tw_routing_destroy(rt);
     }
     tw_cap_graph(env, &p, c, ce, de, cg, dg, &b, 60);
@@ -445,9 +447,9 @@ static void test_refusals(tw_rank_env* env) {
       TW_ERR_UNSUPPORTED);
   tw_dispatch_options dop = TW_DISPATCH_OPTIONS_INIT;
   dop.plan_config = &pc;
-  CHECK_STATUS(tw_moe_dispatch_ex(ctx, dp, NULL, NULL, TW_INDEX_INT32, NULL, 0, NULL, &dop,
-                                  env->stream),
-               TW_ERR_UNSUPPORTED);
+  CHECK_STATUS(
+      tw_moe_dispatch_ex(ctx, dp, NULL, NULL, TW_INDEX_INT32, NULL, 0, NULL, &dop, env->stream),
+      TW_ERR_UNSUPPORTED);
   /* Nothing enqueued: a call with no tokens anywhere runs and checks. */
   CHECK_OK(tw_moe_layer(ctx, dp, NULL, NULL, TW_INDEX_INT32, NULL, 0, w, w, NULL, env->stream));
   CHECK_CUDA(cudaStreamSynchronize(env->stream));

@@ -28,7 +28,6 @@
 #include "overlap_common.h"
 #include "reference.h"
 
-
 /* Weights are uniform bf16 in [-1, 1) times 2^-4 (exact in bf16), so that a projection of
  * hidden 1024..2048 has a spread of about 1 and SwiGLU runs in its curved part. */
 static const float kWeightScale = 0.0625f;
@@ -109,7 +108,6 @@ static void tw_fill_weights(tw_rank_env* env, const tw_problem* p, uint64_t salt
       cudaMemcpy(b->w13, b->g_w13 + e0 * 2 * F * H, E * 2 * F * H * 2, cudaMemcpyHostToDevice));
   CHECK_CUDA(cudaMemcpy(b->w2, b->g_w2 + e0 * H * F, E * H * F * 2, cudaMemcpyHostToDevice));
 }
-
 
 /* out (already on the host in b->h_out, nt rows) against the reference on up to five tokens:
  * the largest error relative to the largest reference value; every element must be finite. */

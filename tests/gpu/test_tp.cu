@@ -160,8 +160,8 @@ static void tw_tp_run_case(tw_rank_env* env, const tw_tp_case* c, uint64_t seed)
     for (int64_t i = 0; i < (int64_t)n * H; i++) {
       const int k = tw_tp_off(out_a[i], ref[env->rank][i]);
       if (k > 0 && off[1] + off[2] < 4)
-        fprintf(stderr, "  rank %d tp %d it %d: token %lld col %lld: %g, reference %g\n",
-                env->rank, tp, it, (long long)(i / H), (long long)(i % H), tw_bf2f(out_a[i]),
+        fprintf(stderr, "  rank %d tp %d it %d: token %lld col %lld: %g, reference %g\n", env->rank,
+                tp, it, (long long)(i / H), (long long)(i % H), tw_bf2f(out_a[i]),
                 tw_bf2f(ref[env->rank][i]));
       off[k]++;
     }
@@ -202,7 +202,8 @@ static void tw_tp_all_configs(tw_rank_env* env, int wide) {
     c.top_k = wide ? 4 : 2;
     c.max_tokens = wide ? 40 : 64;
     c.iters = wide ? 3 : 5;
-    if (env->rank == 0) printf("  tp %d x ep %d, hidden %d, top_k %d\n", tp, W / tp, c.hidden, c.top_k);
+    if (env->rank == 0)
+      printf("  tp %d x ep %d, hidden %d, top_k %d\n", tp, W / tp, c.hidden, c.top_k);
     tw_tp_run_case(env, &c, 11 + (uint64_t)tp + (wide ? 100 : 0));
   }
 }
@@ -266,7 +267,8 @@ static void test_tp_refusals(tw_rank_env* env) {
   par1.splits = 1;
   CHECK_OK(tw_tp_plan_create(&p, &par1, rt, env->rank, NULL, &split1));
   CHECK_STATUS(tw_moe_combine_tp(ctx, dp, NULL, NULL, NULL, NULL, env->stream), TW_ERR_STATE);
-  if (W > 1) CHECK_STATUS(tw_tp_device_plan_upload(dp, other, rt, env->stream), TW_ERR_INVALID_ARGUMENT);
+  if (W > 1)
+    CHECK_STATUS(tw_tp_device_plan_upload(dp, other, rt, env->stream), TW_ERR_INVALID_ARGUMENT);
   CHECK_STATUS(tw_tp_device_plan_upload(dp, split1, rt, env->stream), TW_ERR_INVALID_ARGUMENT);
   CHECK(strstr(tw_last_error(), "tw_parallel") != NULL);
   CHECK_OK(tw_tp_device_plan_upload(dp, plan, rt, env->stream));

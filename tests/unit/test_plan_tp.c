@@ -290,8 +290,8 @@ static void plan_exec(const tw_problem* p, const tw_parallel* par, tw_routing_t 
  * fp32 here (the kernel rounds them to bf16), so the result must be the reference's bit for bit.
  * Also checked: no receive row is written twice, and no slot reads a row nobody wrote. */
 static void runtime_exec(const tw_problem* p, const tw_parallel* par, tw_routing_t rt,
-                         tw_tp_plan_t* pl, int partial_bf16, const float* const* h,
-                         const float* w2, uint16_t* const* out) {
+                         tw_tp_plan_t* pl, int partial_bf16, const float* const* h, const float* w2,
+                         uint16_t* const* out) {
   const int32_t W = p->world_size, tp = par->tp, H = p->hidden, K = p->top_k;
   const int64_t recv_max = (int64_t)p->max_tokens * K;
   float* part[TW_MAX_RANKS];
@@ -400,7 +400,8 @@ static void test_reference(void) {
         if (planned) {
           runtime_exec(&p, &par, rt, pl, pb, (const float* const*)h, w2, out3);
           for (int32_t r = 0; r < W; r++)
-            for (size_t i = 0; i < (size_t)tokens[r] * H; i++) bad_runtime += out3[r][i] != out[r][i];
+            for (size_t i = 0; i < (size_t)tokens[r] * H; i++)
+              bad_runtime += out3[r][i] != out[r][i];
         }
         CHECKF(bad_runtime == 0,
                "tp %d ep %d bf16 partials %d: the runtime's data path gives %d values other than "
