@@ -300,7 +300,10 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
   if (add) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_zeroed, 0));
   /* The producer zeroes the other buffer (the previous call's output, valid until this call
    * started) for the next call (unless TW_ADD_ZEROING=copy); a stream write after it sets ready. */
-  const int zero_in_producer = add && ctx->zero_in_producer && mode != TW_COMBINE_COMM_ONLY;
+  /* A call without tiles launches no producer (nothing for its warps to run in): the buffer is
+   * then zeroed after the call, like a comm-only call's (the soak found stale sums there). */
+  const int producer_runs = mode != TW_COMBINE_COMM_ONLY && d->num_tiles > 0;
+  const int zero_in_producer = add && ctx->zero_in_producer && producer_runs;
   if (zero_in_producer) {
     g.zero = (char*)ctx->win.local + tw__out_offset(ctx, buf ^ 1);
     g.zero_vectors = ctx->dirty_tokens[buf ^ 1] * ctx->problem.hidden * 2 / 16;
@@ -382,7 +385,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
      * is zeroed during this call (by its producer, above, or here), for the next call. */
     ctx->dirty_tokens[buf] = d->tokens;
     ctx->last_zero_copied = 0;
-    if (!zero_in_producer) TW_TRY(tw__zero_next_output(ctx, buf ^ 1, mode == TW_COMBINE_COMM_ONLY));
+    if (!zero_in_producer) TW_TRY(tw__zero_next_output(ctx, buf ^ 1, !producer_runs));
     ctx->out_buf = buf;
   }
   ctx->have_call = 1;

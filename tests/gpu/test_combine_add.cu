@@ -16,7 +16,9 @@
  *    order rows land in), within 8e-3 of a double reference built from the same bf16 inputs;
  *  - what the dataflow cannot do fails at once with a status naming the fix;
  *  - a consumer fault times out on every rank, and after tw_context_reset the next call is exact.
- *  - a routing that gives any rank more tokens than max_tokens is refused by every upload.
+ *  - a routing that gives any rank more tokens than max_tokens is refused by every upload;
+ *  - a rank without GEMM tiles (no token anywhere, or none on its experts) still zeroes the
+ *    next output buffer.
  * Exits 77 with fewer than 2 GPUs.
  */
 #include "overlap_common.h"
@@ -420,12 +422,84 @@ static void test_capacity_of_every_owner(tw_rank_env* env) {
   tw_routing_destroy(rt);
 }
 
+/* A rank whose experts receive no row runs no GEMM tile, so its producer, which zeroes the next
+ * output buffer, does not run: the buffer must still be zeroed (the soak found the previous
+ * call's sums left in it, dev/NOTES.md 34). Calls alternate between full routings, routings
+ * with no token anywhere and routings that put every token on rank 0's experts (the other ranks
+ * have tokens but no tile), in both parities of the alternating buffers; every output is checked
+ * bit for bit. */
+static tw_status tw_routing_onto_rank0(const tw_problem* p, int32_t per_rank, tw_routing_t* out) {
+  const int W = p->world_size, K = p->top_k, El = p->experts / W;
+  int32_t tokens[TW_MAX_RANKS];
+  int32_t* ids[TW_MAX_RANKS];
+  float* ws[TW_MAX_RANKS];
+  for (int r = 0; r < W; r++) {
+    tokens[r] = per_rank;
+    ids[r] = (int32_t*)malloc(sizeof(int32_t) * ((size_t)per_rank * K + 1));
+    ws[r] = (float*)malloc(sizeof(float) * ((size_t)per_rank * K + 1));
+    for (int t = 0; t < per_rank; t++)
+      for (int j = 0; j < K; j++) {
+        ids[r][(size_t)t * K + j] = (t + j) % El; /* distinct while K <= El */
+        ws[r][(size_t)t * K + j] = j == 0 ? 0.75f : 0.25f;
+      }
+  }
+  const tw_status st =
+      tw_routing_create(p, tokens, (const int32_t* const*)ids, (const float* const*)ws, out);
+  for (int r = 0; r < W; r++) {
+    free(ids[r]);
+    free(ws[r]);
+  }
+  return st;
+}
+
+static void test_calls_without_tiles(tw_rank_env* env) {
+  const tw_add_cfg c = {8, 1024, 128, 2, 256, TW_ROUTER_BALANCED, 0};
+  tw_add_fixture fx;
+  if (!tw_add_setup(env, &c, 0, &fx)) {
+    tw_add_teardown(&fx);
+    return;
+  }
+  tw_upload_exact_w2(env, &fx);
+  /* f: every rank full, 0: no token anywhere, h: every token on rank 0's experts. */
+  static const char kSeq[] = "f0f00fhfhhf0hf";
+  long bad = 0, inexact = 0;
+  for (int it = 0; kSeq[it] != '\0'; it++) {
+    const char kind = kSeq[it];
+    int32_t tokens[TW_MAX_RANKS];
+    for (int r = 0; r < env->nranks; r++) tokens[r] = kind == '0' ? 0 : fx.p.max_tokens;
+    tw_routing_t rt = NULL;
+    if (kind == 'h')
+      CHECK_OK(tw_routing_onto_rank0(&fx.p, fx.p.max_tokens, &rt));
+    else
+      CHECK_OK(tw_make_routing(&fx.p, c.router, tokens, 9100 + (uint64_t)it, &rt));
+    if (rt == NULL) break;
+    tw_plan_t plan = tw_add_plan(env, &fx, rt, 1, 1, 0);
+    if (plan == NULL) {
+      tw_routing_destroy(rt);
+      break;
+    }
+    const tw_combine_mode mode = it % 3 == 2 ? TW_COMBINE_UNFUSED : TW_COMBINE_OVERLAP;
+    tw_add_call(env, &fx, tokens[env->rank], mode, 1 + it % 4, fx.h_out);
+    const long b = tw_check_exact(env, &fx, rt, fx.h_out, &inexact);
+    CHECKF(b == 0, "rank %d call %d ('%c', %d tiles here): %ld elements differ", env->rank, it,
+           kind, plan->num_tiles, b);
+    bad += b;
+    tw_plan_destroy(plan);
+    tw_routing_destroy(rt);
+  }
+  if (env->rank == 0)
+    printf("  %zu calls, %ld elements wrong, %ld skipped (sum not exact in fp32)\n",
+           sizeof kSeq - 1, bad, inexact);
+  tw_add_teardown(&fx);
+}
+
 static const tw_rank_case kCases[] = {
     {"exactly_once_bit_exact", test_exactly_once_bit_exact},
     {"random_matches_unfused_and_reference", test_random_matches_unfused_and_reference},
     {"refusals", test_refusals},
     {"timeout_and_reset", test_timeout_and_reset},
     {"capacity_of_every_owner", test_capacity_of_every_owner},
+    {"calls_without_tiles", test_calls_without_tiles},
 };
 
 int main(int argc, char** argv) {
