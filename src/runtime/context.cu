@@ -951,6 +951,11 @@ extern "C" tw_status tw_context_check(tw_context_t ctx) {
     }
   }
   if (cause >= 0) first = cause;
+  /* TW_DEBUG=INFO: every failing rank's record (the report below names one). */
+  for (int r = 0; r < ctx->world && failing > 1 && tw__log_level() >= TW_LOG_INFO; r++)
+    if (all[r].status != 0)
+      TW_INFO("tw_context_check: rank %d: %s (index %d): counter %u, target %u", all[r].rank,
+              tw__where_name(all[r].where), all[r].index, all[r].seen, all[r].target);
   if (first < 0) {
     if (ctx->failed_enqueue)
       return tw__fail(TW_ERR_STATE,

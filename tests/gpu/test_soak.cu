@@ -84,6 +84,15 @@ static void tw_soak_first_diff(const uint16_t* a, const uint16_t* b, size_t n, c
              (double)tw_bf2f(b[first]));
 }
 
+/* Variables the soak can hold fixed, to find what a failure needs (all default to the full mix):
+ * TW_SOAK_STREAMS=1 puts every call on one stream, TW_SOAK_ROTATE=0 never uploads the rotating
+ * device plan, TW_SOAK_UNFUSED=0 makes every call between checks overlapped, TW_SOAK_MAX_C caps C,
+ * TW_SOAK_PLAN=k uses plan k only. */
+static long tw_soak_env(const char* name, long fallback) {
+  const char* v = getenv(name);
+  return v != NULL && v[0] != '\0' ? strtol(v, NULL, 10) : fallback;
+}
+
 static int tw_soak_calls(void) {
   const char* v = getenv("TW_SOAK_CALLS");
   const long n = v != NULL && v[0] != '\0' ? strtol(v, NULL, 10) : 300;
@@ -233,12 +242,16 @@ enum { kRotateEvery = 17 };
 
 static tw_soak_choice tw_soak_choose(long i, int nplans, int rank, int max_c) {
   const uint64_t h = tw_mix64(0x50a4c0deull ^ (uint64_t)i * 0x9e3779b97f4a7c15ull);
+  const long only_plan = tw_soak_env("TW_SOAK_PLAN", -1);
+  const long cap = tw_soak_env("TW_SOAK_MAX_C", max_c);
+  if (cap >= 1 && cap < max_c) max_c = (int)cap;
   tw_soak_choice c;
-  c.plan = (int)(h % (uint64_t)nplans);
-  c.stream = (int)(h >> 17 & 1);
-  c.mode = (h >> 33) % 8 == 0 ? TW_COMBINE_UNFUSED : TW_COMBINE_OVERLAP;
+  c.plan = only_plan >= 0 && only_plan < nplans ? (int)only_plan : (int)(h % (uint64_t)nplans);
+  c.stream = tw_soak_env("TW_SOAK_STREAMS", 2) == 1 ? 0 : (int)(h >> 17 & 1);
+  c.mode = (h >> 33) % 8 == 0 && tw_soak_env("TW_SOAK_UNFUSED", 1) != 0 ? TW_COMBINE_UNFUSED
+                                                                        : TW_COMBINE_OVERLAP;
   c.C = 1 + (int)(tw_mix64(h ^ (uint64_t)(rank + 1) * 0x5851f42d4c957f2dull) % (uint64_t)max_c);
-  c.rotating = (h >> 40) % 4 == 0;
+  c.rotating = (h >> 40) % 4 == 0 && tw_soak_env("TW_SOAK_ROTATE", 1) != 0;
   return c;
 }
 
@@ -268,11 +281,65 @@ static tw_status tw_soak_call(tw_context_t ctx, const tw_soak_plan* sp, tw_devic
                            &opt, s);
 }
 
-/* The check after call i: returns this rank's failed checks. */
+/* Relative error of a rank's output against the double-precision reference on sampled tokens
+ * (first, last and seeded ones, the same for every output of call i); *where says where it is
+ * worst. Returns -1 when the rank has no tokens. */
+static double tw_soak_rel_err(const tw_problem* p, const tw_soak_plan* sp, int rank, long i,
+                              uint64_t salt_w, const uint16_t* h, char* where, size_t len) {
+  const int nt = sp->tokens, samples = nt < kSamples ? nt : kSamples;
+  double max_err = 0.0, max_ref = 0.0, worst_got = 0.0, worst_ref = 0.0;
+  int worst_t = -1, worst_col = -1;
+  where[0] = '\0';
+  if (samples == 0) return -1.0;
+  double* ref = (double*)malloc(sizeof(double) * kHidden);
+  for (int k = 0; k < samples && ref != NULL; k++) {
+    const int t = k == 0   ? 0
+                  : k == 1 ? nt - 1
+                           : (int)(tw_mix64((uint64_t)i * 977 + (uint64_t)k) % (uint64_t)nt);
+    tw_reference_token(p, sp->rt, rank, t, sp->salt_h, salt_w, ref);
+    for (int col = 0; col < kHidden; col++) {
+      const double got = (double)tw_bf2f(h[(size_t)t * kHidden + col]);
+      const double e = fabs(got - ref[col]);
+      if (!(e <= max_err)) { /* NaN sticks */
+        max_err = e;
+        worst_t = t;
+        worst_col = col;
+        worst_got = got;
+        worst_ref = ref[col];
+      }
+      if (fabs(ref[col]) > max_ref) max_ref = fabs(ref[col]);
+    }
+  }
+  free(ref);
+  snprintf(where, len, "token %d col %d: %g, reference %g", worst_t, worst_col, worst_got,
+           worst_ref);
+  return max_ref > 0 ? max_err / max_ref : max_err;
+}
+
+/* Of the tokens whose outputs differ between a and b: how many have every row on this rank
+ * (their sums read this rank's GEMM output only) and how many receive rows from a peer. */
+static void tw_soak_diff_tokens(const tw_soak_plan* sp, int top_k, const uint16_t* a,
+                                const uint16_t* b, int* local_only, int* with_remote) {
+  *local_only = *with_remote = 0;
+  for (int t = 0; t < sp->tokens; t++) {
+    if (memcmp(a + (size_t)t * kHidden, b + (size_t)t * kHidden, kHidden * 2) == 0) continue;
+    int remote = 0;
+    for (int j = 0; j < top_k; j++)
+      remote |= sp->plan->slot_row[(size_t)t * top_k + j] < sp->plan->recv_rows;
+    if (remote)
+      (*with_remote)++;
+    else
+      (*local_only)++;
+  }
+}
+
+/* The check after call i: returns this rank's failed checks. With TW_SOAK_RETRY=1 every check
+ * makes two more calls of the same plan (unfused, then overlapped), so that a failure says
+ * which of the outputs is wrong and whether the wrong one comes back. */
 static int tw_soak_verify(tw_rank_env* env, const tw_problem* p, tw_context_t ctx, int dataflow,
                           tw_soak_plan* sp, tw_device_plan_t dp, const void* w2, void* out,
                           const tw_soak_choice* c, cudaStream_t s, uint64_t salt_w, long i,
-                          uint16_t* h_a, uint16_t* h_b, tw_soak_stats* stats) {
+                          uint16_t* h_a, uint16_t* h_b, uint16_t* h_c, tw_soak_stats* stats) {
   const int before = tw_test_failures_;
   CHECK_OK(tw_context_check(ctx));
   tw_soak_output(ctx, dataflow, out, sp->tokens, s, h_a);
@@ -284,13 +351,45 @@ static int tw_soak_verify(tw_rank_env* env, const tw_problem* p, tw_context_t ct
   tw_soak_output(ctx, dataflow, out, sp->tokens, s, h_b);
   stats->calls++;
   const size_t n = (size_t)sp->tokens * kHidden;
-  char where[160];
-  tw_soak_first_diff(h_a, h_b, n, where, sizeof where);
-  CHECKF(memcmp(h_a, h_b, n * 2) == 0,
-         "rank %d call %ld (%s, C %d, %s, stream %d%s): the output differs from the unfused "
-         "call's%s",
-         env->rank, i, sp->name, c->C, c->mode == TW_COMBINE_UNFUSED ? "unfused" : "overlapped",
-         c->stream, c->rotating ? ", rotating device plan" : "", where);
+  char where[160], wa[120], wb[120], retry[400] = "";
+  const double rel = tw_soak_rel_err(p, sp, env->rank, i, salt_w, h_a, wa, sizeof wa);
+  const int same = memcmp(h_a, h_b, n * 2) == 0;
+  if (tw_soak_env("TW_SOAK_RETRY", 0) != 0) {
+    /* Every rank makes the same two calls (each is a collective), whatever its verdict. */
+    for (int k = 0; k < 2; k++) {
+      tw_soak_choice r = *c;
+      r.mode = k == 0 ? TW_COMBINE_UNFUSED : TW_COMBINE_OVERLAP;
+      CHECK_OK(tw_soak_call(ctx, sp, dp, w2, out, dataflow, &r, s, 1));
+      CHECK_OK(tw_context_check(ctx));
+      tw_soak_output(ctx, dataflow, out, sp->tokens, s, h_c);
+      stats->calls++;
+      char wc[120];
+      const double rc = tw_soak_rel_err(p, sp, env->rank, i, salt_w, h_c, wc, sizeof wc);
+      const size_t len = strlen(retry);
+      snprintf(retry + len, sizeof retry - len,
+               "; retry %s: rel err %.2e, %s the first, %s the "
+               "second",
+               k == 0 ? "unfused" : "overlapped", rc,
+               memcmp(h_c, h_a, n * 2) ? "differs from" : "equals",
+               memcmp(h_c, h_b, n * 2) ? "differs from" : "equals");
+    }
+  }
+  if (!same) {
+    int local_only = 0, with_remote = 0;
+    tw_soak_diff_tokens(sp, p->top_k, h_a, h_b, &local_only, &with_remote);
+    const double rb = tw_soak_rel_err(p, sp, env->rank, i, salt_w, h_b, wb, sizeof wb);
+    tw_soak_first_diff(h_a, h_b, n, where, sizeof where);
+    CHECKF(0,
+           "rank %d call %ld (%s, C %d, %s, stream %d%s): the output differs from the unfused "
+           "call's%s; differing tokens: %d with local rows only, %d with rows from peers; "
+           "reference: first %.2e (%s), unfused %.2e (%s)%s",
+           env->rank, i, sp->name, c->C, c->mode == TW_COMBINE_UNFUSED ? "unfused" : "overlapped",
+           c->stream, c->rotating ? ", rotating device plan" : "", where, local_only, with_remote,
+           rel, wa, rb, wb, retry);
+  } else if (retry[0] != '\0' && strstr(retry, "differs") != NULL) {
+    CHECKF(0, "rank %d call %ld (%s, C %d): a retry differs%s", env->rank, i, sp->name, c->C,
+           retry);
+  }
   if (sp->golden == NULL) {
     sp->golden = (uint16_t*)malloc(n * 2 + 2);
     if (sp->golden != NULL) memcpy(sp->golden, h_a, n * 2);
@@ -305,40 +404,14 @@ static int tw_soak_verify(tw_rank_env* env, const tw_problem* p, tw_context_t ct
   for (size_t e = 0; e < n; e++) nan_seen += isnan(tw_bf2f(h_a[e])) != 0;
   CHECKF(nan_seen == 0, "rank %d call %ld (%s): %ld output elements never written", env->rank, i,
          sp->name, nan_seen);
-  /* The reference on sampled tokens: first, last and seeded ones. */
-  const int nt = sp->tokens, samples = nt < kSamples ? nt : kSamples;
-  double max_err = 0.0, max_ref = 0.0, worst_got = 0.0, worst_ref = 0.0;
-  int worst_t = -1, worst_col = -1;
-  double* ref = (double*)malloc(sizeof(double) * kHidden);
-  for (int k = 0; k < samples && ref != NULL; k++) {
-    const int t = k == 0   ? 0
-                  : k == 1 ? nt - 1
-                           : (int)(tw_mix64((uint64_t)i * 977 + (uint64_t)k) % (uint64_t)nt);
-    tw_reference_token(p, sp->rt, env->rank, t, sp->salt_h, salt_w, ref);
-    for (int col = 0; col < kHidden; col++) {
-      const double got = (double)tw_bf2f(h_a[(size_t)t * kHidden + col]);
-      const double e = fabs(got - ref[col]);
-      if (!(e <= max_err)) { /* NaN sticks */
-        max_err = e;
-        worst_t = t;
-        worst_col = col;
-        worst_got = got;
-        worst_ref = ref[col];
-      }
-      if (fabs(ref[col]) > max_ref) max_ref = fabs(ref[col]);
-    }
-  }
-  free(ref);
-  if (samples > 0) {
-    const double rel = max_ref > 0 ? max_err / max_ref : max_err;
+  if (rel >= 0) {
     CHECKF(rel < 8e-3,
-           "rank %d call %ld (%s, C %d): relative error %.3e against the reference (token %d "
-           "col %d: %g, reference %g)",
-           env->rank, i, sp->name, c->C, rel, worst_t, worst_col, worst_got, worst_ref);
+           "rank %d call %ld (%s, C %d): relative error %.3e against the reference (%s)", env->rank,
+           i, sp->name, c->C, rel, wa);
     if (!(rel <= stats->max_rel)) stats->max_rel = rel;
   }
   stats->checks++;
-  stats->compared_tokens += samples;
+  stats->compared_tokens += sp->tokens < kSamples ? sp->tokens : kSamples;
   return tw_test_failures_ - before;
 }
 
@@ -375,6 +448,7 @@ static void tw_soak_dataflow(tw_rank_env* env, int dataflow, tw_soak_stats* stat
     for (int k = 0; k < 2; k++) CHECK_CUDA(cudaMalloc(&outs[k], out_n * 2 + 16));
   uint16_t* h_a = (uint16_t*)malloc(out_n * 2 + 16);
   uint16_t* h_b = (uint16_t*)malloc(out_n * 2 + 16);
+  uint16_t* h_c = (uint16_t*)malloc(out_n * 2 + 16);
   tw_soak_plan sp[kMaxPlans];
   const int nplans = tw_soak_setup(env, &p, ctx, dataflow, sp);
   CHECK(nplans >= 10);
@@ -395,7 +469,7 @@ static void tw_soak_dataflow(tw_rank_env* env, int dataflow, tw_soak_stats* stat
   const int check_every = tw_soak_check_every();
   const long progress_every = calls / 20 > 500 ? calls / 20 : 500;
   int go = nplans > 0 && streams[1] != NULL && w2 != NULL && h_a != NULL && h_b != NULL &&
-           rot != NULL && ev_upload != NULL &&
+           h_c != NULL && rot != NULL && ev_upload != NULL &&
            (dataflow == TW_DATAFLOW_ADD || (outs[0] != NULL && outs[1] != NULL));
   /* Every rank must start together (the verdict is collective). */
   go = tw_rank_sum(env, go ? 0 : 1) == 0;
@@ -404,7 +478,7 @@ static void tw_soak_dataflow(tw_rank_env* env, int dataflow, tw_soak_stats* stat
   for (long i = 0; go && i < calls; i++) {
     tw_soak_choice c = tw_soak_choose(i, nplans, env->rank, max_c);
     const int check = (i + 1) % check_every == 0 || i + 1 == calls;
-    if (!halted && i % kRotateEvery == kRotateEvery - 1) {
+    if (!halted && i % kRotateEvery == kRotateEvery - 1 && tw_soak_env("TW_SOAK_ROTATE", 1) != 0) {
       const int k = (int)(tw_mix64((uint64_t)i * 31 + 17) % (uint64_t)nplans);
       cudaStream_t up = streams[last_stream];
       CHECK_OK(tw_device_plan_upload(rot, sp[k].plan, sp[k].rt, up));
@@ -431,9 +505,17 @@ static void tw_soak_dataflow(tw_rank_env* env, int dataflow, tw_soak_stats* stat
       int bad = halted;
       if (!halted)
         bad = tw_soak_verify(env, &p, ctx, dataflow, &sp[c.plan], dp, w2, outs[c.stream], &c, s,
-                             salt_w, i, h_a, h_b, stats) != 0;
-      else /* the same collectives as a verifying rank: two checks */
-        for (int k = 0; k < 2; k++) CHECK(tw_context_check(ctx) == TW_SUCCESS);
+                             salt_w, i, h_a, h_b, h_c, stats) != 0;
+      if (bad) /* what came before (the choices are a pure function of the call index) */
+        for (long j = i - 1; j >= 0 && j >= i - 3; j--) {
+          const tw_soak_choice q = tw_soak_choose(j, nplans, env->rank, max_c);
+          fprintf(stderr, "  rank %d call %ld before it: plan %d%s, stream %d, %s, C %d\n",
+                  env->rank, j, q.plan, q.rotating ? " (rotating: its plan then)" : "", q.stream,
+                  q.mode == TW_COMBINE_UNFUSED ? "unfused" : "overlapped", q.C);
+        }
+      else /* the same collectives as a verifying rank: two checks (four with retries) */
+        for (int k = 0; k < (tw_soak_env("TW_SOAK_RETRY", 0) != 0 ? 4 : 2); k++)
+          CHECK(tw_context_check(ctx) == TW_SUCCESS);
       /* Go on only if every rank is fine. */
       go = tw_rank_sum(env, bad) == 0;
     }
@@ -464,6 +546,7 @@ static void tw_soak_dataflow(tw_rank_env* env, int dataflow, tw_soak_stats* stat
   tw_soak_teardown(sp, nplans);
   free(h_a);
   free(h_b);
+  free(h_c);
   cudaFree(w2);
   cudaFree(outs[0]);
   cudaFree(outs[1]);
