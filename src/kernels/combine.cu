@@ -329,7 +329,9 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     s_fp_slot[d] = reinterpret_cast<uint64_t*>(s_peer[d] + a.lay.plan_fp) + a.rank;
   }
   uint64_t* const* fp_slot = a.plan_fp != nullptr ? s_fp_slot : nullptr;
+  int taken = 0; /* units this CTA took (thread 0's count, for the call state) */
   if (threadIdx.x == 0) {
+    if (blockIdx.x == 0) a.state->consumer_epoch = a.state->epoch;
     s_fp = a.plan_fp != nullptr ? tw_plan_fp_of_call(*a.plan_fp, a.state->epoch) : 0;
     s_copied = 1;
     s_unit = (int)atomicAdd(a.unit_next, 1u);
@@ -450,6 +452,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
     /* Every thread's stores above happen-before thread 0's later release (see NOTES, 3). The
      * barrier also publishes the next unit (every thread has read the current one). */
     if (threadIdx.x == 0) {
+      taken++;
       tw_trace_event(a.trace, TW_TRACE_UNIT_COPY, blockIdx.x, (uint32_t)u);
       s_unit = (int)atomicAdd(a.unit_next, 1u);
       tw_trace_event(a.trace, TW_TRACE_UNIT_CLAIM, blockIdx.x, (uint32_t)s_unit);
@@ -460,6 +463,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   }
   __syncthreads();
   if (threadIdx.x == 0) {
+    atomicAdd(&a.state->consumer_units, (uint32_t)taken);
     tw__announce<kBulk>(s_arrive, a.world, s_pending, fp_slot, s_fp, a.trace);
     /* The add dataflow's end of the call: the sources' adds into this rank's output. Our own
      * units are announced above, so no peer's CTA 0 waits on anything this wait holds back. The
@@ -511,6 +515,7 @@ __global__ void __launch_bounds__(1024)
   }
   if (threadIdx.x == 0) {
     state->epoch += 1u;
+    state->consumer_units = 0u;
     for (int s = 0; s < world; s++) state->arrive_target[s] += recv_units[s];
   }
 }

@@ -52,7 +52,8 @@ enum {
   TW_CHECK_TAGS = 5,
   TW_WAIT_COPY = 6,
   TW_CHECK_ARRIVALS = 7,
-  TW_CHECK_PLAN = 11 /* dispatch.h has 8..10, 12 and 13 */
+  TW_CHECK_PLAN = 11, /* dispatch.h has 8..10, 12 and 13 */
+  TW_CHECK_CONSUMER = 14
 };
 
 /* The value a source writes into an owner's plan_fp slot in call `epoch`: its plan's fingerprint
@@ -66,6 +67,12 @@ __host__ __device__ __forceinline__ uint64_t tw_plan_fp_of_call(uint64_t fingerp
 typedef struct tw_call_state {
   uint32_t epoch;                       /* calls with communication since the last reset */
   uint32_t arrive_target[TW_MAX_RANKS]; /* cumulative arrivals expected from each source */
+  /* What this call's consumer did (the reduction checks it, TW_CHECK_CONSUMER): the units its
+   * CTAs took (zeroed by the call's first kernel) and the epoch its CTA 0 read. A consumer that
+   * ran outside its call (before the call's first kernel, or beside the next) shows here instead
+   * of as a peer's timeout. */
+  uint32_t consumer_units;
+  uint32_t consumer_epoch;
 } tw_call_state;
 
 /* Byte offsets of the regions inside every rank's symmetric window (identical on all ranks). */
@@ -109,9 +116,9 @@ typedef struct tw_consumer_args {
   int32_t tail_parts;     /* row parts of each band from seg_split0 on (1: whole bands) */
   int32_t copy;           /* TW_CONSUMER_COPY_REGISTERS or _BULK (combine.cu) */
   int32_t rank, world;
-  const tw_call_state* state; /* credits (or ready) awaited: state->epoch - 1 */
-  const uint64_t* plan_fp;    /* device: this rank's plan fingerprint, written with the units into
-                                 every owner's plan_fp slot; NULL = not written */
+  tw_call_state* state;    /* credits (or ready) awaited: state->epoch - 1; consumer_* written */
+  const uint64_t* plan_fp; /* device: this rank's plan fingerprint, written with the units into
+                              every owner's plan_fp slot; NULL = not written */
   int32_t debug_tags;
   /* The add dataflow (NULL: reduce): each row goes to out_offset + row_token[row] * row bytes of
    * the owner's window, added (bulk or register adds; no debug tags), after the owner's ready word
@@ -146,6 +153,8 @@ typedef struct tw_reduce_args {
    * else the ranks planned differently (TW_CHECK_PLAN), even with equal unit counts. */
   const uint64_t* plan_fp;
   const uint32_t* recv_units; /* (world) device */
+  /* The units this rank's consumer takes in the call (0: no consumer check; the TP call). */
+  int32_t consumer_units;
   tw_dev_error* err;
   uint64_t timeout_ns;
   tw_trace* trace; /* device trace buffer (trace.h): each CTA's begin, arrivals and end; NULL =

@@ -143,6 +143,16 @@ __global__ void __launch_bounds__(kReduceThreads) tw_reduce_kernel(const tw_redu
         }
       }
     }
+    /* This rank's consumer ended before this kernel (stream order): it must have taken every
+     * unit of this call, in this call. */
+    if (ok && a.consumer_units > 0 && blockIdx.x == 0) {
+      const volatile tw_call_state* st = a.state;
+      if (st->consumer_units != (uint32_t)a.consumer_units || st->consumer_epoch != st->epoch) {
+        tw_report_error(a.err, TW_ERR_INTERNAL, TW_CHECK_CONSUMER, (int32_t)st->consumer_epoch,
+                        st->consumer_units, (uint32_t)a.consumer_units, a.rank);
+        ok = false;
+      }
+    }
     if (ok) tw_trace_event(a.trace, TW_TRACE_REDUCE_ARRIVED, blockIdx.x, 0);
     s_ok = ok;
   }

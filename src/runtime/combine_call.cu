@@ -352,6 +352,7 @@ extern "C" tw_status tw_moe_combine_ex(tw_context_t ctx, tw_device_plan_t d, con
     ra.recv_rows = d->recv_rows;
     ra.plan_fp = d->plan_fp;
     ra.recv_units = d->recv_units;
+    ra.consumer_units = C > 0 ? d->total_units : 0;
     ra.rank = ctx->rank;
     ra.world = ctx->world;
     ra.debug_tags = ctx->debug_tags;

@@ -37,6 +37,8 @@ static const char* tw__where_name(int where) {
       return "reduction's count of a source's arrivals";
     case TW_CHECK_PLAN:
       return "reduction's check of a source's plan";
+    case TW_CHECK_CONSUMER:
+      return "reduction's check of this rank's consumer";
     case TW_WAIT_DISPATCH_CREDIT:
       return "dispatch wait for a destination's credit";
     case TW_WAIT_DISPATCH_ARRIVAL:
@@ -63,6 +65,13 @@ tw_status tw__report(tw_context_t ctx, const tw_dev_error* e, const char* how) {
                     "different routings, counts or problems (every rank must plan from the same "
                     "one). Call tw_context_reset() on every rank before the next call",
                     how, e->rank, tw__where_name(e->where), e->index, e->seen, e->target);
+  if (e->where == TW_CHECK_CONSUMER)
+    return tw__fail(TW_ERR_INTERNAL,
+                    "%s: rank %d: this call's consumer took %u of its %u units and read call %d "
+                    "of the call state: it ran outside its call (a bug; please report it with "
+                    "the call's mode and whether it was captured). Call tw_context_reset() on "
+                    "every rank before the next call",
+                    how, e->rank, e->seen, e->target, e->index);
   if (e->where == TW_CHECK_CAPACITY)
     return tw__fail(TW_ERR_CAPACITY,
                     "%s: rank %d: token %d (slot %d) is one more row for expert %u than its "
