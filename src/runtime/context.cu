@@ -225,6 +225,8 @@ static tw_status tw__warm_up(tw_context_t ctx) {
   if (e == cudaSuccess && ctx->layer) e = cudaMemsetAsync(g1, 0, g1_bytes, ctx->s_aux);
   if (e == cudaSuccess) e = cudaMemsetAsync(a, 0, (size_t)ctx->tm * F * 2, ctx->s_aux);
   if (e == cudaSuccess) e = cudaMemsetAsync(b, 0, (size_t)ctx->tn * F * 2, ctx->s_aux);
+  /* Nobody reads the band counter, but the producer's release adds to it (initcheck). */
+  if (e == cudaSuccess) e = cudaMemsetAsync(counter, 0, 4, ctx->s_aux);
   tw_tile h_tile;
   memset(&h_tile, 0, sizeof h_tile);
   h_tile.rows = ctx->tm;

@@ -662,6 +662,8 @@ def parse_shapes(text):
     return shapes
 
 
+# check_block's token count: odd, so that tiles and bands end mid-way.
+BLOCK_TOKENS = 777
 SHAPES = parse_shapes(os.environ.get("TW_HF_SHAPES", "1x512,1x2048,4x1024,1x4096,4x4096"))
 MODELS = [m for m in os.environ.get("TW_HF_MODELS", "qwen2_moe,mixtral").split(",") if m]
 ROWS = []  # the table, filled by TestGpu
@@ -688,7 +690,8 @@ class TestGpu(unittest.TestCase):
         dev = torch.device("cuda", torch.cuda.current_device())
         t0 = time.time()
         model = build(cls, cfg, torch.bfloat16, dev, SEED)
-        max_t = max(b * s for b, s in SHAPES)
+        # The shapes' largest batch, and check_block's BLOCK_TOKENS.
+        max_t = max([BLOCK_TOKENS] + [b * s for b, s in SHAPES])
         ctx = twt.Context(hidden=H, ffn=F, experts=E, top_k=k, max_tokens=max_t, device=dev)
         try:
             # One context for every block (same shapes; the blocks run one after another on one
@@ -717,7 +720,7 @@ class TestGpu(unittest.TestCase):
         def grab(mod, args):
             got["args"] = [a.detach().clone() for a in args]
         handle = hf.register_forward_pre_hook(grab)
-        ids = torch.randint(0, cfg.vocab_size, (1, 777), device=dev)
+        ids = torch.randint(0, cfg.vocab_size, (1, BLOCK_TOKENS), device=dev)
         with torch.inference_mode():
             swap.use("hf").model(ids, use_cache=False)
         handle.remove()
@@ -729,8 +732,8 @@ class TestGpu(unittest.TestCase):
         scale = ref.float().abs().max().item()
         err = (out.float() - ref.float()).abs()
         bad = int((err > 2e-2 * ref.float().abs() + 1e-2 * scale).sum())
-        print("  %s: the first sparse block (777 tokens) against float64: max error %.3g of %.3g"
-              % (name, err.max().item(), scale))
+        print("  %s: the first sparse block (%d tokens) against float64: max error %.3g of %.3g"
+              % (name, BLOCK_TOKENS, err.max().item(), scale))
         self.assertEqual(bad, 0, "%s: %d of %d elements off the reference (max error %.3g, "
                          "scale %.3g)" % (name, bad, ref.numel(), err.max().item(), scale))
         tw.layer.context.check()
