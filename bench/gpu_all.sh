@@ -82,8 +82,8 @@ if [ "$gpus" -lt 2 ]; then
     TW_SOAK_CALLS=10000 timeout 600 "$BUILD/test_soak" --in-process $w >"$OUT/soak-in-process-$w.txt" 2>&1
     echo "soak --in-process $w: exit $? $(grep -E '^soak total' "$OUT/soak-in-process-$w.txt")"
   done
-  # The soak's first wrong call (run 79: call 18, an unfused call after a check) under memcheck:
-  # an out-of-bounds write of a peer would show here.
+  # The soak's first 20 calls, a check after each, under memcheck (both dataflows, every plan
+  # kind; more than 150 s under the tool, run 82).
   TW_SOAK_CHECK_EVERY=1 TW_SOAK_CALLS=20 TW_TIMEOUT_MS=300000 TW_TEAM_TIMEOUT_MS=1500000 \
     timeout 600 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 9 \
     "$BUILD/test_soak" --in-process 2 >"$OUT/sanitizer-soak-memcheck.txt" 2>&1

@@ -12,7 +12,7 @@ date, commit and GPU in the titles are the ones their .md result files state (ch
 --check). The plots: the grid's speedup and efficiency (run 58), the add dataflow over the routers
 (run 59), the measured C sweep against the model (run 62) and its regret (run 62), the producer
 against cuBLAS and the roofline (run 58), and the layer's time by phase from a traced layer call
-(LAYER_TRACES; none committed yet: `tilewave trace --op layer` on a GPU writes one).
+(LAYER_TRACES: run 84's, two in-process ranks on one H200).
 """
 
 import argparse
@@ -61,7 +61,12 @@ SOURCES = {
 #   "runNN_layer": {"json": "2026-12-0D-runNN-trace-layer.json.gz", "md": "2026-12-0D-runNN.md",
 #                   "run": "run NN", "date": "2026-12-0D", "commit": "abcdef0",
 #                   "gpu": "1 x NVIDIA H200"},
-LAYER_TRACES = {}
+LAYER_TRACES = {
+    "run84_layer": {"json": "2026-12-02-run84-trace-layer.json.gz",
+                    "md": "2026-12-02-run80-85-soak-layer.md", "run": "run 84",
+                    "date": "2026-12-02", "commit": "1234052",
+                    "gpu": "1 x NVIDIA H200 (2 in-process ranks)"},
+}
 
 # The producer's roofline (plot_producer_roofline): the dense rate one concatenated cuBLAS GEMM
 # reaches (docs/hardware.md: bf16 8192^3, 793 TFLOP/s) and the weight-streaming rate of a
