@@ -289,7 +289,7 @@ __device__ __forceinline__ bool tw__bulk_copy_unit(tw__bulk_pipe& pp, const tw__
 template <bool kBulk>
 __device__ __forceinline__ void tw__announce(uint32_t* const* arrive, int world, uint32_t* pending,
                                              uint64_t* const* fp_slot, uint64_t fp,
-                                             tw_trace* trace) {
+                                             uint32_t* announced, tw_trace* trace) {
   if (kBulk) tw__bulk_wait_all();
   for (int d = 0; d < world; d++) {
     if (pending[d] == 0) continue;
@@ -297,6 +297,7 @@ __device__ __forceinline__ void tw__announce(uint32_t* const* arrive, int world,
      * of the arrivals (every announcing CTA writes the same value). */
     if (fp_slot != nullptr) *reinterpret_cast<volatile uint64_t*>(fp_slot[d]) = fp;
     tw_red_release_sys(arrive[d], pending[d]);
+    atomicAdd(&announced[d], pending[d]);
     tw_trace_event(trace, TW_TRACE_ANNOUNCE, blockIdx.x, TW_TRACE_ANNOUNCE_INDEX(d, pending[d]));
     pending[d] = 0;
   }
@@ -389,7 +390,8 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
       if (ok) tw_trace_event(a.trace, TW_TRACE_UNIT_BANDS, blockIdx.x, (uint32_t)u);
       if (ok && !((credited >> dest) & 1u)) {
         /* The credit wait may block: announce first (this happens at most W times). */
-        tw__announce<kBulk>(s_arrive, a.world, s_pending, fp_slot, s_fp, a.trace);
+        tw__announce<kBulk>(s_arrive, a.world, s_pending, fp_slot, s_fp, a.state->announced,
+                            a.trace);
         /* The add dataflow waits for the owner's own word instead: its output buffer of this
          * call is zero (combine.h). */
         const uint32_t* credit =
@@ -464,7 +466,7 @@ __global__ void __launch_bounds__(kConsumerThreads, 1)
   __syncthreads();
   if (threadIdx.x == 0) {
     atomicAdd(&a.state->consumer_units, (uint32_t)taken);
-    tw__announce<kBulk>(s_arrive, a.world, s_pending, fp_slot, s_fp, a.trace);
+    tw__announce<kBulk>(s_arrive, a.world, s_pending, fp_slot, s_fp, a.state->announced, a.trace);
     /* The add dataflow's end of the call: the sources' adds into this rank's output. Our own
      * units are announced above, so no peer's CTA 0 waits on anything this wait holds back. The
      * acquire makes the peers' adds (complete before their release) visible, and the stream's

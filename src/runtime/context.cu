@@ -1058,7 +1058,8 @@ extern "C" tw_status tw__context_timeline(tw_context_t ctx, tw_combine_timings* 
 /* ---- internal hooks (runtime.h) ----------------------------------------------------------- */
 
 extern "C" tw_status tw__context_call_state(tw_context_t ctx, cudaStream_t stream, uint32_t* epoch,
-                                            uint32_t* targets, uint32_t* arrivals) {
+                                            uint32_t* targets, uint32_t* arrivals,
+                                            uint32_t* announced) {
   tw__clear_error();
   TW_CHECK_NULL(ctx);
   TW_CHECK_NULL(epoch);
@@ -1074,6 +1075,7 @@ extern "C" tw_status tw__context_call_state(tw_context_t ctx, cudaStream_t strea
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
   *epoch = st.epoch;
   memcpy(targets, st.arrive_target, (size_t)ctx->world * 4);
+  if (announced != NULL) memcpy(announced, st.announced, (size_t)ctx->world * 4);
   return TW_SUCCESS;
 }
 

@@ -38,9 +38,10 @@ tw_status tw__context_last_launch(tw_context_t ctx, tw__launch_record* record);
 
 /* The device's call state (after the context's work so far and `stream`'s have completed): calls
  * with communication since the last reset, and per source rank the running arrival target and
- * the arrivals counted in this rank's window (world entries each). */
+ * the arrivals counted in this rank's window; per owner rank the units this rank's consumers
+ * announced to it (`announced`, may be NULL; world entries each, running totals). */
 tw_status tw__context_call_state(tw_context_t ctx, cudaStream_t stream, uint32_t* epoch,
-                                 uint32_t* targets, uint32_t* arrivals);
+                                 uint32_t* targets, uint32_t* arrivals, uint32_t* announced);
 
 /* Injects a consumer fault (tw_fault) into this rank's next overlapped/unfused call only. */
 tw_status tw__context_inject_fault(tw_context_t ctx, int kind, int index);

@@ -801,8 +801,14 @@ static void test_graph_replays(tw_rank_env* env) {
     CHECKF(memcmp(b.h_out, expect[1], n_out * 2) == 0,
            "rank %d: the call after a failed capture gave other bits", env->rank);
 
+    /* TW_TEST_GRAPH_MODE=unfused captures the unfused call (the consumer a plain launch after
+     * the producer, no programmatic dependent): the same bits, for telling whether the W = 4
+     * stall needs the overlap. */
+    const char* gm = getenv("TW_TEST_GRAPH_MODE");
+    tw_combine_options gopt = TW_COMBINE_OPTIONS_INIT;
+    gopt.mode = gm != NULL && strcmp(gm, "unfused") == 0 ? TW_COMBINE_UNFUSED : TW_COMBINE_OVERLAP;
     CHECK_CUDA(cudaStreamBeginCapture(env->stream, cudaStreamCaptureModeThreadLocal));
-    CHECK_OK(tw_moe_combine(ctx, dp, b.expert_in, b.w2, b.out, env->stream));
+    CHECK_OK(tw_moe_combine_ex(ctx, dp, b.expert_in, b.w2, b.out, &gopt, env->stream));
     CHECK_CUDA(cudaStreamEndCapture(env->stream, &graph));
     size_t nodes = 0;
     if (graph != NULL) {
@@ -816,7 +822,7 @@ static void test_graph_replays(tw_rank_env* env) {
     (void)tw_rank_sum(env, 0); /* a barrier */
     /* Three eager calls so far; capturing ran nothing. The device counts every call. */
     uint32_t epoch0 = 0, epoch = 0, target[TW_MAX_RANKS], arrived[TW_MAX_RANKS];
-    CHECK_OK(tw__context_call_state(ctx, env->stream, &epoch0, target, arrived));
+    CHECK_OK(tw__context_call_state(ctx, env->stream, &epoch0, target, arrived, NULL));
     CHECKF(epoch0 == 3, "rank %d: %u calls on the device after 3 eager ones and a capture",
            env->rank, epoch0);
     int wrong = 0;
@@ -833,7 +839,8 @@ static void test_graph_replays(tw_rank_env* env) {
       if (i % 25 == 24) CHECK_OK(tw_context_check(ctx));
     }
     CHECKF(wrong == 0, "rank %d: %d of 100 replays differ from the eager call", env->rank, wrong);
-    CHECK_OK(tw__context_call_state(ctx, env->stream, &epoch, target, arrived));
+    uint32_t announced[TW_MAX_RANKS];
+    CHECK_OK(tw__context_call_state(ctx, env->stream, &epoch, target, arrived, announced));
     /* Every rank has read its counters before any sends the next call's units (once this rank's
      * last reduction has returned its credit, a peer may). */
     (void)tw_rank_sum(env, 0);
@@ -841,10 +848,13 @@ static void test_graph_replays(tw_rank_env* env) {
            "rank %d: %u calls on the device after 100 replays (graph of %zu "
            "nodes), expected %u",
            env->rank, epoch, nodes, epoch0 + 100);
+    /* A source's announced total to an owner is that owner's arrivals from it (each side prints
+     * its own: the W = 4 stall, dev/NOTES.md 34, asks which side lost the units). */
     for (int s = 0; s < env->nranks; s++)
       CHECKF(s == env->rank || target[s] == arrived[s],
-             "rank %d: from rank %d %u units arrived, %u expected", env->rank, s, arrived[s],
-             target[s]);
+             "rank %d: from rank %d %u units arrived, %u expected; to rank %d this rank announced "
+             "%u",
+             env->rank, s, arrived[s], target[s], s, announced[s]);
     CHECK_STATUS(tw_device_plan_upload(dp, plan_half, rt_half, env->stream), TW_ERR_STATE);
     /* Eager calls after the replays, on the graph's stream, continue the sequence. */
     CHECK_CUDA(
