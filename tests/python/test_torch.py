@@ -569,6 +569,40 @@ class TestGpu(unittest.TestCase):
         self.assertTrue(torch.equal(a, c), "the module (on a side stream) differs")
         self.assertTrue(torch.equal(a, d), "out= differs")
 
+    def test_layer_in_a_cuda_graph(self):
+        # The capturable mode (dispatch_capacity: rows per expert and source, nothing read on
+        # the host): torch.cuda.graph captures the layer once; every replay, on new inputs copied
+        # into the captured tensors, equals an eager layer call on them bit for bit (the same
+        # kernels, the same order of sums; test_capture.cu checks the same in C).
+        T = 200
+        ctx = twt.Context(hidden=self.H, ffn=self.F, experts=self.E, top_k=self.K,
+                          max_tokens=self.MAX_T, dispatch_capacity=T)
+        try:
+            x, ids, w = self.inputs(T)
+            out = torch.empty(T, self.H, dtype=torch.bfloat16, device=self.dev)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # a first call outside the capture, as torch advises
+                twt.moe_layer(x, ids, w, self.w13, self.w2, context=ctx, out=out)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                twt.moe_layer(x, ids, w, self.w13, self.w2, context=ctx, out=out)
+            for i in range(5):
+                nx, nids, nw = self.inputs(T)
+                x.copy_(nx)
+                ids.copy_(nids)
+                w.copy_(nw)
+                out.fill_(float("nan"))
+                graph.replay()
+                eager = twt.moe_layer(nx, nids, nw, self.w13, self.w2, context=self.ctx)
+                torch.cuda.synchronize()
+                self.assertTrue(torch.equal(out, eager), "replay %d differs from the eager layer" % i)
+            self.assert_close(out, reference_layer(nx, nids, nw, self.w13, self.w2), "last replay")
+            ctx.check()
+        finally:
+            ctx.close()
+
     def test_library_refusals(self):
         x, ids, w = self.inputs(16)
         bad = ids.clone()
