@@ -697,7 +697,8 @@ typedef struct tw_combine_options {
  * plans disagree (planned from different routings, counts or problems) are caught where rows
  * arrive: a source that delivers more than the owner's plan expects, or whose plan's fingerprint
  * differs from the owner's, fails the call with TW_ERR_INVALID_ARGUMENT on the owner (and
- * through tw_context_check on every rank).
+ * through tw_context_check on every rank). A consumer that did not take every unit of the call
+ * in the call fails it with TW_ERR_INTERNAL (a library bug; the message asks for a report).
  * CUDA graphs (reduce dataflow, timing off): the call may be captured on `stream`; each replay
  * is one call, with the inputs' and dplan's contents at replay time. Rules: (1) launch the graph
  * on one stream, or order its launches after every other call on the context yourself (a
@@ -707,7 +708,9 @@ typedef struct tw_combine_options {
  * reported by tw_context_check(), not by the next call; (4) every rank instantiates and uploads
  * its graph (cudaGraphInstantiate, cudaGraphUpload) before any rank launches one: both can wait
  * for the device, and on an in-process team that device runs the peers' spinning kernels. Every
- * rank captures and replays the same sequence. A captured call is one chain of kernels on
+ * rank captures and replays the same sequence. Verified (100 replays = eager) with up to two
+ * in-process ranks on one GPU; at four a replay can stall (docs/runtime.md). A captured call is
+ * one chain of kernels on
  * `stream` (the consumer runs beside the producer as its programmatic dependent), so a graph
  * of it forks nothing. A capture that fails leaves the context as it was. On a device plan of
  * the capturable dispatch (tw_context_config.dispatch_capacity) the call computes and sends the
