@@ -104,6 +104,17 @@ if [ "$gpus" -lt 2 ]; then
     cmake --build "$BUILD-nohooks" -j "$(nproc)" --target tilewave_cli >>"$OUT/build-nohooks.log" 2>&1 &&
     timeout 300 bench/trace_cost.sh "$BUILD" "$BUILD-nohooks" 7 >"$OUT/trace-cost.md" 2>&1
   echo "trace_cost exit $?"; cat "$OUT/trace-cost.md"
+  step "one GPU: graph replays at W = 4 (the open stall: every rank's record, then unfused capture)"
+  for gm in overlap unfused; do
+    TW_DEBUG=INFO TW_TEST_CASE=graph_replays TW_TEST_GRAPH_MODE=$gm TW_TIMEOUT_MS=2000 timeout 120 \
+      "$BUILD/test_overlap" --in-process 4 >"$OUT/graph-replays-4-$gm.txt" 2>&1
+    echo "graph_replays W = 4, $gm capture: exit $?"
+    grep -E "tw_context_check: rank|announced|OK|FAIL" "$OUT/graph-replays-4-$gm.txt" | sort | uniq -c |
+      head -12
+  done
+  step "one GPU: the grouped GEMMs beside DeepGEMM and torch._grouped_mm (bench/gemm_peers.sh)"
+  OUT="$OUT/gemm-peers" timeout 400 bench/gemm_peers.sh "$BUILD" --quick >"$OUT/gemm-peers.txt" 2>&1
+  echo "gemm_peers exit $?"; grep "^|" "$OUT/gemm-peers.txt" | head -40
   step "one GPU: a Hugging Face MoE model with its experts on the layer (bench/hf_model.sh)"
   timeout 500 bench/hf_model.sh "$BUILD" >"$OUT/hf-model.txt" 2>&1
   echo "hf_model exit $?"; tail -30 "$OUT/hf-model.txt"
