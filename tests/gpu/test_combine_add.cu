@@ -147,6 +147,17 @@ static void tw_upload_exact_w2(tw_rank_env* env, tw_add_fixture* fx) {
   free(w2);
 }
 
+/* tw_add_setup with the exact weights uploaded; on failure the fixture is already torn down. */
+static int tw_add_setup_exact(tw_rank_env* env, const tw_add_cfg* c, int timeout_ms,
+                              tw_add_fixture* fx) {
+  if (!tw_add_setup(env, c, timeout_ms, fx)) {
+    tw_add_teardown(fx);
+    return 0;
+  }
+  tw_upload_exact_w2(env, fx);
+  return 1;
+}
+
 /* Compares every element of this rank's output with the exact expectation; returns mismatches. */
 static long tw_check_exact(tw_rank_env* env, const tw_add_fixture* fx, tw_routing_t rt,
                            const uint16_t* out, long* inexact) {
@@ -185,11 +196,7 @@ static long tw_check_exact(tw_rank_env* env, const tw_add_fixture* fx, tw_routin
 
 static void tw_run_exact(tw_rank_env* env, const tw_add_cfg* c, int cfg_index) {
   tw_add_fixture fx;
-  if (!tw_add_setup(env, c, 0, &fx)) {
-    tw_add_teardown(&fx);
-    return;
-  }
-  tw_upload_exact_w2(env, &fx);
+  if (!tw_add_setup_exact(env, c, 0, &fx)) return;
   static const int kMgb[] = {1, 2, 4};
   static const int kC[] = {1, 2, 5, 8, 12, 16, 24, 32};
   long bad = 0, inexact = 0, elems = 0;
@@ -353,11 +360,7 @@ static void test_refusals(tw_rank_env* env) {
 static void test_timeout_and_reset(tw_rank_env* env) {
   const tw_add_cfg c = {8, 1024, 128, 2, 256, TW_ROUTER_BALANCED, 0};
   tw_add_fixture fx;
-  if (!tw_add_setup(env, &c, 300, &fx)) {
-    tw_add_teardown(&fx);
-    return;
-  }
-  tw_upload_exact_w2(env, &fx);
+  if (!tw_add_setup_exact(env, &c, 300, &fx)) return;
   int32_t tokens[TW_MAX_RANKS];
   for (int r = 0; r < env->nranks; r++) tokens[r] = r % 2 ? 200 : 256;
   tw_routing_t rt = NULL;
@@ -455,11 +458,7 @@ static tw_status tw_routing_onto_rank0(const tw_problem* p, int32_t per_rank, tw
 static void test_calls_without_tiles(tw_rank_env* env) {
   const tw_add_cfg c = {8, 1024, 128, 2, 256, TW_ROUTER_BALANCED, 0};
   tw_add_fixture fx;
-  if (!tw_add_setup(env, &c, 0, &fx)) {
-    tw_add_teardown(&fx);
-    return;
-  }
-  tw_upload_exact_w2(env, &fx);
+  if (!tw_add_setup_exact(env, &c, 0, &fx)) return;
   /* f: every rank full, 0: no token anywhere, h: every token on rank 0's experts. */
   static const char kSeq[] = "f0f00fhfhhf0hf";
   long bad = 0, inexact = 0;

@@ -84,13 +84,33 @@ static void tw_soak_first_diff(const uint16_t* a, const uint16_t* b, size_t n, c
              (double)tw_bf2f(b[first]));
 }
 
-/* Variables the soak can hold fixed, to find what a failure needs (all default to the full mix):
- * TW_SOAK_STREAMS=1 puts every call on one stream, TW_SOAK_ROTATE=0 never uploads the rotating
- * device plan, TW_SOAK_UNFUSED=0 makes every call between checks overlapped, TW_SOAK_MAX_C caps C,
- * TW_SOAK_PLAN=k uses plan k only. */
 static long tw_soak_env(const char* name, long fallback) {
   const char* v = getenv(name);
   return v != NULL && v[0] != '\0' ? strtol(v, NULL, 10) : fallback;
+}
+
+/* Variables the soak can hold fixed, to find what a failure needs (all default to the full mix),
+ * read once: TW_SOAK_STREAMS=1 puts every call on one stream, TW_SOAK_ROTATE=0 never uploads the
+ * rotating device plan, TW_SOAK_UNFUSED=0 makes every call between checks overlapped,
+ * TW_SOAK_MAX_C caps C, TW_SOAK_PLAN=k uses plan k only; TW_SOAK_RETRY=1 (tw_soak_verify). */
+typedef struct tw_soak_knobs {
+  int one_stream, rotate, unfused, retry;
+  long max_c, plan; /* 0 / -1: no cap, every plan */
+} tw_soak_knobs;
+
+static const tw_soak_knobs* tw_soak_knobs_get(void) {
+  static tw_soak_knobs k;
+  static int read = 0;
+  if (!read) { /* first called from main, before any rank's thread starts */
+    k.one_stream = tw_soak_env("TW_SOAK_STREAMS", 2) == 1;
+    k.rotate = tw_soak_env("TW_SOAK_ROTATE", 1) != 0;
+    k.unfused = tw_soak_env("TW_SOAK_UNFUSED", 1) != 0;
+    k.retry = tw_soak_env("TW_SOAK_RETRY", 0) != 0;
+    k.max_c = tw_soak_env("TW_SOAK_MAX_C", 0);
+    k.plan = tw_soak_env("TW_SOAK_PLAN", -1);
+    read = 1;
+  }
+  return &k;
 }
 
 static int tw_soak_calls(void) {
@@ -242,16 +262,14 @@ enum { kRotateEvery = 17 };
 
 static tw_soak_choice tw_soak_choose(long i, int nplans, int rank, int max_c) {
   const uint64_t h = tw_mix64(0x50a4c0deull ^ (uint64_t)i * 0x9e3779b97f4a7c15ull);
-  const long only_plan = tw_soak_env("TW_SOAK_PLAN", -1);
-  const long cap = tw_soak_env("TW_SOAK_MAX_C", max_c);
-  if (cap >= 1 && cap < max_c) max_c = (int)cap;
+  const tw_soak_knobs* k = tw_soak_knobs_get();
+  if (k->max_c >= 1 && k->max_c < max_c) max_c = (int)k->max_c;
   tw_soak_choice c;
-  c.plan = only_plan >= 0 && only_plan < nplans ? (int)only_plan : (int)(h % (uint64_t)nplans);
-  c.stream = tw_soak_env("TW_SOAK_STREAMS", 2) == 1 ? 0 : (int)(h >> 17 & 1);
-  c.mode = (h >> 33) % 8 == 0 && tw_soak_env("TW_SOAK_UNFUSED", 1) != 0 ? TW_COMBINE_UNFUSED
-                                                                        : TW_COMBINE_OVERLAP;
+  c.plan = k->plan >= 0 && k->plan < nplans ? (int)k->plan : (int)(h % (uint64_t)nplans);
+  c.stream = k->one_stream ? 0 : (int)(h >> 17 & 1);
+  c.mode = (h >> 33) % 8 == 0 && k->unfused ? TW_COMBINE_UNFUSED : TW_COMBINE_OVERLAP;
   c.C = 1 + (int)(tw_mix64(h ^ (uint64_t)(rank + 1) * 0x5851f42d4c957f2dull) % (uint64_t)max_c);
-  c.rotating = (h >> 40) % 4 == 0 && tw_soak_env("TW_SOAK_ROTATE", 1) != 0;
+  c.rotating = (h >> 40) % 4 == 0 && k->rotate;
   return c;
 }
 
@@ -354,7 +372,7 @@ static int tw_soak_verify(tw_rank_env* env, const tw_problem* p, tw_context_t ct
   char where[160], wa[120], wb[120], retry[400] = "";
   const double rel = tw_soak_rel_err(p, sp, env->rank, i, salt_w, h_a, wa, sizeof wa);
   const int same = memcmp(h_a, h_b, n * 2) == 0;
-  if (tw_soak_env("TW_SOAK_RETRY", 0) != 0) {
+  if (tw_soak_knobs_get()->retry) {
     /* Every rank makes the same two calls (each is a collective), whatever its verdict. */
     for (int k = 0; k < 2; k++) {
       tw_soak_choice r = *c;
@@ -478,7 +496,7 @@ static void tw_soak_dataflow(tw_rank_env* env, int dataflow, tw_soak_stats* stat
   for (long i = 0; go && i < calls; i++) {
     tw_soak_choice c = tw_soak_choose(i, nplans, env->rank, max_c);
     const int check = (i + 1) % check_every == 0 || i + 1 == calls;
-    if (!halted && i % kRotateEvery == kRotateEvery - 1 && tw_soak_env("TW_SOAK_ROTATE", 1) != 0) {
+    if (!halted && i % kRotateEvery == kRotateEvery - 1 && tw_soak_knobs_get()->rotate) {
       const int k = (int)(tw_mix64((uint64_t)i * 31 + 17) % (uint64_t)nplans);
       cudaStream_t up = streams[last_stream];
       CHECK_OK(tw_device_plan_upload(rot, sp[k].plan, sp[k].rt, up));
@@ -503,9 +521,13 @@ static void tw_soak_dataflow(tw_rank_env* env, int dataflow, tw_soak_stats* stat
     }
     if (check) {
       int bad = halted;
-      if (!halted)
+      if (!halted) {
         bad = tw_soak_verify(env, &p, ctx, dataflow, &sp[c.plan], dp, w2, outs[c.stream], &c, s,
                              salt_w, i, h_a, h_b, h_c, stats) != 0;
+      } else { /* the same collectives as a verifying rank: two checks (four with retries) */
+        for (int k = 0; k < (tw_soak_knobs_get()->retry ? 4 : 2); k++)
+          CHECK(tw_context_check(ctx) == TW_SUCCESS);
+      }
       if (bad) /* what came before (the choices are a pure function of the call index) */
         for (long j = i - 1; j >= 0 && j >= i - 3; j--) {
           const tw_soak_choice q = tw_soak_choose(j, nplans, env->rank, max_c);
@@ -513,9 +535,6 @@ static void tw_soak_dataflow(tw_rank_env* env, int dataflow, tw_soak_stats* stat
                   env->rank, j, q.plan, q.rotating ? " (rotating: its plan then)" : "", q.stream,
                   q.mode == TW_COMBINE_UNFUSED ? "unfused" : "overlapped", q.C);
         }
-      else /* the same collectives as a verifying rank: two checks (four with retries) */
-        for (int k = 0; k < (tw_soak_env("TW_SOAK_RETRY", 0) != 0 ? 4 : 2); k++)
-          CHECK(tw_context_check(ctx) == TW_SUCCESS);
       /* Go on only if every rank is fine. */
       go = tw_rank_sum(env, bad) == 0;
     }
@@ -576,5 +595,6 @@ static const tw_rank_case kCases[] = {
 };
 
 int main(int argc, char** argv) {
+  (void)tw_soak_knobs_get(); /* read once, before the in-process ranks' threads */
   return tw_rank_test_main(argc, argv, kCases, (int)(sizeof kCases / sizeof kCases[0]), 3600);
 }
