@@ -639,6 +639,10 @@ LOGITS_REL = 5e-2     # max |logits - ref| / max |ref| over the positions routed
 REROUTED_MAX = 0.02   # tokens routed differently in some layer: this or 2 x HF's + 0.005
 TOP1_MIN = 0.9        # arg-max agreement with the unmodified model
 TOP1_SLACK = 0.03     # ... and with the fp32 reference, at most this below HF's own
+# Over every position the max error is a rerouted token's (Mixtral, top-2 of 8: 0.32-0.57 of the
+# largest logit against the unmodified model at 0.7-1.1% rerouted, where the positions routed
+# alike were within 0.014): it is held against the fp32 reference, at most twice HF's own
+# paths' error there, or this.
 REL_ANY_MAX = 0.5     # max |logits - ref| / max |ref| over every position
 
 
@@ -790,8 +794,10 @@ class TestGpu(unittest.TestCase):
         self.assertGreater(t["top1"], g["top1"] - TOP1_SLACK, "%s: top-1 agreement %.4f with "
                            "the fp32 reference (HF grouped_mm: %.4f)" % (where, t["top1"],
                                                                          g["top1"]))
-        self.assertLess(u["rel"], REL_ANY_MAX, "%s: logits max err / max logit %.4f" % (
-            where, u["rel"]))
+        hf_rel = max(g["rel"], m["eager"]["rel"])
+        self.assertLess(t["rel"], max(REL_ANY_MAX, 2 * hf_rel), "%s: logits max err / max logit "
+                        "%.4f over every position against the fp32 reference (HF: %.4f)" % (
+                            where, t["rel"], hf_rel))
 
     def check_shape(self, name, model, swaps, cfg, b, s, dev):
         g = torch.Generator(device=dev).manual_seed(SEED + b * 100003 + s)
@@ -824,19 +830,20 @@ class TestGpu(unittest.TestCase):
 
 
 HEADER = ("| model | batch x seq | tokens | vs unmodified: logits max err / max logit | same, "
-          "routed alike | top-1 agree | tokens rerouted | vs fp32 experts: rerouted, tilewave "
-          "(HF) | top-1, tilewave (HF) | prefill ms HF grouped_mm (default) | prefill ms HF "
+          "routed alike | top-1 agree | tokens rerouted | vs fp32 experts: logits max err / max "
+          "logit, tilewave (HF) | rerouted, tilewave (HF) | top-1, tilewave (HF) | prefill ms HF grouped_mm (default) | prefill ms HF "
           "eager | prefill ms tilewave | speedup vs default | vs eager |\n"
           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-          "---: | ---: |")
+          "---: | ---: | ---: |")
 
 
 def row(name, b, s, m, med):
     u, t, g = m["unmodified"], m["tilewave"], m["grouped_mm"]
-    return ("| %s | %d x %d | %d | %.4f | %.4f | %.4f | %.4f | %.4f (%.4f) | %.4f (%.4f) | %.2f "
-            "| %.2f | %.2f | %.2fx | %.2fx |" % (
-                name, b, s, b * s, u["rel"], u["rel_same"], u["top1"], u["rerouted"],
-                t["rerouted"], g["rerouted"], t["top1"], g["top1"], med["grouped_mm"],
+    hf_rel = max(g["rel"], m["eager"]["rel"])
+    return ("| %s | %d x %d | %d | %.4f | %.4f | %.4f | %.4f | %.4f (%.4f) | %.4f (%.4f) | "
+            "%.4f (%.4f) | %.2f | %.2f | %.2f | %.2fx | %.2fx |" % (
+                name, b, s, b * s, u["rel"], u["rel_same"], u["top1"], u["rerouted"], t["rel"],
+                hf_rel, t["rerouted"], g["rerouted"], t["top1"], g["top1"], med["grouped_mm"],
                 med["eager"], med["tilewave"], med["grouped_mm"] / med["tilewave"],
                 med["eager"] / med["tilewave"]))
 
@@ -847,7 +854,8 @@ def table():
         "experts path, grouped_mm); max err over every position, then over the positions whose "
         "tokens were routed alike in every layer; rerouted: tokens whose top-k experts differ in "
         "some layer. vs fp32 experts: each against the model whose experts compute in fp32, "
-        "tilewave's then HF grouped_mm's (HF's own spread). Prefill: model(ids, use_cache="
+        "tilewave's then HF's (the larger of grouped_mm's and eager's error; grouped_mm's rerouted "
+        "and top-1): HF's own spread. Prefill: model(ids, use_cache="
         "False), medians of interleaved runs.")
 
 
