@@ -1057,25 +1057,36 @@ extern "C" tw_status tw__context_timeline(tw_context_t ctx, tw_combine_timings* 
 
 /* ---- internal hooks (runtime.h) ----------------------------------------------------------- */
 
-extern "C" tw_status tw__context_call_state(tw_context_t ctx, cudaStream_t stream, uint32_t* epoch,
-                                            uint32_t* targets, uint32_t* arrivals,
-                                            uint32_t* announced) {
+extern "C" tw_status tw__context_counters(tw_context_t ctx, cudaStream_t stream,
+                                          tw__counters* out) {
   tw__clear_error();
   TW_CHECK_NULL(ctx);
-  TW_CHECK_NULL(epoch);
-  TW_CHECK_NULL(targets);
-  TW_CHECK_NULL(arrivals);
+  TW_CHECK_NULL(out);
   TW_DEVICE_SCOPE(ctx);
   TW_TRY(tw__sync_all(ctx));
   TW_CUDA_TRY(cudaStreamSynchronize(stream));
   tw_call_state st;
+  tw_dev_error err;
+  const size_t w = (size_t)ctx->world * 4;
+  const char* win = (const char*)ctx->win.local;
+  memset(out, 0, sizeof *out);
   TW_CUDA_TRY(cudaMemcpyAsync(&st, ctx->call_state, sizeof st, cudaMemcpyDeviceToHost, ctx->s_aux));
-  TW_CUDA_TRY(cudaMemcpyAsync(arrivals, (char*)ctx->win.local + ctx->lay.arrive,
-                              (size_t)ctx->world * 4, cudaMemcpyDeviceToHost, ctx->s_aux));
+  TW_CUDA_TRY(cudaMemcpyAsync(&err, ctx->err, sizeof err, cudaMemcpyDeviceToHost, ctx->s_aux));
+  TW_CUDA_TRY(
+      cudaMemcpyAsync(out->arrived, win + ctx->lay.arrive, w, cudaMemcpyDeviceToHost, ctx->s_aux));
+  TW_CUDA_TRY(
+      cudaMemcpyAsync(out->credits, win + ctx->lay.credit, w, cudaMemcpyDeviceToHost, ctx->s_aux));
   TW_CUDA_TRY(cudaStreamSynchronize(ctx->s_aux));
-  *epoch = st.epoch;
-  memcpy(targets, st.arrive_target, (size_t)ctx->world * 4);
-  if (announced != NULL) memcpy(announced, st.announced, (size_t)ctx->world * 4);
+  out->epoch = st.epoch;
+  out->consumer_units = st.consumer_units;
+  out->consumer_epoch = st.consumer_epoch;
+  memcpy(out->target, st.arrive_target, w);
+  memcpy(out->announced, st.announced, w);
+  out->err_status = err.status;
+  out->err_where = err.where;
+  out->err_index = err.index;
+  out->err_seen = err.seen;
+  out->err_target = err.target;
   return TW_SUCCESS;
 }
 

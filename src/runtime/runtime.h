@@ -36,12 +36,21 @@ typedef struct tw__launch_record {
 
 tw_status tw__context_last_launch(tw_context_t ctx, tw__launch_record* record);
 
-/* The device's call state (after the context's work so far and `stream`'s have completed): calls
- * with communication since the last reset, and per source rank the running arrival target and
- * the arrivals counted in this rank's window; per owner rank the units this rank's consumers
- * announced to it (`announced`, may be NULL; world entries each, running totals). */
-tw_status tw__context_call_state(tw_context_t ctx, cudaStream_t stream, uint32_t* epoch,
-                                 uint32_t* targets, uint32_t* arrivals, uint32_t* announced);
+/* What the device counts for one context (after the context's work so far and `stream`'s have
+ * completed), for tests and diagnosis: the call state (combine.h: calls with communication since
+ * the last reset, this call's consumer's units and epoch), per source rank the running arrival
+ * target and the arrivals counted in this rank's window, per owner rank the units this rank's
+ * consumers announced to it and the owner's credits in this rank's window (world entries each,
+ * running totals), and the device error record. */
+typedef struct tw__counters {
+  uint32_t epoch, consumer_units, consumer_epoch;
+  uint32_t target[TW_MAX_RANKS], arrived[TW_MAX_RANKS];
+  uint32_t announced[TW_MAX_RANKS], credits[TW_MAX_RANKS];
+  int32_t err_status, err_where, err_index;
+  uint32_t err_seen, err_target;
+} tw__counters;
+
+tw_status tw__context_counters(tw_context_t ctx, cudaStream_t stream, tw__counters* out);
 
 /* Injects a consumer fault (tw_fault) into this rank's next overlapped/unfused call only. */
 tw_status tw__context_inject_fault(tw_context_t ctx, int kind, int index);

@@ -27,6 +27,7 @@
 #include <math.h>
 
 #include <pthread.h>
+#include <time.h>
 
 #include "tilewave.h"
 #include "core.h"
@@ -37,6 +38,13 @@
 #include "team.h"
 #include "tw_test_gpu.h"
 #include "tw_test_random.h"
+
+/* Host wall clock, milliseconds (monotonic). */
+static inline double tw_test_now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
+}
 
 typedef struct tw_rank_env {
   int rank, nranks;

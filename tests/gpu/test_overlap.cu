@@ -821,40 +821,74 @@ static void test_graph_replays(tw_rank_env* env) {
     }
     (void)tw_rank_sum(env, 0); /* a barrier */
     /* Three eager calls so far; capturing ran nothing. The device counts every call. */
-    uint32_t epoch0 = 0, epoch = 0, target[TW_MAX_RANKS], arrived[TW_MAX_RANKS];
-    CHECK_OK(tw__context_call_state(ctx, env->stream, &epoch0, target, arrived, NULL));
-    CHECKF(epoch0 == 3, "rank %d: %u calls on the device after 3 eager ones and a capture",
-           env->rank, epoch0);
-    int wrong = 0;
-    for (int i = 0; i < 100 && exec != NULL; i++) {
+    tw__counters c0, c;
+    CHECK_OK(tw__context_counters(ctx, env->stream, &c0));
+    CHECKF(c0.epoch == 3, "rank %d: %u calls on the device after 3 eager ones and a capture",
+           env->rank, c0.epoch);
+    /* Diagnosis of the W = 4 stall (dev/NOTES.md 34-35): TW_TEST_GRAPH_TRACE=1 reads the
+     * counters after every replay (else only after the first wrong one), TW_TEST_GRAPH_LOCKSTEP=1
+     * makes every rank launch replay i only once all have finished replay i - 1. */
+    const int trace = getenv("TW_TEST_GRAPH_TRACE") != NULL;
+    const int lockstep = getenv("TW_TEST_GRAPH_LOCKSTEP") != NULL;
+    enum { kReplays = 100 };
+    static tw__counters seen[TW_MAX_RANKS][kReplays];
+    double ms[kReplays];
+    int wrong = 0, first_wrong = -1;
+    for (int i = 0; i < kReplays && exec != NULL; i++) {
       const int set = (i * 7 / 3) % 2;
+      if (lockstep) (void)tw_rank_sum(env, 0);
       if (i == 50) CHECK_OK(tw_device_plan_upload(dp, plan, rt, env->stream)); /* same sizes */
       CHECK_CUDA(cudaMemcpyAsync(b.expert_in, inputs[set], in_bytes, cudaMemcpyDeviceToDevice,
                                  env->stream));
       CHECK_OK(tw__fill_bf16(b.out, n_out, 0xFFFF, env->stream));
+      const double t0 = tw_test_now_ms();
       CHECK_CUDA(cudaGraphLaunch(exec, env->stream));
       CHECK_CUDA(cudaMemcpyAsync(b.h_out, b.out, n_out * 2, cudaMemcpyDeviceToHost, env->stream));
       CHECK_CUDA(cudaStreamSynchronize(env->stream));
-      wrong += memcmp(b.h_out, expect[set], n_out * 2) != 0;
+      ms[i] = tw_test_now_ms() - t0;
+      const int bad = memcmp(b.h_out, expect[set], n_out * 2) != 0;
+      wrong += bad;
+      if (bad && first_wrong < 0) first_wrong = i;
+      if (trace || (bad && first_wrong == i))
+        CHECK_OK(tw__context_counters(ctx, env->stream, &seen[env->rank][i]));
       if (i % 25 == 24) CHECK_OK(tw_context_check(ctx));
     }
-    CHECKF(wrong == 0, "rank %d: %d of 100 replays differ from the eager call", env->rank, wrong);
-    uint32_t announced[TW_MAX_RANKS];
-    CHECK_OK(tw__context_call_state(ctx, env->stream, &epoch, target, arrived, announced));
+    CHECKF(wrong == 0, "rank %d: %d of 100 replays differ from the eager call (the first: %d)",
+           env->rank, wrong, first_wrong);
+    if (first_wrong >= 0) {
+      /* What the device counted after the replays before the first wrong one (with the trace)
+       * and after it: which side's counts stopped. */
+      for (int i = first_wrong < 2 || !trace ? first_wrong : first_wrong - 2; i <= first_wrong;
+           i++) {
+        const tw__counters* k = &seen[env->rank][i];
+        char line[2048];
+        int n = snprintf(line, sizeof line,
+                         "  rank %d replay %d (%.1f ms): epoch %u, consumer %u units in epoch %u, "
+                         "error %d at %d[%d] seen %u target %u;",
+                         env->rank, i, ms[i], k->epoch, k->consumer_units, k->consumer_epoch,
+                         k->err_status, k->err_where, k->err_index, k->err_seen, k->err_target);
+        for (int s = 0; s < env->nranks && n < (int)sizeof line - 96; s++)
+          if (s != env->rank)
+            n += snprintf(line + n, sizeof line - n,
+                          " [%d] arrived %u/%u announced %u credits %u;", s, k->arrived[s],
+                          k->target[s], k->announced[s], k->credits[s]);
+        printf("%s\n", line);
+      }
+    }
+    CHECK_OK(tw__context_counters(ctx, env->stream, &c));
     /* Every rank has read its counters before any sends the next call's units (once this rank's
      * last reduction has returned its credit, a peer may). */
     (void)tw_rank_sum(env, 0);
-    CHECKF(epoch == epoch0 + 100,
-           "rank %d: %u calls on the device after 100 replays (graph of %zu "
-           "nodes), expected %u",
-           env->rank, epoch, nodes, epoch0 + 100);
+    CHECKF(c.epoch == c0.epoch + kReplays,
+           "rank %d: %u calls on the device after %d replays (graph of %zu nodes), expected %u",
+           env->rank, c.epoch, kReplays, nodes, c0.epoch + kReplays);
     /* A source's announced total to an owner is that owner's arrivals from it (each side prints
-     * its own: the W = 4 stall, dev/NOTES.md 34, asks which side lost the units). */
+     * its own: which side lost the units). */
     for (int s = 0; s < env->nranks; s++)
-      CHECKF(s == env->rank || target[s] == arrived[s],
+      CHECKF(s == env->rank || c.target[s] == c.arrived[s],
              "rank %d: from rank %d %u units arrived, %u expected; to rank %d this rank announced "
              "%u",
-             env->rank, s, arrived[s], target[s], s, announced[s]);
+             env->rank, s, c.arrived[s], c.target[s], s, c.announced[s]);
     CHECK_STATUS(tw_device_plan_upload(dp, plan_half, rt_half, env->stream), TW_ERR_STATE);
     /* Eager calls after the replays, on the graph's stream, continue the sequence. */
     CHECK_CUDA(
