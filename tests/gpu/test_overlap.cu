@@ -830,23 +830,32 @@ static void test_graph_replays(tw_rank_env* env) {
      * makes every rank launch replay i only once all have finished replay i - 1. */
     const int trace = getenv("TW_TEST_GRAPH_TRACE") != NULL;
     const int lockstep = getenv("TW_TEST_GRAPH_LOCKSTEP") != NULL;
+    const char* copy_env = getenv("TW_TEST_GRAPH_COPY");
+    const char* copy = copy_env != NULL ? copy_env : "pageable";
+    uint16_t* h_out = b.h_out;
+    if (strcmp(copy, "pinned") == 0) CHECK_CUDA(cudaMallocHost((void**)&h_out, n_out * 2));
     enum { kReplays = 100 };
     static tw__counters seen[TW_MAX_RANKS][kReplays];
-    double ms[kReplays];
+    double ms[kReplays], at[kReplays][3]; /* loop start, launch, done: ms since the barrier */
+    const double base = tw_test_now_ms();
     int wrong = 0, first_wrong = -1;
     for (int i = 0; i < kReplays && exec != NULL; i++) {
       const int set = (i * 7 / 3) % 2;
+      at[i][0] = tw_test_now_ms() - base;
       if (lockstep) (void)tw_rank_sum(env, 0);
       if (i == 50) CHECK_OK(tw_device_plan_upload(dp, plan, rt, env->stream)); /* same sizes */
       CHECK_CUDA(cudaMemcpyAsync(b.expert_in, inputs[set], in_bytes, cudaMemcpyDeviceToDevice,
                                  env->stream));
       CHECK_OK(tw__fill_bf16(b.out, n_out, 0xFFFF, env->stream));
       const double t0 = tw_test_now_ms();
+      at[i][1] = t0 - base;
       CHECK_CUDA(cudaGraphLaunch(exec, env->stream));
-      CHECK_CUDA(cudaMemcpyAsync(b.h_out, b.out, n_out * 2, cudaMemcpyDeviceToHost, env->stream));
+      if (strcmp(copy, "sync") == 0) CHECK_CUDA(cudaStreamSynchronize(env->stream));
+      CHECK_CUDA(cudaMemcpyAsync(h_out, b.out, n_out * 2, cudaMemcpyDeviceToHost, env->stream));
       CHECK_CUDA(cudaStreamSynchronize(env->stream));
       ms[i] = tw_test_now_ms() - t0;
-      const int bad = memcmp(b.h_out, expect[set], n_out * 2) != 0;
+      at[i][2] = ms[i] + at[i][1];
+      const int bad = memcmp(h_out, expect[set], n_out * 2) != 0;
       wrong += bad;
       if (bad && first_wrong < 0) first_wrong = i;
       if (trace || (bad && first_wrong == i))
@@ -863,9 +872,9 @@ static void test_graph_replays(tw_rank_env* env) {
         const tw__counters* k = &seen[env->rank][i];
         char line[2048];
         int n = snprintf(line, sizeof line,
-                         "  rank %d replay %d (%.1f ms): epoch %u, consumer %u units in epoch %u, "
-                         "error %d at %d[%d] seen %u target %u;",
-                         env->rank, i, ms[i], k->epoch, k->consumer_units, k->consumer_epoch,
+                         "  rank %d replay %d (at %.1f, launched %.1f, done %.1f ms): epoch %u, "
+                         "consumer %u units in epoch %u, error %d at %d[%d] seen %u target %u;",
+                         env->rank, i, at[i][0], at[i][1], at[i][2], k->epoch, k->consumer_units, k->consumer_epoch,
                          k->err_status, k->err_where, k->err_index, k->err_seen, k->err_target);
         for (int s = 0; s < env->nranks && n < (int)sizeof line - 96; s++)
           if (s != env->rank)
@@ -875,6 +884,7 @@ static void test_graph_replays(tw_rank_env* env) {
         printf("%s\n", line);
       }
     }
+    if (h_out != b.h_out) cudaFreeHost(h_out);
     CHECK_OK(tw__context_counters(ctx, env->stream, &c));
     /* Every rank has read its counters before any sends the next call's units (once this rank's
      * last reduction has returned its credit, a peer may). */
