@@ -707,12 +707,13 @@ typedef struct tw_combine_options {
  * other sizes: TW_ERR_STATE, use another device plan); (3) device-side failures of replays are
  * reported by tw_context_check(), not by the next call; (4) every rank instantiates and uploads
  * its graph (cudaGraphInstantiate, cudaGraphUpload) before any rank launches one: both can wait
- * for the device, and on an in-process team that device runs the peers' spinning kernels. Every
- * rank captures and replays the same sequence. Verified (100 replays = eager) with up to two
- * in-process ranks on one GPU; at four a replay can stall (docs/runtime.md). A captured call is
- * one chain of kernels on
- * `stream` (the consumer runs beside the producer as its programmatic dependent), so a graph
- * of it forks nothing. A capture that fails leaves the context as it was. On a device plan of
+ * for the device, and on an in-process team that device runs the peers' spinning kernels; (5) on
+ * an in-process team, copy results back through pinned host memory or after synchronising the
+ * stream (a synchronous pageable copy queued behind a replay stalled the team, docs/runtime.md).
+ * Every rank captures and replays the same sequence. Verified (100 replays = eager) with 1-4 and
+ * 8 in-process ranks on one GPU. A captured call is one chain of kernels on `stream` (the
+ * consumer runs beside the producer as its programmatic dependent), so a graph of it forks
+ * nothing. A capture that fails leaves the context as it was. On a device plan of
  * the capturable dispatch (tw_context_config.dispatch_capacity) the call computes and sends the
  * bands with live rows of the last dispatch into dplan (read on the device). */
 TW_API tw_status tw_moe_combine(tw_context_t ctx, tw_device_plan_t dplan, const void* expert_in,
