@@ -75,7 +75,8 @@ static int tw_tr_init(tw_rank_env* env, tw_tr_fixture* fx, int copy, int dataflo
   CHECK_OK(tw_device_plan_upload(fx->dp, fx->plan, fx->rt, env->stream));
   CHECK_OK(tw__device_plan_work(fx->dp, &fx->tiles, &fx->units));
   fx->ref = (uint16_t*)malloc(fx->n_out * 2);
-  fx->now = (uint16_t*)malloc(fx->n_out * 2);
+  /* Pinned: replays are read back with a copy queued behind them (docs/runtime.md, graphs). */
+  if (cudaMallocHost((void**)&fx->now, fx->n_out * 2) != cudaSuccess) fx->now = NULL;
   return fx->ref != NULL && fx->now != NULL;
 }
 
@@ -84,7 +85,7 @@ static void tw_tr_free(tw_tr_fixture* fx) {
   cudaFree(fx->w2);
   cudaFree(fx->out);
   free(fx->ref);
-  free(fx->now);
+  cudaFreeHost(fx->now);
   tw_plan_destroy(fx->plan);
   tw_routing_destroy(fx->rt);
   CHECK_OK(tw_device_plan_destroy(fx->dp));
@@ -286,6 +287,10 @@ static void test_captured_call_not_traced(tw_rank_env* env) {
     CHECK_OK(tw_moe_combine(fx.ctx, fx.dp, fx.expert_in, fx.w2, fx.out, env->stream));
     CHECK_CUDA(cudaStreamEndCapture(env->stream, &graph));
     if (graph != NULL) CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    /* Every rank's graph on the device before any rank launches one (tilewave.h, rule 4). */
+    if (exec != NULL) CHECK_CUDA(cudaGraphUpload(exec, env->stream));
+    CHECK_CUDA(cudaStreamSynchronize(env->stream));
+    (void)tw_rank_sum(env, 0);
     for (int i = 0; i < 3 && exec != NULL; i++) {
       CHECK_OK(tw__fill_bf16(fx.out, fx.n_out, 0xFFFF, env->stream));
       CHECK_CUDA(cudaGraphLaunch(exec, env->stream));
