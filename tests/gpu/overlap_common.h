@@ -46,6 +46,14 @@ static inline double tw_test_now_ms(void) {
   return (double)ts.tv_sec * 1e3 + (double)ts.tv_nsec * 1e-6;
 }
 
+/* TW_TEST_COPY=bulk or =registers: the cases that run both ways of copying (the consumer's bulk
+ * and register paths) run that one only, e.g. for a sanitizer run on one path. */
+static inline int tw_test_copy_wanted(int copy) {
+  const char* e = getenv("TW_TEST_COPY");
+  if (e == NULL || e[0] == '\0') return 1;
+  return strcmp(e, copy == TW_CONSUMER_COPY_BULK ? "bulk" : "registers") == 0;
+}
+
 typedef struct tw_rank_env {
   int rank, nranks;
   ncclComm_t comm;   /* NCCL team: this rank's communicator (NULL in-process) */

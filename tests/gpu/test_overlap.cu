@@ -199,14 +199,16 @@ static void test_overlap_matches_unfused_and_reference(tw_rank_env* env) {
       {64, 2048, 1408, 6, 512, TW_ROUTER_MODERATE_SKEW, 2, 4},
   };
   /* TW_TEST_QUICK=1 (sanitizer runs): the first configuration, two iterations. Every
-   * configuration runs with both ways of copying. */
+   * configuration runs with both ways of copying (or the one TW_TEST_COPY names). */
   const int quick = getenv("TW_TEST_QUICK") != NULL;
   const int n = quick ? 1 : (int)(sizeof cfgs / sizeof cfgs[0]);
   for (int i = 0; i < n; i++) {
     tw_overlap_cfg c = cfgs[i];
     if (quick) c.iters = 2;
-    tw_run_config(env, &c, i, TW_CONSUMER_COPY_BULK);
-    tw_run_config(env, &c, i, TW_CONSUMER_COPY_REGISTERS);
+    if (tw_test_copy_wanted(TW_CONSUMER_COPY_BULK))
+      tw_run_config(env, &c, i, TW_CONSUMER_COPY_BULK);
+    if (tw_test_copy_wanted(TW_CONSUMER_COPY_REGISTERS))
+      tw_run_config(env, &c, i, TW_CONSUMER_COPY_REGISTERS);
   }
   if (env->rank == 0)
     printf("  max relative error over all configs: %.3e (bound 8e-3)\n", g_max_rel);
@@ -323,8 +325,10 @@ static void tw_debug_tags_exactly_once(tw_rank_env* env, int copy) {
 
 /* Every C from 1 to 64 completes (no deadlock) and gives the same bits. */
 static void test_debug_tags_exactly_once(tw_rank_env* env) {
-  tw_debug_tags_exactly_once(env, TW_CONSUMER_COPY_BULK);
-  tw_debug_tags_exactly_once(env, TW_CONSUMER_COPY_REGISTERS);
+  if (tw_test_copy_wanted(TW_CONSUMER_COPY_BULK))
+    tw_debug_tags_exactly_once(env, TW_CONSUMER_COPY_BULK);
+  if (tw_test_copy_wanted(TW_CONSUMER_COPY_REGISTERS))
+    tw_debug_tags_exactly_once(env, TW_CONSUMER_COPY_REGISTERS);
 }
 
 static void test_no_deadlock_any_c(tw_rank_env* env) {
@@ -877,13 +881,13 @@ static void test_graph_replays(tw_rank_env* env) {
         int n = snprintf(line, sizeof line,
                          "  rank %d replay %d (at %.1f, launched %.1f, done %.1f ms): epoch %u, "
                          "consumer %u units in epoch %u, error %d at %d[%d] seen %u target %u;",
-                         env->rank, i, at[i][0], at[i][1], at[i][2], k->epoch, k->consumer_units, k->consumer_epoch,
-                         k->err_status, k->err_where, k->err_index, k->err_seen, k->err_target);
+                         env->rank, i, at[i][0], at[i][1], at[i][2], k->epoch, k->consumer_units,
+                         k->consumer_epoch, k->err_status, k->err_where, k->err_index, k->err_seen,
+                         k->err_target);
         for (int s = 0; s < env->nranks && n < (int)sizeof line - 96; s++)
           if (s != env->rank)
-            n += snprintf(line + n, sizeof line - n,
-                          " [%d] arrived %u/%u announced %u credits %u;", s, k->arrived[s],
-                          k->target[s], k->announced[s], k->credits[s]);
+            n += snprintf(line + n, sizeof line - n, " [%d] arrived %u/%u announced %u credits %u;",
+                          s, k->arrived[s], k->target[s], k->announced[s], k->credits[s]);
         printf("%s\n", line);
       }
     }
