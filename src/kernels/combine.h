@@ -74,7 +74,7 @@ typedef struct tw_call_state {
   uint32_t consumer_units;
   uint32_t consumer_epoch;
   /* Units this rank's consumers announced to each owner since the last reset (a running total
-   * beside the owner's arrivals from this rank, for diagnosis: tw__context_call_state). */
+   * beside the owner's arrivals from this rank, for diagnosis: tw__context_counters). */
   uint32_t announced[TW_MAX_RANKS];
 } tw_call_state;
 
