@@ -104,14 +104,13 @@ if [ "$gpus" -lt 2 ]; then
     cmake --build "$BUILD-nohooks" -j "$(nproc)" --target tilewave_cli >>"$OUT/build-nohooks.log" 2>&1 &&
     timeout 300 bench/trace_cost.sh "$BUILD" "$BUILD-nohooks" 7 >"$OUT/trace-cost.md" 2>&1
   echo "trace_cost exit $?"; cat "$OUT/trace-cost.md"
-  step "one GPU: graph replays at W = 4 (the open stall: every rank's record, then unfused capture)"
-  for gm in overlap unfused; do
-    TW_DEBUG=INFO TW_TEST_CASE=graph_replays TW_TEST_GRAPH_MODE=$gm TW_TIMEOUT_MS=2000 timeout 120 \
-      "$BUILD/test_overlap" --in-process 4 >"$OUT/graph-replays-4-$gm.txt" 2>&1
-    echo "graph_replays W = 4, $gm capture: exit $?"
-    grep -E "tw_context_check: rank|announced|OK|FAIL" "$OUT/graph-replays-4-$gm.txt" | sort | uniq -c |
-      head -12
-  done
+  step "one GPU: initcheck on the consumer's register path alone (are the bulk-row reports async-proxy writes?)"
+  TW_TEST_COPY=registers TW_TEST_CASE=overlap_matches TW_TEST_QUICK=1 TW_TIMEOUT_MS=300000 \
+    TW_TEAM_TIMEOUT_MS=1500000 timeout 300 compute-sanitizer --tool initcheck --report-api-errors no \
+    --error-exitcode 9 --print-limit 100000 "$BUILD/test_overlap" --in-process 2 \
+    >"$OUT/sanitizer-initcheck-registers.txt" 2>&1
+  echo "initcheck, register copies: exit $? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer-initcheck-registers.txt" | tr '\n' ' ')"
+  grep -E "^=========     at " "$OUT/sanitizer-initcheck-registers.txt" | sed 's/+0x.*//' | sort | uniq -c | head
   step "one GPU: the grouped GEMMs beside DeepGEMM and torch._grouped_mm (bench/gemm_peers.sh)"
   OUT="$OUT/gemm-peers" timeout 400 bench/gemm_peers.sh "$BUILD" --quick >"$OUT/gemm-peers.txt" 2>&1
   echo "gemm_peers exit $?"; grep "^|" "$OUT/gemm-peers.txt" | head -40
