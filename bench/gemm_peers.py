@@ -36,7 +36,10 @@ a miss comes from: partial last bands, or few tiles per SM.
 (TW_TILE_GROUP: bands walked column by column together, i.e. the raster that keeps a weight
 panel in L2) at 16 and 32 against the default 8; GEMM2's 128-wide tiles against the planner's
 256 (finer waves, and less of a partial last column tile where N is not a multiple of 256, as
-gpt-oss's 2880); 64-row bands (64-row tiles) where the experts average at most 128 rows.
+gpt-oss's 2880); 64-row bands (64-row tiles) where the experts average at most 128 rows; for
+GEMM1, "ours plain": GEMM2's kernel on the same rows and w13 (N = 2F, no activation; checked
+through the SwiGLU kernel, timed without it), which tells GEMM1's main loop from its epilogue
+against DeepGEMM's GEMM alone.
 
 Needs torch with a Hopper GPU, libtw_gemm_peer.so and libtilewave.so (the build directory,
 --build), and DeepGEMM on PYTHONPATH (bench/gemm_peers.sh builds it; without it, or with
@@ -301,6 +304,14 @@ def run_point(pt, args, env):
                 handles["ours tn128"] = make_ours(tn=128)
             if M <= 128 * E:  # short groups: a 128-row band would be half padding or more
                 handles["ours tm64"] = make_ours(tm=64)
+        plain = gu_ours = h_ours = None
+        if args.ab and gemm == 1:
+            # GEMM1's main loop without SwiGLU: GEMM2's kernel on the same rows and w13 as one
+            # (E, 2F, H) weight, (rows, 2F) out, checked through the activation as DeepGEMM's.
+            gu_ours = torch.empty(dg_total, N, dtype=torch.bfloat16, device=dev)
+            h_ours = torch.empty(dg_total, ffn, dtype=torch.bfloat16, device=dev)
+            plain = ours.create(2, a_dg.data_ptr(), w.data_ptr(), gu_ours.data_ptr(), dg_total, K,
+                                N, dg_row0, rows)
         n_tiles, tm, tn, group = ours.info(handles["ours"])
         # The reference: per-expert torch.mm (cuBLAS), bf16 out; GEMM1 SwiGLU on it in fp32.
         ref = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
@@ -333,6 +344,15 @@ def run_point(pt, args, env):
 
         for name, h in handles.items():
             checked(name, ours_fn(h), out_ours, idx_dg)
+        if plain is not None:
+            def plain_act():
+                ours_fn(plain)()
+                ours.check(ours.lib.twpeer_swiglu(gu_ours.data_ptr(), h_ours.data_ptr(), dg_total,
+                                                  ffn, stream()), "swiglu")
+            checked("ours plain+act", plain_act, h_ours, idx_dg)
+            if "ours plain+act" in fns:  # timed without the activation, like "deepgemm"
+                fns["ours plain"] = ours_fn(plain)
+                del fns["ours plain+act"]
         if dg is not None:
             if gemm == 1:
                 # Its (rows, 2F) GEMM output is checked through the activation after it.
@@ -347,7 +367,7 @@ def run_point(pt, args, env):
             checked("torch", torch_gemm, None, idx_t)
         names = list(fns)
         us = dict(zip(names, timer.run([fns[k] for k in names]))) if names else {}
-        for h in handles.values():
+        for h in list(handles.values()) + ([plain] if plain is not None else []):
             ours.lib.twpeer_destroy(h)
         flop = 2.0 * M * N * K
         nbytes = 2.0 * (E * N * K + M * K + M * n_out)
@@ -358,7 +378,7 @@ def run_point(pt, args, env):
                             tiles=n_tiles, tm=tm, tn=tn, tile_group=group,
                             tile_rows=tile_rows(rows, tm) / max(M, 1),
                             waves=n_tiles / env["sms"]))
-        del x, w, a_dg, a_t, w_t, out_ours, gu_dg, h_dg, h_t, ref, t_out
+        del x, w, a_dg, a_t, w_t, out_ours, gu_dg, h_dg, h_t, ref, t_out, gu_ours, h_ours
         torch.cuda.empty_cache()
     return results
 
