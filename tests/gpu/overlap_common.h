@@ -51,6 +51,10 @@ static inline double tw_test_now_ms(void) {
 static inline int tw_test_copy_wanted(int copy) {
   const char* e = getenv("TW_TEST_COPY");
   if (e == NULL || e[0] == '\0') return 1;
+  if (strcmp(e, "bulk") != 0 && strcmp(e, "registers") != 0) {
+    CHECKF(0, "TW_TEST_COPY=%s: bulk or registers (a typo must not skip both paths)", e);
+    return 1;
+  }
   return strcmp(e, copy == TW_CONSUMER_COPY_BULK ? "bulk" : "registers") == 0;
 }
 
