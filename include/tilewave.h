@@ -889,12 +889,21 @@ typedef struct tw_layer_options {
   int32_t comm_ctas; /* C of the combine half, 1..max_comm_ctas; 0 = the plan's choice */
   /* SMs every kernel of the call may occupy, 2..the context's sm_budget; 0 = the context's. */
   int32_t sm_budget;
+  /* The dispatch beside GEMM1 (eager mode): TW_LAYER_DISPATCH_OVERLAP (0, default): the rows go
+   * out band by band on the model's number of CTAs and each GEMM1 tile starts once its band's
+   * rows have arrived; a positive count: that many copy CTAs (below the call's budget);
+   * TW_LAYER_DISPATCH_SEQUENTIAL: the whole dispatch, then GEMM1 on every SM of the budget. The
+   * same bits either way. The capturable mode always runs them one after the other. */
+  int32_t dispatch_ctas;
 } tw_layer_options;
+
+#define TW_LAYER_DISPATCH_OVERLAP 0
+#define TW_LAYER_DISPATCH_SEQUENTIAL (-1)
 
 #define TW_LAYER_OPTIONS_INIT                                                                      \
   {                                                                                                \
     sizeof(tw_layer_options), TW_LAYER_OPTIONS_MAGIC, TW_API_VERSION, NULL, TW_COMBINE_OVERLAP, 0, \
-        0                                                                                          \
+        0, TW_LAYER_DISPATCH_OVERLAP                                                               \
   }
 
 /* The whole MoE layer of one rank, eager mode, reduce dataflow. COLLECTIVE: every rank calls it,

@@ -45,8 +45,17 @@
 #include "team.h"
 #include "tilewave.h"
 
-enum { TWL_OURS, TWL_SEQ_LOOP, TWL_SEQ_GROUPED, TWL_GEMM1, TWL_GEMM2, TWL_DISPATCH, TWL_COMBINE };
-enum { TWL_NLAYER = 7, TWL_NDISPATCH = 2 }; /* bench dispatch: TWL_OURS and TWL_SEQ_LOOP */
+enum {
+  TWL_OURS,
+  TWL_SEQ_LOOP,
+  TWL_SEQ_GROUPED,
+  TWL_GEMM1,
+  TWL_GEMM2,
+  TWL_DISPATCH,
+  TWL_COMBINE,
+  TWL_OURS_SEQ /* tw_moe_layer with TW_LAYER_DISPATCH_SEQUENTIAL */
+};
+enum { TWL_NLAYER = 8, TWL_NDISPATCH = 2 }; /* bench dispatch: TWL_OURS and TWL_SEQ_LOOP */
 
 typedef struct twl_opts {
   int dispatch; /* 1: bench dispatch */
@@ -55,6 +64,7 @@ typedef struct twl_opts {
   int tokens[TWB_MAX_TOKENS_LIST], ntokens;
   tw_cli_router router; /* router.router -1: the command's default */
   int world, iters, warmup, delay_us, sm_budget;
+  int dispatch_ctas; /* tw_layer_options.dispatch_ctas of "ours" (0: the model's) */
   double tol;
   int64_t seed;
 } twl_opts;
@@ -65,9 +75,11 @@ typedef struct twl_rank {
   const twb_point* pt;
   /* out: the same on every rank after the team's maxima and sums */
   double us[TWL_NLAYER];
-  double err[2];    /* layer: the loop's and the grouped form's difference to ours (max) */
+  double err[3];    /* layer: the loop's and the grouped form's difference to ours (max), and
+                       ours with the dispatch before GEMM1 (must be 0: the same bits) */
   int64_t wrong[2]; /* dispatch: wrong rows of ours and of the sequential one (sums) */
   int64_t ours_bytes, seq_bytes; /* device memory of one rank (max over ranks) */
+  int copy_ctas;                 /* ours' copy CTAs beside GEMM1 (rank 0's last call) */
   double r_expert;
   int budget;
 } twl_rank;
@@ -82,6 +94,8 @@ typedef struct twl_state {
   tw_routing_t rt;
   tw__seq_layer_t seq;
   tw_plan_config pc;
+  int dispatch_ctas; /* twl_opts.dispatch_ctas */
+  int copy_ctas;     /* out: ours' copy CTAs in the last check */
   cudaStream_t s;
   cudaEvent_t e0, e1;
   void *x, *w13, *w2, *out[4]; /* out: ours, loop, grouped, scratch (the parts' output) */
@@ -248,12 +262,14 @@ static tw_status twl_enqueue(twl_state* t, int dispatch_bench, int pol, int out)
       if (dispatch_bench)
         return tw_moe_dispatch_ex(t->ctx, t->dp, t->x, t->ids, TW_INDEX_INT32, t->gw, T, &expert_in,
                                   &d, t->s);
-      {
-        tw_layer_options lo = TW_LAYER_OPTIONS_INIT;
-        lo.plan_config = &t->pc;
-        return tw_moe_layer_ex(t->ctx, t->dp, t->x, t->ids, TW_INDEX_INT32, t->gw, T, t->w13, t->w2,
-                               t->out[out], &lo, t->s);
-      }
+    /* fall through */
+    case TWL_OURS_SEQ: {
+      tw_layer_options lo = TW_LAYER_OPTIONS_INIT;
+      lo.plan_config = &t->pc;
+      lo.dispatch_ctas = pol == TWL_OURS_SEQ ? TW_LAYER_DISPATCH_SEQUENTIAL : t->dispatch_ctas;
+      return tw_moe_layer_ex(t->ctx, t->dp, t->x, t->ids, TW_INDEX_INT32, t->gw, T, t->w13, t->w2,
+                             t->out[out], &lo, t->s);
+    }
     case TWL_SEQ_LOOP:
     case TWL_SEQ_GROUPED:
       if (dispatch_bench) return tw__seq_dispatch(t->seq, t->x, t->ids, T, t->s);
@@ -280,8 +296,8 @@ static tw_status twl_run(twl_state* t, int dispatch_bench, int pol, int out, cud
   TW_TRY(twl_enqueue(t, dispatch_bench, pol, out));
   if (done != NULL && cudaEventRecord(done, t->s) != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "bench layer: cudaEventRecord failed");
-  const int on_context =
-      pol == TWL_OURS || pol == TWL_GEMM2 || pol == TWL_COMBINE || pol == TWL_DISPATCH;
+  const int on_context = pol == TWL_OURS || pol == TWL_OURS_SEQ || pol == TWL_GEMM2 ||
+                         pol == TWL_COMBINE || pol == TWL_DISPATCH;
   return on_context ? tw_context_check(t->ctx) : TW_SUCCESS;
 }
 
@@ -307,13 +323,20 @@ static tw_status twl_check_layer(twl_state* t, double* err) {
   const size_t n = (size_t)t->tokens * t->p.hidden;
   for (int i = 0; i < 3; i++) TW_TRY(tw__fill_bf16(t->out[i], n, TWB_POISON, t->s));
   TW_TRY(twl_run(t, 0, TWL_OURS, 0, NULL));
+  tw__launch_record lr;
+  TW_TRY(tw__context_last_launch(t->ctx, &lr));
+  t->copy_ctas = lr.dispatch_ctas;
   TW_TRY(twl_run(t, 0, TWL_SEQ_LOOP, 1, NULL));
   TW_TRY(twl_run(t, 0, TWL_SEQ_GROUPED, 2, NULL));
+  TW_TRY(tw__fill_bf16(t->out[3], n, TWB_POISON, t->s));
+  TW_TRY(twl_run(t, 0, TWL_OURS_SEQ, 3, NULL));
   if (cudaStreamSynchronize(t->s) != cudaSuccess)
     return tw__fail(TW_ERR_CUDA, "bench layer: the stream failed");
-  double e1 = 0, e2 = 0;
+  double e1 = 0, e2 = 0, e3 = 0;
   TW_TRY(twl_err(t, 1, &e1));
   TW_TRY(twl_err(t, 2, &e2));
+  TW_TRY(twl_err(t, 3, &e3));
+  if (e3 > err[2] || !(e3 == e3)) err[2] = e3;
   if (e1 > err[0] || !(e1 == e1)) err[0] = e1;
   if (e2 > err[1] || !(e2 == e2)) err[1] = e2;
   return TW_SUCCESS;
@@ -480,6 +503,7 @@ static void* twl_rank_main(void* arg) {
   /* Collective, with an agreement of its own. */
   TWL_TRY(tw__seq_layer_create(&t.p, t.sums, o->dispatch ? 0 : t.p.ffn, &t.seq));
   r->budget = t.info.sm_budget;
+  t.dispatch_ctas = o->dispatch_ctas;
   {
     tw_context_memory m = TW_CONTEXT_MEMORY_INIT;
     TWL_TRY(tw_context_memory_get(t.ctx, &m));
@@ -498,10 +522,11 @@ static void* twl_rank_main(void* arg) {
     TWL_TRY(twl_check_dispatch(&t, r->wrong));
   } else {
     static const int pols[TWL_NLAYER] = {TWL_OURS,  TWL_SEQ_LOOP, TWL_SEQ_GROUPED, TWL_GEMM1,
-                                         TWL_GEMM2, TWL_DISPATCH, TWL_COMBINE};
+                                         TWL_GEMM2, TWL_DISPATCH, TWL_COMBINE,     TWL_OURS_SEQ};
     TWL_TRY(twl_check_layer(&t, r->err));
     TWL_TRY(twl_time(&t, o, pols, TWL_NLAYER, r->us));
     TWL_TRY(twl_check_layer(&t, r->err)); /* after timing as well */
+    r->copy_ctas = t.copy_ctas;
   }
 teardown:
   twb_team_done(&r->job, st);
@@ -532,11 +557,13 @@ static void twl_header(const twl_opts* o) {
   } else {
     printf(
         "| model | ranks | tokens/rank | router | ours us | sequential us (form) | speedup | "
-        "GEMM1 us (TF/s) | GEMM2 us (TF/s) | dispatch us (GB/s) | combine us (GB/s) | ideal us | "
-        "eff | ours MiB/rank | seq MiB/rank | err |\n");
+        "ours, dispatch then GEMM1 us | overlap gain (copy CTAs) | GEMM1 us (TF/s) | GEMM2 us "
+        "(TF/s) | dispatch us (GB/s) | combine us (GB/s) | ideal us | eff | ours MiB/rank | seq "
+        "MiB/rank | err |\n");
     printf(
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-        "---: | ---: | ---: | ---: |\n");
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| "
+        "---: | ---: | ---: | ---: | ---: |\n");
   }
   fflush(stdout);
 }
@@ -564,12 +591,13 @@ static int twl_row(const twl_opts* o, const twb_point* pt, const twl_rank* r0) {
   const double gemms = u[TWL_GEMM1] + u[TWL_GEMM2], comm = u[TWL_DISPATCH] + u[TWL_COMBINE];
   const double ideal = gemms > comm ? gemms : comm;
   const double err = r0->err[0] > r0->err[1] ? r0->err[0] : r0->err[1];
-  const int bad = !(err <= o->tol);
+  const int bad = !(err <= o->tol) || r0->err[2] != 0.0;
   printf(
-      "| %s | %d | %d | %s | %.1f | %.1f (%s) | %.2fx | %.1f (%.0f) | %.1f (%.0f) | %.1f (%.0f) "
-      "| %.1f (%.0f) | %.1f | %.3f | %.0f | %.0f | %.1e%s |\n",
+      "| %s | %d | %d | %s | %.1f | %.1f (%s) | %.2fx | %.1f | %.3fx (%d) | %.1f (%.0f) | %.1f "
+      "(%.0f) | %.1f (%.0f) | %.1f (%.0f) | %.1f | %.3f | %.0f | %.0f | %.1e%s |\n",
       pt->name, o->world, pt->tokens, tw__cli_router_name(pt->router), u[TWL_OURS], seq,
-      grouped ? "grouped" : "loop", seq / u[TWL_OURS], u[TWL_GEMM1], f1 / u[TWL_GEMM1] * 1e-6,
+      grouped ? "grouped" : "loop", seq / u[TWL_OURS], u[TWL_OURS_SEQ],
+      u[TWL_OURS_SEQ] / u[TWL_OURS], r0->copy_ctas, u[TWL_GEMM1], f1 / u[TWL_GEMM1] * 1e-6,
       u[TWL_GEMM2], f2 / u[TWL_GEMM2] * 1e-6, u[TWL_DISPATCH], bytes / u[TWL_DISPATCH] * 1e-3,
       u[TWL_COMBINE], bytes / u[TWL_COMBINE] * 1e-3, ideal, ideal / u[TWL_OURS],
       (double)r0->ours_bytes / 1048576.0, (double)r0->seq_bytes / 1048576.0, err,
@@ -687,6 +715,8 @@ static void twl_usage(FILE* f, void* ctx) {
           "                      (hot: balanced with expert 0 in every token's choices)\n"
           "  --in-process W      W ranks (1..8) on GPU 0 (default 1); experts must divide by W\n"
           "  --sm-budget B       SMs each rank's calls may occupy (default the GPU's SMs / W)\n"
+          "  --dispatch-ctas N   bench layer: ours' copy CTAs beside GEMM1 (default 0: the\n"
+          "                      model's; -1: the dispatch before GEMM1)\n"
           "  --iters N           timed rounds (default 20)\n"
           "  --warmup N          untimed rounds (default 3)\n"
           "  --delay-us U        device delay before each sample (default 300)\n"
@@ -712,6 +742,7 @@ static int twl_main(int argc, char** argv, int dispatch) {
       tw__cli_custom("--router", &o.router, twl_parse_router),
       tw__cli_int("--in-process", &o.world, 1, 8),
       tw__cli_int("--sm-budget", &o.sm_budget, 2, 100000),
+      tw__cli_int("--dispatch-ctas", &o.dispatch_ctas, -1, 100000),
       tw__cli_iters(&o.iters),
       tw__cli_warmup(&o.warmup),
       tw__cli_delay_us(&o.delay_us),

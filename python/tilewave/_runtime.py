@@ -41,7 +41,8 @@ class _CDispatchOptions(ctypes.Structure):
 class _CLayerOptions(ctypes.Structure):
     _fields_ = [("size", ctypes.c_size_t), ("magic", ctypes.c_uint32), ("version", ctypes.c_uint32),
                 ("plan_config", ctypes.POINTER(_CPlanConfig)), ("mode", ctypes.c_int),
-                ("comm_ctas", ctypes.c_int32), ("sm_budget", ctypes.c_int32)]
+                ("comm_ctas", ctypes.c_int32), ("sm_budget", ctypes.c_int32),
+                ("dispatch_ctas", ctypes.c_int32)]
 
 
 class _CContextInfo(ctypes.Structure):

@@ -20,6 +20,10 @@
  *    stores ordered before it. The destination's wait kernel acquires (.sys) and then fences
  *    the async proxy (the GEMM reads the rows with TMA) before it ends; the GEMM starts after it
  *    in stream order.
+ *  - Band counters (the banded copy of an overlapped layer): per unit, every warp's stores ->
+ *    barrier -> thread 0's red.release.sys of the unit's rows on the destination's counter; the
+ *    destination's GEMM1 acquires it (.sys) and fences the async proxy before its TMA loads.
+ *    The per-CTA completion and the arrivals below follow as in the slot-order copy.
  *  - Live counts (the capturable mode): CTA 0's threads store them into the destinations'
  *    windows with its rows, after the credit, so the same chain (barrier, fence.sc.sys, the
  *    completion counter, the last CTA's release) publishes them; the destination's mask kernel
@@ -97,6 +101,7 @@ __device__ void tw__scan_chunk(const tw_dispatch_scan_args& a, int32_t* s_cnt, i
       a.slot_row[i] = a.slot_base[g] + pos;
       a.send_row[i] = a.send_row0[g] + pos;
       a.weights_out[i] = __ldg(&a.weights_in[i]);
+      if (a.send_slot != nullptr) a.send_slot[a.send_off[g] + pos] = (int32_t)i;
     } else if (kPlace && i < end && a.capacity > 0) {
       /* Not sent: past its group's capacity (the call fails, naming the token and the fix) or
        * a bad id (already recorded by the count pass). Row 0 keeps the reduction in bounds. */
@@ -143,6 +148,14 @@ __global__ void tw_dispatch_offsets_kernel(const tw_dispatch_scan_args a) {
 
 __global__ void tw_dispatch_credit_kernel(const tw_dispatch_signal_args a) {
   const int d = threadIdx.x;
+  /* NOTES: the band counters are zeroed before the credits: no source writes them until it has
+   * acquired this rank's credit, and each credit's release (after the barrier) is cumulative
+   * over every thread's zeroing stores. */
+  if (a.world > 0 && a.lay.band_words > 0) {
+    uint32_t* band = reinterpret_cast<uint32_t*>(a.peers[a.rank] + a.lay.band_arrive);
+    for (uint32_t b = threadIdx.x; b < a.lay.band_words; b += blockDim.x) band[b] = 0u;
+    __syncthreads();
+  }
   if (d < a.world)
     tw_red_release_sys(reinterpret_cast<uint32_t*>(a.peers[d] + a.lay.credit) + a.rank, 1u);
   /* This call's credit target; the kernels after this one in stream order read it. */
@@ -171,7 +184,32 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
   const int64_t warps = (int64_t)gridDim.x * blockDim.x / 32;
   const int vpr = a.hidden / 8; /* 16-byte vectors per row */
   const size_t row_bytes = (size_t)a.hidden * 2;
-  if (s_ok) {
+  if (s_ok && a.units != nullptr) {
+    /* The banded copy: a CTA's warps share one unit's rows, then (barrier) thread 0 announces
+     * them on the destination's band counter. */
+    const int cta_warp = threadIdx.x / 32, cta_warps = blockDim.x / 32;
+    for (int u = blockIdx.x; u < a.num_units; u += gridDim.x) {
+      const tw_copy_unit un = a.units[u];
+      char* base = a.peers[un.dest] + a.lay.rows;
+      for (int j = cta_warp; j < un.rows; j += cta_warps) {
+        int4* dst = reinterpret_cast<int4*>(base + (size_t)(un.row0 + j) * row_bytes);
+        if (un.slot0 >= 0) {
+          const int64_t i = a.send_slot[un.slot0 + j];
+          const int4* src = reinterpret_cast<const int4*>(a.x + (i / a.top_k) * (int64_t)a.hidden);
+          for (int v = lane; v < vpr; v += 32) dst[v] = __ldg(src + v);
+        } else {
+          for (int v = lane; v < vpr; v += 32) dst[v] = make_int4(0, 0, 0, 0);
+        }
+      }
+      /* NOTES: every warp's stores, the barrier, then one thread's release (.sys, cumulative):
+       * whoever acquires the counter at or past this unit's rows sees them. */
+      __syncthreads();
+      if (threadIdx.x == 0)
+        tw_red_release_sys(
+            reinterpret_cast<uint32_t*>(a.peers[un.dest] + a.lay.band_arrive) + un.band,
+            (uint32_t)un.rows);
+    }
+  } else if (s_ok) {
     /* One warp per (token, slot): its token row to the slot's row at the expert's rank. x is
      * not written while the kernel runs (read-only path); the k reads of a row mostly hit L2. */
     for (int64_t i = warp; i < a.slots; i += warps) {
@@ -212,7 +250,9 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
       /* The token rows this CTA's warps sent: warp w takes slots w, w + warps, ... */
       const int64_t wpc = blockDim.x / 32, w0 = (int64_t)blockIdx.x * wpc;
       int64_t rows = 0;
-      for (int64_t w = w0; s_ok && w < w0 + wpc && w < a.slots; w++)
+      for (int u = blockIdx.x; s_ok && a.units != nullptr && u < a.num_units; u += gridDim.x)
+        rows += a.units[u].slot0 >= 0 ? a.units[u].rows : 0; /* the banded copy: its units */
+      for (int64_t w = w0; s_ok && a.units == nullptr && w < w0 + wpc && w < a.slots; w++)
         rows += (a.slots - 1 - w) / warps + 1;
       tw_trace_event(a.trace, TW_TRACE_SEND_END, blockIdx.x, (uint32_t)rows);
     }
@@ -361,7 +401,7 @@ tw_status tw__dispatch_credit_launch(const tw_dispatch_signal_args* a, cudaStrea
   TW_CHECK_NULL(a);
   if (a->world < 0 || a->world > TW_MAX_RANKS)
     return tw__fail(TW_ERR_INTERNAL, "dispatch: credits for %d ranks", a->world);
-  tw_dispatch_credit_kernel<<<1, TW_MAX_RANKS, 0, stream>>>(*a);
+  tw_dispatch_credit_kernel<<<1, 256, 0, stream>>>(*a); /* >= TW_MAX_RANKS */
   return tw__check_launch("credit", 1);
 }
 
@@ -374,10 +414,14 @@ tw_status tw__dispatch_copy_launch(const tw_dispatch_copy_args* a, int sms, cuda
       a->world < 0 || a->world > TW_MAX_RANKS || sms < 1 || ((uintptr_t)a->x & 15) != 0)
     return tw__fail(TW_ERR_INTERNAL, "dispatch: copy of %d slots, hidden %d, %d ranks, %d SMs",
                     a->slots, a->hidden, a->world, sms);
-  /* One warp per slot (or padding row); every CTA of the budget when there is that much work. */
+  if (a->units != NULL && (a->send_slot == NULL || a->capacity > 0 || a->num_units < 0))
+    return tw__fail(TW_ERR_INTERNAL, "dispatch: banded copy of %d units (capacity %d)",
+                    a->num_units, a->capacity);
+  /* One warp per slot (or padding row), or one CTA per unit; every CTA of the budget when there
+   * is that much work. */
   const int64_t warps_per_cta = kCopyThreads / 32;
   const int64_t work = a->slots > a->pad_rows ? a->slots : a->pad_rows;
-  int64_t grid = (work + warps_per_cta - 1) / warps_per_cta;
+  int64_t grid = a->units != NULL ? a->num_units : (work + warps_per_cta - 1) / warps_per_cta;
   if (grid < 1) grid = 1;
   if (grid > sms) grid = sms;
   tw_dispatch_copy_kernel<<<(unsigned)grid, kCopyThreads, 0, stream>>>(*a);

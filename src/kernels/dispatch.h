@@ -27,6 +27,14 @@
  *                all its CTAs have written their rows for the call (its last CTA, after
  *                system-scope fences); the destination's call ends with a wait for arrivals[s]
  *                >= e from every s, so the GEMM that follows it in stream order sees every row.
+ *   band_arrive[b] in the destination's window (layer contexts), one per band of its layout
+ *                (tw_band_counter): the rows of band b that have arrived this call. Not
+ *                cumulative: the destination's credit kernel zeroes them before it raises its
+ *                credits, when no source may write (every source waits for that credit) and its
+ *                own earlier GEMM1, their last reader, is done (stream order). The banded copy
+ *                release-adds each unit's rows after storing them; an overlapped layer's GEMM1
+ *                waits per tile until its band's counter reaches the band's rows (every row of a
+ *                band, routed or padding, is written by exactly one unit of one source).
  *
  * The capturable mode (tw_context_config.dispatch_capacity > 0): the plan is static, every group
  * (local expert e, source s) `capacity` rows (a multiple of TM) whatever the routing, so
@@ -54,8 +62,9 @@ enum {
   TW_WAIT_DISPATCH_CREDIT = 8,
   TW_WAIT_DISPATCH_ARRIVAL = 9,
   TW_CHECK_ID = 10,
-  TW_CHECK_WEIGHT = 12,  /* a gate weight that is NaN or infinite (count pass); 11 in combine.h */
-  TW_CHECK_CAPACITY = 13 /* the capturable mode: a slot past its group's capacity */
+  TW_CHECK_WEIGHT = 12,   /* a gate weight that is NaN or infinite (count pass); 11 in combine.h */
+  TW_CHECK_CAPACITY = 13, /* the capturable mode: a slot past its group's capacity */
+  TW_WAIT_BAND_ROWS = 15  /* an overlapped layer's GEMM1: a band's dispatched rows */
 };
 
 /* Most chunks of the scan (the histograms are (chunks, experts) int32). */
@@ -63,13 +72,40 @@ enum {
 
 /* Byte offsets inside every rank's dispatch window (identical on all ranks). */
 typedef struct tw_dispatch_layout {
-  uint64_t rows;   /* (rows_max, hidden) bf16 expert-input rows; offset 0 */
-  uint64_t credit; /* (W) uint32 credits, by destination rank */
-  uint64_t arrive; /* (W) uint32 arrivals, by source rank */
-  uint64_t live;   /* (E, W) uint32: the capturable mode's live rows of group (local expert e,
-                      source s) this call, written by s with its rows (below) */
-  uint64_t bytes;  /* total */
+  uint64_t rows;        /* (rows_max, hidden) bf16 expert-input rows; offset 0 */
+  uint64_t credit;      /* (W) uint32 credits, by destination rank */
+  uint64_t arrive;      /* (W) uint32 arrivals, by source rank */
+  uint64_t live;        /* (E, W) uint32: the capturable mode's live rows of group (local expert e,
+                           source s) this call, written by s with its rows (below) */
+  uint64_t band_arrive; /* (band_words) uint32 rows arrived per band this call (layer contexts;
+                           tw_band_counter), zeroed by the credit kernel */
+  uint32_t band_words;  /* 0 without a layer */
+  uint64_t bytes;       /* total */
 } tw_dispatch_layout;
+
+/* The band counter of a layout band: its first row / TM plus its local expert. Bands are TM rows
+ * counted from each expert's first row and every expert's rows follow the last one's, so this
+ * never repeats (expert e + 1 starts at or past the end of e's last band) and stays below
+ * rows_max / TM + E + 1. A remote source's groups start a whole number of bands into the
+ * expert (layout.c), so it can name the counter from its send row alone. */
+__host__ __device__ static inline int32_t tw_band_counter(int32_t band_row0, int32_t expert,
+                                                          int32_t tm) {
+  return band_row0 / tm + expert;
+}
+
+/* One unit of the banded copy (an overlapped layer): `rows` rows of one (expert, source) group
+ * that land in one band of the destination, then `rows` added to that band's counter there. The
+ * units of a call come in the order of the destinations' GEMM1 (local expert, then the layout's
+ * group order), so that the first experts' bands are complete first. */
+typedef struct tw_copy_unit {
+  int32_t dest;  /* destination rank */
+  int32_t row0;  /* first destination row */
+  int32_t slot0; /* first entry of send_slot (the slots in group order); -1: padding rows of
+                    this rank, zero-filled */
+  int32_t rows;
+  int32_t band; /* the destination's band counter (tw_band_counter) */
+  int32_t pad_[3];
+} tw_copy_unit;
 
 typedef struct tw_dispatch_scan_args {
   const void* ids; /* (slots) expert ids, (tokens, top_k) row-major, int32 or int64 */
@@ -88,8 +124,12 @@ typedef struct tw_dispatch_scan_args {
   int32_t* slot_row;        /* (slots) out */
   float* weights_out;       /* (slots) out: the device plan's copy */
   int32_t* send_row;        /* (slots) out */
-  tw_dev_error* err;        /* count pass: bad ids (TW_CHECK_ID), weights (TW_CHECK_WEIGHT); place
-                               pass: internal */
+  /* The banded copy (NULL: off): send_slot[send_off[g] + p] = the slot at position p of group g,
+   * the slots of each group in order. */
+  const int32_t* send_off; /* (experts) */
+  int32_t* send_slot;      /* (slots) out */
+  tw_dev_error* err;       /* count pass: bad ids (TW_CHECK_ID), weights (TW_CHECK_WEIGHT); place
+                              pass: internal */
   int32_t rank;
   /* The capturable mode's rows per group (0: eager): the place pass fails positions p >=
    * capacity (TW_CHECK_CAPACITY) and gives every slot it does not send (a bad id, an overflow)
@@ -123,6 +163,12 @@ typedef struct tw_dispatch_copy_args {
   const uint32_t* counts; /* (experts) this rank's slots per global expert */
   int32_t experts;
   int32_t capacity;
+  /* The banded copy (eager only; NULL: the slot-order copy above): CTAs take the units in order,
+   * each unit's rows then one release-add of its rows on the destination's band counter; the
+   * padding comes as units too (pads is not read). The arrivals follow as above. */
+  const tw_copy_unit* units;
+  int32_t num_units;
+  const int32_t* send_slot; /* (slots) the place pass's */
   tw_trace* trace; /* device trace buffer (trace.h): each CTA's begin, credit wait and stores,
                       the arrivals' release; NULL = off */
 } tw_dispatch_copy_args;
@@ -167,7 +213,7 @@ tw_status tw__dispatch_count_launch(const tw_dispatch_scan_args* args, int sms,
 /* Pass 2 (slot_row, send_row, weights), on at most `sms` CTAs. */
 tw_status tw__dispatch_place_launch(const tw_dispatch_scan_args* args, int sms,
                                     cudaStream_t stream);
-/* Raises this rank's credit in every rank's window (one CTA). */
+/* Zeroes this rank's band counters, then raises its credit in every rank's window (one CTA). */
 tw_status tw__dispatch_credit_launch(const tw_dispatch_signal_args* args, cudaStream_t stream);
 /* The rows (and this rank's padding rows), then this rank's arrivals at every rank, on at
  * most `sms` CTAs. */

@@ -69,6 +69,13 @@ typedef struct tw_gemm_args {
                            shape), 2..5 = TMA + wgmma with different epilogues; 1..5 for tests/benches */
   tw_trace* trace;      /* device trace buffer (trace.h): each tile's begin and publish; NULL =
                            off */
+  /* An overlapped layer's GEMM1 (NULL: off): before a tile's first load one thread waits until
+   * band_arrived[tw_band_counter(tile.row0, tile.expert, tm)] >= tile.rows (acquire .sys; the
+   * dispatch's banded copy, dispatch.h), bounded by timeout_ns; a timeout is recorded in err and
+   * the tile computed anyway (the call has failed; nothing waits forever). */
+  const uint32_t* band_arrived;
+  struct tw_dev_error* err; /* sync.cuh */
+  uint64_t timeout_ns;
 } tw_gemm_args;
 
 /* The GEMM a producer launch computes: C (rows, n) = A (rows, k) x B_e^T per expert, over tiles
@@ -142,6 +149,11 @@ typedef struct tw_gemm1_args {
                       tw_gemm_args.variant; all give the same bits but 1 */
   tw_trace* trace; /* device trace buffer (trace.h): each tile's begin and store
                       (TW_TRACE_GEMM1_*); NULL = off */
+  /* An overlapped layer: each tile waits for its band's rows (tw_gemm_args.band_arrived). */
+  const uint32_t* band_arrived;
+  struct tw_dev_error* err; /* sync.cuh */
+  uint64_t timeout_ns;
+  int32_t rank; /* recorded with a timeout */
 } tw_gemm1_args;
 
 /* Sets *g from the operands and the shape (zeroing the rest: grid 0, variant 0, trace NULL).

@@ -49,6 +49,7 @@
 #include <string.h>
 
 #include "core.h"
+#include "dispatch.h" /* tw_band_counter, TW_WAIT_BAND_ROWS */
 #include "kernels.h"
 #include "bulk.cuh"
 #include "swiglu.cuh"
@@ -110,6 +111,18 @@ __device__ __forceinline__ int tw__tile_count(const tw_gemm_args& a) {
   return a.live_tiles != nullptr ? min(*a.live_tiles, a.num_tiles) : a.num_tiles;
 }
 
+/* An overlapped layer's GEMM1 (args.band_arrived set): one thread waits until every row of the
+ * tile's band has arrived (tw_gemm_args). The acquire (.sys) makes the sources' stores visible
+ * to this thread, the proxy fence orders them before its TMA loads (the async proxy); the v1
+ * kernel's ordinary loads follow a CTA barrier after it. Once a wait has failed (timeout or an
+ * error recorded anywhere) the rest return at once: the call is failed, the tiles run on. */
+__device__ __forceinline__ void tw__wait_band_rows(const tw_gemm_args& a, const tw_tile& tile) {
+  const int32_t b = tw_band_counter(tile.row0, tile.expert, a.tm);
+  tw_wait_geq(a.band_arrived + b, (uint32_t)tile.rows, true, a.timeout_ns, a.err, TW_WAIT_BAND_ROWS,
+              b, a.rank);
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+}
+
 template <bool kSwiglu>
 __global__ void __launch_bounds__(kV1Threads) tw_gemm_v1_kernel(tw_gemm_args args) {
   using namespace nvcuda;
@@ -135,6 +148,8 @@ __global__ void __launch_bounds__(kV1Threads) tw_gemm_v1_kernel(tw_gemm_args arg
     const tw_tile tile = args.tiles[t];
     const int rows = min(tile.rows, args.tm);
     const __nv_bfloat16* Be = B + (int64_t)tile.expert * n_b * k;
+    /* The k loop's first barrier orders this thread's acquire before every thread's loads. */
+    if (threadIdx.x == 0 && args.band_arrived != nullptr) tw__wait_band_rows(args, tile);
     if (threadIdx.x == 0) tw_trace_event(args.trace, tw__tile_begin_kind<kSwiglu>(), blockIdx.x, t);
     for (int pass = 0; pass * out_cols_per_pass < args.tn; pass++) {
       const int col0 = tile.col0 + pass * out_cols_per_pass;
@@ -612,6 +627,7 @@ __global__ void __launch_bounds__(384, 1)
       for (int t = blockIdx.x; t < num_tiles; t += gridDim.x) {
         const tw_tile tile = args.tiles[t];
         const int32_t brow = (int32_t)(tile.expert * n_b + tile.col0);
+        if (args.band_arrived != nullptr) tw__wait_band_rows(args, tile);
         for (int kb = 0; kb < nk; kb++) {
           /* Wait until both consumers released this stage (a fresh barrier passes parity 1). */
           tw__mbar_wait(&empty[stage], phase ^ 1);
@@ -1154,6 +1170,12 @@ extern "C" tw_status tw__gemm1_swiglu_launch(const tw_gemm1_args* args, cudaStre
   g.epilogue = TW_EPILOGUE_SWIGLU;
   g.variant = args->variant;
   g.trace = args->trace;
+  if (args->band_arrived != NULL && args->err == NULL)
+    return tw__fail(TW_ERR_NULL_POINTER, "%s: band_arrived without an error record", who);
+  g.band_arrived = args->band_arrived;
+  g.err = args->err;
+  g.timeout_ns = args->timeout_ns;
+  g.rank = args->rank;
   return tw__gemm_launch(&g, stream);
 }
 

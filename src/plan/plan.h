@@ -294,6 +294,12 @@ int64_t tw__consumer_units(const struct tw_plan* plan, int32_t tail_bands, int32
                            int32_t unit_chunks, int32_t* seg_unit0, int32_t* seg_split0);
 int64_t tw__owner_units(int64_t bands, int32_t tail_bands, int32_t tail_parts, int32_t unit_chunks);
 
+/* The copy CTAs C of an overlapped layer's dispatch for GEMM1's FLOPs and the bytes this rank
+ * sends, on a budget of P SMs (GEMM1 gets P - C): the C in 1..P/2 with the least predicted time
+ * (model_copy.c has the model); 1 when P < 2 or hw is NULL. */
+int32_t tw__model_copy_ctas(const tw_hardware* hw, double gemm1_flops, double copy_bytes,
+                            int32_t local_experts, int32_t budget);
+
 /* Hardware description (hardware.c). validate: checks header and ranges. resolve: copies `given`
  * when non-NULL (validated), else the TW_CALIBRATION file (read once per process) if set, else
  * the built-in defaults; a bad calibration file is an error, never a silent fallback. */

@@ -45,6 +45,8 @@ static const char* tw__where_name(int where) {
       return "dispatch wait for a source's rows";
     case TW_CHECK_CAPACITY:
       return "dispatch capacity of a group";
+    case TW_WAIT_BAND_ROWS:
+      return "GEMM1 wait for a band's dispatched rows";
     default:
       return "device wait";
   }
@@ -383,6 +385,8 @@ static void tw__context_free(tw_context_t ctx) {
   }
   free(ctx->h_all);
   if (ctx->ev_counts) cudaEventDestroy(ctx->ev_counts);
+  if (ctx->ev_copy_fork) cudaEventDestroy(ctx->ev_copy_fork);
+  if (ctx->ev_copy_join) cudaEventDestroy(ctx->ev_copy_join);
   cudaEvent_t* evs[] = {&ctx->ev_start,     &ctx->ev_gemm_done,  &ctx->ev_comm_done,
                         &ctx->ev_call_done, &ctx->ev_err_copied, &ctx->ev_zeroed,
                         &ctx->t_start,      &ctx->t_gemm_end,    &ctx->t_comm_start,
@@ -541,7 +545,10 @@ static tw_status tw__context_init(tw_context_t ctx) {
     D->credit = tw__align((uint64_t)ctx->rows_max * H * 2, 4096);
     D->arrive = D->credit + tw__align((uint64_t)W * 4, 128);
     D->live = D->arrive + tw__align((uint64_t)W * 4, 128);
-    D->bytes = tw__align(D->live + tw__align((uint64_t)E * W * 4, 128), 4096);
+    /* The band counters of an overlapped layer (tw_band_counter's bound). */
+    D->band_words = ctx->layer ? (uint32_t)(ctx->rows_max / ctx->tm + E + 1) : 0u;
+    D->band_arrive = D->live + tw__align((uint64_t)E * W * 4, 128);
+    D->bytes = tw__align(D->band_arrive + tw__align((uint64_t)D->band_words * 4, 128), 4096);
     TW_TRY(ctx->team->ops->window_create(ctx->team, D->bytes, &ctx->dwin));
     TW_CUDA_TRY(cudaMalloc((void**)&ctx->dpeers, sizeof(char*) * (size_t)W));
     TW_CUDA_TRY(cudaMemcpy(ctx->dpeers, ctx->dwin.peers, sizeof(char*) * (size_t)W,
@@ -565,6 +572,8 @@ static tw_status tw__context_init(tw_context_t ctx) {
     if (ctx->h_all == NULL)
       return tw__fail(TW_ERR_OUT_OF_MEMORY, "tw_context_create: dispatch host buffers");
     TW_CUDA_TRY(cudaEventCreateWithFlags(&ctx->ev_counts, cudaEventDisableTiming));
+    TW_CUDA_TRY(cudaEventCreateWithFlags(&ctx->ev_copy_fork, cudaEventDisableTiming));
+    TW_CUDA_TRY(cudaEventCreateWithFlags(&ctx->ev_copy_join, cudaEventDisableTiming));
   }
 
   /* Local buffers: GEMM output, then one block of small state. */

@@ -97,7 +97,9 @@ struct tw_context {
   int32_t* h_all;        /* (world, kGatherHead + experts) host rows, then the count matrix
                             (world, experts) */
   cudaEvent_t ev_counts; /* the counts and the record copied to h_row */
-  uint32_t* d_epochs;    /* (2) the dispatch's targets (dispatch.h), zero after a reset */
+  /* An overlapped layer's fork of the banded copy onto s_comm and its join (layer_call.cu). */
+  cudaEvent_t ev_copy_fork, ev_copy_join;
+  uint32_t* d_epochs; /* (2) the dispatch's targets (dispatch.h), zero after a reset */
   /* The capturable mode (tw_context_config.dispatch_capacity > 0; 0 = eager): rows of every
    * (local expert, source) group of the static plan, the capacity rounded up to TM. */
   int32_t capacity;
@@ -161,6 +163,15 @@ struct tw_device_plan {
   tw_tile* gemm1_tiles;   /* (bands_max * ceil(ffn / TW_GEMM1_TN)) */
   tw_tile* h_gemm1_tiles; /* host staging, same size */
   int32_t num_gemm1_tiles;
+  /* The banded copy of an overlapped layer (eager layer contexts; NULL otherwise; dispatch.h):
+   * the units of the plan last uploaded (this rank's rows to every rank, then its padding) and
+   * where each group's slots start in send_slot. */
+  tw_copy_unit* copy_units;   /* (copy_units_max) */
+  tw_copy_unit* h_copy_units; /* host staging, same size (send_off's staging after it) */
+  int32_t* send_off;          /* (experts) */
+  int32_t* h_send_off;
+  int32_t* send_slot; /* (slots_max) the place pass's */
+  int32_t num_copy_units, copy_units_max;
   /* The capturable mode (contexts with a dispatch capacity; NULL otherwise): is_static while the
    * device plan holds the static plan uploaded at its creation (an upload replaces it); each
    * band's group and first row in it (static), and the mask's outputs of the last dispatch
@@ -240,6 +251,13 @@ typedef struct tw__dispatch_extra {
   const char* who; /* leads the messages: "tw_moe_layer" */
   int32_t status;  /* TW_SUCCESS, or this rank's refusal */
   int32_t bad;     /* what was refused (tw__layer_bad bits), for the message */
+  /* An overlapped layer (eager layer contexts): the banded copy on this many CTAs (-1: the
+   * model's choice) of the context's s_comm, forked from the caller's stream and not joined, so
+   * that the caller's GEMM1 runs beside it; the caller then calls tw__dispatch_finish(..., 1,
+   * ...). 0: the slot-order copy and the arrival wait on the caller's stream (the dispatch
+   * alone). */
+  int32_t copy_ctas;
+  int32_t copy_ctas_used; /* out: the CTAs the copy ran on (0: not forked) */
 } tw__dispatch_extra;
 
 /* tw__dispatch_extra.bad: the layer's operands a rank refused. */
@@ -255,6 +273,18 @@ enum tw__layer_bad {
 tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
                            const void* topk_ids, tw_index_type id_type, const float* topk_weights,
                            int32_t tokens, void** expert_in, const tw_dispatch_options* options,
-                           const tw__dispatch_extra* extra, cudaStream_t stream);
+                           tw__dispatch_extra* extra, cudaStream_t stream);
+
+/* GEMM1 + SwiGLU of a layer call over d's tiles on `sm_budget` CTAs (tw__layer_gemm1, runtime.h);
+ * wait_bands: each tile first waits for its band's rows (the overlapped layer's banded copy). */
+tw_status tw__layer_gemm1_ex(tw_context_t ctx, tw_device_plan_t d, const void* expert_in,
+                             const void* w13, void* h, int32_t sm_budget, int wait_bands,
+                             cudaStream_t stream);
+
+/* The end of an eager dispatch: (joined_copy: the caller's stream waits for the forked banded
+ * copy) the wait for every source's arrivals, the call-done event, the error record's copy, and
+ * the context marked usable again. */
+tw_status tw__dispatch_finish(tw_context_t ctx, tw_device_plan_t d, int joined_copy,
+                              cudaStream_t stream);
 
 #endif /* TW_CONTEXT_H */

@@ -22,7 +22,15 @@ typedef struct tw__dplan_layout {
   size_t bg, bf, bl, lt, lg1, lc;          /* the capturable mode's arrays */
   size_t nt, nb, ns, nr, ne, np, nsr, ng1; /* element counts */
   size_t ncb, nct, ncg1;                   /* the capturable mode's: bands, tiles, GEMM1 tiles */
+  size_t so, ss, cu, nso, nu;              /* the banded copy's: send_off, send_slot, units */
 } tw__dplan_layout;
+
+/* Most units of a banded copy: a group of c rows is ceil(c / TM) units, or one more where it
+ * starts inside a band (the local group), plus one per padding range. */
+static size_t tw__copy_units_max(const struct tw_context* ctx) {
+  return (size_t)ctx->slots_max / ctx->tm + 2 * (size_t)ctx->problem.experts +
+         (size_t)ctx->local_experts * ctx->world + 1;
+}
 
 static tw__dplan_layout tw__dplan_layout_of(const struct tw_context* ctx) {
   tw__dplan_layout L;
@@ -64,7 +72,14 @@ static tw__dplan_layout tw__dplan_layout_of(const struct tw_context* ctx) {
   L.lt = tw__align(L.bl + L.ncb * 4, 256);
   L.lg1 = tw__align(L.lt + L.nct * sizeof(tw_tile), 256);
   L.lc = tw__align(L.lg1 + L.ncg1 * sizeof(tw_tile), 256);
-  L.bytes = L.lc + (cap ? 256 : 0);
+  /* The banded copy (eager layer contexts). */
+  const int banded = ctx->layer && !cap;
+  L.nso = banded ? (size_t)ctx->problem.experts : 0;
+  L.nu = banded ? tw__copy_units_max(ctx) : 0;
+  L.so = tw__align(L.lc + (cap ? 256 : 0), 256);
+  L.ss = tw__align(L.so + L.nso * 4, 256);
+  L.cu = tw__align(L.ss + (banded ? L.ns * 4 : 0), 256);
+  L.bytes = L.cu + L.nu * sizeof(tw_copy_unit);
   return L;
 }
 
@@ -185,15 +200,17 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
   if (nr > 0) d->h_row_token = (int32_t*)malloc(nr * 8);
   if (np > 0) d->h_pads = (int32_t*)malloc(np * 4);
   if (L.ng1 > 0) d->h_gemm1_tiles = (tw_tile*)malloc(L.ng1 * sizeof(tw_tile));
+  if (L.nu > 0) d->h_copy_units = (tw_copy_unit*)malloc(L.nu * sizeof(tw_copy_unit) + L.nso * 4);
   d->h_expert_rows = (int32_t*)calloc(3 * (size_t)ctx->local_experts + 1, 4);
   cudaError_t e = cudaMalloc(&d->mem, bytes);
   if (e != cudaSuccess || d->h_seg_unit0 == NULL || (nr > 0 && d->h_row_token == NULL) ||
       (np > 0 && d->h_pads == NULL) || (L.ng1 > 0 && d->h_gemm1_tiles == NULL) ||
-      d->h_expert_rows == NULL) {
+      (L.nu > 0 && d->h_copy_units == NULL) || d->h_expert_rows == NULL) {
     free(d->h_seg_unit0);
     free(d->h_row_token);
     free(d->h_pads);
     free(d->h_gemm1_tiles);
+    free(d->h_copy_units);
     free(d->h_expert_rows);
     if (e == cudaSuccess) cudaFree(d->mem);
     free(d);
@@ -224,6 +241,13 @@ extern "C" tw_status tw_device_plan_create(tw_context_t ctx, tw_device_plan_t* o
     d->send_row = (int32_t*)(m + off_srow);
   }
   if (L.ng1 > 0) d->gemm1_tiles = (tw_tile*)(m + L.g1);
+  if (L.nu > 0) {
+    d->send_off = (int32_t*)(m + L.so);
+    d->send_slot = (int32_t*)(m + L.ss);
+    d->copy_units = (tw_copy_unit*)(m + L.cu);
+    d->h_send_off = (int32_t*)(d->h_copy_units + L.nu);
+    d->copy_units_max = (int32_t)L.nu;
+  }
   if (ctx->capacity > 0) {
     d->band_group = (int32_t*)(m + L.bg);
     d->band_first = (int32_t*)(m + L.bf);
@@ -256,6 +280,7 @@ extern "C" tw_status tw_device_plan_destroy(tw_device_plan_t d) {
   free(d->h_row_token);
   free(d->h_pads);
   free(d->h_gemm1_tiles);
+  free(d->h_copy_units);
   free(d->h_expert_rows);
   free(d);
   return TW_SUCCESS;

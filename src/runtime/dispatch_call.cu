@@ -40,6 +40,63 @@ enum {
   kLocalExtra = -5 /* a whole-layer call's own refusal (tw__dispatch_extra) */
 };
 
+static tw_status tw__copy_unit_add(tw_device_plan_t d, int32_t* n, int32_t dest, int32_t row0,
+                                   int32_t slot0, int32_t rows, int32_t band) {
+  if (*n >= d->copy_units_max)
+    return tw__fail(TW_ERR_INTERNAL, "tw_moe_layer: more than %d copy units", d->copy_units_max);
+  tw_copy_unit* u = &d->h_copy_units[(*n)++];
+  memset(u, 0, sizeof *u);
+  u->dest = dest;
+  u->row0 = row0;
+  u->slot0 = slot0;
+  u->rows = rows;
+  u->band = band;
+  return TW_SUCCESS;
+}
+
+/* The banded copy's units of this rank (dispatch.h), into d's host staging: for each local
+ * expert e in index order (the destinations' GEMM1 order), this rank's group of e at every rank
+ * in the layout's group order (r + 1, ..., r), cut at the destination's band boundaries, then
+ * this rank's padding ranges of e. A remote group starts a whole number of bands into its expert
+ * (layout.c), so its bands are every TM rows from its send row; the local group starts where the
+ * last remote group ends, inside a band, and is cut by this rank's own layout. Also each group's
+ * first entry in send_slot (send_off, the slots in global expert order). */
+static tw_status tw__copy_units_build(tw_device_plan_t d, const struct tw_plan* plan,
+                                      const int32_t* mine) {
+  tw_context_t ctx = d->ctx;
+  const int32_t ET = ctx->problem.experts, E = ctx->local_experts, W = ctx->world;
+  const int32_t TM = ctx->tm, rank = ctx->rank;
+  int32_t off = 0;
+  for (int32_t g = 0; g < ET; g++) {
+    d->h_send_off[g] = off;
+    off += mine[g];
+  }
+  int32_t n = 0;
+  for (int32_t e = 0; e < E; e++) {
+    const int32_t r0 = plan->expert_row0[e]; /* this rank's expert e */
+    for (int32_t q = 1; q <= W; q++) {
+      const int32_t dst = (rank + q) % W, g = dst * E + e, c = mine[g];
+      const int32_t row0 = plan->send_row0[g], slot0 = d->h_send_off[g];
+      for (int32_t p = 0; p < c;) {
+        const int32_t row = row0 + p;
+        const int32_t band_row0 = dst != rank ? row : r0 + (row - r0) / TM * TM;
+        const int32_t room = band_row0 + TM - row, rows = c - p < room ? c - p : room;
+        TW_TRY(
+            tw__copy_unit_add(d, &n, dst, row, slot0 + p, rows, tw_band_counter(band_row0, e, TM)));
+        p += rows;
+      }
+    }
+    for (int32_t i = 0; i < d->h_pads[0]; i++) {
+      const int32_t row = d->h_pads[1 + 2 * i], rows = d->h_pads[2 + 2 * i];
+      if (row < r0 || row >= r0 + plan->expert_rows[e]) continue;
+      TW_TRY(tw__copy_unit_add(d, &n, rank, row, -1, rows,
+                               tw_band_counter(r0 + (row - r0) / TM * TM, e, TM)));
+    }
+  }
+  d->num_copy_units = n;
+  return TW_SUCCESS;
+}
+
 /* The count plan's device part beyond tw__device_plan_copy's: the scan's tables (slot_base,
  * send_row0) and this rank's padding ranges, after checks that keep every write in bounds:
  * this rank's rows of each expert fit the expert's rank's buffer, and its slot rows fit its own
@@ -85,7 +142,16 @@ static tw_status tw__dispatch_upload(tw_device_plan_t d, const struct tw_plan* p
   }
   d->h_pads[0] = n;
   d->uploaded = 0;
+  if (d->copy_units != NULL) TW_TRY(tw__copy_units_build(d, plan, mine));
   TW_TRY(tw__device_plan_copy(d, plan, tokens, units, stream));
+  if (d->copy_units != NULL) {
+    TW_CUDA_TRY(cudaMemcpyAsync(d->send_off, d->h_send_off, (size_t)ET * 4, cudaMemcpyHostToDevice,
+                                stream));
+    if (d->num_copy_units > 0)
+      TW_CUDA_TRY(cudaMemcpyAsync(d->copy_units, d->h_copy_units,
+                                  (size_t)d->num_copy_units * sizeof(tw_copy_unit),
+                                  cudaMemcpyHostToDevice, stream));
+  }
   /* Pageable copies: staged before they return, so the plan and h_pads may change after. */
   TW_CUDA_TRY(cudaMemcpyAsync(d->slot_base, plan->slot_base, (size_t)ET * 4, cudaMemcpyHostToDevice,
                               stream));
@@ -344,7 +410,7 @@ static tw_status tw__dispatch_run_static(tw_context_t ctx, tw_device_plan_t d, c
 tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
                            const void* topk_ids, tw_index_type id_type, const float* topk_weights,
                            int32_t tokens, void** expert_in, const tw_dispatch_options* options,
-                           const tw__dispatch_extra* extra, cudaStream_t stream) {
+                           tw__dispatch_extra* extra, cudaStream_t stream) {
   const char* who = extra != NULL && extra->who != NULL ? extra->who : "tw_moe_dispatch";
   TW_CHECK_NULL(ctx);
   TW_CHECK_NULL(d);
@@ -515,6 +581,21 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   tw_plan_t plan = NULL;
   tw_status st = tw__plan_create_from_counts(p, counts, rank, &pc, &plan);
   if (st == TW_SUCCESS) st = tw__dispatch_upload(d, plan, counts, tokens, stream);
+  /* An overlapped layer: the copy's CTAs, the model's unless given (model_copy.c), at least one
+   * below the budget (GEMM1 runs beside it). */
+  int32_t copy_ctas = 0;
+  if (st == TW_SUCCESS && extra != NULL && extra->copy_ctas != 0 && d->copy_units != NULL) {
+    copy_ctas = extra->copy_ctas;
+    if (copy_ctas < 0) {
+      int64_t sent = 0;
+      for (int32_t g = 0; g < ET; g++) sent += counts[(size_t)rank * ET + g];
+      const double flops = 4.0 * plan->rows * (double)p->hidden * p->ffn;
+      copy_ctas = tw__model_copy_ctas(&plan->hardware, flops, 2.0 * sent * p->hidden,
+                                      ctx->local_experts, budget);
+    }
+    if (copy_ctas > budget - 1) copy_ctas = budget - 1;
+    if (copy_ctas < 1) copy_ctas = 1;
+  }
   tw_plan_destroy(plan);
   int64_t worst = st;
   /* Keep this rank's message: the collective below must not overwrite it. */
@@ -539,6 +620,10 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   sa.weights_out = d->weights;
   sa.send_row = d->send_row;
   sa.err = ctx->err;
+  if (copy_ctas > 0) {
+    sa.send_off = d->send_off;
+    sa.send_slot = d->send_slot;
+  }
   TW_TRY(tw__dispatch_place_launch(&sa, budget, stream));
   tw_dispatch_copy_args cp;
   memset(&cp, 0, sizeof cp);
@@ -561,7 +646,38 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   cp.timeout_ns = timeout_ns;
   cp.done = ctx->d_done;
   cp.trace = ctx->trace;
+  if (expert_in != NULL) *expert_in = (char*)ctx->dwin.local + ctx->dlay.rows;
+  if (copy_ctas > 0) {
+    /* The banded copy on s_comm, forked after the place pass; the caller's GEMM1 runs on S beside
+     * it and tw__dispatch_finish joins. The context stays marked failed until then. */
+    cp.units = d->copy_units;
+    cp.num_units = d->num_copy_units;
+    cp.send_slot = d->send_slot;
+    TW_CUDA_TRY(cudaEventRecord(ctx->ev_copy_fork, stream));
+    TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_comm, ctx->ev_copy_fork, 0));
+    TW_TRY(tw__dispatch_copy_launch(&cp, copy_ctas, ctx->s_comm));
+    TW_CUDA_TRY(cudaEventRecord(ctx->ev_copy_join, ctx->s_comm));
+    extra->copy_ctas_used = copy_ctas;
+    d->uploaded = 1;
+    return TW_SUCCESS;
+  }
   TW_TRY(tw__dispatch_copy_launch(&cp, budget, stream));
+  return tw__dispatch_finish(ctx, d, 0, stream);
+}
+
+tw_status tw__dispatch_finish(tw_context_t ctx, tw_device_plan_t d, int joined_copy,
+                              cudaStream_t stream) {
+  if (joined_copy) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_copy_join, 0));
+  tw_dispatch_signal_args sg;
+  memset(&sg, 0, sizeof sg);
+  sg.peers = ctx->dpeers;
+  sg.lay = ctx->dlay;
+  sg.rank = ctx->rank;
+  sg.world = ctx->world;
+  sg.epochs = ctx->d_epochs;
+  sg.err = ctx->err;
+  sg.timeout_ns = (uint64_t)ctx->timeout_ms * 1000000ull;
+  sg.trace = ctx->trace;
   TW_TRY(tw__dispatch_wait_launch(&sg, stream));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));
   /* Error record to the host off the caller's path (the next call looks at it). */
@@ -572,7 +688,6 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   ctx->have_call = 1;
   ctx->failed = 0;
   d->uploaded = 1;
-  if (expert_in != NULL) *expert_in = (char*)ctx->dwin.local + ctx->dlay.rows;
   return TW_SUCCESS;
 }
 

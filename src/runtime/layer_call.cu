@@ -40,6 +40,12 @@
 extern "C" tw_status tw__layer_gemm1(tw_context_t ctx, tw_device_plan_t d, const void* expert_in,
                                      const void* w13, void* h, int32_t sm_budget,
                                      cudaStream_t stream) {
+  return tw__layer_gemm1_ex(ctx, d, expert_in, w13, h, sm_budget, 0, stream);
+}
+
+tw_status tw__layer_gemm1_ex(tw_context_t ctx, tw_device_plan_t d, const void* expert_in,
+                             const void* w13, void* h, int32_t sm_budget, int wait_bands,
+                             cudaStream_t stream) {
   TW_CHECK_NULL(ctx);
   TW_CHECK_NULL(d);
   if (!ctx->layer)
@@ -71,6 +77,12 @@ extern "C" tw_status tw__layer_gemm1(tw_context_t ctx, tw_device_plan_t d, const
   /* Eager layers only: a capturable one may be captured, and no graph may keep the buffer's
    * address. */
   g.trace = ctx->capacity > 0 ? NULL : ctx->trace;
+  if (wait_bands) {
+    g.band_arrived = (const uint32_t*)((const char*)ctx->dwin.local + ctx->dlay.band_arrive);
+    g.err = ctx->err;
+    g.timeout_ns = (uint64_t)ctx->timeout_ms * 1000000ull;
+    g.rank = ctx->rank;
+  }
   return tw__gemm1_swiglu_launch(&g, stream);
 }
 
@@ -112,6 +124,12 @@ extern "C" tw_status tw_moe_layer_ex(tw_context_t ctx, tw_device_plan_t d, const
                     (int)opt.mode);
   int32_t budget = 0;
   TW_TRY(tw__call_budget("tw_moe_layer", opt.sm_budget, ctx->sm_budget, &budget));
+  if (opt.dispatch_ctas < TW_LAYER_DISPATCH_SEQUENTIAL || opt.dispatch_ctas >= budget)
+    return tw__fail(TW_ERR_INVALID_ARGUMENT,
+                    "tw_moe_layer: dispatch_ctas %d; give TW_LAYER_DISPATCH_OVERLAP (0, the "
+                    "model's count), TW_LAYER_DISPATCH_SEQUENTIAL (-1) or 1..%d (below the call's "
+                    "sm_budget %d)",
+                    opt.dispatch_ctas, budget - 1, budget);
   if (opt.comm_ctas < 0 || opt.comm_ctas > ctx->max_comm_ctas || opt.comm_ctas >= budget)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
                     "tw_moe_layer: comm_ctas %d; must be 0 (the plan's) or 1..%d (the context's "
@@ -180,6 +198,11 @@ extern "C" tw_status tw_moe_layer_ex(tw_context_t ctx, tw_device_plan_t d, const
                  : extra.bad == TW__LAYER_UNALIGNED ? TW_ERR_ALIGNMENT
                                                     : TW_ERR_NULL_POINTER;
 
+  /* The eager mode overlaps the dispatch with GEMM1 unless told not to (the capturable one runs
+   * them in turn: its GEMM1 tiles are those with live rows, known after every arrival). */
+  if (ctx->capacity == 0 && opt.dispatch_ctas != TW_LAYER_DISPATCH_SEQUENTIAL)
+    extra.copy_ctas = opt.dispatch_ctas > 0 ? opt.dispatch_ctas : -1;
+
   TW_DEVICE_SCOPE(ctx);
   tw_dispatch_options dopt = TW_DISPATCH_OPTIONS_INIT;
   dopt.plan_config = plan_config;
@@ -187,11 +210,19 @@ extern "C" tw_status tw_moe_layer_ex(tw_context_t ctx, tw_device_plan_t d, const
   void* expert_in = NULL;
   TW_TRY(tw__dispatch_run(ctx, d, x, topk_ids, id_type, topk_weights, tokens, &expert_in, &dopt,
                           &extra, stream));
+  const int32_t copy_ctas = extra.copy_ctas_used;
+  ctx->last_launch.dispatch_ctas = copy_ctas;
 
   /* Every rank's dispatch has succeeded: from here a failure leaves the peers' combines waiting
-   * for this rank. */
-  tw_status st = tw__layer_gemm1(ctx, d, expert_in, w13, ctx->h, budget, stream);
+   * for this rank. Overlapped, GEMM1 takes the SMs the copy leaves and waits per tile for its
+   * band's rows; then the copy joins and the dispatch ends (its arrival wait passes at once). */
   const char* half = "GEMM1 + SwiGLU";
+  tw_status st =
+      tw__layer_gemm1_ex(ctx, d, expert_in, w13, ctx->h, budget - copy_ctas, copy_ctas > 0, stream);
+  if (st == TW_SUCCESS && copy_ctas > 0) {
+    half = "dispatch";
+    st = tw__dispatch_finish(ctx, d, 1, stream);
+  }
   if (st == TW_SUCCESS) {
     tw_combine_options co = TW_COMBINE_OPTIONS_INIT;
     co.mode = opt.mode;

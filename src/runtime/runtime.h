@@ -32,6 +32,8 @@ typedef struct tw__launch_record {
                             when the budget is a whole GPU of its own */
   int32_t gemm1_ctas;    /* GEMM1's grid in the last tw_moe_layer or tw__layer_gemm1 (0: no
                             tiles); set by those only, so a later combine call leaves it */
+  int32_t dispatch_ctas; /* the last tw_moe_layer's banded copy beside GEMM1 (0: the dispatch
+                            ran before GEMM1) */
 } tw__launch_record;
 
 tw_status tw__context_last_launch(tw_context_t ctx, tw__launch_record* record);

@@ -10,9 +10,11 @@
  *    first, the last and three random tokens of the rank;
  *  - the plan the call built equals tw_plan_create's from the routing (summary), and the GEMM1
  *    tile list uploaded with it equals tw__plan_gemm1_tiles of that plan;
- *  - bit equality: tw_moe_layer's out equals the three halves called one after another
- *    (tw_moe_dispatch, tw__layer_gemm1 into a buffer of the test, tw_moe_combine on it), and
- *    the context's h equals that buffer; the unfused combine mode gives the same out;
+ *  - bit equality: tw_moe_layer's out (its dispatch overlapped with GEMM1, the default) equals
+ *    the three halves called one after another (tw_moe_dispatch, tw__layer_gemm1 into a buffer
+ *    of the test, tw_moe_combine on it), and the context's h equals that buffer; the unfused
+ *    combine mode, the sequential dispatch (TW_LAYER_DISPATCH_SEQUENTIAL) and the overlapped one
+ *    on 1..3 copy CTAs give the same out;
  *  - every launch of the call keeps within the SM budget, the context's and half of it (the
  *    recorded grids of GEMM1 and the combine; the dispatch's by its own checks), and half the
  *    budget gives the same bits;
@@ -280,14 +282,16 @@ static void tw_run_layer_cfg(tw_rank_env* env, const tw_layer_cfg* cfg, int cfg_
     CHECK_OK(tw_context_check(ctx));
     tw__launch_record lr;
     CHECK_OK(tw__context_last_launch(ctx, &lr));
-    const int32_t g1_want =
-        info.sm_budget < dp->num_gemm1_tiles ? info.sm_budget : dp->num_gemm1_tiles;
+    /* Overlapped (the default): the copy beside GEMM1, both within the budget. */
+    const int32_t g1_room = info.sm_budget - lr.dispatch_ctas;
+    const int32_t g1_want = g1_room < dp->num_gemm1_tiles ? g1_room : dp->num_gemm1_tiles;
     CHECKF(lr.budget == info.sm_budget && lr.producer_ctas + lr.consumer_ctas <= lr.budget &&
-               lr.reduce_ctas <= lr.reduce_cap && lr.gemm1_ctas == g1_want,
-           "rank %d %s: launches P %d + C %d, reduction %d, GEMM1 %d (expected %d) against the "
-           "budget %d",
-           env->rank, what, lr.producer_ctas, lr.consumer_ctas, lr.reduce_ctas, lr.gemm1_ctas,
-           g1_want, lr.budget);
+               lr.reduce_ctas <= lr.reduce_cap && lr.dispatch_ctas >= 1 &&
+               lr.dispatch_ctas < lr.budget && lr.gemm1_ctas == g1_want,
+           "rank %d %s: launches P %d + C %d, reduction %d, copy %d beside GEMM1 %d (expected "
+           "%d) against the budget %d",
+           env->rank, what, lr.producer_ctas, lr.consumer_ctas, lr.reduce_ctas, lr.dispatch_ctas,
+           lr.gemm1_ctas, g1_want, lr.budget);
     if (st == TW_SUCCESS) tw_compare_layer_plan(env, dp, plan, what);
     const size_t h_elems = (size_t)plan->rows * F;
     if (h_elems > 0) CHECK_CUDA(cudaMemcpy(b.h_h, ctx_h, h_elems * 2, cudaMemcpyDeviceToHost));
@@ -334,7 +338,28 @@ static void tw_run_layer_cfg(tw_rank_env* env, const tw_layer_cfg* cfg, int cfg_
              "rank %d %s: the unfused combine mode gives other bits than the overlapped one",
              env->rank, what);
     }
-    /* (iv) half the budget (the plan made for it): the same bits, every grid within it. */
+    /* (iv) the dispatch before GEMM1 (SEQUENTIAL), or beside it on 1..3 copy CTAs (the
+     * fewest: GEMM1 waits the longest for its bands): the same bits. */
+    {
+      tw_layer_options ld = TW_LAYER_OPTIONS_INIT;
+      ld.plan_config = given ? &pc : NULL;
+      ld.dispatch_ctas = it % 2 == 0 ? TW_LAYER_DISPATCH_SEQUENTIAL : 1 + it % 3;
+      CHECK_OK(tw__fill_bf16(b.out3, n_out + 8, 0xFFFF, env->stream));
+      CHECK_OK(
+          tw_moe_layer_ex(ctx, dp, x, ids, itype, ws, nt, b.w13, b.w2, b.out3, &ld, env->stream));
+      CHECK_OK(tw_context_check(ctx));
+      CHECK_OK(tw__context_last_launch(ctx, &lr));
+      const int32_t want_copy = ld.dispatch_ctas > 0 ? ld.dispatch_ctas : 0;
+      CHECKF(lr.dispatch_ctas == want_copy, "rank %d %s: dispatch_ctas %d ran %d copy CTAs",
+             env->rank, what, ld.dispatch_ctas, lr.dispatch_ctas);
+      if (n_out > 0) {
+        CHECK_CUDA(cudaMemcpy(b.h_out2, b.out3, n_out * 2, cudaMemcpyDeviceToHost));
+        CHECKF(memcmp(b.h_out, b.h_out2, n_out * 2) == 0,
+               "rank %d %s: dispatch_ctas %d gives other bits than the default", env->rank, what,
+               ld.dispatch_ctas);
+      }
+    }
+    /* (v) half the budget (the plan made for it): the same bits, every grid within it. */
     if (!given) {
       tw_layer_options lh = TW_LAYER_OPTIONS_INIT;
       lh.sm_budget = info.sm_budget / 2;
@@ -344,7 +369,8 @@ static void tw_run_layer_cfg(tw_rank_env* env, const tw_layer_cfg* cfg, int cfg_
       CHECK_OK(tw_context_check(ctx));
       CHECK_OK(tw__context_last_launch(ctx, &lr));
       CHECKF(lr.budget == lh.sm_budget && lr.producer_ctas + lr.consumer_ctas <= lh.sm_budget &&
-                 lr.reduce_ctas <= lh.sm_budget && lr.gemm1_ctas <= lh.sm_budget &&
+                 lr.reduce_ctas <= lh.sm_budget &&
+                 lr.gemm1_ctas + lr.dispatch_ctas <= lh.sm_budget &&
                  (dp->num_gemm1_tiles == 0) == (lr.gemm1_ctas == 0),
              "rank %d %s: with sm_budget %d: P %d + C %d, reduction %d, GEMM1 %d", env->rank, what,
              lh.sm_budget, lr.producer_ctas, lr.consumer_ctas, lr.reduce_ctas, lr.gemm1_ctas);
@@ -506,6 +532,19 @@ static void test_layer_needs_its_context(tw_rank_env* env) {
   lo.mode = TW_COMBINE_GEMM_ONLY;
   void* w = NULL;
   CHECK_CUDA(cudaMalloc(&w, 256));
+  CHECK_STATUS(
+      tw_moe_layer_ex(ctx, dp, NULL, NULL, TW_INDEX_INT32, NULL, 0, w, w, NULL, &lo, env->stream),
+      TW_ERR_INVALID_ARGUMENT);
+  /* dispatch_ctas below SEQUENTIAL or leaving GEMM1 no SM: refused, naming the range. */
+  lo = TW_LAYER_OPTIONS_INIT;
+  lo.dispatch_ctas = -2;
+  CHECK_STATUS(
+      tw_moe_layer_ex(ctx, dp, NULL, NULL, TW_INDEX_INT32, NULL, 0, w, w, NULL, &lo, env->stream),
+      TW_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(tw_last_error(), "dispatch_ctas") != NULL);
+  tw_context_info ci;
+  CHECK_OK(tw_context_info_get(ctx, &ci));
+  lo.dispatch_ctas = ci.sm_budget;
   CHECK_STATUS(
       tw_moe_layer_ex(ctx, dp, NULL, NULL, TW_INDEX_INT32, NULL, 0, w, w, NULL, &lo, env->stream),
       TW_ERR_INVALID_ARGUMENT);

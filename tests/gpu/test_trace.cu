@@ -457,8 +457,8 @@ static void tw_tr_check_layer_records(tw_rank_env* env, tw_context_t ctx, tw_dev
            bad);
   }
   {
-    /* GEMM1: every tile of the list once, on CTA t mod its grid, begin before store; after every
-     * source's rows, and before GEMM2's first tile. */
+    /* GEMM1: every tile of the list once, on CTA t mod its grid, begin before store; beside the
+     * copy, before the arrival wait and GEMM2's first tile. */
     const tw_tile* g1 = NULL;
     int32_t T1 = 0;
     CHECK_OK(tw__device_plan_gemm1_tiles(dp, &g1, &T1));
@@ -483,9 +483,12 @@ static void tw_tr_check_layer_records(tw_rank_env* env, tw_context_t ctx, tw_dev
       (pub ? tp : tb)[rec[i].index] = rec[i].ns;
       if (rec[i].cta > max_cta) max_cta = rec[i].cta;
     }
-    const int grid = T1 < budget ? T1 : budget;
-    CHECKF(l.gemm1_ctas == grid, "rank %d: GEMM1 ran on %d CTAs, %d tiles on a budget of %d",
-           env->rank, l.gemm1_ctas, T1, budget);
+    /* Overlapped (the default): GEMM1 on the SMs the copy leaves. */
+    const int room = budget - l.dispatch_ctas;
+    const int grid = T1 < room ? T1 : room;
+    CHECKF(l.gemm1_ctas == grid && l.dispatch_ctas >= 1,
+           "rank %d: GEMM1 ran on %d CTAs beside %d copy CTAs, %d tiles on a budget of %d",
+           env->rank, l.gemm1_ctas, l.dispatch_ctas, T1, budget);
     int bad = 0;
     for (int32_t t = 0; cb && cp && kb && kp && tb && tp && t < T1; t++) {
       const int ok =
@@ -500,7 +503,9 @@ static void tw_tr_check_layer_records(tw_rank_env* env, tw_context_t ctx, tw_dev
            env->rank, bad, T1, foreign);
     CHECK(max_cta < grid);
     if (T1 > 0) {
-      CHECK(tw_tr_last(rec, n, TW_TRACE_RECV_ARRIVED) <= tw_tr_first(rec, n, TW_TRACE_GEMM1_BEGIN));
+      /* After the place pass (stream order); the arrival wait after GEMM1 (the join). */
+      CHECK(tw_tr_last(rec, n, TW_TRACE_SCAN_END) <= tw_tr_first(rec, n, TW_TRACE_GEMM1_BEGIN));
+      CHECK(tw_tr_last(rec, n, TW_TRACE_GEMM1_PUBLISH) <= tw_tr_first(rec, n, TW_TRACE_RECV_BEGIN));
       const uint64_t g2 = tw_tr_first(rec, n, TW_TRACE_TILE_BEGIN);
       if (g2 != UINT64_MAX) CHECK(tw_tr_last(rec, n, TW_TRACE_GEMM1_PUBLISH) <= g2);
     }
