@@ -47,6 +47,23 @@ constexpr int kScanSmemBytes = 48 * 1024;
 constexpr int kCopyThreads = 512;
 constexpr int kOffsetsThreads = 256;
 
+/* One warp's copy of a row of vpr 16-byte vectors. Each lane loads kRowBatch vectors before it
+ * stores any: with a store after each load the loads would go one at a time (the compiler does
+ * not move a load past a store that may alias it), and a warp would copy at one load latency
+ * per 512 bytes. */
+constexpr int kRowBatch = 8;
+__device__ __forceinline__ void tw__copy_row(int4* dst, const int4* src, int vpr, int lane) {
+  for (int base = lane; base < vpr; base += 32 * kRowBatch) {
+    int4 v[kRowBatch];
+#pragma unroll
+    for (int b = 0; b < kRowBatch; b++)
+      if (base + 32 * b < vpr) v[b] = __ldg(src + base + 32 * b);
+#pragma unroll
+    for (int b = 0; b < kRowBatch; b++)
+      if (base + 32 * b < vpr) dst[base + 32 * b] = v[b];
+  }
+}
+
 __device__ __forceinline__ int64_t tw__load_id(const void* ids, int id64, int64_t i) {
   return id64 ? (int64_t)__ldg(static_cast<const long long*>(ids) + i)
               : (int64_t)__ldg(static_cast<const int32_t*>(ids) + i);
@@ -196,7 +213,7 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
         if (un.slot0 >= 0) {
           const int64_t i = a.send_slot[un.slot0 + j];
           const int4* src = reinterpret_cast<const int4*>(a.x + (i / a.top_k) * (int64_t)a.hidden);
-          for (int v = lane; v < vpr; v += 32) dst[v] = __ldg(src + v);
+          tw__copy_row(dst, src, vpr, lane);
         } else {
           for (int v = lane; v < vpr; v += 32) dst[v] = make_int4(0, 0, 0, 0);
         }
@@ -219,7 +236,7 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
       const int4* src = reinterpret_cast<const int4*>(a.x + (i / a.top_k) * (int64_t)a.hidden);
       int4* dst = reinterpret_cast<int4*>(a.peers[g / a.local_experts] + a.lay.rows +
                                           (size_t)row * row_bytes);
-      for (int v = lane; v < vpr; v += 32) dst[v] = __ldg(src + v);
+      tw__copy_row(dst, src, vpr, lane);
     }
     /* The capturable mode: this rank's live rows of every group, into the expert's rank's window
      * beside the rows, so that the arrival release below covers them as it covers the rows. */
