@@ -889,21 +889,23 @@ typedef struct tw_layer_options {
   int32_t comm_ctas; /* C of the combine half, 1..max_comm_ctas; 0 = the plan's choice */
   /* SMs every kernel of the call may occupy, 2..the context's sm_budget; 0 = the context's. */
   int32_t sm_budget;
-  /* The dispatch beside GEMM1 (eager mode): TW_LAYER_DISPATCH_OVERLAP (0, default): the rows go
-   * out band by band on the model's number of CTAs and each GEMM1 tile starts once its band's
-   * rows have arrived; a positive count: that many copy CTAs (below the call's budget);
-   * TW_LAYER_DISPATCH_SEQUENTIAL: the whole dispatch, then GEMM1 on every SM of the budget. The
-   * same bits either way. The capturable mode always runs them one after the other. */
+  /* The dispatch beside GEMM1 (eager mode): a positive count: the rows go out band by band on
+   * that many CTAs (below the call's budget) while GEMM1 runs on the rest, each GEMM1 tile
+   * starting once its band's rows have arrived; TW_LAYER_DISPATCH_SEQUENTIAL: the whole
+   * dispatch on every SM of the budget, then GEMM1; TW_LAYER_DISPATCH_AUTO (0, default): the
+   * model's choice of the two and of the count (it weighs the copy's SMs, lost to GEMM1 for its
+   * whole run, against the dispatch time they hide). The same bits either way; each rank may
+   * choose differently. The capturable mode always runs them one after the other. */
   int32_t dispatch_ctas;
 } tw_layer_options;
 
-#define TW_LAYER_DISPATCH_OVERLAP 0
+#define TW_LAYER_DISPATCH_AUTO 0
 #define TW_LAYER_DISPATCH_SEQUENTIAL (-1)
 
 #define TW_LAYER_OPTIONS_INIT                                                                      \
   {                                                                                                \
     sizeof(tw_layer_options), TW_LAYER_OPTIONS_MAGIC, TW_API_VERSION, NULL, TW_COMBINE_OVERLAP, 0, \
-        0, TW_LAYER_DISPATCH_OVERLAP                                                               \
+        0, TW_LAYER_DISPATCH_AUTO                                                                  \
   }
 
 /* The whole MoE layer of one rank, eager mode, reduce dataflow. COLLECTIVE: every rank calls it,
@@ -912,7 +914,9 @@ typedef struct tw_layer_options {
  *     the all-gathered count matrix uploaded to dplan with GEMM1's tile list, every token row
  *     written into the expert-input buffer of its experts' ranks);
  *  2. GEMM1 + SwiGLU over that buffer into the context's h (rows, ffn) bf16:
- *     h = bf16(silu(x w_gate^T) * (x w_up^T)), fp32 accumulation, per local expert;
+ *     h = bf16(silu(x w_gate^T) * (x w_up^T)), fp32 accumulation, per local expert; after the
+ *     dispatch or beside it, each tile starting once its band's rows have arrived
+ *     (tw_layer_options.dispatch_ctas; the default is the model's choice);
  *  3. GEMM2 + combine + weighted reduction on h (tw_moe_combine_ex with the options' mode and C).
  * Every kernel's grid is at most the call's sm_budget.
  * [in]  dplan:        this rank's device plan (tw_device_plan_create on ctx); replaced

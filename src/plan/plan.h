@@ -294,11 +294,21 @@ int64_t tw__consumer_units(const struct tw_plan* plan, int32_t tail_bands, int32
                            int32_t unit_chunks, int32_t* seg_unit0, int32_t* seg_split0);
 int64_t tw__owner_units(int64_t bands, int32_t tail_bands, int32_t tail_parts, int32_t unit_chunks);
 
-/* The copy CTAs C of an overlapped layer's dispatch for GEMM1's FLOPs and the bytes this rank
- * sends, on a budget of P SMs (GEMM1 gets P - C): the C in 1..P/2 with the least predicted time
- * (model_copy.c has the model); 1 when P < 2 or hw is NULL. */
-int32_t tw__model_copy_ctas(const tw_hardware* hw, double gemm1_flops, double copy_bytes,
-                            int32_t local_experts, int32_t budget);
+/* What the copy CTAs of an overlapped layer's dispatch are chosen from (tw__model_copy_ctas). */
+typedef struct tw_copy_model_in {
+  double gemm1_flops;  /* this rank's GEMM1 (4 rows H F) */
+  double weight_bytes; /* its w13, read once */
+  double local_bytes;  /* rows this rank sends to its own experts */
+  double remote_bytes; /* rows it sends to the other ranks' */
+  int32_t local_experts;
+  int32_t budget;        /* P: the call's SMs; GEMM1 gets P - C */
+  int32_t ranks_per_gpu; /* 1: a GPU of its own; W: an in-process team sharing one */
+} tw_copy_model_in;
+
+/* The copy CTAs C: the C in 1..P/2 with the least predicted time, or 0 (the dispatch, then
+ * GEMM1) where no C is predicted to beat that; 0 for P < 2 or a NULL argument (model_copy.c has
+ * the model). */
+int32_t tw__model_copy_ctas(const tw_hardware* hw, const tw_copy_model_in* in);
 
 /* Hardware description (hardware.c). validate: checks header and ranges. resolve: copies `given`
  * when non-NULL (validated), else the TW_CALIBRATION file (read once per process) if set, else

@@ -251,13 +251,15 @@ typedef struct tw__dispatch_extra {
   const char* who; /* leads the messages: "tw_moe_layer" */
   int32_t status;  /* TW_SUCCESS, or this rank's refusal */
   int32_t bad;     /* what was refused (tw__layer_bad bits), for the message */
-  /* An overlapped layer (eager layer contexts): the banded copy on this many CTAs (-1: the
-   * model's choice) of the context's s_comm, forked from the caller's stream and not joined, so
-   * that the caller's GEMM1 runs beside it; the caller then calls tw__dispatch_finish(..., 1,
-   * ...). 0: the slot-order copy and the arrival wait on the caller's stream (the dispatch
-   * alone). */
+  /* A layer call (eager layer contexts): the banded copy, which raises the band counters a
+   * peer's overlapped GEMM1 waits for. copy_ctas: 0 on the caller's stream with the budget's
+   * CTAs, then the arrival wait (the dispatch before GEMM1); > 0 on that many CTAs of the
+   * context's s_comm, forked from the caller's stream and not joined, so that the caller's GEMM1
+   * runs beside it (the caller then calls tw__dispatch_finish(..., 1, ...)); -1 the model's
+   * choice of the two (model_copy.c). Without banded: the slot-order copy (the dispatch alone). */
+  int32_t banded;
   int32_t copy_ctas;
-  int32_t copy_ctas_used; /* out: the CTAs the copy ran on (0: not forked) */
+  int32_t copy_ctas_used; /* out: the CTAs the forked copy runs on (0: not forked) */
 } tw__dispatch_extra;
 
 /* tw__dispatch_extra.bad: the layer's operands a rank refused. */

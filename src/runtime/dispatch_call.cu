@@ -581,20 +581,31 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   tw_plan_t plan = NULL;
   tw_status st = tw__plan_create_from_counts(p, counts, rank, &pc, &plan);
   if (st == TW_SUCCESS) st = tw__dispatch_upload(d, plan, counts, tokens, stream);
-  /* An overlapped layer: the copy's CTAs, the model's unless given (model_copy.c), at least one
-   * below the budget (GEMM1 runs beside it). */
+  /* An overlapped layer: the copy's CTAs, given (below the budget: GEMM1 runs beside them) or
+   * the model's (model_copy.c; 0: the dispatch before GEMM1, where overlap is predicted not to
+   * pay). */
+  const int banded = extra != NULL && extra->banded && d->copy_units != NULL;
   int32_t copy_ctas = 0;
-  if (st == TW_SUCCESS && extra != NULL && extra->copy_ctas != 0 && d->copy_units != NULL) {
+  if (st == TW_SUCCESS && banded) {
     copy_ctas = extra->copy_ctas;
     if (copy_ctas < 0) {
-      int64_t sent = 0;
-      for (int32_t g = 0; g < ET; g++) sent += counts[(size_t)rank * ET + g];
-      const double flops = 4.0 * plan->rows * (double)p->hidden * p->ffn;
-      copy_ctas = tw__model_copy_ctas(&plan->hardware, flops, 2.0 * sent * p->hidden,
-                                      ctx->local_experts, budget);
+      int64_t own = 0, sent = 0; /* rows to this rank's experts, to every rank's */
+      for (int32_t g = 0; g < ET; g++) {
+        const int32_t c = counts[(size_t)rank * ET + g];
+        sent += c;
+        if (g / ctx->local_experts == rank) own += c;
+      }
+      tw_copy_model_in in;
+      in.gemm1_flops = 4.0 * plan->rows * (double)p->hidden * p->ffn;
+      in.weight_bytes = 4.0 * ctx->local_experts * (double)p->hidden * p->ffn;
+      in.local_bytes = 2.0 * p->hidden * (double)own;
+      in.remote_bytes = 2.0 * p->hidden * (double)(sent - own);
+      in.local_experts = ctx->local_experts;
+      in.budget = budget;
+      in.ranks_per_gpu = ctx->team->shared_gpu ? W : 1;
+      copy_ctas = tw__model_copy_ctas(&plan->hardware, &in);
     }
     if (copy_ctas > budget - 1) copy_ctas = budget - 1;
-    if (copy_ctas < 1) copy_ctas = 1;
   }
   tw_plan_destroy(plan);
   int64_t worst = st;
@@ -620,7 +631,7 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   sa.weights_out = d->weights;
   sa.send_row = d->send_row;
   sa.err = ctx->err;
-  if (copy_ctas > 0) {
+  if (banded) {
     sa.send_off = d->send_off;
     sa.send_slot = d->send_slot;
   }
@@ -647,12 +658,16 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   cp.done = ctx->d_done;
   cp.trace = ctx->trace;
   if (expert_in != NULL) *expert_in = (char*)ctx->dwin.local + ctx->dlay.rows;
-  if (copy_ctas > 0) {
-    /* The banded copy on s_comm, forked after the place pass; the caller's GEMM1 runs on S beside
-     * it and tw__dispatch_finish joins. The context stays marked failed until then. */
+  /* A layer's copy is always banded: a peer may overlap (its GEMM1 then waits on the band
+   * counters this rank's copy raises) whether this rank does or not. */
+  if (banded) {
     cp.units = d->copy_units;
     cp.num_units = d->num_copy_units;
     cp.send_slot = d->send_slot;
+  }
+  if (copy_ctas > 0) {
+    /* On s_comm, forked after the place pass; the caller's GEMM1 runs on S beside it and
+     * tw__dispatch_finish joins. The context stays marked failed until then. */
     TW_CUDA_TRY(cudaEventRecord(ctx->ev_copy_fork, stream));
     TW_CUDA_TRY(cudaStreamWaitEvent(ctx->s_comm, ctx->ev_copy_fork, 0));
     TW_TRY(tw__dispatch_copy_launch(&cp, copy_ctas, ctx->s_comm));

@@ -126,8 +126,8 @@ extern "C" tw_status tw_moe_layer_ex(tw_context_t ctx, tw_device_plan_t d, const
   TW_TRY(tw__call_budget("tw_moe_layer", opt.sm_budget, ctx->sm_budget, &budget));
   if (opt.dispatch_ctas < TW_LAYER_DISPATCH_SEQUENTIAL || opt.dispatch_ctas >= budget)
     return tw__fail(TW_ERR_INVALID_ARGUMENT,
-                    "tw_moe_layer: dispatch_ctas %d; give TW_LAYER_DISPATCH_OVERLAP (0, the "
-                    "model's count), TW_LAYER_DISPATCH_SEQUENTIAL (-1) or 1..%d (below the call's "
+                    "tw_moe_layer: dispatch_ctas %d; give TW_LAYER_DISPATCH_AUTO (0, the "
+                    "model's choice), TW_LAYER_DISPATCH_SEQUENTIAL (-1) or 1..%d (below the call's "
                     "sm_budget %d)",
                     opt.dispatch_ctas, budget - 1, budget);
   if (opt.comm_ctas < 0 || opt.comm_ctas > ctx->max_comm_ctas || opt.comm_ctas >= budget)
@@ -198,10 +198,15 @@ extern "C" tw_status tw_moe_layer_ex(tw_context_t ctx, tw_device_plan_t d, const
                  : extra.bad == TW__LAYER_UNALIGNED ? TW_ERR_ALIGNMENT
                                                     : TW_ERR_NULL_POINTER;
 
-  /* The eager mode overlaps the dispatch with GEMM1 unless told not to (the capturable one runs
-   * them in turn: its GEMM1 tiles are those with live rows, known after every arrival). */
-  if (ctx->capacity == 0 && opt.dispatch_ctas != TW_LAYER_DISPATCH_SEQUENTIAL)
-    extra.copy_ctas = opt.dispatch_ctas > 0 ? opt.dispatch_ctas : -1;
+  /* The eager mode overlaps the dispatch with GEMM1 where told to or where the model predicts
+   * that it pays (the capturable one runs them in turn: its GEMM1 tiles are those with live rows,
+   * known after every arrival). */
+  if (ctx->capacity == 0) {
+    extra.banded = 1;
+    extra.copy_ctas = opt.dispatch_ctas == TW_LAYER_DISPATCH_SEQUENTIAL ? 0
+                      : opt.dispatch_ctas > 0                           ? opt.dispatch_ctas
+                                                                        : -1;
+  }
 
   TW_DEVICE_SCOPE(ctx);
   tw_dispatch_options dopt = TW_DISPATCH_OPTIONS_INIT;

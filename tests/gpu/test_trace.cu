@@ -458,7 +458,7 @@ static void tw_tr_check_layer_records(tw_rank_env* env, tw_context_t ctx, tw_dev
   }
   {
     /* GEMM1: every tile of the list once, on CTA t mod its grid, begin before store; beside the
-     * copy, before the arrival wait and GEMM2's first tile. */
+     * copy or after it, before GEMM2's first tile. */
     const tw_tile* g1 = NULL;
     int32_t T1 = 0;
     CHECK_OK(tw__device_plan_gemm1_tiles(dp, &g1, &T1));
@@ -483,10 +483,10 @@ static void tw_tr_check_layer_records(tw_rank_env* env, tw_context_t ctx, tw_dev
       (pub ? tp : tb)[rec[i].index] = rec[i].ns;
       if (rec[i].cta > max_cta) max_cta = rec[i].cta;
     }
-    /* Overlapped (the default): GEMM1 on the SMs the copy leaves. */
+    /* GEMM1 on the SMs the copy leaves (every SM when the model put the dispatch before it). */
     const int room = budget - l.dispatch_ctas;
     const int grid = T1 < room ? T1 : room;
-    CHECKF(l.gemm1_ctas == grid && l.dispatch_ctas >= 1,
+    CHECKF(l.gemm1_ctas == grid && l.dispatch_ctas >= 0,
            "rank %d: GEMM1 ran on %d CTAs beside %d copy CTAs, %d tiles on a budget of %d",
            env->rank, l.gemm1_ctas, l.dispatch_ctas, T1, budget);
     int bad = 0;
@@ -503,9 +503,15 @@ static void tw_tr_check_layer_records(tw_rank_env* env, tw_context_t ctx, tw_dev
            env->rank, bad, T1, foreign);
     CHECK(max_cta < grid);
     if (T1 > 0) {
-      /* After the place pass (stream order); the arrival wait after GEMM1 (the join). */
+      /* After the place pass (stream order); beside the copy, the arrival wait after GEMM1 (the
+       * join), else GEMM1 after every source's rows. */
       CHECK(tw_tr_last(rec, n, TW_TRACE_SCAN_END) <= tw_tr_first(rec, n, TW_TRACE_GEMM1_BEGIN));
-      CHECK(tw_tr_last(rec, n, TW_TRACE_GEMM1_PUBLISH) <= tw_tr_first(rec, n, TW_TRACE_RECV_BEGIN));
+      if (l.dispatch_ctas > 0)
+        CHECK(tw_tr_last(rec, n, TW_TRACE_GEMM1_PUBLISH) <=
+              tw_tr_first(rec, n, TW_TRACE_RECV_BEGIN));
+      else
+        CHECK(tw_tr_last(rec, n, TW_TRACE_RECV_ARRIVED) <=
+              tw_tr_first(rec, n, TW_TRACE_GEMM1_BEGIN));
       const uint64_t g2 = tw_tr_first(rec, n, TW_TRACE_TILE_BEGIN);
       if (g2 != UINT64_MAX) CHECK(tw_tr_last(rec, n, TW_TRACE_GEMM1_PUBLISH) <= g2);
     }
