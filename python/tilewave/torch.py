@@ -572,7 +572,7 @@ def _out(ctx, out, T):
 # ------------------------------------------------------------------------------------------------
 
 def moe_layer(x, topk_ids, topk_weights, w13, w2, *, context, out=None, mode="overlap",
-              comm_ctas=0, sm_budget=0):
+              comm_ctas=0, sm_budget=0, dispatch_ctas=0):
     """The whole MoE layer of this rank (tw_moe_layer_ex), COLLECTIVE over the context's ranks:
     every rank calls it, in the same order, with its own tokens.
       x (T, H) bf16, topk_ids (T, k) int32 or int64 global expert ids, topk_weights (T, k) fp32,
@@ -580,13 +580,15 @@ def moe_layer(x, topk_ids, topk_weights, w13, w2, *, context, out=None, mode="ov
       the context's device; out: (T, H) bf16 to write, or None for a new tensor.
     mode: "overlap" (GEMM2 and the combine overlapped) or "unfused" (same bits); comm_ctas: the
     combine's C (0 = the model's choice); sm_budget: SMs the call may occupy (0 = the
-    context's). Runs on torch.cuda.current_stream(); blocks the host until this rank's expert
+    context's); dispatch_ctas: 0 = the model's choice of GEMM1 beside the dispatch or after it,
+    -1 = after it, N > 0 = beside it with the copy on N SMs (same bits). Runs on torch.cuda.current_stream(); blocks the host until this rank's expert
     counts are on it (eager mode). Returns out = sum_j w[t][j] * expert_j(x[t]).
     A check failed here on one rank only leaves the other ranks' call to fail after
     TW_TEAM_TIMEOUT_MS; what the library refuses (a bad expert id) fails on every rank alike."""
     _check_context(context, "moe_layer")
     ctx, p = context, context.problem
     opt = _layer_options(mode, comm_ctas, sm_budget, _CLayerOptions, _LAYER_OPTIONS_MAGIC)
+    opt.dispatch_ctas = _int32("dispatch_ctas", dispatch_ctas)
     if not ctx.layer:
         raise TilewaveError("TW_ERR_STATE", "moe_layer: the context was created with layer=False; "
                             "create it with layer=True")
