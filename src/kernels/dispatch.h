@@ -83,30 +83,6 @@ typedef struct tw_dispatch_layout {
   uint64_t bytes;       /* total */
 } tw_dispatch_layout;
 
-/* The band counter of a layout band: its first row / TM plus its local expert. Bands are TM rows
- * counted from each expert's first row and every expert's rows follow the last one's, so this
- * never repeats (expert e + 1 starts at or past the end of e's last band) and stays below
- * rows_max / TM + E + 1. A remote source's groups start a whole number of bands into the
- * expert (layout.c), so it can name the counter from its send row alone. */
-__host__ __device__ static inline int32_t tw_band_counter(int32_t band_row0, int32_t expert,
-                                                          int32_t tm) {
-  return band_row0 / tm + expert;
-}
-
-/* One unit of the banded copy (an overlapped layer): `rows` rows of one (expert, source) group
- * that land in one band of the destination, then `rows` added to that band's counter there. The
- * units of a call come in the order of the destinations' GEMM1 (local expert, then the layout's
- * group order), so that the first experts' bands are complete first. */
-typedef struct tw_copy_unit {
-  int32_t dest;  /* destination rank */
-  int32_t row0;  /* first destination row */
-  int32_t slot0; /* first entry of send_slot (the slots in group order); -1: padding rows of
-                    this rank, zero-filled */
-  int32_t rows;
-  int32_t band; /* the destination's band counter (tw_band_counter) */
-  int32_t pad_[3];
-} tw_copy_unit;
-
 typedef struct tw_dispatch_scan_args {
   const void* ids; /* (slots) expert ids, (tokens, top_k) row-major, int32 or int64 */
   int32_t id64;    /* 1: int64 ids */

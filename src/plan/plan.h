@@ -52,6 +52,51 @@ typedef struct tw_tile {
   int32_t pad_[3];
 } tw_tile;
 
+#ifdef __CUDACC__
+#define TW_HOST_DEVICE __host__ __device__
+#else
+#define TW_HOST_DEVICE
+#endif
+
+/* The band counter of a layout band: its first row / TM plus its local expert. Bands are TM rows
+ * counted from each expert's first row and every expert's rows follow the last one's, so this
+ * never repeats (expert e + 1 starts at or past the end of e's last band) and stays below
+ * rows_max / TM + E + 1. A remote source's groups start a whole number of bands into the
+ * expert (layout.c), so it can name the counter from its send row alone. */
+TW_HOST_DEVICE static inline int32_t tw_band_counter(int32_t band_row0, int32_t expert,
+                                                     int32_t tm) {
+  return band_row0 / tm + expert;
+}
+
+/* One unit of the banded copy (an overlapped layer): `rows` rows of one (expert, source) group
+ * that land in one band of the destination, then `rows` added to that band's counter there. The
+ * units of a call come in the order of the destinations' GEMM1 (local expert, then the layout's
+ * group order), so that the first experts' bands are complete first. */
+typedef struct tw_copy_unit {
+  int32_t dest;  /* destination rank */
+  int32_t row0;  /* first destination row */
+  int32_t slot0; /* first entry of send_slot (the slots in group order); -1: padding rows of
+                    this rank, zero-filled */
+  int32_t rows;
+  int32_t band; /* the destination's band counter (tw_band_counter) */
+  int32_t pad_[3];
+} tw_copy_unit;
+
+/* The banded copy's units of rank `plan->rank` (its plan from the count matrix `counts` (W,
+ * experts), tw__plan_create_from_counts) and each group's first entry in the slots' group-order
+ * list (send_off, experts), for padding ranges `pads` ((first row, rows) x npads of its own
+ * layout): for each local expert e in index order (the destinations' GEMM1 order), this rank's
+ * group of e at every rank in the layout's group order (rank + 1, ..., rank), cut at the
+ * destination's band boundaries, then its padding ranges of e. A remote group starts a whole
+ * number of bands into its expert (layout.c), so its bands are every TM rows from its send row;
+ * the local group starts where the last remote group ends, inside a band, and is cut by this
+ * rank's own layout. TW_ERR_INVALID_SIZE when more than `capacity` units (tw__copy_units_max). */
+tw_status tw__plan_copy_units(const struct tw_plan* plan, const int32_t* counts,
+                              const int32_t* pads, int32_t npads, int32_t* send_off,
+                              tw_copy_unit* units, int32_t capacity, int32_t* num_units);
+/* The most units a rank of this problem can have for tile height tm. */
+int64_t tw__copy_units_max(const tw_problem* problem, int32_t tm);
+
 /* One row band of the rank's output. */
 typedef struct tw_band {
   int32_t expert;      /* local expert */

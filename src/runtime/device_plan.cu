@@ -25,13 +25,6 @@ typedef struct tw__dplan_layout {
   size_t so, ss, cu, nso, nu;              /* the banded copy's: send_off, send_slot, units */
 } tw__dplan_layout;
 
-/* Most units of a banded copy: a group of c rows is ceil(c / TM) units, or one more where it
- * starts inside a band (the local group), plus one per padding range. */
-static size_t tw__copy_units_max(const struct tw_context* ctx) {
-  return (size_t)ctx->slots_max / ctx->tm + 2 * (size_t)ctx->problem.experts +
-         (size_t)ctx->local_experts * ctx->world + 1;
-}
-
 static tw__dplan_layout tw__dplan_layout_of(const struct tw_context* ctx) {
   tw__dplan_layout L;
   L.nt = (size_t)ctx->bands_max * ctx->col_tiles;
@@ -75,7 +68,7 @@ static tw__dplan_layout tw__dplan_layout_of(const struct tw_context* ctx) {
   /* The banded copy (eager layer contexts). */
   const int banded = ctx->layer && !cap;
   L.nso = banded ? (size_t)ctx->problem.experts : 0;
-  L.nu = banded ? tw__copy_units_max(ctx) : 0;
+  L.nu = banded ? (size_t)tw__copy_units_max(&ctx->problem, ctx->tm) : 0;
   L.so = tw__align(L.lc + (cap ? 256 : 0), 256);
   L.ss = tw__align(L.so + L.nso * 4, 256);
   L.cu = tw__align(L.ss + (banded ? L.ns * 4 : 0), 256);

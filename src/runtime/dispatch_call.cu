@@ -40,63 +40,6 @@ enum {
   kLocalExtra = -5 /* a whole-layer call's own refusal (tw__dispatch_extra) */
 };
 
-static tw_status tw__copy_unit_add(tw_device_plan_t d, int32_t* n, int32_t dest, int32_t row0,
-                                   int32_t slot0, int32_t rows, int32_t band) {
-  if (*n >= d->copy_units_max)
-    return tw__fail(TW_ERR_INTERNAL, "tw_moe_layer: more than %d copy units", d->copy_units_max);
-  tw_copy_unit* u = &d->h_copy_units[(*n)++];
-  memset(u, 0, sizeof *u);
-  u->dest = dest;
-  u->row0 = row0;
-  u->slot0 = slot0;
-  u->rows = rows;
-  u->band = band;
-  return TW_SUCCESS;
-}
-
-/* The banded copy's units of this rank (dispatch.h), into d's host staging: for each local
- * expert e in index order (the destinations' GEMM1 order), this rank's group of e at every rank
- * in the layout's group order (r + 1, ..., r), cut at the destination's band boundaries, then
- * this rank's padding ranges of e. A remote group starts a whole number of bands into its expert
- * (layout.c), so its bands are every TM rows from its send row; the local group starts where the
- * last remote group ends, inside a band, and is cut by this rank's own layout. Also each group's
- * first entry in send_slot (send_off, the slots in global expert order). */
-static tw_status tw__copy_units_build(tw_device_plan_t d, const struct tw_plan* plan,
-                                      const int32_t* mine) {
-  tw_context_t ctx = d->ctx;
-  const int32_t ET = ctx->problem.experts, E = ctx->local_experts, W = ctx->world;
-  const int32_t TM = ctx->tm, rank = ctx->rank;
-  int32_t off = 0;
-  for (int32_t g = 0; g < ET; g++) {
-    d->h_send_off[g] = off;
-    off += mine[g];
-  }
-  int32_t n = 0;
-  for (int32_t e = 0; e < E; e++) {
-    const int32_t r0 = plan->expert_row0[e]; /* this rank's expert e */
-    for (int32_t q = 1; q <= W; q++) {
-      const int32_t dst = (rank + q) % W, g = dst * E + e, c = mine[g];
-      const int32_t row0 = plan->send_row0[g], slot0 = d->h_send_off[g];
-      for (int32_t p = 0; p < c;) {
-        const int32_t row = row0 + p;
-        const int32_t band_row0 = dst != rank ? row : r0 + (row - r0) / TM * TM;
-        const int32_t room = band_row0 + TM - row, rows = c - p < room ? c - p : room;
-        TW_TRY(
-            tw__copy_unit_add(d, &n, dst, row, slot0 + p, rows, tw_band_counter(band_row0, e, TM)));
-        p += rows;
-      }
-    }
-    for (int32_t i = 0; i < d->h_pads[0]; i++) {
-      const int32_t row = d->h_pads[1 + 2 * i], rows = d->h_pads[2 + 2 * i];
-      if (row < r0 || row >= r0 + plan->expert_rows[e]) continue;
-      TW_TRY(tw__copy_unit_add(d, &n, rank, row, -1, rows,
-                               tw_band_counter(r0 + (row - r0) / TM * TM, e, TM)));
-    }
-  }
-  d->num_copy_units = n;
-  return TW_SUCCESS;
-}
-
 /* The count plan's device part beyond tw__device_plan_copy's: the scan's tables (slot_base,
  * send_row0) and this rank's padding ranges, after checks that keep every write in bounds:
  * this rank's rows of each expert fit the expert's rank's buffer, and its slot rows fit its own
@@ -142,7 +85,9 @@ static tw_status tw__dispatch_upload(tw_device_plan_t d, const struct tw_plan* p
   }
   d->h_pads[0] = n;
   d->uploaded = 0;
-  if (d->copy_units != NULL) TW_TRY(tw__copy_units_build(d, plan, mine));
+  if (d->copy_units != NULL)
+    TW_TRY(tw__plan_copy_units(plan, counts, d->h_pads + 1, n, d->h_send_off, d->h_copy_units,
+                               d->copy_units_max, &d->num_copy_units));
   TW_TRY(tw__device_plan_copy(d, plan, tokens, units, stream));
   if (d->copy_units != NULL) {
     TW_CUDA_TRY(cudaMemcpyAsync(d->send_off, d->h_send_off, (size_t)ET * 4, cudaMemcpyHostToDevice,
