@@ -81,4 +81,52 @@ static inline tw_routing_t tw_test_random_routing(const tw_problem* p, const int
   return rt;
 }
 
+/* Uniform in [lo, hi]. */
+static inline int32_t tw_test_rnd_in(uint64_t* s, int32_t lo, int32_t hi) {
+  return lo + (int32_t)(tw_test_rng_next(s) % (uint64_t)(hi - lo + 1));
+}
+
+/* Per-rank token counts of the kinds the planner must take: full, 0, 1, odd or any, drawn per
+ * rank. */
+static inline void tw_test_token_kinds(uint64_t* s, int32_t W, int32_t max_tokens,
+                                       int32_t* tokens) {
+  for (int32_t r = 0; r < W; r++) {
+    const int32_t kind = tw_test_rnd_in(s, 0, 4);
+    tokens[r] = kind == 0   ? max_tokens
+                : kind == 1 ? 0
+                : kind == 2 ? 1
+                : kind == 3 ? (tw_test_rnd_in(s, 0, max_tokens) | 1)
+                            : tw_test_rnd_in(s, 0, max_tokens);
+    if (tokens[r] > max_tokens) tokens[r] = max_tokens;
+  }
+}
+
+/* tw_routing_generate's routing for `router` (every rank max_tokens) cut to `tokens` per rank;
+ * NULL on failure. */
+static inline tw_routing_t tw_test_router_routing(const tw_problem* p, tw_router router,
+                                                  const int32_t* tokens, uint64_t seed) {
+  tw_routing_t full = NULL, rt = NULL;
+  if (tw_routing_generate(p, router, 0.0, p->max_tokens, seed, &full) != TW_SUCCESS) return NULL;
+  const int32_t* ids[TW_MAX_RANKS];
+  const float* ws[TW_MAX_RANKS];
+  for (int32_t r = 0; r < p->world_size; r++) tw_routing_rank(full, r, NULL, &ids[r], &ws[r]);
+  tw_routing_create(p, tokens, ids, ws, &rt);
+  tw_routing_destroy(full);
+  return rt;
+}
+
+/* The count matrix (W, experts) of a routing: how many of rank o's slots name expert g
+ * (calloc'd; free it). */
+static inline int32_t* tw_test_count_matrix(const tw_problem* p, tw_routing_t rt) {
+  const int32_t W = p->world_size, ET = p->experts, K = p->top_k;
+  int32_t* c = (int32_t*)calloc((size_t)W * ET, sizeof *c);
+  for (int32_t o = 0; c != NULL && o < W; o++) {
+    int32_t n = 0;
+    const int32_t* ids = NULL;
+    tw_routing_rank(rt, o, &n, &ids, NULL);
+    for (int64_t i = 0; i < (int64_t)n * K; i++) c[(size_t)o * ET + ids[i]]++;
+  }
+  return c;
+}
+
 #endif /* TW_TEST_RANDOM_H */

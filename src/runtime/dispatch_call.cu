@@ -40,6 +40,21 @@ enum {
   kLocalExtra = -5 /* a whole-layer call's own refusal (tw__dispatch_extra) */
 };
 
+/* The credit and wait kernels' arguments (dispatch.h) of this context. */
+static tw_dispatch_signal_args tw__signal_args(tw_context_t ctx, tw_trace* trace) {
+  tw_dispatch_signal_args sg;
+  memset(&sg, 0, sizeof sg);
+  sg.peers = ctx->dpeers;
+  sg.lay = ctx->dlay;
+  sg.rank = ctx->rank;
+  sg.world = ctx->world;
+  sg.epochs = ctx->d_epochs;
+  sg.err = ctx->err;
+  sg.timeout_ns = (uint64_t)ctx->timeout_ms * 1000000ull;
+  sg.trace = trace;
+  return sg;
+}
+
 /* The count plan's device part beyond tw__device_plan_copy's: the scan's tables (slot_base,
  * send_row0) and this rank's padding ranges, after checks that keep every write in bounds:
  * this rank's rows of each expert fit the expert's rank's buffer, and its slot rows fit its own
@@ -258,15 +273,8 @@ static tw_status tw__dispatch_run_static(tw_context_t ctx, tw_device_plan_t d, c
    * here a failure leaves the ranks' counters out of step. */
   if (ctx->have_call && !capturing) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_call_done, 0));
   if (!capturing) ctx->failed = ctx->failed_enqueue = 1;
-  tw_dispatch_signal_args sg;
-  memset(&sg, 0, sizeof sg);
-  sg.peers = ctx->dpeers;
-  sg.lay = ctx->dlay;
-  sg.rank = rank;
-  sg.world = ctx->world;
-  sg.epochs = ctx->d_epochs;
-  sg.err = ctx->err;
-  sg.timeout_ns = timeout_ns;
+  /* No trace: a captured graph may not keep the buffer's address. */
+  const tw_dispatch_signal_args sg = tw__signal_args(ctx, NULL);
   TW_TRY(tw__dispatch_credit_launch(&sg, stream));
 
   /* Count and place on the device; a bad id or weight or an overflow fails the context's record
@@ -443,16 +451,8 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
    * until the refusals below, which every rank takes alike. */
   if (ctx->have_call) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_call_done, 0));
   ctx->failed = 1;
-  tw_dispatch_signal_args sg;
-  memset(&sg, 0, sizeof sg);
-  sg.peers = ctx->dpeers;
-  sg.lay = ctx->dlay;
-  sg.rank = rank;
-  sg.world = W;
-  sg.epochs = ctx->d_epochs;
-  sg.err = ctx->err;
-  sg.timeout_ns = timeout_ns;
-  sg.trace = ctx->trace; /* an eager call (the dispatch is never captured) */
+  /* An eager call (never captured): traced when the context traces. */
+  const tw_dispatch_signal_args sg = tw__signal_args(ctx, ctx->trace);
   TW_TRY(tw__dispatch_credit_launch(&sg, stream));
 
   /* Count pass and offsets, then the counts and the record to the host. */
@@ -628,16 +628,7 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
 tw_status tw__dispatch_finish(tw_context_t ctx, tw_device_plan_t d, int joined_copy,
                               cudaStream_t stream) {
   if (joined_copy) TW_CUDA_TRY(cudaStreamWaitEvent(stream, ctx->ev_copy_join, 0));
-  tw_dispatch_signal_args sg;
-  memset(&sg, 0, sizeof sg);
-  sg.peers = ctx->dpeers;
-  sg.lay = ctx->dlay;
-  sg.rank = ctx->rank;
-  sg.world = ctx->world;
-  sg.epochs = ctx->d_epochs;
-  sg.err = ctx->err;
-  sg.timeout_ns = (uint64_t)ctx->timeout_ms * 1000000ull;
-  sg.trace = ctx->trace;
+  const tw_dispatch_signal_args sg = tw__signal_args(ctx, ctx->trace);
   TW_TRY(tw__dispatch_wait_launch(&sg, stream));
   TW_CUDA_TRY(cudaEventRecord(ctx->ev_call_done, stream));
   /* Error record to the host off the caller's path (the next call looks at it). */

@@ -27,19 +27,7 @@
 static uint64_t g_rng;
 
 static int32_t rnd_in(int32_t lo, int32_t hi) { /* [lo, hi] */
-  return lo + (int32_t)(tw_test_rng_next(&g_rng) % (uint64_t)(hi - lo + 1));
-}
-
-static int32_t* counts_of(const tw_problem* p, tw_routing_t rt) {
-  const int32_t W = p->world_size, ET = p->experts, K = p->top_k;
-  int32_t* c = calloc((size_t)W * ET, sizeof *c);
-  for (int32_t o = 0; o < W; o++) {
-    int32_t n = 0;
-    const int32_t* ids = NULL;
-    tw_routing_rank(rt, o, &n, &ids, NULL);
-    for (int64_t i = 0; i < (int64_t)n * K; i++) c[(size_t)o * ET + ids[i]]++;
-  }
-  return c;
+  return tw_test_rnd_in(&g_rng, lo, hi);
 }
 
 /* The padding ranges of a rank's own layout, as the dispatch's upload finds them: the rows past
@@ -187,26 +175,12 @@ static void test_units_cover_every_row_once(void) {
     p.tile_m = rnd_in(0, 1) ? 64 : 128;
     if (tw_problem_validate(&p) != TW_SUCCESS) continue;
     int32_t tokens[TW_MAX_RANKS];
-    for (int32_t r = 0; r < W; r++) {
-      const int32_t kind = rnd_in(0, 4);
-      tokens[r] = kind == 0   ? p.max_tokens
-                  : kind == 1 ? 0
-                  : kind == 2 ? 1
-                  : kind == 3 ? (rnd_in(0, p.max_tokens) | 1)
-                              : rnd_in(0, p.max_tokens);
-      if (tokens[r] > p.max_tokens) tokens[r] = p.max_tokens;
-    }
-    tw_routing_t full = NULL, rt = NULL;
-    CHECK_OK(tw_routing_generate(&p, (tw_router)rnd_in(0, 2), 0.0, p.max_tokens,
-                                 tw_test_seed + (uint64_t)it, &full));
-    if (full == NULL) continue;
-    const int32_t* ids[TW_MAX_RANKS];
-    const float* ws[TW_MAX_RANKS];
-    for (int32_t r = 0; r < W; r++) tw_routing_rank(full, r, NULL, &ids[r], &ws[r]);
-    CHECK_OK(tw_routing_create(&p, tokens, ids, ws, &rt));
-    tw_routing_destroy(full);
+    tw_test_token_kinds(&g_rng, W, p.max_tokens, tokens);
+    tw_routing_t rt =
+        tw_test_router_routing(&p, (tw_router)rnd_in(0, 2), tokens, tw_test_seed + (uint64_t)it);
+    CHECKF(rt != NULL, "iteration %d: no routing: %s", it, tw_last_error());
     if (rt == NULL) continue;
-    int32_t* counts = counts_of(&p, rt);
+    int32_t* counts = tw_test_count_matrix(&p, rt);
     char what[96];
     snprintf(what, sizeof what, "iteration %d (W %d, E %d, k %d, tm %d)", it, W, p.experts, p.top_k,
              p.tile_m);
@@ -243,8 +217,5 @@ static void test_refusals(void) {
   tw_plan_destroy(pl);
 }
 
-int main(void) {
-  static const tw_test_case cases[] = {TW_TEST(test_units_cover_every_row_once),
-                                       TW_TEST(test_refusals)};
-  return tw_test_run(cases, (int)(sizeof cases / sizeof cases[0]));
-}
+TW_TEST_MAIN(TW_TEST(tw_test_seed_setup), TW_TEST(test_units_cover_every_row_once),
+             TW_TEST(test_refusals))

@@ -21,20 +21,7 @@
 static uint64_t g_rng;
 
 static int32_t rnd_in(int32_t lo, int32_t hi) { /* [lo, hi] */
-  return lo + (int32_t)(tw_test_rng_next(&g_rng) % (uint64_t)(hi - lo + 1));
-}
-
-/* counts (W, E_total) of a routing. */
-static int32_t* counts_of(const tw_problem* p, tw_routing_t rt) {
-  const int32_t W = p->world_size, ET = p->experts, K = p->top_k;
-  int32_t* c = calloc((size_t)W * ET, sizeof *c);
-  for (int32_t o = 0; o < W; o++) {
-    int32_t n = 0;
-    const int32_t* ids = NULL;
-    tw_routing_rank(rt, o, &n, &ids, NULL);
-    for (int64_t i = 0; i < (int64_t)n * K; i++) c[(size_t)o * ET + ids[i]]++;
-  }
-  return c;
+  return tw_test_rnd_in(&g_rng, lo, hi);
 }
 
 static int same_bands(const tw_band* a, const tw_band* b, int32_t n) {
@@ -144,18 +131,6 @@ static void check_token_rules(const tw_problem* p, tw_routing_t rt, tw_plan_t* p
 }
 
 /* A routing of tokens[r] tokens per rank cut from a generated one. */
-static tw_routing_t make_routing(const tw_problem* p, tw_router router, const int32_t* tokens,
-                                 uint64_t seed) {
-  tw_routing_t full = NULL, rt = NULL;
-  if (tw_routing_generate(p, router, 0.0, p->max_tokens, seed, &full) != TW_SUCCESS) return NULL;
-  const int32_t* ids[TW_MAX_RANKS];
-  const float* ws[TW_MAX_RANKS];
-  for (int32_t r = 0; r < p->world_size; r++) tw_routing_rank(full, r, NULL, &ids[r], &ws[r]);
-  tw_routing_create(p, tokens, ids, ws, &rt);
-  tw_routing_destroy(full);
-  return rt;
-}
-
 static void test_counts_plan_equals_routing_plan(void) {
   g_rng = tw_test_seed ^ 0xc0ffee;
   static const int32_t kTn[] = {0, 64, 128, 256};
@@ -177,20 +152,12 @@ static void test_counts_plan_equals_routing_plan(void) {
     if (tw_problem_validate(&p) != TW_SUCCESS) continue;
     /* Token counts: full, 0, 1, odd, random. */
     int32_t tokens[TW_MAX_RANKS];
-    for (int32_t r = 0; r < W; r++) {
-      const int32_t kind = rnd_in(0, 4);
-      tokens[r] = kind == 0   ? max_tokens
-                  : kind == 1 ? 0
-                  : kind == 2 ? 1
-                  : kind == 3 ? (rnd_in(0, max_tokens) | 1)
-                              : rnd_in(0, max_tokens);
-      if (tokens[r] > max_tokens) tokens[r] = max_tokens;
-    }
+    tw_test_token_kinds(&g_rng, W, max_tokens, tokens);
     const tw_router router = (tw_router)rnd_in(0, 2);
-    tw_routing_t rt = make_routing(&p, router, tokens, tw_test_seed + (uint64_t)it);
+    tw_routing_t rt = tw_test_router_routing(&p, router, tokens, tw_test_seed + (uint64_t)it);
     CHECKF(rt != NULL, "iteration %d: no routing: %s", it, tw_last_error());
     if (rt == NULL) continue;
-    int32_t* counts = counts_of(&p, rt);
+    int32_t* counts = tw_test_count_matrix(&p, rt);
     /* Configs: the model's choice, a fixed schedule, a given partition, a budget, the add
      * dataflow where it runs. */
     tw_plan_config cfg = TW_PLAN_CONFIG_INIT;
