@@ -39,7 +39,9 @@ panel in L2) at 16 and 32 against the default 8; GEMM2's 128-wide tiles against 
 gpt-oss's 2880); 64-row bands (64-row tiles) where the experts average at most 128 rows; for
 GEMM1, "ours plain": GEMM2's kernel on the same rows and w13 (N = 2F, no activation; checked
 through the SwiGLU kernel, timed without it), which tells GEMM1's main loop from its epilogue
-against DeepGEMM's GEMM alone.
+against DeepGEMM's GEMM alone; and the SwiGLU instance's lab levers (TW_GEMM1_LEVER_*,
+src/kernels/kernels.h): 3 stages, one TMA box for a stage's gate and up rows, silu through
+tanh.approx, and all three.
 
 Needs torch with a Hopper GPU, libtw_gemm_peer.so and libtilewave.so (the build directory,
 --build), and DeepGEMM on PYTHONPATH (bench/gemm_peers.sh builds it; without it, or with
@@ -140,6 +142,7 @@ class Ours:
         lib.twpeer_gemm1_create.argtypes = [vp, vp, vp, i64, i32, i32, i32, p32, p32, i32, i32,
                                             i32, i32, ctypes.POINTER(vp)]
         lib.twpeer_launch.argtypes = [vp, vp]
+        lib.twpeer_set_levers.argtypes = [vp, i32]
         lib.twpeer_info.argtypes = [vp, p32, p32, p32, p32]
         lib.twpeer_destroy.argtypes = [vp]
         lib.twpeer_destroy.restype = None
@@ -304,6 +307,11 @@ def run_point(pt, args, env):
                 handles["ours tn128"] = make_ours(tn=128)
             if M <= 128 * E:  # short groups: a 128-row band would be half padding or more
                 handles["ours tm64"] = make_ours(tm=64)
+            if gemm == 1:  # the SwiGLU instance's lab levers (dev/gemm/NOTES.md v21)
+                for name, lv in (("3 stages", 1), ("one box", 2), ("tanh", 4), ("all three", 7)):
+                    h = make_ours()
+                    ours.check(ours.lib.twpeer_set_levers(h, lv), "twpeer_set_levers")
+                    handles["ours " + name] = h
         plain = gu_ours = h_ours = None
         if args.ab and gemm == 1:
             # GEMM1's main loop without SwiGLU: GEMM2's kernel on the same rows and w13 as one

@@ -236,6 +236,18 @@ TWPEER_API int twpeer_launch(void* handle, void* stream) {
   return p->kind == kGemm2 ? tw__gemm_launch(&p->g2, s) : tw__gemm1_swiglu_launch(&p->g1, s);
 }
 
+/* GEMM1's lab levers (kernels.h, TW_GEMM1_LEVER_*; 0: none) for the handle's later launches;
+ * the launch refuses a set it has no instance of. GEMM2 handles refuse any. */
+TWPEER_API int twpeer_set_levers(void* handle, int32_t levers) {
+  tw__clear_error();
+  TW_CHECK_NULL(handle);
+  Peer* p = static_cast<Peer*>(handle);
+  if (p->kind != kGemm1 && levers != 0)
+    return tw__fail(TW_ERR_UNSUPPORTED, "twpeer_set_levers: levers are GEMM1's");
+  p->g1.levers = levers;
+  return TW_SUCCESS;
+}
+
 /* The handle's tile count, tile shape and tile group (any output may be NULL). */
 TWPEER_API int twpeer_info(const void* handle, int32_t* num_tiles, int32_t* tm, int32_t* tn,
                            int32_t* tile_group) {

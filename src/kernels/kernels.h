@@ -76,7 +76,17 @@ typedef struct tw_gemm_args {
   const uint32_t* band_arrived;
   struct tw_dev_error* err; /* sync.cuh */
   uint64_t timeout_ns;
+  int32_t levers; /* lab levers of GEMM1 + SwiGLU (TW_GEMM1_LEVER_*; 0: none) */
 } tw_gemm_args;
+
+/* Lab levers of GEMM1 + SwiGLU's 128 x 128 kernel (variant 5 only; dev/gemm/NOTES.md v21), one
+ * at a time or all three, for A/Bs against the default: 3 pipeline stages instead of 4; the gate
+ * and up rows of a stage as one TMA box of a 3D view of w13 instead of two; silu through
+ * tanh.approx (not bit-equal; the other two are). */
+#define TW_GEMM1_LEVER_STAGES3 1
+#define TW_GEMM1_LEVER_ONE_BOX 2
+#define TW_GEMM1_LEVER_TANH 4
+#define TW_GEMM1_LEVER_ALL 7
 
 /* The GEMM a producer launch computes: C (rows, n) = A (rows, k) x B_e^T per expert, over tiles
  * of tm x tn. For GEMM2 k = ffn, n = hidden, experts = the rank's local experts. */
@@ -153,7 +163,8 @@ typedef struct tw_gemm1_args {
   const uint32_t* band_arrived;
   struct tw_dev_error* err; /* sync.cuh */
   uint64_t timeout_ns;
-  int32_t rank; /* recorded with a timeout */
+  int32_t rank;   /* recorded with a timeout */
+  int32_t levers; /* lab levers (TW_GEMM1_LEVER_*; 0: none) */
 } tw_gemm1_args;
 
 /* Sets *g from the operands and the shape (zeroing the rest: grid 0, variant 0, trace NULL).

@@ -391,6 +391,16 @@ __device__ __forceinline__ void tw__tma_load_2d(void* dst, const CUtensorMap* ma
       : "memory");
 }
 
+/* 3D TMA load of one box at (x, y, z) (TW_GEMM1_LEVER_ONE_BOX's gate and up rows). */
+__device__ __forceinline__ void tw__tma_load_3d(void* dst, const CUtensorMap* map, uint64_t* bar,
+                                                int32_t x, int32_t y, int32_t z) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5}], [%2];" ::"r"(tw__smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(tw__smem_u32(bar)), "r"(x), "r"(y), "r"(z)
+      : "memory");
+}
+
 /* 2D TMA tensor store of one box from shared memory to (x = column, y = row) of the tensor
  * (async proxy, tracked by this thread's bulk groups); the tensor's bounds clip it. */
 __device__ __forceinline__ void tw__tma_store_2d(const CUtensorMap* map, const void* src, int32_t x,
@@ -488,7 +498,7 @@ __device__ __forceinline__ void tw__consumer_bar() {
   asm volatile("bar.sync 1, 256;" ::: "memory");
 }
 
-template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
+template <int BM, int BN, int STAGES, bool SWIGLU, int EPI, int LV = 0>
 __global__ void __launch_bounds__(384, 1)
     tw_gemm_v2_kernel(const __grid_constant__ CUtensorMap map_a,
                       const __grid_constant__ CUtensorMap map_b,
@@ -643,6 +653,8 @@ __global__ void __launch_bounds__(384, 1)
               tw__tma_load_2d(sb + (2 * q + 1) * kHalf * 128, &map_b, &full[stage], kb * 64,
                               brow + args.n + q * kHalf);
             }
+          } else if (SWIGLU && (LV & TW_GEMM1_LEVER_ONE_BOX)) {
+            tw__tma_load_3d(sb, &map_b, &full[stage], kb * 64, tile.col0, 2 * tile.expert);
           } else if (SWIGLU) {
             tw__tma_load_2d(sb, &map_b, &full[stage], kb * 64, brow);
             tw__tma_load_2d(sb + BN * 128, &map_b, &full[stage], kb * 64, brow + args.n);
@@ -738,8 +750,13 @@ __global__ void __launch_bounds__(384, 1)
           const int col = lc0 + j * 8;
           float v0 = acc[j * 4 + h * 2], v1 = acc[j * 4 + h * 2 + 1];
           if (SWIGLU) { /* the up value of the same element sits kOutChunks chunks later */
-            v0 = tw__swiglu(v0, acc[(j + kOutChunks) * 4 + h * 2]);
-            v1 = tw__swiglu(v1, acc[(j + kOutChunks) * 4 + h * 2 + 1]);
+            if (LV & TW_GEMM1_LEVER_TANH) {
+              v0 = tw__swiglu_tanh(v0, acc[(j + kOutChunks) * 4 + h * 2]);
+              v1 = tw__swiglu_tanh(v1, acc[(j + kOutChunks) * 4 + h * 2 + 1]);
+            } else {
+              v0 = tw__swiglu(v0, acc[(j + kOutChunks) * 4 + h * 2]);
+              v1 = tw__swiglu(v1, acc[(j + kOutChunks) * 4 + h * 2 + 1]);
+            }
           }
           v0 *= w; /* the add dataflow's gate weight, before the one rounding to bf16 */
           v1 *= w;
@@ -851,16 +868,40 @@ tw_status tw__make_map(CUtensorMap* map, const void* base, int64_t rows, int64_t
   return TW_SUCCESS;
 }
 
+/* w13 (experts, 2 ffn, k) as a 3D tensor (k, ffn, 2 experts): index z = 2 e + {0 gate, 1 up}, so
+ * that one box (64, box_rows, 2) holds a column tile's gate rows, then its up rows, in the
+ * layout of the two 2D boxes (TW_GEMM1_LEVER_ONE_BOX); a box past ffn is clipped inside its half
+ * (zero-filled) instead of reading the up rows. */
+tw_status tw__make_map_gate_up(CUtensorMap* map, const void* base, int64_t experts, int64_t ffn,
+                               int64_t k, int box_rows) {
+  tw__encode_tiled_fn encode = NULL;
+  TW_TRY(tw__get_encode_fn(&encode));
+  const cuuint64_t dims[3] = {(cuuint64_t)k, (cuuint64_t)ffn, (cuuint64_t)(2 * experts)};
+  const cuuint64_t strides[2] = {(cuuint64_t)k * 2, (cuuint64_t)(ffn * k * 2)};
+  const cuuint32_t box[3] = {64, (cuuint32_t)box_rows, 2};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  CUresult r =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
+             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return tw__fail(TW_ERR_CUDA,
+                    "tw__gemm_launch: cuTensorMapEncodeTiled failed (%d) for w13 as (%lld, %lld, "
+                    "%lld)",
+                    (int)r, (long long)k, (long long)ffn, (long long)(2 * experts));
+  return TW_SUCCESS;
+}
+
 /* The opt-in shared memory size of a v2 kernel is a per-device function attribute: set once per
  * device. */
-template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
+template <int BM, int BN, int STAGES, bool SWIGLU, int EPI, int LV = 0>
 tw_status tw__v2_enable_smem() {
   using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI>;
   static bool attr_set[64];
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e == cudaSuccess && (dev >= 64 || !attr_set[dev])) {
-    e = cudaFuncSetAttribute(tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, EPI>,
+    e = cudaFuncSetAttribute(tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, EPI, LV>,
                              cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg::kSmemBytes);
     if (e == cudaSuccess && dev < 64) attr_set[dev] = true;
   }
@@ -870,16 +911,20 @@ tw_status tw__v2_enable_smem() {
   return TW_SUCCESS;
 }
 
-template <int BM, int BN, int STAGES, bool SWIGLU, int EPI>
+template <int BM, int BN, int STAGES, bool SWIGLU, int EPI, int LV = 0>
 tw_status tw__launch_v2(const tw_gemm_args* args, int grid, cudaStream_t stream) {
   using Cfg = V2Config<BM, BN, STAGES, SWIGLU, EPI>;
-  auto kernel = tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, EPI>;
-  TW_TRY((tw__v2_enable_smem<BM, BN, STAGES, SWIGLU, EPI>()));
+  auto kernel = tw_gemm_v2_kernel<BM, BN, STAGES, SWIGLU, EPI, LV>;
+  TW_TRY((tw__v2_enable_smem<BM, BN, STAGES, SWIGLU, EPI, LV>()));
   CUtensorMap map_a, map_b;
   const int64_t n_b = SWIGLU ? 2 * (int64_t)args->n : args->n;
   TW_TRY(tw__make_map(&map_a, args->a, args->rows, args->k, BM));
-  /* B boxes are BN rows; SwiGLU loads the gate rows and the up rows as two boxes per stage. */
-  TW_TRY(tw__make_map(&map_b, args->b, (int64_t)args->experts * n_b, args->k, Cfg::kBBoxRows));
+  /* B boxes are BN rows; SwiGLU loads the gate rows and the up rows as two boxes per stage, or
+   * (TW_GEMM1_LEVER_ONE_BOX) as one box of a 3D view. */
+  if (LV & TW_GEMM1_LEVER_ONE_BOX)
+    TW_TRY(tw__make_map_gate_up(&map_b, args->b, args->experts, args->n, args->k, BN));
+  else
+    TW_TRY(tw__make_map(&map_b, args->b, (int64_t)args->experts * n_b, args->k, Cfg::kBBoxRows));
   /* kEpiTma: C as (rows, n) in boxes of 64 columns x BM rows, 128-byte swizzle (the staging
    * tile's layout); the other epilogues do not read it. */
   CUtensorMap map_c = map_a;
@@ -1049,6 +1094,30 @@ extern "C" tw_status tw__gemm_launch(const tw_gemm_args* args, cudaStream_t stre
                     "tw__gemm_launch: zeroing by the producer needs the wgmma kernels (variant "
                     "2..5, got %d), a 16-byte aligned buffer and a non-negative count",
                     variant);
+  if (args->levers != 0) {
+    /* The lab levers of GEMM1 + SwiGLU's 128 x 128 kernel (kernels.h), each instance on its own. */
+    if (!swiglu || args->tm != 128 || variant != 5 || adds || args->zero != NULL)
+      return tw__fail(TW_ERR_UNSUPPORTED,
+                      "tw__gemm_launch: levers 0x%x are GEMM1 + SwiGLU's at tm 128, variant 5, "
+                      "without the add dataflow or zeroing",
+                      (unsigned)args->levers);
+    switch (args->levers) {
+      case TW_GEMM1_LEVER_STAGES3:
+        return tw__launch_v2<128, 128, 3, true, kEpiTma, TW_GEMM1_LEVER_STAGES3>(args, grid,
+                                                                                 stream);
+      case TW_GEMM1_LEVER_ONE_BOX:
+        return tw__launch_v2<128, 128, 4, true, kEpiTma, TW_GEMM1_LEVER_ONE_BOX>(args, grid,
+                                                                                 stream);
+      case TW_GEMM1_LEVER_TANH:
+        return tw__launch_v2<128, 128, 4, true, kEpiTma, TW_GEMM1_LEVER_TANH>(args, grid, stream);
+      case TW_GEMM1_LEVER_ALL:
+        return tw__launch_v2<128, 128, 3, true, kEpiTma, TW_GEMM1_LEVER_ALL>(args, grid, stream);
+      default:
+        return tw__fail(TW_ERR_UNSUPPORTED,
+                        "tw__gemm_launch: levers 0x%x; give one of 0x1, 0x2, 0x4 or all (0x7)",
+                        (unsigned)args->levers);
+    }
+  }
   if (variant >= 2 && variant <= 5) {
     if (!v2_ok)
       return tw__fail(TW_ERR_UNSUPPORTED,
@@ -1172,6 +1241,7 @@ extern "C" tw_status tw__gemm1_swiglu_launch(const tw_gemm1_args* args, cudaStre
   g.trace = args->trace;
   if (args->band_arrived != NULL && args->err == NULL)
     return tw__fail(TW_ERR_NULL_POINTER, "%s: band_arrived without an error record", who);
+  g.levers = args->levers;
   g.band_arrived = args->band_arrived;
   g.err = args->err;
   g.timeout_ns = args->timeout_ns;

@@ -10,7 +10,9 @@
  * ones. And bit for bit: the wgmma variants 3..5 against 2 (one mainloop, one epilogue
  * expression), and all of them against the unfused path through the same kernel family, the fp32
  * GEMM with N = 2F (tw__gemm_f32_launch) followed by the SwiGLU kernel (harness/swiglu.cu), which
- * share the fused epilogue's arithmetic (src/kernels/swiglu.cuh).
+ * share the fused epilogue's arithmetic (src/kernels/swiglu.cuh). The lab levers of the 128 x 128
+ * kernel (TW_GEMM1_LEVER_*): 3 stages and the one-box stage bit for bit against variant 2,
+ * tanh.approx's silu against the reference; unknown lever sets refused.
  * Inputs are fresh seeded random bf16 values in [-1, 1).
  */
 #include <cublas_v2.h>
@@ -407,6 +409,29 @@ void run_and_check(const Problem& p, Device& d, const Reference& ref,
       printf("  checked %s: %lld elements%s\n", what, (long long)elems,
              variant != 1 && have_unfused ? ", and against the unfused path" : "");
     }
+  /* The lab levers of the 128 x 128 SwiGLU kernel (variant 5): 3 stages and the one-box stage
+   * give variant 2's bits (the same sums in the same order); silu through tanh.approx, alone or
+   * with both, is checked against the reference only. */
+  if (p.tm != 128) return;
+  static const int kLevers[] = {TW_GEMM1_LEVER_STAGES3, TW_GEMM1_LEVER_ONE_BOX, TW_GEMM1_LEVER_TANH,
+                                TW_GEMM1_LEVER_ALL};
+  for (int lv : kLevers) {
+    char what[256];
+    snprintf(what, sizeof what, "v5 levers 0x%x %s grid=%d", lv, p.what.c_str(), grids[0]);
+    CHECK_OK(tw__fill_bf16(d.h, elems, kPoison, 0));
+    tw_gemm1_args g = make_args(p, d, grids[0], 5);
+    g.levers = lv;
+    CHECK_OK(tw__gemm1_swiglu_launch(&g, 0));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    CHECK_CUDA(cudaMemcpy(out.data(), d.h, elems * 2, cudaMemcpyDeviceToHost));
+    const int64_t bad = check_output(p, out, ref, what);
+    CHECKF(bad == 0, "%s: %lld wrong elements", what, (long long)bad);
+    if (!(lv & TW_GEMM1_LEVER_TANH)) {
+      const int64_t diff = count_diff(p, out, v2, what, "variant 2");
+      CHECKF(diff == 0, "%s: %lld elements differ from variant 2", what, (long long)diff);
+    }
+    printf("  checked %s: %lld elements\n", what, (long long)elems);
+  }
 }
 
 std::vector<int> random_m(int experts, int lo, int hi) {
@@ -535,6 +560,12 @@ void test_validation(void) {
   x = g;
   x.variant = 6;
   CHECK_STATUS(tw__gemm1_swiglu_launch(&x, 0), TW_ERR_INVALID_ARGUMENT);
+  x = g; /* a lever set without an instance, or levers beside another variant */
+  x.levers = TW_GEMM1_LEVER_STAGES3 | TW_GEMM1_LEVER_TANH;
+  CHECK_STATUS(tw__gemm1_swiglu_launch(&x, 0), TW_ERR_UNSUPPORTED);
+  x.levers = TW_GEMM1_LEVER_TANH;
+  x.variant = 4;
+  CHECK_STATUS(tw__gemm1_swiglu_launch(&x, 0), TW_ERR_UNSUPPORTED);
   x = g;
   x.grid = -1;
   CHECK_STATUS(tw__gemm1_swiglu_launch(&x, 0), TW_ERR_INVALID_ARGUMENT);
