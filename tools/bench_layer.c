@@ -4,7 +4,10 @@
  * its own tokens, timed against the sequential layer of harness/seq_layer.h on the same inputs.
  *
  * bench layer, per point (a model or shape, tokens per rank, a router):
- *   ours         tw_moe_layer (dispatch, GEMM1 + SwiGLU, GEMM2 + combine, weighted sum)
+ *   ours         tw_moe_layer (dispatch, GEMM1 + SwiGLU, GEMM2 + combine, weighted sum), and
+ *                beside it the same with the dispatch before GEMM1 (TW_LAYER_DISPATCH_SEQUENTIAL)
+ *                and, with --capacity, the capturable layer (a second context with that
+ *                dispatch capacity; the same bits required)
  *   sequential   permute + copy all-to-all (one GPU) + cuBLAS GEMM1 + SwiGLU + cuBLAS GEMM2 +
  *                copy all-to-all + weighted sum, the GEMMs per (source, expert) group in a loop
  *                and grouped (cublasGemmGroupedBatchedEx); the table shows the faster form
@@ -53,9 +56,14 @@ enum {
   TWL_GEMM2,
   TWL_DISPATCH,
   TWL_COMBINE,
-  TWL_OURS_SEQ /* tw_moe_layer with TW_LAYER_DISPATCH_SEQUENTIAL */
+  TWL_OURS_SEQ, /* tw_moe_layer with TW_LAYER_DISPATCH_SEQUENTIAL */
+  TWL_OURS_CAPT /* tw_moe_layer on a context with a dispatch capacity (--capacity) */
 };
-enum { TWL_NLAYER = 8, TWL_NDISPATCH = 2 }; /* bench dispatch: TWL_OURS and TWL_SEQ_LOOP */
+enum {
+  TWL_NPOLICIES = 9,
+  TWL_NLAYER = 8,
+  TWL_NDISPATCH = 2
+}; /* bench dispatch: TWL_OURS, _SEQ_LOOP */
 
 typedef struct twl_opts {
   int dispatch; /* 1: bench dispatch */
@@ -65,6 +73,7 @@ typedef struct twl_opts {
   tw_cli_router router; /* router.router -1: the command's default */
   int world, iters, warmup, delay_us, sm_budget;
   int dispatch_ctas; /* tw_layer_options.dispatch_ctas of "ours" (0: the model's) */
+  int capacity;      /* bench layer: > 0 also times a capturable context of this capacity */
   double tol;
   int64_t seed;
 } twl_opts;
@@ -74,9 +83,10 @@ typedef struct twl_rank {
   const twl_opts* o;
   const twb_point* pt;
   /* out: the same on every rank after the team's maxima and sums */
-  double us[TWL_NLAYER];
-  double err[3];    /* layer: the loop's and the grouped form's difference to ours (max), and
-                       ours with the dispatch before GEMM1 (must be 0: the same bits) */
+  double us[TWL_NPOLICIES];
+  double err[4];    /* layer: the loop's and the grouped form's difference to ours (max), and
+                       ours with the dispatch before GEMM1 and the capturable context's (must be
+                       0: the same bits) */
   int64_t wrong[2]; /* dispatch: wrong rows of ours and of the sequential one (sums) */
   int64_t ours_bytes, seq_bytes; /* device memory of one rank (max over ranks) */
   int copy_ctas;                 /* ours' copy CTAs beside GEMM1 (rank 0's last call) */
@@ -91,6 +101,8 @@ typedef struct twl_state {
   tw_context_t ctx;
   tw_context_info info;
   tw_device_plan_t dp;
+  tw_context_t ctx_capt; /* --capacity: the capturable context and its (static) device plan */
+  tw_device_plan_t dp_capt;
   tw_routing_t rt;
   tw__seq_layer_t seq;
   tw_plan_config pc;
@@ -195,6 +207,12 @@ static tw_status twl_setup(twl_state* t, const twl_opts* o, const twb_point* pt,
   TWL_TRY(tw_context_create_on_team(&t->p, job->team, job->rank, &cc, &t->ctx));
   TWL_TRY(tw_context_info_get(t->ctx, &t->info));
   TWL_TRY(tw_device_plan_create(t->ctx, &t->dp));
+  if (layer && o->capacity > 0) {
+    tw_context_config cc2 = cc;
+    cc2.dispatch_capacity = o->capacity;
+    TWL_TRY(tw_context_create_on_team(&t->p, job->team, job->rank, &cc2, &t->ctx_capt));
+    TWL_TRY(tw_device_plan_create(t->ctx_capt, &t->dp_capt));
+  }
   TWL_TRY(twl_routing(&t->p, pt, (uint64_t)o->seed, &t->rt));
   /* The plan config both calls plan with, so that bench dispatch's expected layout (the host
    * plan of the same routing) is the one the dispatch builds. */
@@ -237,6 +255,8 @@ static void twl_free(twl_state* t) {
   tw_routing_destroy(t->rt);
   tw_device_plan_destroy(t->dp);
   tw_context_destroy(t->ctx); /* collective */
+  tw_device_plan_destroy(t->dp_capt);
+  tw_context_destroy(t->ctx_capt); /* collective; NULL without --capacity */
   void* dev[] = {t->x,   t->w13, t->w2,      t->out[0], t->out[1], t->out[2], t->out[3],
                  t->ids, t->gw,  t->scratch, t->wrong,  t->src[0], t->src[1], t->x_ranks};
   for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++) cudaFree(dev[i]);
@@ -270,6 +290,9 @@ static tw_status twl_enqueue(twl_state* t, int dispatch_bench, int pol, int out)
       return tw_moe_layer_ex(t->ctx, t->dp, t->x, t->ids, TW_INDEX_INT32, t->gw, T, t->w13, t->w2,
                              t->out[out], &lo, t->s);
     }
+    case TWL_OURS_CAPT: /* the static plan: no per-call config */
+      return tw_moe_layer_ex(t->ctx_capt, t->dp_capt, t->x, t->ids, TW_INDEX_INT32, t->gw, T,
+                             t->w13, t->w2, t->out[out], NULL, t->s);
     case TWL_SEQ_LOOP:
     case TWL_SEQ_GROUPED:
       if (dispatch_bench) return tw__seq_dispatch(t->seq, t->x, t->ids, T, t->s);
@@ -298,6 +321,7 @@ static tw_status twl_run(twl_state* t, int dispatch_bench, int pol, int out, cud
     return tw__fail(TW_ERR_CUDA, "bench layer: cudaEventRecord failed");
   const int on_context = pol == TWL_OURS || pol == TWL_OURS_SEQ || pol == TWL_GEMM2 ||
                          pol == TWL_COMBINE || pol == TWL_DISPATCH;
+  if (pol == TWL_OURS_CAPT) return tw_context_check(t->ctx_capt);
   return on_context ? tw_context_check(t->ctx) : TW_SUCCESS;
 }
 
@@ -337,6 +361,15 @@ static tw_status twl_check_layer(twl_state* t, double* err) {
   TW_TRY(twl_err(t, 2, &e2));
   TW_TRY(twl_err(t, 3, &e3));
   if (e3 > err[2] || !(e3 == e3)) err[2] = e3;
+  if (t->ctx_capt != NULL) { /* the same bits as the eager layer (test_capture's rule) */
+    TW_TRY(tw__fill_bf16(t->out[3], n, TWB_POISON, t->s));
+    TW_TRY(twl_run(t, 0, TWL_OURS_CAPT, 3, NULL));
+    if (cudaStreamSynchronize(t->s) != cudaSuccess)
+      return tw__fail(TW_ERR_CUDA, "bench layer: the stream failed");
+    double e4 = 0;
+    TW_TRY(twl_err(t, 3, &e4));
+    if (e4 > err[3] || !(e4 == e4)) err[3] = e4;
+  }
   if (e1 > err[0] || !(e1 == e1)) err[0] = e1;
   if (e2 > err[1] || !(e2 == e2)) err[1] = e2;
   return TW_SUCCESS;
@@ -521,10 +554,11 @@ static void* twl_rank_main(void* arg) {
     TWL_TRY(twl_time(&t, o, pols, TWL_NDISPATCH, r->us));
     TWL_TRY(twl_check_dispatch(&t, r->wrong));
   } else {
-    static const int pols[TWL_NLAYER] = {TWL_OURS,  TWL_SEQ_LOOP, TWL_SEQ_GROUPED, TWL_GEMM1,
-                                         TWL_GEMM2, TWL_DISPATCH, TWL_COMBINE,     TWL_OURS_SEQ};
+    static const int pols[TWL_NPOLICIES] = {TWL_OURS,    TWL_SEQ_LOOP, TWL_SEQ_GROUPED,
+                                            TWL_GEMM1,   TWL_GEMM2,    TWL_DISPATCH,
+                                            TWL_COMBINE, TWL_OURS_SEQ, TWL_OURS_CAPT};
     TWL_TRY(twl_check_layer(&t, r->err));
-    TWL_TRY(twl_time(&t, o, pols, TWL_NLAYER, r->us));
+    TWL_TRY(twl_time(&t, o, pols, t.ctx_capt != NULL ? TWL_NPOLICIES : TWL_NLAYER, r->us));
     TWL_TRY(twl_check_layer(&t, r->err)); /* after timing as well */
     r->copy_ctas = t.copy_ctas;
   }
@@ -557,13 +591,12 @@ static void twl_header(const twl_opts* o) {
   } else {
     printf(
         "| model | ranks | tokens/rank | router | ours us | sequential us (form) | speedup | "
-        "ours, dispatch then GEMM1 us | overlap gain (copy CTAs) | GEMM1 us (TF/s) | GEMM2 us "
-        "(TF/s) | dispatch us (GB/s) | combine us (GB/s) | ideal us | eff | ours MiB/rank | seq "
-        "MiB/rank | err |\n");
-    printf(
-        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| "
-        "---: | ---: | ---: | ---: | ---: |\n");
+        "ours, dispatch then GEMM1 us | overlap gain (copy CTAs) | capturable us (/ ours) | GEMM1 "
+        "us (TF/s) | GEMM2 us (TF/s) | dispatch us (GB/s) | combine us (GB/s) | ideal us | eff | "
+        "ours MiB/rank | seq MiB/rank | err |\n");
+    printf("|");
+    for (int c = 0; c < 19; c++) printf(c == 0 || c == 3 ? " --- |" : " ---: |");
+    printf("\n");
   }
   fflush(stdout);
 }
@@ -591,13 +624,16 @@ static int twl_row(const twl_opts* o, const twb_point* pt, const twl_rank* r0) {
   const double gemms = u[TWL_GEMM1] + u[TWL_GEMM2], comm = u[TWL_DISPATCH] + u[TWL_COMBINE];
   const double ideal = gemms > comm ? gemms : comm;
   const double err = r0->err[0] > r0->err[1] ? r0->err[0] : r0->err[1];
-  const int bad = !(err <= o->tol) || r0->err[2] != 0.0;
+  const int bad = !(err <= o->tol) || r0->err[2] != 0.0 || r0->err[3] != 0.0;
+  char capt[48] = "-";
+  if (u[TWL_OURS_CAPT] > 0)
+    snprintf(capt, sizeof capt, "%.1f (%.3fx)", u[TWL_OURS_CAPT], u[TWL_OURS_CAPT] / u[TWL_OURS]);
   printf(
-      "| %s | %d | %d | %s | %.1f | %.1f (%s) | %.2fx | %.1f | %.3fx (%d) | %.1f (%.0f) | %.1f "
-      "(%.0f) | %.1f (%.0f) | %.1f (%.0f) | %.1f | %.3f | %.0f | %.0f | %.1e%s |\n",
+      "| %s | %d | %d | %s | %.1f | %.1f (%s) | %.2fx | %.1f | %.3fx (%d) | %s | %.1f (%.0f) | "
+      "%.1f (%.0f) | %.1f (%.0f) | %.1f (%.0f) | %.1f | %.3f | %.0f | %.0f | %.1e%s |\n",
       pt->name, o->world, pt->tokens, tw__cli_router_name(pt->router), u[TWL_OURS], seq,
       grouped ? "grouped" : "loop", seq / u[TWL_OURS], u[TWL_OURS_SEQ],
-      u[TWL_OURS_SEQ] / u[TWL_OURS], r0->copy_ctas, u[TWL_GEMM1], f1 / u[TWL_GEMM1] * 1e-6,
+      u[TWL_OURS_SEQ] / u[TWL_OURS], r0->copy_ctas, capt, u[TWL_GEMM1], f1 / u[TWL_GEMM1] * 1e-6,
       u[TWL_GEMM2], f2 / u[TWL_GEMM2] * 1e-6, u[TWL_DISPATCH], bytes / u[TWL_DISPATCH] * 1e-3,
       u[TWL_COMBINE], bytes / u[TWL_COMBINE] * 1e-3, ideal, ideal / u[TWL_OURS],
       (double)r0->ours_bytes / 1048576.0, (double)r0->seq_bytes / 1048576.0, err,
@@ -717,6 +753,9 @@ static void twl_usage(FILE* f, void* ctx) {
           "  --sm-budget B       SMs each rank's calls may occupy (default the GPU's SMs / W)\n"
           "  --dispatch-ctas N   bench layer: ours' copy CTAs beside GEMM1 (default 0: the\n"
           "                      model's; -1: the dispatch before GEMM1)\n"
+          "  --capacity N        bench layer: also the capturable layer (a context with\n"
+          "                      dispatch_capacity N rows per expert and source), its bits\n"
+          "                      checked against ours (default 0: not run)\n"
           "  --iters N           timed rounds (default 20)\n"
           "  --warmup N          untimed rounds (default 3)\n"
           "  --delay-us U        device delay before each sample (default 300)\n"
@@ -743,6 +782,7 @@ static int twl_main(int argc, char** argv, int dispatch) {
       tw__cli_int("--in-process", &o.world, 1, 8),
       tw__cli_int("--sm-budget", &o.sm_budget, 2, 100000),
       tw__cli_int("--dispatch-ctas", &o.dispatch_ctas, -1, 100000),
+      tw__cli_int("--capacity", &o.capacity, 0, 1 << 24),
       tw__cli_iters(&o.iters),
       tw__cli_warmup(&o.warmup),
       tw__cli_delay_us(&o.delay_us),
