@@ -107,6 +107,13 @@ tw_status tw__report(tw_context_t ctx, const tw_dev_error* e, const char* how) {
                     "0..%u, after its count pass had accepted every id; a bug (or topk_ids "
                     "changed during the call). Call tw_context_reset() before the next call",
                     how, e->rank, e->seen, e->index, e->target - 1);
+  if (e->where == TW_WAIT_BAND_ROWS)
+    return tw__fail(s,
+                    "%s: rank %d: GEMM1 waited %d ms for band counter %d: %u of its %u rows "
+                    "arrived. A source rank's dispatch did not send them (it did not take part, "
+                    "failed, or planned from other counts), or the timeout (TW_TIMEOUT_MS) is too "
+                    "short. Call tw_context_reset() on every rank before the next call",
+                    how, e->rank, ctx->timeout_ms, e->index, e->seen, e->target);
   if (e->where == TW_CHECK_TAGS)
     return tw__fail(s,
                     "%s: rank %d: %s: (token, slot) %d: row arrived %u times per column tile's "
