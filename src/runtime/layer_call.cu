@@ -3,21 +3,28 @@
  * dataflow: the dispatch, GEMM1 + SwiGLU, then GEMM2 + combine, all on the caller's stream S.
  *
  *   S: dispatch (dispatch_call.cu: counts -> host plan from the all-gathered counts, uploaded with
- *      GEMM1's tile list -> rows into the experts' ranks' buffers -> wait for every source's rows)
+ *      GEMM1's tile list and the banded copy's units -> the copy, band by band, into the experts'
+ *      ranks' buffers -> wait for every source's rows)
  *      -> GEMM1 + SwiGLU (budget CTAs, over the buffer into the context's h)
  *      -> tw_moe_combine_ex on h (producer, consumer, reduction: combine_call.cu)
+ * or, with the dispatch beside GEMM1 (tw_layer_options.dispatch_ctas, or the model's choice):
+ *   S: ... place pass -> fork -> GEMM1 on budget - C CTAs, each tile waiting for its band's rows
+ *      -> join -> the arrival wait (passes at once) -> tw_moe_combine_ex on h
+ *   s_comm: the copy on C CTAs
  *
  * Ordering: GEMM1 follows the dispatch's wait kernel in stream order, so it reads every row of
  * the buffer after the arrivals were acquired (a kernel boundary also orders those generic-proxy
- * stores before GEMM1's TMA loads). The combine's call-done event comes after GEMM1 on S, and the
+ * stores before GEMM1's TMA loads); beside the copy, each tile's producer thread acquires its
+ * band's counter and fences the async proxy instead (sm90_gemm.cu). The combine's call-done event comes after GEMM1 on S, and the
  * next dispatch raises its credit (peers may overwrite the buffer) only after that event: no peer
  * writes into the buffer while GEMM1 reads it. h is written by GEMM1 and read by GEMM2 of the same
  * call; the next call's GEMM1 starts after this call's combine (the context orders its calls).
  *
  * SM budget: every kernel keeps within the call's budget: the dispatch's (its own checks), GEMM1's
- * grid (at most budget CTAs, one per SM), the combine's (P + C <= budget; C < budget holds
- * because the plan is made for this budget). GEMM1 waits for nothing, so on an in-process team
- * it ends wherever it runs.
+ * grid (at most budget CTAs, one per SM; budget - C beside the copy's C), the combine's (P + C <=
+ * budget; C < budget holds because the plan is made for this budget). Beside the copy GEMM1
+ * waits for the sources' copies, which wait for nothing but the destinations' credits (raised
+ * before any GEMM1 of this call) and run on SMs the budgets leave them.
  *
  * The capturable mode (a context with a dispatch capacity): the dispatch is dispatch_call.cu's
  * static one (no host read, no collective), GEMM1 and GEMM2 run the tiles with live rows its mask
