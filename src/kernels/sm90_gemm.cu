@@ -847,25 +847,33 @@ tw_status tw__get_encode_fn(tw__encode_tiled_fn* fn) {
   return TW_SUCCESS;
 }
 
-/* A 2D bf16 tensor map over a row-major (rows, k) matrix with a (64, box_rows) box in 128B
- * swizzle; reads outside the matrix fill zeros. */
-tw_status tw__make_map(CUtensorMap* map, const void* base, int64_t rows, int64_t k, int box_rows) {
+/* A bf16 tensor map of `rank` dimensions (innermost first; strides in bytes for dimensions 1..)
+ * in 128B swizzle, reads outside the tensor zero-filled. */
+tw_status tw__encode_map(CUtensorMap* map, const void* base, cuuint32_t rank,
+                         const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box) {
   tw__encode_tiled_fn encode = NULL;
   TW_TRY(tw__get_encode_fn(&encode));
-  const cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)rows};
-  const cuuint64_t strides[1] = {(cuuint64_t)k * 2}; /* bytes between rows */
-  const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  CUresult r =
-      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult r =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, rank, const_cast<void*>(base), dims, strides,
+             box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     return tw__fail(TW_ERR_CUDA,
-                    "tw__gemm_launch: cuTensorMapEncodeTiled failed (%d) for a (%lld, %lld) "
-                    "matrix with %d-row boxes",
-                    (int)r, (long long)rows, (long long)k, box_rows);
+                    "tw__gemm_launch: cuTensorMapEncodeTiled failed (%d) for a %uD tensor (%llu, "
+                    "%llu%s) with a (%u, %u) box",
+                    (int)r, (unsigned)rank, (unsigned long long)dims[0],
+                    (unsigned long long)dims[1], rank > 2 ? ", ..." : "", (unsigned)box[0],
+                    (unsigned)box[1]);
   return TW_SUCCESS;
+}
+
+/* A 2D map over a row-major (rows, k) matrix with a (64, box_rows) box. */
+tw_status tw__make_map(CUtensorMap* map, const void* base, int64_t rows, int64_t k, int box_rows) {
+  const cuuint64_t dims[2] = {(cuuint64_t)k, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)k * 2}; /* bytes between rows */
+  const cuuint32_t box[2] = {64, (cuuint32_t)box_rows};
+  return tw__encode_map(map, base, 2, dims, strides, box);
 }
 
 /* w13 (experts, 2 ffn, k) as a 3D tensor (k, ffn, 2 experts): index z = 2 e + {0 gate, 1 up}, so
@@ -874,22 +882,10 @@ tw_status tw__make_map(CUtensorMap* map, const void* base, int64_t rows, int64_t
  * (zero-filled) instead of reading the up rows. */
 tw_status tw__make_map_gate_up(CUtensorMap* map, const void* base, int64_t experts, int64_t ffn,
                                int64_t k, int box_rows) {
-  tw__encode_tiled_fn encode = NULL;
-  TW_TRY(tw__get_encode_fn(&encode));
   const cuuint64_t dims[3] = {(cuuint64_t)k, (cuuint64_t)ffn, (cuuint64_t)(2 * experts)};
   const cuuint64_t strides[2] = {(cuuint64_t)k * 2, (cuuint64_t)(ffn * k * 2)};
   const cuuint32_t box[3] = {64, (cuuint32_t)box_rows, 2};
-  const cuuint32_t elem_strides[3] = {1, 1, 1};
-  CUresult r =
-      encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base), dims, strides, box,
-             elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return tw__fail(TW_ERR_CUDA,
-                    "tw__gemm_launch: cuTensorMapEncodeTiled failed (%d) for w13 as (%lld, %lld, "
-                    "%lld)",
-                    (int)r, (long long)k, (long long)ffn, (long long)(2 * experts));
-  return TW_SUCCESS;
+  return tw__encode_map(map, base, 3, dims, strides, box);
 }
 
 /* The opt-in shared memory size of a v2 kernel is a per-device function attribute: set once per
