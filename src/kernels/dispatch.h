@@ -145,6 +145,7 @@ typedef struct tw_dispatch_copy_args {
   const tw_copy_unit* units;
   int32_t num_units;
   const int32_t* send_slot; /* (slots) the place pass's */
+  int32_t skip_unit;        /* a test's fault: this unit is neither copied nor announced (-1) */
   tw_trace* trace; /* device trace buffer (trace.h): each CTA's begin, credit wait and stores,
                       the arrivals' release; NULL = off */
 } tw_dispatch_copy_args;

@@ -1117,7 +1117,7 @@ extern "C" tw_status tw__context_last_launch(tw_context_t ctx, tw__launch_record
 
 extern "C" tw_status tw__context_inject_fault(tw_context_t ctx, int kind, int index) {
   TW_CHECK_NULL(ctx);
-  if (kind < TW_FAULT_NONE || kind > TW_FAULT_BAND_STUCK || index < 0)
+  if (kind < TW_FAULT_NONE || kind > TW_FAULT_DROP_COPY_UNIT || index < 0)
     return tw__fail(TW_ERR_INVALID_ARGUMENT, "tw__context_inject_fault: kind %d, index %d", kind,
                     index);
   ctx->fault = kind;

@@ -605,10 +605,15 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   if (expert_in != NULL) *expert_in = (char*)ctx->dwin.local + ctx->dlay.rows;
   /* A layer's copy is always banded: a peer may overlap (its GEMM1 then waits on the band
    * counters this rank's copy raises) whether this rank does or not. */
+  cp.skip_unit = -1;
   if (banded) {
     cp.units = d->copy_units;
     cp.num_units = d->num_copy_units;
     cp.send_slot = d->send_slot;
+    if (ctx->fault == TW_FAULT_DROP_COPY_UNIT) {
+      cp.skip_unit = ctx->fault_index;
+      ctx->fault = TW_FAULT_NONE;
+    }
   }
   if (copy_ctas > 0) {
     /* On s_comm, forked after the place pass; the caller's GEMM1 runs on S beside it and

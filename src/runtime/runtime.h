@@ -14,12 +14,15 @@
 extern "C" {
 #endif
 
-/* Test hooks: faults the consumer injects on purpose (one call only). */
+/* Test hooks: faults injected on purpose (one call only). */
 typedef enum tw_fault {
   TW_FAULT_NONE = 0,
-  TW_FAULT_SKIP_UNIT = 1, /* unit `index` is neither written nor announced: its owner times out */
-  TW_FAULT_BAND_STUCK = 2 /* unit `index` waits for one more tile than its bands will ever get,
-                             as if the producer had skipped a publish */
+  TW_FAULT_SKIP_UNIT = 1,  /* unit `index` is neither written nor announced: its owner times out */
+  TW_FAULT_BAND_STUCK = 2, /* unit `index` waits for one more tile than its bands will ever get,
+                              as if the producer had skipped a publish */
+  TW_FAULT_DROP_COPY_UNIT = 3 /* the next layer call's banded copy skips its unit `index` (neither
+                                 written nor announced): a GEMM1 beside the dispatch at its
+                                 destination times out on that band */
 } tw_fault;
 
 /* The grids the last call launched, against its SM budget (tests: no launch exceeds it). */

@@ -22,6 +22,8 @@
  *  - a bad topk id (int32 and int64) or a NULL w13 on one rank fails the call on every rank with
  *    TW_ERR_EXPERT_ID / TW_ERR_NULL_POINTER naming that rank, never hangs, and leaves the
  *    context usable: the next layer call is right;
+ *  - a banded-copy unit that never arrives (an injected fault) times out the destination's GEMM1
+ *    band wait, every rank reports a failure within the bound, and the context recovers by reset;
  *  - a context without layer refuses the call; bad configs and options are refused; the
  *    context's device memory (tw_context_memory_get) adds up, printed beside what a sequential
  *    layer of the same capacity needs.
@@ -489,6 +491,73 @@ static void test_bad_ids_refused(tw_rank_env* env) {
   CHECK_OK(tw_context_destroy(ctx));
 }
 
+/* A banded-copy unit that never arrives (TW_FAULT_DROP_COPY_UNIT on rank 0, every rank's GEMM1
+ * beside its dispatch): its destination's GEMM1 times out on that band within the bound, every
+ * rank's check reports a failure (the destination's names the band wait), calls are refused
+ * until the reset, and the next layer calls give the bits of the call before the fault. */
+static void test_dropped_copy_unit_times_out(tw_rank_env* env) {
+  enum { kTimeoutMs = 1500 };
+  tw_problem p = tw_rank_problem(env, 1024, 512, 8, 2, 64);
+  tw_context_t ctx = tw_layer_context(env, &p, kTimeoutMs);
+  if (ctx == NULL) return;
+  int64_t rows_max = 0;
+  CHECK_OK(tw_context_dispatch_buffer(ctx, NULL, &rows_max));
+  tw_device_plan_t dp = NULL;
+  CHECK_OK(tw_device_plan_create(ctx, &dp));
+  tw_lbuf b;
+  const int ok = tw_lbuf_alloc(&p, rows_max, &b);
+  CHECK(ok);
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = p.max_tokens;
+  tw_routing_t rt = NULL;
+  CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, tokens, 321, &rt));
+  if (ok && rt != NULL && dp != NULL) {
+    tw_fill_weights(env, &p, 91, &b);
+    tw_upload_routed_inputs(env, &p, rt, 17, 0, b.h_x, b.h_ids64, b.x, b.ids, b.w);
+    const size_t n_out = (size_t)p.max_tokens * p.hidden;
+    tw_layer_options lo = TW_LAYER_OPTIONS_INIT;
+    lo.dispatch_ctas = 2; /* beside GEMM1 on every rank: the band waits are what must catch it */
+    CHECK_OK(tw_moe_layer_ex(ctx, dp, b.x, b.ids, TW_INDEX_INT32, (const float*)b.w, p.max_tokens,
+                             b.w13, b.w2, b.out, &lo, env->stream));
+    CHECK_OK(tw_context_check(ctx));
+    CHECK_CUDA(cudaMemcpy(b.h_out, b.out, n_out * 2, cudaMemcpyDeviceToHost));
+    if (env->rank == 0) CHECK_OK(tw__context_inject_fault(ctx, TW_FAULT_DROP_COPY_UNIT, 0));
+    const double t0 = tw__now_seconds();
+    CHECK_OK(tw_moe_layer_ex(ctx, dp, b.x, b.ids, TW_INDEX_INT32, (const float*)b.w, p.max_tokens,
+                             b.w13, b.w2, b.out2, &lo, env->stream));
+    const tw_status st = tw_context_check(ctx);
+    const double waited = tw__now_seconds() - t0;
+    CHECKF(st != TW_SUCCESS, "rank %d: the dropped unit went unnoticed", env->rank);
+    /* Rank 0's unit 0 is its first expert's rows at rank 1 (W > 1) or at itself. */
+    if (env->rank == (env->nranks > 1 ? 1 : 0))
+      CHECKF(st == TW_ERR_TIMEOUT && strstr(tw_last_error(), "GEMM1 waited") != NULL,
+             "rank %d: %s (%s), expected the GEMM1 band wait's timeout", env->rank,
+             tw_status_string(st), tw_last_error());
+    CHECKF(waited < 4.0 * kTimeoutMs / 1000.0 + 2.0, "rank %d: the failure took %.2f s", env->rank,
+           waited);
+    if (env->rank == 0)
+      printf("  dropped copy unit: %s after %.2f s: %s\n", tw_status_string(st), waited,
+             tw_last_error());
+    CHECK_STATUS(tw_moe_layer_ex(ctx, dp, b.x, b.ids, TW_INDEX_INT32, (const float*)b.w,
+                                 p.max_tokens, b.w13, b.w2, b.out2, &lo, env->stream),
+                 TW_ERR_STATE);
+    CHECK_OK(tw_context_reset(ctx));
+    for (int rep = 0; rep < 2; rep++) {
+      CHECK_OK(tw__fill_bf16(b.out2, n_out + 8, 0xFFFF, env->stream));
+      CHECK_OK(tw_moe_layer_ex(ctx, dp, b.x, b.ids, TW_INDEX_INT32, (const float*)b.w, p.max_tokens,
+                               b.w13, b.w2, b.out2, &lo, env->stream));
+      CHECK_OK(tw_context_check(ctx));
+      CHECK_CUDA(cudaMemcpy(b.h_out2, b.out2, n_out * 2, cudaMemcpyDeviceToHost));
+      CHECKF(memcmp(b.h_out, b.h_out2, n_out * 2) == 0,
+             "rank %d: the layer after the reset differs from the one before the fault", env->rank);
+    }
+  }
+  tw_routing_destroy(rt);
+  tw_lbuf_free(&b);
+  CHECK_OK(tw_device_plan_destroy(dp));
+  CHECK_OK(tw_context_destroy(ctx));
+}
+
 static void test_layer_needs_its_context(tw_rank_env* env) {
   tw_problem p = tw_rank_problem(env, 1024, 512, 8, 2, 64);
   tw_context_t ctx = NULL;
@@ -579,6 +648,7 @@ static void test_layer_needs_its_context(tw_rank_env* env) {
 static const tw_rank_case kCases[] = {
     {"layer_matches_reference", test_layer_matches_reference},
     {"bad_ids_refused", test_bad_ids_refused},
+    {"dropped_copy_unit_times_out", test_dropped_copy_unit_times_out},
     {"layer_needs_its_context", test_layer_needs_its_context},
 };
 
