@@ -3,7 +3,8 @@
 # (tw_moe_layer against the sequential layer: permute + copy all-to-all + cuBLAS GEMM1 + SwiGLU +
 # cuBLAS GEMM2 + copy all-to-all + weighted sum) for deepseek-v3, qwen3-235b-a22b, gpt-oss-120b
 # and mixtral-8x22b at 1024, 4096 and 16384 tokens per rank, balanced, on one rank and on two
-# in-process ranks (plus the stress_skew router at 4096 tokens on two ranks), then
+# in-process ranks (plus the stress_skew router at 4096 tokens on two ranks; on two ranks also the
+# capturable layer, --capacity auto), then
 # `tilewave bench dispatch` (tw_moe_dispatch against permute + copy all-to-all, deepseek-v3's
 # shape, 1024..16384 tokens per rank, balanced / stress_skew / hot) on one and two ranks.
 # Every point is checked (the tool fails a point whose output or rows are wrong); the script
@@ -43,7 +44,9 @@ table() {
 models="deepseek-v3 qwen3-235b-a22b gpt-oss-120b mixtral-8x22b"
 for w in 1 2; do
   for m in $models; do
-    run "layer_w$w" layer --model "$m" --in-process "$w" --tokens 1024,4096,16384
+    # Two ranks: the capturable layer beside the eager one too (its bits checked equal).
+    cap=(); [ "$w" = 2 ] && cap=(--capacity auto)
+    run "layer_w$w" layer --model "$m" --in-process "$w" --tokens 1024,4096,16384 ${cap[@]+"${cap[@]}"}
   done
 done
 for m in deepseek-v3 qwen3-235b-a22b; do

@@ -73,7 +73,8 @@ typedef struct twl_opts {
   tw_cli_router router; /* router.router -1: the command's default */
   int world, iters, warmup, delay_us, sm_budget;
   int dispatch_ctas; /* tw_layer_options.dispatch_ctas of "ours" (0: the model's) */
-  int capacity;      /* bench layer: > 0 also times a capturable context of this capacity */
+  int capacity;      /* bench layer: > 0 also times a capturable context of this capacity; -1: the
+                        routing's largest (expert, source) group */
   double tol;
   int64_t seed;
 } twl_opts;
@@ -183,6 +184,24 @@ static tw_status twl_routing(const tw_problem* p, const twb_point* pt, uint64_t 
 
 /* ---- setup ----------------------------------------------------------------------------------- */
 
+/* The routing's largest (expert, source) group: the rows one source sends one expert (at least
+ * 1), the capacity --capacity auto asks for. */
+static int32_t twl_largest_group(const tw_problem* p, tw_routing_t rt) {
+  const int32_t W = p->world_size, ET = p->experts, K = p->top_k;
+  int32_t* c = (int32_t*)calloc((size_t)ET, sizeof *c);
+  int32_t most = 1;
+  for (int32_t o = 0; c != NULL && o < W; o++) {
+    int32_t n = 0;
+    const int32_t* ids = NULL;
+    memset(c, 0, (size_t)ET * sizeof *c);
+    if (tw_routing_rank(rt, o, &n, &ids, NULL) != TW_SUCCESS) continue;
+    for (int64_t i = 0; i < (int64_t)n * K; i++)
+      if (++c[ids[i]] > most) most = c[ids[i]];
+  }
+  free(c);
+  return most;
+}
+
 /* Everything of one rank but the sequential layer (tw__seq_layer_create, collective, follows
  * once every rank has agreed that this part worked). */
 static tw_status twl_setup(twl_state* t, const twl_opts* o, const twb_point* pt,
@@ -207,13 +226,14 @@ static tw_status twl_setup(twl_state* t, const twl_opts* o, const twb_point* pt,
   TWL_TRY(tw_context_create_on_team(&t->p, job->team, job->rank, &cc, &t->ctx));
   TWL_TRY(tw_context_info_get(t->ctx, &t->info));
   TWL_TRY(tw_device_plan_create(t->ctx, &t->dp));
-  if (layer && o->capacity > 0) {
+  TWL_TRY(twl_routing(&t->p, pt, (uint64_t)o->seed, &t->rt));
+  if (layer && o->capacity != 0) {
+    /* Every rank generates the same routing, so "auto" gives every rank the same capacity. */
     tw_context_config cc2 = cc;
-    cc2.dispatch_capacity = o->capacity;
+    cc2.dispatch_capacity = o->capacity > 0 ? o->capacity : twl_largest_group(&t->p, t->rt);
     TWL_TRY(tw_context_create_on_team(&t->p, job->team, job->rank, &cc2, &t->ctx_capt));
     TWL_TRY(tw_device_plan_create(t->ctx_capt, &t->dp_capt));
   }
-  TWL_TRY(twl_routing(&t->p, pt, (uint64_t)o->seed, &t->rt));
   /* The plan config both calls plan with, so that bench dispatch's expected layout (the host
    * plan of the same routing) is the one the dispatch builds. */
   tw_plan_config pc = TW_PLAN_CONFIG_INIT;
@@ -712,6 +732,21 @@ static const char* twl_parse_router(const char* v, void* dst) {
   return "balanced, moderate_skew, stress_skew, target:R_EXPERT (R_EXPERT >= 1) or hot";
 }
 
+static const char* twl_parse_capacity(const char* v, void* dst) {
+  int* c = (int*)dst;
+  if (v != NULL && strcmp(v, "auto") == 0) {
+    *c = -1;
+    return NULL;
+  }
+  char* end = NULL;
+  const long n = v != NULL ? strtol(v, &end, 10) : -1;
+  if (v != NULL && end != v && *end == '\0' && n >= 0 && n <= (1 << 24)) {
+    *c = (int)n;
+    return NULL;
+  }
+  return "rows per (expert, source) group, 0..16777216, or auto";
+}
+
 static void twl_usage(FILE* f, void* ctx) {
   const int dispatch = *(const int*)ctx;
   if (dispatch)
@@ -753,9 +788,10 @@ static void twl_usage(FILE* f, void* ctx) {
           "  --sm-budget B       SMs each rank's calls may occupy (default the GPU's SMs / W)\n"
           "  --dispatch-ctas N   bench layer: ours' copy CTAs beside GEMM1 (default 0: the\n"
           "                      model's; -1: the dispatch before GEMM1)\n"
-          "  --capacity N        bench layer: also the capturable layer (a context with\n"
-          "                      dispatch_capacity N rows per expert and source), its bits\n"
-          "                      checked against ours (default 0: not run)\n"
+          "  --capacity N|auto   bench layer: also the capturable layer (a context with\n"
+          "                      dispatch_capacity N rows per expert and source; auto: the\n"
+          "                      routing's largest group), its bits checked against ours\n"
+          "                      (default 0: not run)\n"
           "  --iters N           timed rounds (default 20)\n"
           "  --warmup N          untimed rounds (default 3)\n"
           "  --delay-us U        device delay before each sample (default 300)\n"
@@ -782,7 +818,7 @@ static int twl_main(int argc, char** argv, int dispatch) {
       tw__cli_int("--in-process", &o.world, 1, 8),
       tw__cli_int("--sm-budget", &o.sm_budget, 2, 100000),
       tw__cli_int("--dispatch-ctas", &o.dispatch_ctas, -1, 100000),
-      tw__cli_int("--capacity", &o.capacity, 0, 1 << 24),
+      tw__cli_custom("--capacity", &o.capacity, twl_parse_capacity),
       tw__cli_iters(&o.iters),
       tw__cli_warmup(&o.warmup),
       tw__cli_delay_us(&o.delay_us),
