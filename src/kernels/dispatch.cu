@@ -269,7 +269,7 @@ __global__ void tw_dispatch_copy_kernel(const tw_dispatch_copy_args a) {
       const int64_t wpc = blockDim.x / 32, w0 = (int64_t)blockIdx.x * wpc;
       int64_t rows = 0;
       for (int u = blockIdx.x; s_ok && a.units != nullptr && u < a.num_units; u += gridDim.x)
-        rows += a.units[u].slot0 >= 0 ? a.units[u].rows : 0; /* the banded copy: its units */
+        if (u != a.skip_unit && a.units[u].slot0 >= 0) rows += a.units[u].rows; /* its units */
       for (int64_t w = w0; s_ok && a.units == nullptr && w < w0 + wpc && w < a.slots; w++)
         rows += (a.slots - 1 - w) / warps + 1;
       tw_trace_event(a.trace, TW_TRACE_SEND_END, blockIdx.x, (uint32_t)rows);

@@ -58,9 +58,10 @@ static tw_dispatch_signal_args tw__signal_args(tw_context_t ctx, tw_trace* trace
 /* The count plan's device part beyond tw__device_plan_copy's: the scan's tables (slot_base,
  * send_row0) and this rank's padding ranges, after checks that keep every write in bounds:
  * this rank's rows of each expert fit the expert's rank's buffer, and its slot rows fit its own
- * receive and layout rows. */
+ * receive and layout rows; banded (a layer call): also the banded copy's units and send_off. */
 static tw_status tw__dispatch_upload(tw_device_plan_t d, const struct tw_plan* plan,
-                                     const int32_t* counts, int32_t tokens, cudaStream_t stream) {
+                                     const int32_t* counts, int32_t tokens, int banded,
+                                     cudaStream_t stream) {
   tw_context_t ctx = d->ctx;
   const int32_t ET = ctx->problem.experts, E = ctx->local_experts, W = ctx->world;
   int64_t units = 0;
@@ -100,11 +101,11 @@ static tw_status tw__dispatch_upload(tw_device_plan_t d, const struct tw_plan* p
   }
   d->h_pads[0] = n;
   d->uploaded = 0;
-  if (d->copy_units != NULL)
+  if (banded)
     TW_TRY(tw__plan_copy_units(plan, counts, d->h_pads + 1, n, d->h_send_off, d->h_copy_units,
                                d->copy_units_max, &d->num_copy_units));
   TW_TRY(tw__device_plan_copy(d, plan, tokens, units, stream));
-  if (d->copy_units != NULL) {
+  if (banded) {
     TW_CUDA_TRY(cudaMemcpyAsync(d->send_off, d->h_send_off, (size_t)ET * 4, cudaMemcpyHostToDevice,
                                 stream));
     if (d->num_copy_units > 0)
@@ -525,11 +526,11 @@ tw_status tw__dispatch_run(tw_context_t ctx, tw_device_plan_t d, const void* x,
   /* The plan from the count matrix, uploaded; then every rank learns whether all did it. */
   tw_plan_t plan = NULL;
   tw_status st = tw__plan_create_from_counts(p, counts, rank, &pc, &plan);
-  if (st == TW_SUCCESS) st = tw__dispatch_upload(d, plan, counts, tokens, stream);
+  const int banded = extra != NULL && extra->banded && d->copy_units != NULL;
+  if (st == TW_SUCCESS) st = tw__dispatch_upload(d, plan, counts, tokens, banded, stream);
   /* An overlapped layer: the copy's CTAs, given (below the budget: GEMM1 runs beside them) or
    * the model's (model_copy.c; 0: the dispatch before GEMM1, where overlap is predicted not to
    * pay). */
-  const int banded = extra != NULL && extra->banded && d->copy_units != NULL;
   int32_t copy_ctas = 0;
   if (st == TW_SUCCESS && banded) {
     copy_ctas = extra->copy_ctas;

@@ -431,25 +431,55 @@ static void tw_expect_layer_refusal(tw_rank_env* env, tw_context_t ctx, tw_devic
          tw_status_string(st), tw_last_error(), tw_status_string(want), culprit);
 }
 
-static void test_bad_ids_refused(tw_rank_env* env) {
-  tw_problem p = tw_rank_problem(env, 1024, 512, 8, 2, 64);
-  tw_context_t ctx = tw_layer_context(env, &p, 0);
-  if (ctx == NULL) return;
-  int64_t rows_max = 0;
-  CHECK_OK(tw_context_dispatch_buffer(ctx, NULL, &rows_max));
-  tw_device_plan_t dp = NULL;
-  CHECK_OK(tw_device_plan_create(ctx, &dp));
+/* A small layer on every rank (H 1024, F 512, 8 experts, top-2, 64 tokens, each rank full): the
+ * context, a device plan, the buffers with seeded weights, and a balanced routing. ok: all
+ * made. */
+typedef struct tw_lfix {
+  tw_problem p;
+  tw_context_t ctx;
+  tw_device_plan_t dp;
   tw_lbuf b;
-  const int ok = tw_lbuf_alloc(&p, rows_max, &b);
-  CHECK(ok);
-  if (ok) tw_fill_weights(env, &p, 77, &b);
+  tw_routing_t rt;
+  int ok;
+} tw_lfix;
+
+static void tw_lfix_open(tw_rank_env* env, tw_lfix* f, int timeout_ms, uint64_t salt,
+                         uint64_t seed) {
+  memset(f, 0, sizeof *f);
+  f->p = tw_rank_problem(env, 1024, 512, 8, 2, 64);
+  f->ctx = tw_layer_context(env, &f->p, timeout_ms);
+  if (f->ctx == NULL) return;
+  int64_t rows_max = 0;
+  CHECK_OK(tw_context_dispatch_buffer(f->ctx, NULL, &rows_max));
+  CHECK_OK(tw_device_plan_create(f->ctx, &f->dp));
+  const int bufs = tw_lbuf_alloc(&f->p, rows_max, &f->b);
+  CHECK(bufs);
+  if (bufs) tw_fill_weights(env, &f->p, salt, &f->b);
+  int32_t tokens[TW_MAX_RANKS];
+  for (int r = 0; r < env->nranks; r++) tokens[r] = f->p.max_tokens;
+  CHECK_OK(tw_make_routing(&f->p, TW_ROUTER_BALANCED, tokens, seed, &f->rt));
+  f->ok = bufs && f->dp != NULL && f->rt != NULL;
+}
+
+static void tw_lfix_close(tw_lfix* f) {
+  tw_routing_destroy(f->rt);
+  tw_lbuf_free(&f->b);
+  if (f->ctx == NULL) return;
+  CHECK_OK(tw_device_plan_destroy(f->dp));
+  CHECK_OK(tw_context_destroy(f->ctx));
+}
+
+static void test_bad_ids_refused(tw_rank_env* env) {
+  tw_lfix f;
+  tw_lfix_open(env, &f, 0, 77, 123);
+  const tw_problem& p = f.p;
+  tw_context_t ctx = f.ctx;
+  tw_device_plan_t dp = f.dp;
+  tw_lbuf& b = f.b;
+  tw_routing_t rt = f.rt;
   const int K = p.top_k, ET = p.experts, T = p.max_tokens, H = p.hidden;
   const int culprit = env->nranks - 1;
-  int32_t tokens[TW_MAX_RANKS];
-  for (int r = 0; r < env->nranks; r++) tokens[r] = T;
-  tw_routing_t rt = NULL;
-  CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, tokens, 123, &rt));
-  for (int round = 0; ok && rt != NULL && dp != NULL && round < 4; round++) {
+  for (int round = 0; f.ok && round < 4; round++) {
     const int id64 = round % 2;
     tw_upload_routed_inputs(env, &p, rt, 31, id64, b.h_x, b.h_ids64, b.x, b.ids, b.w);
     const void* w13 = b.w13;
@@ -485,10 +515,7 @@ static void test_bad_ids_refused(tw_rank_env* env) {
     CHECK_CUDA(cudaMemcpy(b.h_out, b.out, (size_t)T * H * 2, cudaMemcpyDeviceToHost));
     tw_layer_error(env, &p, rt, T, 4242, &b, "after the refusals");
   }
-  tw_routing_destroy(rt);
-  tw_lbuf_free(&b);
-  CHECK_OK(tw_device_plan_destroy(dp));
-  CHECK_OK(tw_context_destroy(ctx));
+  tw_lfix_close(&f);
 }
 
 /* A banded-copy unit that never arrives (TW_FAULT_DROP_COPY_UNIT on rank 0, every rank's GEMM1
@@ -497,22 +524,14 @@ static void test_bad_ids_refused(tw_rank_env* env) {
  * and the next layer calls give the bits of the call before the fault. */
 static void test_dropped_copy_unit_times_out(tw_rank_env* env) {
   enum { kTimeoutMs = 1500 };
-  tw_problem p = tw_rank_problem(env, 1024, 512, 8, 2, 64);
-  tw_context_t ctx = tw_layer_context(env, &p, kTimeoutMs);
-  if (ctx == NULL) return;
-  int64_t rows_max = 0;
-  CHECK_OK(tw_context_dispatch_buffer(ctx, NULL, &rows_max));
-  tw_device_plan_t dp = NULL;
-  CHECK_OK(tw_device_plan_create(ctx, &dp));
-  tw_lbuf b;
-  const int ok = tw_lbuf_alloc(&p, rows_max, &b);
-  CHECK(ok);
-  int32_t tokens[TW_MAX_RANKS];
-  for (int r = 0; r < env->nranks; r++) tokens[r] = p.max_tokens;
-  tw_routing_t rt = NULL;
-  CHECK_OK(tw_make_routing(&p, TW_ROUTER_BALANCED, tokens, 321, &rt));
-  if (ok && rt != NULL && dp != NULL) {
-    tw_fill_weights(env, &p, 91, &b);
+  tw_lfix f;
+  tw_lfix_open(env, &f, kTimeoutMs, 91, 321);
+  const tw_problem& p = f.p;
+  tw_context_t ctx = f.ctx;
+  tw_device_plan_t dp = f.dp;
+  tw_lbuf& b = f.b;
+  tw_routing_t rt = f.rt;
+  if (f.ok) {
     tw_upload_routed_inputs(env, &p, rt, 17, 0, b.h_x, b.h_ids64, b.x, b.ids, b.w);
     const size_t n_out = (size_t)p.max_tokens * p.hidden;
     tw_layer_options lo = TW_LAYER_OPTIONS_INIT;
@@ -557,10 +576,7 @@ static void test_dropped_copy_unit_times_out(tw_rank_env* env) {
              "rank %d: the layer after the reset differs from the one before the fault", env->rank);
     }
   }
-  tw_routing_destroy(rt);
-  tw_lbuf_free(&b);
-  CHECK_OK(tw_device_plan_destroy(dp));
-  CHECK_OK(tw_context_destroy(ctx));
+  tw_lfix_close(&f);
 }
 
 static void test_layer_needs_its_context(tw_rank_env* env) {
